@@ -1,0 +1,157 @@
+"""One framework-free description of the model, read by the Flax model and its PyTorch twin alike.
+
+The config is a frozen dataclass: hashable (so it can be a static argument under `jax.jit`), validated on
+construction, and round-trips through JSON. Nothing here imports jax or torch.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any, Mapping
+
+POSITIONS = ("sinusoidal", "learned")
+ACTIVATIONS = ("relu", "gelu")
+
+
+class ConfigError(ValueError):
+    """A config field has a value the model cannot use; the message names the field."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TransformerConfig:
+    # --- vocabulary -------------------------------------------------------------------------------
+    src_vocab_size: int = 32000  # source token ids are in [0, src_vocab_size)
+    tgt_vocab_size: int = 32000  # target token ids are in [0, tgt_vocab_size)
+    pad_id: int = 0  # padding id in both vocabularies; masked out of attention and of the loss
+    bos_id: int = 1  # first decoder input token
+    eos_id: int = 2  # end of sentence; decoding stops when every sequence has emitted it
+    # --- sizes (defaults: the paper's base model, Table 3) ------------------------------------------
+    d_model: int = 512  # width of every residual stream
+    num_heads: int = 8  # attention heads; d_model must be divisible by it
+    d_ff: int = 2048  # inner width of the position-wise feed-forward network
+    num_encoder_layers: int = 6
+    num_decoder_layers: int = 6
+    max_len: int = 256  # longest source or target sequence (positions table size), in tokens
+    # --- regularisation (all off in eval / deterministic mode) --------------------------------------
+    dropout: float = 0.1  # residual dropout on each sub-layer output before the residual add (paper 5.4)
+    attention_dropout: float = 0.0  # on attention probabilities (the Annotated Transformer uses 0.1)
+    activation_dropout: float = 0.0  # inside the feed-forward net, after the activation (nn.Transformer)
+    embedding_dropout: float = 0.1  # on token embedding + position encoding (paper 5.4)
+    # --- architecture switches -----------------------------------------------------------------------
+    norm_first: bool = False  # False: post-norm x = LN(x + f(x)) (paper); True: pre-norm x + f(LN(x))
+    final_norm: bool = False  # a LayerNorm after the last encoder and decoder layer (usual with pre-norm)
+    layer_norm_eps: float = 1e-5  # LayerNorm epsilon (torch's default)
+    positions: str = "sinusoidal"  # "sinusoidal" (paper 3.5, interleaved sin/cos) or "learned"
+    scale_embeddings: bool = True  # multiply token embeddings by sqrt(d_model) (paper 3.4)
+    share_embeddings: bool = False  # one embedding table for source and target (needs equal vocab sizes)
+    tie_output: bool = True  # output projection = target embedding transposed, no bias (paper 3.4)
+    activation: str = "relu"  # feed-forward activation: "relu" (paper) or "gelu" (exact, erf-based)
+    qkv_bias: bool = True  # bias on the query/key/value/output projections of attention
+
+    def __post_init__(self) -> None:
+        _validate(self)
+
+    # --- derived -----------------------------------------------------------------------------------
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.num_heads
+
+    # --- (de)serialisation -------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any], source: str = "config") -> "TransformerConfig":
+        """Builds a config from a mapping; unknown keys are an error that lists them (and `source`)."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ConfigError(f"{source}: unknown config field(s) {unknown}; known fields are {sorted(known)}")
+        return cls(**dict(values))
+
+    @classmethod
+    def from_json(cls, text: str, source: str = "config JSON") -> "TransformerConfig":
+        try:
+            values = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{source}: not valid JSON (line {e.lineno}, column {e.colno}): {e.msg}") from e
+        if not isinstance(values, dict):
+            raise ConfigError(f"{source}: expected a JSON object, got {type(values).__name__}")
+        return cls.from_dict(values, source=source)
+
+    def replace(self, **changes: Any) -> "TransformerConfig":
+        """A copy with some fields changed (validated again); unknown names are an error."""
+        return TransformerConfig.from_dict({**self.to_dict(), **changes}, source="replace()")
+
+    def diff(self, other: "TransformerConfig") -> dict[str, tuple[Any, Any]]:
+        """Fields whose values differ, as {name: (self's, other's)}."""
+        a, b = self.to_dict(), other.to_dict()
+        return {k: (a[k], b[k]) for k in a if a[k] != b[k]}
+
+
+_INT_FIELDS = ("src_vocab_size", "tgt_vocab_size", "pad_id", "bos_id", "eos_id", "d_model", "num_heads", "d_ff",
+               "num_encoder_layers", "num_decoder_layers", "max_len")
+_FLOAT_FIELDS = ("dropout", "attention_dropout", "activation_dropout", "embedding_dropout", "layer_norm_eps")
+_BOOL_FIELDS = ("norm_first", "final_norm", "scale_embeddings", "share_embeddings", "tie_output", "qkv_bias")
+
+
+def _validate(c: TransformerConfig) -> None:
+    for name in _INT_FIELDS:
+        v = getattr(c, name)
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise ConfigError(f"config field {name!r} must be an int, got {v!r}")
+    for name in _FLOAT_FIELDS:
+        v = getattr(c, name)
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise ConfigError(f"config field {name!r} must be a number, got {v!r}")
+    for name in _BOOL_FIELDS:
+        if not isinstance(getattr(c, name), bool):
+            raise ConfigError(f"config field {name!r} must be true or false, got {getattr(c, name)!r}")
+    for name in ("src_vocab_size", "tgt_vocab_size", "d_model", "num_heads", "d_ff", "max_len"):
+        if getattr(c, name) < 1:
+            raise ConfigError(f"config field {name!r} must be >= 1, got {getattr(c, name)}")
+    for name in ("num_encoder_layers", "num_decoder_layers"):
+        if getattr(c, name) < 0:
+            raise ConfigError(f"config field {name!r} must be >= 0, got {getattr(c, name)}")
+    if c.d_model % c.num_heads:
+        raise ConfigError(f"config field 'd_model' ({c.d_model}) must be divisible by 'num_heads' ({c.num_heads})")
+    for name in ("dropout", "attention_dropout", "activation_dropout", "embedding_dropout"):
+        if not 0.0 <= getattr(c, name) < 1.0:
+            raise ConfigError(f"config field {name!r} must be in [0, 1), got {getattr(c, name)}")
+    if not c.layer_norm_eps > 0:
+        raise ConfigError(f"config field 'layer_norm_eps' must be > 0, got {c.layer_norm_eps}")
+    if c.positions not in POSITIONS:
+        raise ConfigError(f"config field 'positions' must be one of {POSITIONS}, got {c.positions!r}")
+    if c.activation not in ACTIVATIONS:
+        raise ConfigError(f"config field 'activation' must be one of {ACTIVATIONS}, got {c.activation!r}")
+    if c.share_embeddings and c.src_vocab_size != c.tgt_vocab_size:
+        raise ConfigError(f"config field 'share_embeddings' needs src_vocab_size == tgt_vocab_size, "
+                          f"got {c.src_vocab_size} and {c.tgt_vocab_size}")
+    special = {"pad_id": c.pad_id, "bos_id": c.bos_id, "eos_id": c.eos_id}
+    for name, v in special.items():
+        if not 0 <= v < min(c.src_vocab_size, c.tgt_vocab_size):
+            raise ConfigError(f"config field {name!r} ({v}) must be a valid id in both vocabularies "
+                              f"(< {min(c.src_vocab_size, c.tgt_vocab_size)})")
+    if len(set(special.values())) != 3:
+        raise ConfigError(f"config fields pad_id, bos_id, eos_id must differ, got {special}")
+
+
+# Size presets. Vocabulary sizes are placeholders: training replaces them with the tokenizer's.
+PRESETS: dict[str, dict[str, Any]] = {
+    # a few thousand parameters: unit tests and smoke runs
+    "tiny": dict(d_model=32, num_heads=4, d_ff=64, num_encoder_layers=2, num_decoder_layers=2, max_len=64),
+    # the common "small Transformer" of Multi30k papers: 3+3 layers, d_model 256
+    "small": dict(d_model=256, num_heads=4, d_ff=1024, num_encoder_layers=3, num_decoder_layers=3, max_len=128),
+    # the paper's base model
+    "base": dict(),
+}
+
+
+def preset(name: str, **overrides: Any) -> TransformerConfig:
+    """A preset ("tiny", "small", "base") with field overrides applied."""
+    if name not in PRESETS:
+        raise ConfigError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
+    return TransformerConfig.from_dict({**PRESETS[name], **overrides}, source=f"preset {name!r}")
