@@ -1,0 +1,291 @@
+"""The encoder-decoder Transformer of "Attention Is All You Need" as Flax linen modules.
+
+Every module takes the one `TransformerConfig`. Parameter names are chosen to match the PyTorch twin in
+`torch_reference/model.py` name for name, so the weight map (`jax_transformer/port.py`) is a short list of rules.
+
+Shapes: B batch, S source length, T target length, D d_model, H heads, K head_dim, V vocabulary.
+
+Decoding reuses work through a `cache` collection (as in Flax's WMT example): call `decode(..., decode=True)` once
+with the full-length target shape to create the cache (the call's output is not meaningful), then once per new
+token with (B, 1) inputs. Self-attention keys/values are appended to the cache; cross-attention keys/values are
+projected from the encoder output once, when the cache is created.
+
+Attention probabilities of every layer and head are sown into the `intermediates` collection; apply with
+`mutable=["intermediates"]` and read them with `attention_maps`. When the collection is not mutable `sow` does
+nothing, so the main path is unchanged.
+"""
+from __future__ import annotations
+
+import math
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jax_transformer.config import TransformerConfig
+from jax_transformer.masks import decoder_self_mask, padding_mask
+from jax_transformer.positions import sinusoidal_table
+
+# Xavier-uniform for every matrix, zeros for biases (as the Annotated Transformer initialises).
+xavier_uniform = nn.initializers.xavier_uniform()
+
+
+def _layer_norm(cfg: TransformerConfig, name: str) -> nn.LayerNorm:
+    # Two-pass variance E[(x - mean)^2], as torch computes it; the fast E[x^2] - mean^2 loses digits.
+    return nn.LayerNorm(epsilon=cfg.layer_norm_eps, use_fast_variance=False, name=name)
+
+
+def _dense(features: int, name: str, use_bias: bool = True) -> nn.Dense:
+    return nn.Dense(features, use_bias=use_bias, kernel_init=xavier_uniform, name=name)
+
+
+class MultiHeadAttention(nn.Module):
+    """Multi-head scaled dot-product attention (paper 3.2): softmax(Q K^T / sqrt(d_k)) V on H learned projections."""
+
+    config: TransformerConfig
+    cross: bool = False  # keys/values from the encoder output instead of from the queries' own sequence
+
+    @nn.compact
+    def __call__(self, x, memory, mask, deterministic: bool = True, decode: bool = False):
+        """x (B, Tq, D) queries' input; memory (B, Tk, D) keys' input for cross-attention (ignored otherwise);
+        mask broadcastable to (B, H, Tq, Tk), True = may attend. Returns (B, Tq, D)."""
+        cfg = self.config
+        B, Tq, _ = x.shape
+        H, K = cfg.num_heads, cfg.head_dim
+
+        def project(name, inputs):  # (B, T, D) -> (B, T, H, K)
+            return _dense(cfg.d_model, name, cfg.qkv_bias)(inputs).reshape(inputs.shape[0], -1, H, K)
+
+        q = project("query", x)
+        if self.cross:
+            k, v = self._cross_keys_values(project, memory, decode)
+        else:
+            k, v = project("key", x), project("value", x)
+            if decode:
+                k, v, mask = self._append_to_cache(k, v, mask)
+
+        scores = jnp.einsum("bqhk,bshk->bhqs", q, k) / math.sqrt(K)  # (B, H, Tq, Tk)
+        # A large finite negative instead of -inf: a row whose keys are all masked (an all-padding sequence)
+        # becomes a uniform distribution instead of NaN.
+        scores = jnp.where(mask, scores, jnp.finfo(scores.dtype).min)
+        probs = jax.nn.softmax(scores, axis=-1)  # (B, H, Tq, Tk)
+        self.sow("intermediates", "attention", probs)
+        probs = nn.Dropout(cfg.attention_dropout)(probs, deterministic=deterministic)
+        out = jnp.einsum("bhqs,bshk->bqhk", probs, v).reshape(B, Tq, cfg.d_model)  # heads concatenated
+        return _dense(cfg.d_model, "out", cfg.qkv_bias)(out)
+
+    def _cross_keys_values(self, project, memory, decode):
+        if not decode:
+            return project("key", memory), project("value", memory)
+        # Decoding: the encoder output does not change, so its keys/values are projected once, when the cache
+        # is created, and read back at every later step.
+        if self.has_variable("cache", "key"):
+            return self.get_variable("cache", "key"), self.get_variable("cache", "value")
+        k, v = project("key", memory), project("value", memory)
+        self.variable("cache", "key", lambda: k)
+        self.variable("cache", "value", lambda: v)
+        return k, v
+
+    def _append_to_cache(self, k, v, mask):
+        """Self-attention while decoding: write this step's key/value at the cache index, attend to 0..index."""
+        created = self.has_variable("cache", "key")
+        cached_k = self.variable("cache", "key", jnp.zeros, k.shape, k.dtype)  # (B, T_max, H, K)
+        cached_v = self.variable("cache", "value", jnp.zeros, v.shape, v.dtype)
+        index = self.variable("cache", "index", lambda: jnp.array(0, dtype=jnp.int32))
+        if not created:  # the call that creates the cache: plain attention over the given inputs
+            return k, v, mask
+        i = index.value
+        cached_k.value = lax.dynamic_update_slice(cached_k.value, k, (0, i, 0, 0))
+        cached_v.value = lax.dynamic_update_slice(cached_v.value, v, (0, i, 0, 0))
+        index.value = i + k.shape[1]
+        t_max = cached_k.value.shape[1]
+        step_mask = (jnp.arange(t_max) < i + k.shape[1])[None, None, None, :]  # (1, 1, 1, T_max)
+        return cached_k.value, cached_v.value, step_mask
+
+
+class FeedForward(nn.Module):
+    """Position-wise feed-forward network (paper 3.3): FFN(x) = max(0, x W1 + b1) W2 + b2."""
+
+    config: TransformerConfig
+
+    @nn.compact
+    def __call__(self, x, deterministic: bool = True):
+        cfg = self.config
+        h = _dense(cfg.d_ff, "linear1")(x)  # (B, T, F)
+        h = nn.relu(h) if cfg.activation == "relu" else nn.gelu(h, approximate=False)
+        h = nn.Dropout(cfg.activation_dropout)(h, deterministic=deterministic)
+        return _dense(cfg.d_model, "linear2")(h)  # (B, T, D)
+
+
+def _residual(cfg, x, sublayer, norm, deterministic):
+    """Residual connection around a sub-layer with dropout (paper 5.4), normalised after (post-norm, the paper:
+    LayerNorm(x + Sublayer(x))) or before (pre-norm, the Annotated Transformer: x + Sublayer(LayerNorm(x)))."""
+    drop = nn.Dropout(cfg.dropout)
+    if cfg.norm_first:
+        return x + drop(sublayer(norm(x)), deterministic=deterministic)
+    return norm(x + drop(sublayer(x), deterministic=deterministic))
+
+
+class EncoderLayer(nn.Module):
+    """Self-attention then feed-forward, each wrapped in a residual connection and LayerNorm."""
+
+    config: TransformerConfig
+
+    @nn.compact
+    def __call__(self, x, src_mask, deterministic: bool = True):
+        cfg = self.config
+        attention = MultiHeadAttention(cfg, name="self_attention")
+        x = _residual(cfg, x, lambda h: attention(h, h, src_mask, deterministic),
+                      _layer_norm(cfg, "self_attention_norm"), deterministic)
+        feed_forward = FeedForward(cfg, name="feed_forward")
+        return _residual(cfg, x, lambda h: feed_forward(h, deterministic),
+                         _layer_norm(cfg, "feed_forward_norm"), deterministic)
+
+
+class DecoderLayer(nn.Module):
+    """Masked self-attention, attention over the encoder output, then feed-forward (paper 3.1)."""
+
+    config: TransformerConfig
+
+    @nn.compact
+    def __call__(self, x, memory, self_mask, cross_mask, deterministic: bool = True, decode: bool = False):
+        cfg = self.config
+        self_attention = MultiHeadAttention(cfg, name="self_attention")
+        x = _residual(cfg, x, lambda h: self_attention(h, h, self_mask, deterministic, decode),
+                      _layer_norm(cfg, "self_attention_norm"), deterministic)
+        cross_attention = MultiHeadAttention(cfg, cross=True, name="cross_attention")
+        x = _residual(cfg, x, lambda h: cross_attention(h, memory, cross_mask, deterministic, decode),
+                      _layer_norm(cfg, "cross_attention_norm"), deterministic)
+        feed_forward = FeedForward(cfg, name="feed_forward")
+        return _residual(cfg, x, lambda h: feed_forward(h, deterministic),
+                         _layer_norm(cfg, "feed_forward_norm"), deterministic)
+
+
+class Positions(nn.Module):
+    """Adds position information to embedded tokens: the paper's fixed sinusoids or a learned table."""
+
+    config: TransformerConfig
+
+    @nn.compact
+    def __call__(self, x, offset=0):
+        """x (B, T, D); offset: position of x[:, 0] (non-zero while decoding step by step)."""
+        cfg = self.config
+        if cfg.positions == "learned":
+            table = self.param("embedding", xavier_uniform, (cfg.max_len, cfg.d_model))
+        else:
+            table = jnp.asarray(sinusoidal_table(cfg.max_len, cfg.d_model))
+        return x + lax.dynamic_slice_in_dim(table, offset, x.shape[1], axis=0)[None]  # (B, T, D)
+
+
+class Encoder(nn.Module):
+    """Positions, embedding dropout, N encoder layers, optional final LayerNorm."""
+
+    config: TransformerConfig
+
+    @nn.compact
+    def __call__(self, x, src_mask, deterministic: bool = True):
+        """x (B, S, D) embedded source tokens; src_mask (B, 1, 1, S). Returns the memory (B, S, D)."""
+        cfg = self.config
+        x = Positions(cfg, name="positions")(x)
+        x = nn.Dropout(cfg.embedding_dropout)(x, deterministic=deterministic)
+        for i in range(cfg.num_encoder_layers):
+            x = EncoderLayer(cfg, name=f"layer_{i}")(x, src_mask, deterministic)
+        if cfg.final_norm:
+            x = _layer_norm(cfg, "final_norm")(x)
+        return x
+
+
+class Decoder(nn.Module):
+    """Positions, embedding dropout, N decoder layers, optional final LayerNorm."""
+
+    config: TransformerConfig
+
+    @nn.compact
+    def __call__(self, x, memory, self_mask, cross_mask, deterministic: bool = True, decode: bool = False):
+        """x (B, T, D) embedded decoder inputs; memory (B, S, D). Returns hidden states (B, T, D)."""
+        cfg = self.config
+        offset = 0
+        if decode:  # step-by-step decoding: this call's tokens start where the previous call's ended
+            created = self.has_variable("cache", "position")
+            position = self.variable("cache", "position", lambda: jnp.array(0, dtype=jnp.int32))
+            if created:
+                offset = position.value
+                position.value = offset + x.shape[1]
+        x = Positions(cfg, name="positions")(x, offset)
+        x = nn.Dropout(cfg.embedding_dropout)(x, deterministic=deterministic)
+        for i in range(cfg.num_decoder_layers):
+            x = DecoderLayer(cfg, name=f"layer_{i}")(x, memory, self_mask, cross_mask, deterministic, decode)
+        if cfg.final_norm:
+            x = _layer_norm(cfg, "final_norm")(x)
+        return x
+
+
+class Transformer(nn.Module):
+    """The full model: `encode` the source once, `decode` target prefixes against it, logits over the target
+    vocabulary. `__call__(src, tgt_in)` does both (teacher forcing)."""
+
+    config: TransformerConfig
+
+    def setup(self):
+        cfg = self.config
+        if cfg.share_embeddings:
+            self.shared_embed = nn.Embed(cfg.src_vocab_size, cfg.d_model, embedding_init=xavier_uniform)
+        else:
+            self.source_embed = nn.Embed(cfg.src_vocab_size, cfg.d_model, embedding_init=xavier_uniform)
+            self.target_embed = nn.Embed(cfg.tgt_vocab_size, cfg.d_model, embedding_init=xavier_uniform)
+        self.encoder = Encoder(cfg)
+        self.decoder = Decoder(cfg)
+        if not cfg.tie_output:
+            self.output_proj = nn.Dense(cfg.tgt_vocab_size, kernel_init=xavier_uniform)
+
+    def _embedding(self, side: str) -> nn.Embed:
+        if self.config.share_embeddings:
+            return self.shared_embed
+        return self.source_embed if side == "source" else self.target_embed
+
+    def _embed(self, side: str, tokens):
+        x = self._embedding(side)(tokens)  # (B, T, D)
+        # Embeddings are multiplied by sqrt(d_model) (paper 3.4) so they are not drowned by the positions.
+        return x * math.sqrt(self.config.d_model) if self.config.scale_embeddings else x
+
+    def encode(self, src, deterministic: bool = True):
+        """src (B, S) token ids -> memory (B, S, D)."""
+        return self.encoder(self._embed("source", src), padding_mask(src, self.config.pad_id), deterministic)
+
+    def decoder_hidden(self, memory, src, tgt_in, deterministic: bool = True, decode: bool = False):
+        """Decoder output before the vocabulary projection: (B, T, D). `src` (B, S) gives the padding mask."""
+        cfg = self.config
+        return self.decoder(self._embed("target", tgt_in), memory, decoder_self_mask(tgt_in, cfg.pad_id),
+                            padding_mask(src, cfg.pad_id), deterministic, decode)
+
+    def logits(self, hidden):
+        """(B, T, D) -> (B, T, V). Tied: the target embedding matrix, transposed, is the projection (paper 3.4)."""
+        if self.config.tie_output:
+            return self._embedding("target").attend(hidden)
+        return self.output_proj(hidden)
+
+    def decode(self, memory, src, tgt_in, deterministic: bool = True, decode: bool = False):
+        """memory (B, S, D), src (B, S), tgt_in (B, T) -> logits (B, T, V)."""
+        return self.logits(self.decoder_hidden(memory, src, tgt_in, deterministic, decode))
+
+    def __call__(self, src, tgt_in, deterministic: bool = True):
+        """Teacher forcing: src (B, S), tgt_in (B, T) -> logits (B, T, V)."""
+        return self.decode(self.encode(src, deterministic), src, tgt_in, deterministic)
+
+
+def attention_maps(intermediates) -> dict[str, jnp.ndarray]:
+    """Flattens the sown `intermediates` into {"encoder/layer_0/self_attention": (B, H, Tq, Tk), ...}, the same
+    keys the PyTorch twin's `record_attention` gives."""
+    maps = {}
+    for path, value in jax.tree_util.tree_flatten_with_path(intermediates, is_leaf=lambda x: isinstance(x, tuple))[0]:
+        keys = [p.key for p in path if hasattr(p, "key")]
+        if keys and keys[-1] == "attention":
+            maps["/".join(keys[:-1])] = value[-1]  # the last sown value: the most recent call
+    return maps
+
+
+def init_params(config: TransformerConfig, seed: int = 0):
+    """Fresh parameters for `config` (Xavier-uniform matrices, zero biases, unit LayerNorm scales)."""
+    dummy = jnp.ones((1, 2), dtype=jnp.int32)
+    return Transformer(config).init(jax.random.PRNGKey(seed), dummy, dummy)["params"]

@@ -1,0 +1,250 @@
+"""The PyTorch twin of `jax_transformer.model`: the same architecture, the same config, the same parameter names.
+
+A Flax parameter `encoder/layer_0/self_attention/query/kernel` is the PyTorch parameter
+`encoder.layers.0.self_attention.query.weight` (transposed); see `jax_transformer/port.py` for the full map.
+
+Shapes: B batch, S source length, T target length, D d_model, H heads, K head_dim, V vocabulary.
+Masks: True means "may attend" (the same polarity as `jax_transformer.masks`).
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Iterator, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from jax_transformer.config import TransformerConfig
+from jax_transformer.positions import sinusoidal_table
+
+
+# --- masks (True = may attend) -----------------------------------------------------------------------
+
+def padding_mask(tokens: torch.Tensor, pad_id: int) -> torch.Tensor:
+    """(B, T) token ids -> (B, 1, 1, T) bool, True where the key is a real token."""
+    return (tokens != pad_id)[:, None, None, :]
+
+
+def causal_mask(length: int, device=None) -> torch.Tensor:
+    """(1, 1, T, T) lower-triangular bool: position i may attend to positions 0..i."""
+    return torch.tril(torch.ones(length, length, dtype=torch.bool, device=device))[None, None]
+
+
+def decoder_self_mask(tgt_in: torch.Tensor, pad_id: int) -> torch.Tensor:
+    """(B, T) decoder input ids -> (B, 1, T, T): causal and not padding."""
+    return padding_mask(tgt_in, pad_id) & causal_mask(tgt_in.shape[1], tgt_in.device)
+
+
+# --- modules -----------------------------------------------------------------------------------------
+
+class MultiHeadAttention(nn.Module):
+    """Multi-head scaled dot-product attention (paper 3.2): softmax(Q K^T / sqrt(d_k)) V on H learned projections."""
+
+    def __init__(self, cfg: TransformerConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.query = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.qkv_bias)
+        self.key = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.qkv_bias)
+        self.value = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.qkv_bias)
+        self.out = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.qkv_bias)
+        self.dropout = nn.Dropout(cfg.attention_dropout)
+        self.recorder: Optional[tuple[dict, str]] = None  # set by Transformer.record_attention
+
+    def forward(self, x: torch.Tensor, memory: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """x (B, Tq, D) queries' input; memory (B, Tk, D) keys' input (pass x for self-attention)."""
+        B, Tq, _ = x.shape
+        H, K = self.cfg.num_heads, self.cfg.head_dim
+        q = self.query(x).view(B, Tq, H, K)
+        k = self.key(memory).view(B, -1, H, K)
+        v = self.value(memory).view(B, -1, H, K)
+        scores = torch.einsum("bqhk,bshk->bhqs", q, k) / math.sqrt(K)  # (B, H, Tq, Tk)
+        # A large finite negative instead of -inf keeps all-padding rows finite (uniform), as in the Flax model.
+        scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+        probs = torch.softmax(scores, dim=-1)  # (B, H, Tq, Tk)
+        if self.recorder is not None:
+            sink, name = self.recorder
+            sink[name] = probs.detach()
+        out = torch.einsum("bhqs,bshk->bqhk", self.dropout(probs), v).reshape(B, Tq, self.cfg.d_model)
+        return self.out(out)
+
+
+class FeedForward(nn.Module):
+    """Position-wise feed-forward network (paper 3.3): FFN(x) = max(0, x W1 + b1) W2 + b2."""
+
+    def __init__(self, cfg: TransformerConfig):
+        super().__init__()
+        self.linear1 = nn.Linear(cfg.d_model, cfg.d_ff)
+        self.linear2 = nn.Linear(cfg.d_ff, cfg.d_model)
+        self.activation = nn.ReLU() if cfg.activation == "relu" else nn.GELU(approximate="none")
+        self.dropout = nn.Dropout(cfg.activation_dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear2(self.dropout(self.activation(self.linear1(x))))
+
+
+class Residual(nn.Module):
+    """Residual connection with dropout around a sub-layer, normalised after (post-norm, the paper) or before
+    (pre-norm, the Annotated Transformer). Holds only the dropout; the LayerNorm is passed in so that parameter
+    names stay flat (`self_attention_norm`), as in the Flax model."""
+
+    def __init__(self, cfg: TransformerConfig):
+        super().__init__()
+        self.norm_first = cfg.norm_first
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x, sublayer, norm):
+        if self.norm_first:
+            return x + self.dropout(sublayer(norm(x)))
+        return norm(x + self.dropout(sublayer(x)))
+
+
+class EncoderLayer(nn.Module):
+    def __init__(self, cfg: TransformerConfig):
+        super().__init__()
+        self.self_attention = MultiHeadAttention(cfg)
+        self.self_attention_norm = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps)
+        self.feed_forward = FeedForward(cfg)
+        self.feed_forward_norm = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps)
+        self.residual = Residual(cfg)
+
+    def forward(self, x, src_mask):
+        x = self.residual(x, lambda h: self.self_attention(h, h, src_mask), self.self_attention_norm)
+        return self.residual(x, self.feed_forward, self.feed_forward_norm)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: TransformerConfig):
+        super().__init__()
+        self.self_attention = MultiHeadAttention(cfg)
+        self.self_attention_norm = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps)
+        self.cross_attention = MultiHeadAttention(cfg)
+        self.cross_attention_norm = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps)
+        self.feed_forward = FeedForward(cfg)
+        self.feed_forward_norm = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps)
+        self.residual = Residual(cfg)
+
+    def forward(self, x, memory, self_mask, cross_mask):
+        x = self.residual(x, lambda h: self.self_attention(h, h, self_mask), self.self_attention_norm)
+        x = self.residual(x, lambda h: self.cross_attention(h, memory, cross_mask), self.cross_attention_norm)
+        return self.residual(x, self.feed_forward, self.feed_forward_norm)
+
+
+class Positions(nn.Module):
+    """Adds the paper's fixed sinusoids (a non-persistent buffer: not in the state_dict) or a learned table."""
+
+    def __init__(self, cfg: TransformerConfig):
+        super().__init__()
+        if cfg.positions == "learned":
+            self.weight = nn.Parameter(torch.empty(cfg.max_len, cfg.d_model))
+        else:
+            self.register_buffer("table", torch.from_numpy(sinusoidal_table(cfg.max_len, cfg.d_model)),
+                                 persistent=False)
+
+    def forward(self, x: torch.Tensor, offset: int = 0) -> torch.Tensor:
+        table = self.weight if hasattr(self, "weight") else self.table
+        return x + table[offset: offset + x.shape[1]][None]
+
+
+class Encoder(nn.Module):
+    def __init__(self, cfg: TransformerConfig):
+        super().__init__()
+        self.positions = Positions(cfg)
+        self.dropout = nn.Dropout(cfg.embedding_dropout)
+        self.layers = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.num_encoder_layers))
+        self.final_norm = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps) if cfg.final_norm else None
+
+    def forward(self, x, src_mask):
+        x = self.dropout(self.positions(x))
+        for layer in self.layers:
+            x = layer(x, src_mask)
+        return self.final_norm(x) if self.final_norm is not None else x
+
+
+class Decoder(nn.Module):
+    def __init__(self, cfg: TransformerConfig):
+        super().__init__()
+        self.positions = Positions(cfg)
+        self.dropout = nn.Dropout(cfg.embedding_dropout)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_decoder_layers))
+        self.final_norm = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps) if cfg.final_norm else None
+
+    def forward(self, x, memory, self_mask, cross_mask):
+        x = self.dropout(self.positions(x))
+        for layer in self.layers:
+            x = layer(x, memory, self_mask, cross_mask)
+        return self.final_norm(x) if self.final_norm is not None else x
+
+
+class Transformer(nn.Module):
+    """The full model with the same entry points as the Flax one: `encode`, `decoder_hidden`, `logits`,
+    `decode`, and `forward(src, tgt_in)` for teacher forcing."""
+
+    def __init__(self, cfg: TransformerConfig):
+        super().__init__()
+        self.cfg = cfg
+        if cfg.share_embeddings:
+            self.shared_embed = nn.Embedding(cfg.src_vocab_size, cfg.d_model)
+        else:
+            self.source_embed = nn.Embedding(cfg.src_vocab_size, cfg.d_model)
+            self.target_embed = nn.Embedding(cfg.tgt_vocab_size, cfg.d_model)
+        self.encoder = Encoder(cfg)
+        self.decoder = Decoder(cfg)
+        if not cfg.tie_output:
+            self.output_proj = nn.Linear(cfg.d_model, cfg.tgt_vocab_size)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Xavier-uniform for every matrix (as the Annotated Transformer), zeros for biases, ones for scales."""
+        for name, p in self.named_parameters():
+            if p.dim() > 1:
+                nn.init.xavier_uniform_(p)
+            elif name.endswith("bias"):
+                nn.init.zeros_(p)
+            else:
+                nn.init.ones_(p)
+
+    def _embedding(self, side: str) -> nn.Embedding:
+        if self.cfg.share_embeddings:
+            return self.shared_embed
+        return self.source_embed if side == "source" else self.target_embed
+
+    def _embed(self, side: str, tokens: torch.Tensor) -> torch.Tensor:
+        x = self._embedding(side)(tokens)
+        return x * math.sqrt(self.cfg.d_model) if self.cfg.scale_embeddings else x
+
+    def encode(self, src: torch.Tensor) -> torch.Tensor:
+        """src (B, S) -> memory (B, S, D)."""
+        return self.encoder(self._embed("source", src), padding_mask(src, self.cfg.pad_id))
+
+    def decoder_hidden(self, memory, src, tgt_in) -> torch.Tensor:
+        """(B, T, D) decoder output before the vocabulary projection."""
+        return self.decoder(self._embed("target", tgt_in), memory, decoder_self_mask(tgt_in, self.cfg.pad_id),
+                            padding_mask(src, self.cfg.pad_id))
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.cfg.tie_output:
+            return F.linear(hidden, self._embedding("target").weight)
+        return self.output_proj(hidden)
+
+    def decode(self, memory, src, tgt_in) -> torch.Tensor:
+        """memory (B, S, D), src (B, S), tgt_in (B, T) -> logits (B, T, V)."""
+        return self.logits(self.decoder_hidden(memory, src, tgt_in))
+
+    def forward(self, src: torch.Tensor, tgt_in: torch.Tensor) -> torch.Tensor:
+        return self.decode(self.encode(src), src, tgt_in)
+
+    @contextlib.contextmanager
+    def record_attention(self) -> Iterator[dict[str, torch.Tensor]]:
+        """Within the block, every attention module stores its probabilities (B, H, Tq, Tk) in the yielded dict,
+        under the Flax model's key, e.g. "decoder/layer_1/cross_attention"."""
+        maps: dict[str, torch.Tensor] = {}
+        modules = [(n, m) for n, m in self.named_modules() if isinstance(m, MultiHeadAttention)]
+        for name, module in modules:
+            module.recorder = (maps, name.replace("layers.", "layer_").replace(".", "/"))
+        try:
+            yield maps
+        finally:
+            for _, module in modules:
+                module.recorder = None
