@@ -1,0 +1,630 @@
+"""The data pipeline: parallel text -> subword ids -> fixed-shape, padded numpy batches.
+
+Read top to bottom, this module follows the data:
+
+1. `read_parallel` / `read_tsv` read a line-aligned corpus into a `Corpus` (strings plus the 1-based line each
+   pair came from, so every later error can point at the line at fault).
+2. `Tokenizer` wraps one joint SentencePiece model for both languages. The paper shares one subword vocabulary
+   between source and target (section 5.1), which is what lets the model share its embedding tables.
+3. `encode_corpus` turns strings into id arrays and applies `max_len`; a pair that does not fit is skipped and
+   counted, or is an error -- never silently truncated.
+4. `BatchStream` (training) and `eval_batches` (evaluation) group pairs of similar length into batches of about
+   `max_tokens` token slots, like fairseq and tensor2tensor. Every batch of one length bucket has the same
+   shape, so a jitted step compiles once per bucket rather than once per batch.
+
+Sequence conventions, shared with the models (ids from `TransformerConfig`: pad 0, bos 1, eos 2):
+
+* encoder input   `src`     = source tokens + [EOS]    (n source tokens occupy n + 1 positions)
+* decoder input   `tgt_in`  = [BOS] + target tokens    (n target tokens occupy n + 1 positions)
+* decoder target  `tgt_out` = target tokens + [EOS]    (`tgt_in` shifted left by one)
+
+All three are padded with PAD on the right. In a batch, `src` and `tgt_*` are padded to the same bucket length
+L: that costs a little padding when the two sides differ in length, but gives one length per bucket and so the
+fewest distinct shapes. Nothing here imports jax or torch: batches are plain `np.int32` arrays.
+"""
+from __future__ import annotations
+
+import codecs
+import dataclasses
+import io
+import itertools
+import os
+from pathlib import Path
+from typing import Iterable, Iterator, Mapping, Sequence
+
+import numpy as np
+import sentencepiece as spm
+
+# The special ids. They equal TransformerConfig's defaults; the tokenizer is trained to use exactly these.
+PAD_ID = 0
+BOS_ID = 1
+EOS_ID = 2
+UNK_ID = 3
+
+# How many line numbers of skipped pairs a Corpus / EncodedCorpus keeps for its report.
+MAX_REPORTED_LINES = 10
+
+_ON_EMPTY = ("skip", "error")
+_ON_TOO_LONG = ("skip", "error")
+
+
+class DataError(ValueError):
+    """The data cannot be used as given. The message names the file (or corpus) and the 1-based line at fault."""
+
+
+# =============================================================================================================
+# 1. Reading a parallel corpus
+# =============================================================================================================
+
+
+@dataclasses.dataclass
+class Corpus:
+    """Sentence pairs read from disk (or built in memory), each with the line it came from.
+
+    `line_numbers[i]` is the 1-based line of pair i in the original file(s); skipped lines leave gaps.
+    `origin` names the file(s) in messages. Empty lines that were skipped are counted in `skipped_empty`, and
+    the first few of their line numbers are kept in `skipped_empty_lines` so a log can show where they were.
+    """
+
+    sources: list[str]
+    targets: list[str]
+    line_numbers: list[int]
+    origin: str
+    skipped_empty: int = 0
+    skipped_empty_lines: list[int] = dataclasses.field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not len(self.sources) == len(self.targets) == len(self.line_numbers):
+            raise ValueError(f"{self.origin}: Corpus needs as many sources ({len(self.sources)}) as targets "
+                             f"({len(self.targets)}) and line numbers ({len(self.line_numbers)})")
+
+    def __len__(self) -> int:
+        return len(self.sources)
+
+    def describe(self) -> str:
+        """One line for a log: how many pairs were kept, how many empty lines skipped, and where."""
+        text = f"{self.origin}: {len(self)} pairs"
+        if self.skipped_empty:
+            text += f", skipped {self.skipped_empty} with an empty side{_lines_hint(self.skipped_empty_lines)}"
+        return text
+
+
+def _lines_hint(lines: Sequence[int]) -> str:
+    return f" (lines {', '.join(map(str, lines))}{', ...' if len(lines) == MAX_REPORTED_LINES else ''})"
+
+
+def _where(origin: str | os.PathLike, line: int) -> str:
+    """The location prefix of every error message about one line."""
+    return f"{origin}, line {line}"
+
+
+def _check_readable(path: Path) -> None:
+    # Checked up front so that a missing second file is reported before any line of the first is read.
+    if not path.exists():
+        raise DataError(f"{path}: file not found")
+    if not path.is_file():
+        raise DataError(f"{path}: not a regular file")
+
+
+def _read_lines(path: Path) -> Iterator[tuple[int, str]]:
+    """Yields (1-based line number, text) for each line of a UTF-8 file, with only the line ending removed.
+
+    The file is read as bytes and each line decoded on its own, so an undecodable byte is reported with its line
+    and byte offset. Lines are split on b"\\n" only: str.splitlines() would also split on characters such as
+    U+2028 that can occur inside a sentence, and break the line alignment of a parallel corpus.
+    """
+    offset = 0  # byte offset of the current line's start in the file
+    try:
+        with open(path, "rb") as f:
+            for number, raw in enumerate(f, start=1):
+                start, offset = offset, offset + len(raw)
+                if raw.endswith(b"\r\n"):
+                    raw = raw[:-2]
+                elif raw.endswith(b"\n"):
+                    raw = raw[:-1]
+                if number == 1 and raw.startswith(codecs.BOM_UTF8):
+                    # Editors on Windows often start UTF-8 files with a byte-order mark; it is not text.
+                    raw, start = raw[len(codecs.BOM_UTF8):], start + len(codecs.BOM_UTF8)
+                try:
+                    text = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise DataError(
+                        f"{_where(path, number)}: not valid UTF-8: byte 0x{raw[e.start]:02x} at byte offset "
+                        f"{start + e.start} of the file (byte {e.start + 1} of the line): {e.reason}") from None
+                yield number, text
+    except OSError as e:  # e.g. permission denied; a missing file was caught by _check_readable
+        raise DataError(f"{path}: cannot read: {e.strerror or e}") from e
+
+
+def _count_lines(path: Path) -> int:
+    with open(path, "rb") as f:
+        return sum(1 for _ in f)
+
+
+class _CorpusBuilder:
+    """Collects pairs, applying the empty-line policy, for both readers."""
+
+    def __init__(self, origin: str, on_empty: str) -> None:
+        if on_empty not in _ON_EMPTY:
+            raise ValueError(f"on_empty must be one of {_ON_EMPTY}, got {on_empty!r}")
+        self.corpus = Corpus([], [], [], origin)
+        self.on_empty = on_empty
+
+    def add(self, line: int, source: str, target: str, empty_error: str) -> None:
+        """Adds one pair; `empty_error` is the message to raise if a side is empty and on_empty is "error"."""
+        if source.strip() and target.strip():
+            self.corpus.sources.append(source)
+            self.corpus.targets.append(target)
+            self.corpus.line_numbers.append(line)
+        elif self.on_empty == "error":
+            raise DataError(empty_error + ' (pass on_empty="skip" to skip such pairs)')
+        else:
+            self.corpus.skipped_empty += 1
+            if len(self.corpus.skipped_empty_lines) < MAX_REPORTED_LINES:
+                self.corpus.skipped_empty_lines.append(line)
+
+
+def read_parallel(src_path: str | os.PathLike, tgt_path: str | os.PathLike, *, on_empty: str = "skip") -> Corpus:
+    """Reads two line-aligned UTF-8 files: line i of `src_path` translates to line i of `tgt_path`.
+
+    Only the line ending ("\\n" or "\\r\\n") is removed; other whitespace is kept. A pair with a side that is
+    empty (after strip()) is skipped and counted (on_empty="skip") or is a DataError (on_empty="error").
+    Files with different line counts are a DataError naming both counts: the alignment is broken somewhere,
+    and guessing where would train on mistranslations.
+    """
+    src, tgt = Path(src_path), Path(tgt_path)
+    _check_readable(src)
+    _check_readable(tgt)
+    builder = _CorpusBuilder(f"{src} + {tgt}", on_empty)
+    for src_item, tgt_item in itertools.zip_longest(_read_lines(src), _read_lines(tgt)):
+        if src_item is None or tgt_item is None:
+            n_src, n_tgt = _count_lines(src), _count_lines(tgt)
+            longer, shorter = (src, tgt) if n_src > n_tgt else (tgt, src)
+            raise DataError(
+                f"{src} has {n_src} lines but {tgt} has {n_tgt}: {shorter} ends after line {min(n_src, n_tgt)}, "
+                f"so line {min(n_src, n_tgt) + 1} of {longer} has no translation; the files must be line-aligned")
+        (line, source), (_, target) = src_item, tgt_item
+        if not source.strip():
+            message = f"{_where(src, line)}: empty source line" + ("" if target.strip() else f" (and {tgt} too)")
+        else:
+            message = f"{_where(tgt, line)}: empty target line"
+        builder.add(line, source, target, message)
+    return builder.corpus
+
+
+def read_tsv(path: str | os.PathLike, *, on_empty: str = "skip") -> Corpus:
+    """Reads `source<TAB>target` lines from one UTF-8 file; each line must hold exactly one tab.
+
+    Empty sides are handled as in `read_parallel`.
+    """
+    path = Path(path)
+    _check_readable(path)
+    builder = _CorpusBuilder(str(path), on_empty)
+    for line, text in _read_lines(path):
+        tabs = text.count("\t")
+        if tabs != 1:
+            raise DataError(f"{_where(path, line)}: expected exactly one tab between source and target, "
+                            f"found {tabs}")
+        source, target = text.split("\t")
+        side = "source (left of the tab)" if not source.strip() else "target (right of the tab)"
+        builder.add(line, source, target, f"{_where(path, line)}: empty {side}")
+    return builder.corpus
+
+
+# =============================================================================================================
+# 2. Tokenizer: one joint SentencePiece model
+# =============================================================================================================
+
+# Training options that the rest of the project relies on; callers may not override them.
+_FIXED_TRAINER_OPTIONS = dict(
+    pad_id=PAD_ID, bos_id=BOS_ID, eos_id=EOS_ID, unk_id=UNK_ID,
+    # Small corpora may not support the requested vocabulary; take what they support instead of failing.
+    # The real size is Tokenizer.vocab_size, which the trainer copies into the model config.
+    hard_vocab_limit=False,
+    # One thread makes training deterministic: the same texts give byte-identical models.
+    num_threads=1,
+    minloglevel=2,  # errors only: SentencePiece otherwise logs hundreds of lines to stderr
+)
+
+
+class Tokenizer:
+    """Subword tokenizer for both languages, with ids pad=0, bos=1, eos=2, unk=3.
+
+    Build one with `Tokenizer.train`, `Tokenizer.from_bytes` (the serialized model, as stored in checkpoints)
+    or `Tokenizer.load` (a SentencePiece `.model` file).
+    """
+
+    def __init__(self, model_bytes: bytes, *, source: str = "tokenizer model bytes") -> None:
+        """Loads a serialized SentencePiece model; `source` names it in error messages."""
+        processor = spm.SentencePieceProcessor()
+        try:
+            processor.LoadFromSerializedProto(model_bytes)
+        except (RuntimeError, TypeError) as e:
+            raise DataError(f"{source}: not a SentencePiece model ({len(model_bytes)} bytes): {e}") from None
+        ids = (processor.pad_id(), processor.bos_id(), processor.eos_id(), processor.unk_id())
+        if ids != (PAD_ID, BOS_ID, EOS_ID, UNK_ID):
+            raise DataError(f"{source}: the model's pad/bos/eos/unk ids are {ids}, this project needs "
+                            f"{(PAD_ID, BOS_ID, EOS_ID, UNK_ID)}; train it with Tokenizer.train")
+        self._processor = processor
+        self._bytes = bytes(model_bytes)
+
+    # --- building ----------------------------------------------------------------------------------------------
+    @classmethod
+    def train(cls, texts: Iterable[str], vocab_size: int, *, model_type: str = "unigram",
+              character_coverage: float = 1.0, **sentencepiece_options) -> "Tokenizer":
+        """Trains a model in memory on `texts` (pass source and target sentences together: one joint vocab).
+
+        `vocab_size` is an upper bound: a small corpus may yield fewer pieces (see `vocab_size`). model_type is
+        "unigram" (SentencePiece's default) or "bpe" (the paper's byte-pair encoding). character_coverage=1.0
+        keeps every character seen; 0.9995 is usual for languages with large alphabets. Other SentencePiece
+        trainer options pass through, e.g. seed_sentencepiece_size, or input_sentence_size=1_000_000 with
+        shuffle_input_sentence=True to train on a sample of a large corpus.
+        """
+        if isinstance(texts, str):  # iterating a str would train on its characters, one "sentence" each
+            raise TypeError("Tokenizer.train takes an iterable of sentences, not one str")
+        clash = sorted(set(sentencepiece_options) & set(_FIXED_TRAINER_OPTIONS))
+        if clash:
+            raise ValueError(f"Tokenizer.train: options {clash} are fixed by this project and cannot be changed")
+        if model_type not in ("unigram", "bpe"):
+            raise ValueError(f"Tokenizer.train: model_type must be 'unigram' or 'bpe', got {model_type!r}")
+        count = 0
+
+        def sentences() -> Iterator[str]:
+            nonlocal count
+            for text in texts:
+                count += 1
+                yield text
+
+        writer = io.BytesIO()
+        try:
+            spm.SentencePieceTrainer.train(sentence_iterator=sentences(), model_writer=writer,
+                                           vocab_size=vocab_size, model_type=model_type,
+                                           character_coverage=character_coverage,
+                                           **_FIXED_TRAINER_OPTIONS, **sentencepiece_options)
+        except RuntimeError as e:
+            raise ValueError(f"Tokenizer.train: SentencePiece failed on {count} texts "
+                             f"(vocab_size={vocab_size}, model_type={model_type!r}): {e}") from None
+        return cls(writer.getvalue(), source="freshly trained tokenizer")
+
+    @classmethod
+    def from_bytes(cls, model_bytes: bytes) -> "Tokenizer":
+        """The inverse of `to_bytes`."""
+        return cls(model_bytes)
+
+    def to_bytes(self) -> bytes:
+        """The serialized model (a SentencePiece ModelProto); store it with a checkpoint."""
+        return self._bytes
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "Tokenizer":
+        """Reads a `.model` file written by `save` (or by SentencePiece itself, if its special ids match)."""
+        path = Path(path)
+        try:
+            model_bytes = path.read_bytes()
+        except FileNotFoundError:
+            raise DataError(f"{path}: tokenizer model file not found") from None
+        except OSError as e:
+            raise DataError(f"{path}: cannot read tokenizer model: {e.strerror or e}") from e
+        return cls(model_bytes, source=str(path))
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Writes the model as a SentencePiece `.model` file (readable by `load` and by the spm tools)."""
+        Path(path).write_bytes(self._bytes)
+
+    # --- using -------------------------------------------------------------------------------------------------
+    @property
+    def vocab_size(self) -> int:
+        """Number of ids, specials included: ids are in [0, vocab_size)."""
+        return self._processor.get_piece_size()
+
+    def encode(self, text: str) -> list[int]:
+        """Subword ids of one sentence, without BOS or EOS (see the module docstring for where they go)."""
+        if not isinstance(text, str):
+            raise TypeError(f"Tokenizer.encode takes one str, got {type(text).__name__}; use encode_batch")
+        return self._processor.encode(text)
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        """`encode` for many sentences in one call (faster than a Python loop)."""
+        return self._processor.encode(list(texts))
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """Text of a model output row: stops at the first EOS and ignores PAD and BOS.
+
+        `ids` may be a list or a 1-D numpy array. An id outside [0, vocab_size) is a ValueError: it means the
+        model's vocabulary does not match this tokenizer.
+        """
+        kept = []
+        for i in (int(x) for x in ids):
+            if i == EOS_ID:
+                break
+            if i in (PAD_ID, BOS_ID):
+                continue
+            if not 0 <= i < self.vocab_size:
+                raise ValueError(f"Tokenizer.decode: id {i} is outside the vocabulary [0, {self.vocab_size})")
+            kept.append(i)
+        return self._processor.decode(kept)
+
+    def pieces(self, text: str) -> list[str]:
+        """The subword strings of `text` (for looking at what the tokenizer does)."""
+        return self._processor.encode(text, out_type=str)
+
+
+# =============================================================================================================
+# 3. Encoding a corpus
+# =============================================================================================================
+
+
+@dataclasses.dataclass
+class EncodedCorpus:
+    """A corpus as id arrays, every pair short enough for `max_len`.
+
+    `src[i]` is the encoder input: source tokens + [EOS]. `tgt[i]` holds the target tokens only; batching adds
+    BOS (decoder input) and EOS (decoder target), so pair i needs max(len(src[i]), len(tgt[i]) + 1) positions.
+    `line_numbers[i]` is the pair's line in the original file(s) and `corpus_index[i]` its index in the Corpus
+    it was encoded from (pairs that were too long leave gaps in both).
+    """
+
+    src: list[np.ndarray]
+    tgt: list[np.ndarray]
+    line_numbers: list[int]
+    corpus_index: list[int]
+    origin: str
+    max_len: int
+    skipped_too_long: int = 0
+    skipped_too_long_lines: list[int] = dataclasses.field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not len(self.src) == len(self.tgt) == len(self.line_numbers) == len(self.corpus_index):
+            raise ValueError(f"{self.origin}: EncodedCorpus fields src, tgt, line_numbers and corpus_index "
+                             f"must have the same length")
+
+    def __len__(self) -> int:
+        return len(self.src)
+
+    def positions_needed(self) -> np.ndarray:
+        """For each pair, the sequence length it needs: max(source + EOS, BOS + target)."""
+        return np.array([max(len(s), len(t) + 1) for s, t in zip(self.src, self.tgt)], dtype=np.int64)
+
+    def describe(self) -> str:
+        """One line for a log: pairs kept, and how many were too long for max_len (and where)."""
+        text = f"{self.origin}: {len(self)} pairs encoded for max_len={self.max_len}"
+        if self.skipped_too_long:
+            text += f", skipped {self.skipped_too_long} too long{_lines_hint(self.skipped_too_long_lines)}"
+        return text
+
+
+def encode_corpus(corpus: Corpus, tokenizer: Tokenizer, max_len: int, *, on_too_long: str = "skip") -> EncodedCorpus:
+    """Tokenizes every pair and checks it fits in `max_len` positions on both sides.
+
+    A source of n tokens needs n + 1 positions (EOS), a target of n tokens n + 1 (BOS or EOS). A pair that does
+    not fit is skipped and counted (on_too_long="skip"; see EncodedCorpus.describe) or is a DataError naming
+    its line and lengths (on_too_long="error"). Nothing is ever truncated: a truncated target teaches the model
+    to stop mid-sentence.
+    """
+    if on_too_long not in _ON_TOO_LONG:
+        raise ValueError(f"on_too_long must be one of {_ON_TOO_LONG}, got {on_too_long!r}")
+    if max_len < 2:
+        raise ValueError(f"max_len must be >= 2 (one token plus EOS), got {max_len}")
+    out = EncodedCorpus([], [], [], [], corpus.origin, max_len)
+    eos = np.array([EOS_ID], dtype=np.int32)
+    src_ids, tgt_ids = tokenizer.encode_batch(corpus.sources), tokenizer.encode_batch(corpus.targets)
+    for index, (s, t, line) in enumerate(zip(src_ids, tgt_ids, corpus.line_numbers)):
+        if len(s) + 1 > max_len or len(t) + 1 > max_len:
+            if on_too_long == "error":
+                raise DataError(f"{_where(corpus.origin, line)}: pair too long for max_len={max_len}: the source "
+                                f"has {len(s)} tokens (+1 for EOS), the target {len(t)} (+1 for BOS/EOS); "
+                                f'pass on_too_long="skip" to skip such pairs, or raise max_len')
+            out.skipped_too_long += 1
+            if len(out.skipped_too_long_lines) < MAX_REPORTED_LINES:
+                out.skipped_too_long_lines.append(line)
+            continue
+        out.src.append(np.concatenate([np.asarray(s, dtype=np.int32), eos]))
+        out.tgt.append(np.asarray(t, dtype=np.int32))
+        out.line_numbers.append(line)
+        out.corpus_index.append(index)
+    return out
+
+
+# =============================================================================================================
+# 4. Batching by token count, with length buckets
+# =============================================================================================================
+
+
+def bucket_lengths(max_len: int) -> tuple[int, ...]:
+    """The padded lengths batches may have: 8, 16, ..., 64, then about x1.25 per step (multiples of 8),
+    and finally `max_len` itself.
+
+    Fine steps where most sentences are keep padding low; coarser steps above keep the number of shapes (and
+    of jit compilations) small: 14 buckets for max_len=256.
+    """
+    if max_len < 1:
+        raise ValueError(f"max_len must be >= 1, got {max_len}")
+    ladder, length = [], 8
+    while length < max_len:
+        ladder.append(length)
+        length = length + 8 if length < 64 else -(-(length * 5 // 4) // 8) * 8  # x1.25, rounded up to 8
+    return tuple(ladder) + (max_len,)
+
+
+def rows_per_batch(bucket_len: int, max_tokens: int, row_multiple: int = 1) -> int:
+    """Rows of every batch of a bucket: max_tokens // bucket_len, rounded down to a multiple of row_multiple
+    (the device count, so each device gets the same share), but at least row_multiple."""
+    rows = max(1, max_tokens // bucket_len) // row_multiple * row_multiple
+    return max(rows, row_multiple)
+
+
+class _Buckets:
+    """Which bucket each pair goes to, and how many rows each bucket's batches have."""
+
+    def __init__(self, encoded: EncodedCorpus, max_tokens: int, row_multiple: int) -> None:
+        if len(encoded) == 0:
+            raise DataError(f"{encoded.origin}: no sentence pairs to batch")
+        if max_tokens < 1 or row_multiple < 1:
+            raise ValueError(f"max_tokens and row_multiple must be >= 1, got {max_tokens} and {row_multiple}")
+        self.encoded = encoded
+        self.lengths = bucket_lengths(encoded.max_len)
+        needed = encoded.positions_needed()
+        too_long = np.flatnonzero(needed > encoded.max_len)
+        if too_long.size:  # possible only for an EncodedCorpus built by hand, not by encode_corpus
+            i = int(too_long[0])
+            raise DataError(f"{_where(encoded.origin, encoded.line_numbers[i])}: pair needs {needed[i]} positions, "
+                            f"more than max_len={encoded.max_len}")
+        # Each pair goes to the smallest bucket that holds it.
+        bucket_of_pair = np.searchsorted(self.lengths, needed, side="left")
+        self.members = [np.flatnonzero(bucket_of_pair == b) for b in range(len(self.lengths))]
+        self.rows = [rows_per_batch(length, max_tokens, row_multiple) for length in self.lengths]
+        self.needed = needed
+
+    def plan(self, rng: np.random.Generator | None) -> list[tuple[int, np.ndarray]]:
+        """The batches of one epoch as (bucket index, pair indices with -1 for padding rows).
+
+        With an rng, pairs are shuffled within each bucket and then the batches are shuffled; without one the
+        order is bucket by bucket, pairs in corpus order (for evaluation).
+        """
+        batches = []
+        for b, members in enumerate(self.members):
+            if rng is not None:
+                members = rng.permutation(members)
+            rows = self.rows[b]
+            for start in range(0, len(members), rows):
+                chunk = np.full(rows, -1, dtype=np.int64)  # -1: an all-padding row, keeping the batch shape
+                part = members[start:start + rows]
+                chunk[:len(part)] = part
+                batches.append((b, chunk))
+        if rng is not None:
+            batches = [batches[i] for i in rng.permutation(len(batches))]
+        return batches
+
+    def collate(self, bucket: int, pair_indices: np.ndarray) -> dict[str, np.ndarray]:
+        """One padded batch: src, tgt_in, tgt_out, each of shape (rows, bucket length), dtype int32."""
+        shape = (len(pair_indices), self.lengths[bucket])
+        src, tgt_in, tgt_out = (np.full(shape, PAD_ID, dtype=np.int32) for _ in range(3))
+        for row, i in enumerate(pair_indices):
+            if i < 0:
+                continue
+            s, t = self.encoded.src[i], self.encoded.tgt[i]
+            src[row, :len(s)] = s
+            tgt_in[row, 0] = BOS_ID
+            tgt_in[row, 1:len(t) + 1] = t
+            tgt_out[row, :len(t)] = t
+            tgt_out[row, len(t)] = EOS_ID
+        return {"src": src, "tgt_in": tgt_in, "tgt_out": tgt_out}
+
+    def batches_per_epoch(self) -> int:
+        return sum(-(-len(m) // rows) for m, rows in zip(self.members, self.rows))  # ceil division
+
+    def shapes(self) -> list[tuple[int, int]]:
+        """(rows, length) of every bucket that holds at least one pair."""
+        return [(self.rows[b], self.lengths[b]) for b in range(len(self.lengths)) if len(self.members[b])]
+
+    def padding_efficiency(self) -> float:
+        """Real tokens / token slots over one epoch, src and tgt_out together (see padding_efficiency())."""
+        real = sum(len(s) + len(t) + 1 for s, t in zip(self.encoded.src, self.encoded.tgt))
+        slots = sum(2 * self.rows[b] * self.lengths[b] * -(-len(m) // self.rows[b])
+                    for b, m in enumerate(self.members))
+        return real / slots
+
+
+def padding_efficiency(batches: Iterable[Mapping[str, np.ndarray]]) -> float:
+    """Fraction of token slots holding a real token (not PAD) in `src` and `tgt_out` of the given batches.
+
+    1.0 means no padding at all; padding rows and the padding within rows both lower it.
+    """
+    real = slots = 0
+    for batch in batches:
+        for key in ("src", "tgt_out"):
+            real += int(np.count_nonzero(batch[key] != PAD_ID))
+            slots += batch[key].size
+    if slots == 0:
+        raise ValueError("padding_efficiency: no batches given")
+    return real / slots
+
+
+class BatchStream:
+    """An endless, reproducible stream of training batches: epoch after epoch, reshuffled each epoch.
+
+    Each batch is a dict of np.int32 arrays `src`, `tgt_in`, `tgt_out` of one shape (rows, L) per length
+    bucket (see `shapes`); rows is a multiple of `row_multiple`, so a batch splits evenly over that many
+    devices. A batch holds about `max_tokens` slots (rows * L) per array, all devices together (the paper's
+    steps of ~25,000 source and ~25,000 target tokens are max_tokens=25_000); a sentence longer than max_tokens
+    still gets a batch of one row (or row_multiple rows). The last batch of a bucket is completed with
+    all-padding rows, which count no tokens: the loss must be normalised by the number of non-PAD targets.
+
+    Epoch e is shuffled by np.random.default_rng((seed, e)), so the stream depends only on the data, max_tokens,
+    row_multiple and seed. `state()` is the position in it (plain ints); a stream built with `state=` (or given
+    it via `restore`) continues exactly where the saved one stood, so a resumed run sees the same batches as an
+    uninterrupted one.
+    """
+
+    def __init__(self, encoded: EncodedCorpus, max_tokens: int, *, row_multiple: int = 1, seed: int = 0,
+                 state: Mapping[str, int] | None = None) -> None:
+        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+            raise ValueError(f"BatchStream: seed must be an int >= 0, got {seed!r}")
+        self._buckets = _Buckets(encoded, max_tokens, row_multiple)
+        self.seed = seed
+        self.batches_per_epoch = self._buckets.batches_per_epoch()
+        self._epoch, self._index = 0, 0
+        self._plan: list[tuple[int, np.ndarray]] | None = None  # this epoch's batches, built on first use
+        if state is not None:
+            self.restore(state)
+
+    def __iter__(self) -> "BatchStream":
+        return self
+
+    def __next__(self) -> dict[str, np.ndarray]:
+        if self._plan is None:
+            self._plan = self._buckets.plan(np.random.default_rng((self.seed, self._epoch)))
+        bucket, pair_indices = self._plan[self._index]
+        self._index += 1
+        if self._index == len(self._plan):
+            self._epoch, self._index, self._plan = self._epoch + 1, 0, None
+        return self._buckets.collate(bucket, pair_indices)
+
+    @property
+    def epoch(self) -> int:
+        """The epoch the next batch belongs to (0-based)."""
+        return self._epoch
+
+    def state(self) -> dict[str, int]:
+        """The position in the stream as JSON-able ints: the next batch is batch `index` of epoch `epoch`.
+
+        `batches_per_epoch` is included so that restoring into a stream over other data is caught.
+        """
+        return {"epoch": self._epoch, "index": self._index, "batches_per_epoch": self.batches_per_epoch}
+
+    def restore(self, state: Mapping[str, int]) -> None:
+        """Moves to a position saved by `state()`."""
+        try:
+            epoch, index = state["epoch"], state["index"]
+        except (KeyError, TypeError):
+            raise ValueError(f"BatchStream.restore: expected a dict with 'epoch' and 'index', got {state!r}") from None
+        for name, value in (("epoch", epoch), ("index", index)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"BatchStream.restore: {name} must be an int >= 0, got {value!r}")
+        saved = state.get("batches_per_epoch", self.batches_per_epoch)
+        if saved != self.batches_per_epoch or index >= self.batches_per_epoch:
+            raise ValueError(f"BatchStream.restore: the state (index {index} of {saved} batches per epoch) does "
+                             f"not fit this stream ({self.batches_per_epoch} batches per epoch); was it saved with "
+                             f"other data, max_tokens or row_multiple?")
+        self._epoch, self._index, self._plan = epoch, index, None
+
+    @property
+    def shapes(self) -> list[tuple[int, int]]:
+        """Every (rows, length) a batch can have, shortest first: one per non-empty bucket."""
+        return self._buckets.shapes()
+
+    @property
+    def padding_efficiency(self) -> float:
+        """Real tokens / slots over an epoch (the same for every epoch); see the function padding_efficiency."""
+        return self._buckets.padding_efficiency()
+
+
+def eval_batches(encoded: EncodedCorpus, max_tokens: int, *,
+                 row_multiple: int = 1) -> list[tuple[dict[str, np.ndarray], np.ndarray]]:
+    """One deterministic pass over `encoded` for evaluation, bucketed like BatchStream but not shuffled.
+
+    Returns (batch, index) pairs: index[r] is the position in `encoded` of row r's pair, or -1 for a padding
+    row, so outputs can be put back in corpus order (`encoded.line_numbers[index[r]]` gives the file line).
+    """
+    buckets = _Buckets(encoded, max_tokens, row_multiple)
+    return [(buckets.collate(b, rows), rows) for b, rows in buckets.plan(None)]
