@@ -1,0 +1,393 @@
+"""Fast decoding: greedy and beam search over the model's key/value cache, compiled whole with `jax.jit`.
+
+Decoding a sentence feeds the decoder one token at a time. Without a cache every step re-runs the decoder over
+the whole prefix (quadratic work); with it, each step computes one position and attends to the keys/values
+stored by the earlier steps (see `jax_transformer/model.py`). The encoder runs once per batch, and the
+cross-attention keys/values are projected from its output once, when the cache is created.
+
+The whole loop is one `lax.while_loop` inside `jax.jit`, which stops as soon as every sequence is finished.
+
+Conventions (shared with the PyTorch reference, `torch_reference/decoding.py`, which must give the same tokens):
+
+* `src` (B, S) int: source tokens + [EOS], right-padded with PAD (0). A row's source length n is its count of
+  non-PAD tokens (EOS included). An all-PAD row is a filler row: it is decoded for one token and ignored.
+* Length limit (fairseq's convention): a row may produce at most
+      max_new = min(config.max_len, max(1, floor(max_len_a * n + max_len_b)))
+  tokens, EOS included. Defaults a = 1.5, b = 10: generous for translation between European languages (the
+  default task's French is at most ~1.4x its English in tokens), and a cap that stops a degenerate model early.
+  `min_len` forbids EOS before that many tokens (fairseq's --min-len); benchmarks use it to force a length.
+* Output: tokens (B, L) without BOS, EOS included where one was emitted, PAD after; L = the largest max_new a
+  source of width S could get, min(config.max_len, max(1, floor(a * S + b))). A row that hits its length limit
+  stops without EOS.
+* Greedy: the argmax of the log-probabilities (first index on ties); score = sum of the chosen log-probs.
+* Beam search (as in Flax's WMT example, GNMT length penalty): score = log P(y) / ((5 + |y|) / 6) ** alpha,
+  |y| counting EOS. Each step extends every live hypothesis by every token, keeps the 2K best extensions (so K
+  survive even if K of them end), moves the ending ones (EOS, or the row's length limit) to the finished set,
+  and keeps the K best others alive. Ties go to the lower index (earlier beam, then lower token id; finished
+  hypotheses found earlier win over later ones), exactly as `lax.top_k` orders them. A row is done when it
+  has K finished hypotheses and no live one can still beat the worst of them: a live hypothesis's score can
+  at best reach log P(prefix) / penalty(max_new), because log-probs only fall as tokens are added and the
+  penalty only grows (alpha >= 0). The result is the best finished hypothesis.
+
+Compilation: the jitted cores take `config`, the output length L and the beam size as static arguments and
+everything else (parameters, sources, limits, the length-penalty table, hence alpha) as arrays, so `jax.jit`
+compiles once per (config, batch size, source width, L, beam size) and caches it. `translate` pads batches to a
+few shapes (batch sizes: powers of two up to `batch_size`; source widths: `data.bucket_lengths(max_len)`) so a
+whole test set compiles a handful of times.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any, Sequence
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from tqdm.auto import tqdm
+
+from jax_transformer.config import TransformerConfig
+from jax_transformer.data import bucket_lengths
+from jax_transformer.model import Transformer
+
+DEFAULT_MAX_LEN_A = 1.5
+DEFAULT_MAX_LEN_B = 10
+
+
+# =============================================================================================================
+# Lengths and scores: plain numpy, computed on the host (the PyTorch reference uses the same formulas)
+# =============================================================================================================
+
+
+def check_source(src: Any, config: TransformerConfig) -> np.ndarray:
+    """`src` as an (B, S) int32 numpy array after checking it is a right-padded batch of valid source ids."""
+    src = np.asarray(src)
+    if src.ndim != 2 or src.shape[0] < 1 or src.shape[1] < 1:
+        raise ValueError(f"src must have shape (batch, length) with both >= 1, got shape {src.shape}")
+    if not np.issubdtype(src.dtype, np.integer):
+        raise ValueError(f"src must hold integer token ids, got dtype {src.dtype}")
+    if src.shape[1] > config.max_len:
+        raise ValueError(f"src has length {src.shape[1]}, more than config.max_len={config.max_len} positions")
+    bad = np.argwhere((src < 0) | (src >= config.src_vocab_size))
+    if bad.size:
+        r, c = bad[0]
+        raise ValueError(f"src[{r}, {c}] = {src[r, c]} is outside the source vocabulary "
+                         f"[0, {config.src_vocab_size})")
+    real = src != config.pad_id
+    # Right padding: once a row has a PAD, every later entry is PAD (the length is the count of real tokens).
+    after_pad = real & (np.cumsum(~real, axis=1) > 0)
+    if after_pad.any():
+        r, c = np.argwhere(after_pad)[0]
+        raise ValueError(f"src row {r} has token {src[r, c]} at position {c} after padding; "
+                         f"rows must be right-padded with pad_id={config.pad_id}")
+    return src.astype(np.int32)
+
+
+def source_lengths(src: np.ndarray, pad_id: int) -> np.ndarray:
+    """(B,) count of non-PAD tokens in each row (EOS included)."""
+    return np.count_nonzero(np.asarray(src) != pad_id, axis=1)
+
+
+def _length_limit(n: int, config: TransformerConfig, max_len_a: float, max_len_b: float) -> int:
+    if n == 0:  # an all-PAD filler row: one step, so that it never holds up the early exit
+        return 1
+    return min(config.max_len, max(1, math.floor(max_len_a * n + max_len_b)))
+
+
+def max_new_tokens(src: np.ndarray, config: TransformerConfig, max_len_a: float = DEFAULT_MAX_LEN_A,
+                   max_len_b: float = DEFAULT_MAX_LEN_B) -> np.ndarray:
+    """(B,) int32: how many tokens (EOS included) each row may produce, from its source length n:
+    min(config.max_len, max(1, floor(max_len_a * n + max_len_b))), and 1 for an all-PAD row (n = 0)."""
+    return np.array([_length_limit(int(n), config, max_len_a, max_len_b)
+                     for n in source_lengths(src, config.pad_id)], dtype=np.int32)
+
+
+def output_length(src_width: int, config: TransformerConfig, max_len_a: float = DEFAULT_MAX_LEN_A,
+                  max_len_b: float = DEFAULT_MAX_LEN_B) -> int:
+    """Width L of the returned tokens: the limit of a row that fills all `src_width` positions."""
+    return _length_limit(src_width, config, max_len_a, max_len_b)
+
+
+def length_penalties(length: int, alpha: float) -> np.ndarray:
+    """(length + 1,) float32 GNMT length penalty ((5 + l) / 6) ** alpha for l = 0..length (Wu et al. 2016),
+    computed in float64 and rounded once, so both frameworks divide by the very same numbers."""
+    return (((5.0 + np.arange(length + 1, dtype=np.float64)) / 6.0) ** alpha).astype(np.float32)
+
+
+def _check_options(config: TransformerConfig, max_len_a, max_len_b, min_len, beam_size=1, alpha=0.0) -> None:
+    if max_len_a < 0 or max_len_b < 0:
+        raise ValueError(f"max_len_a and max_len_b must be >= 0, got {max_len_a} and {max_len_b}")
+    if isinstance(min_len, bool) or not isinstance(min_len, (int, np.integer)) or min_len < 0:
+        raise ValueError(f"min_len must be an int >= 0, got {min_len!r}")
+    if isinstance(beam_size, bool) or not isinstance(beam_size, (int, np.integer)) or beam_size < 1:
+        raise ValueError(f"beam_size must be an int >= 1, got {beam_size!r}")
+    if 2 * beam_size >= config.tgt_vocab_size:
+        raise ValueError(f"beam_size={beam_size} needs 2 * beam_size < tgt_vocab_size ({config.tgt_vocab_size}): "
+                         f"each step keeps the 2 * beam_size best extensions of the first beam")
+    if not alpha >= 0:
+        raise ValueError(f"alpha must be >= 0 (the early stop relies on the penalty growing with length), "
+                         f"got {alpha}")
+
+
+# =============================================================================================================
+# The cached decoder, as pure functions of (params, cache)
+# =============================================================================================================
+
+
+def _encode(model: Transformer, params, src):
+    return model.apply({"params": params}, src, method=Transformer.encode)  # (B, S, D)
+
+
+def _create_cache(model: Transformer, params, memory, src, length: int):
+    """The decoding cache for `length` target positions: one decode call on a dummy (B, length) target creates
+    empty self-attention keys/values and projects the cross-attention keys/values from `memory`."""
+    dummy = jnp.zeros((src.shape[0], length), dtype=jnp.int32)
+    _, variables = model.apply({"params": params}, memory, src, dummy, decode=True, mutable=["cache"],
+                               method=Transformer.decode)
+    return variables["cache"]
+
+
+def _decode_step(model: Transformer, params, cache, memory, src, tokens):
+    """One decoder step: tokens (B,) at the cache's position -> log-probs (B, V) of the next token, new cache."""
+    logits, variables = model.apply({"params": params, "cache": cache}, memory, src, tokens[:, None],
+                                    decode=True, mutable=["cache"], method=Transformer.decode)
+    return jax.nn.log_softmax(logits[:, 0], axis=-1), variables["cache"]  # (B, V)
+
+
+def _ban_eos(log_probs, step, min_len, eos_id: int):
+    """EOS gets log-prob -inf while fewer than `min_len` tokens have been produced (no renormalisation)."""
+    return log_probs.at[..., eos_id].set(jnp.where(step < min_len, -jnp.inf, log_probs[..., eos_id]))
+
+
+# =============================================================================================================
+# Greedy search
+# =============================================================================================================
+
+
+@functools.partial(jax.jit, static_argnames=("config", "length"))
+def _greedy_core(params, src, max_new, min_len, *, config: TransformerConfig, length: int):
+    """src (B, S), max_new (B,) -> tokens (B, length), scores (B,)."""
+    model = Transformer(config)
+    B = src.shape[0]
+    memory = _encode(model, params, src)  # (B, S, D)
+    cache = _create_cache(model, params, memory, src, length)
+
+    def not_finished(state):
+        step, _, _, _, done, _ = state
+        return (step < length) & ~jnp.all(done)
+
+    def advance(state):
+        step, last, tokens, scores, done, cache = state
+        log_probs, cache = _decode_step(model, params, cache, memory, src, last)  # (B, V)
+        log_probs = _ban_eos(log_probs, step, min_len, config.eos_id)
+        # Greedy: take the most probable next token; finished rows emit PAD and add nothing to their score.
+        token = jnp.where(done, config.pad_id, jnp.argmax(log_probs, axis=-1).astype(jnp.int32))  # (B,)
+        gained = jnp.take_along_axis(log_probs, token[:, None], axis=-1)[:, 0]
+        scores = scores + jnp.where(done, 0.0, gained)
+        tokens = tokens.at[:, step].set(token)
+        done = done | (token == config.eos_id) | (step + 1 >= max_new)
+        return step + 1, token, tokens, scores, done, cache
+
+    state = (jnp.array(0, jnp.int32), jnp.full((B,), config.bos_id, jnp.int32),
+             jnp.full((B, length), config.pad_id, jnp.int32), jnp.zeros((B,), jnp.float32),
+             jnp.zeros((B,), bool), cache)
+    _, _, tokens, scores, _, _ = lax.while_loop(not_finished, advance, state)
+    return tokens, scores
+
+
+def greedy_search(params, config: TransformerConfig, src, *, max_len_a: float = DEFAULT_MAX_LEN_A,
+                  max_len_b: float = DEFAULT_MAX_LEN_B, min_len: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Greedy decoding of a batch of right-padded sources (B, S).
+
+    Returns tokens (B, L) int32 (no BOS; EOS where emitted; PAD after) and scores (B,) float32, the sum of the
+    chosen tokens' log-probabilities. See the module docstring for the length rule and L.
+    """
+    src = check_source(src, config)
+    _check_options(config, max_len_a, max_len_b, min_len)
+    length = output_length(src.shape[1], config, max_len_a, max_len_b)
+    tokens, scores = _greedy_core(params, jnp.asarray(src), jnp.asarray(max_new_tokens(src, config, max_len_a,
+                                                                                        max_len_b)),
+                                  jnp.asarray(min_len, jnp.int32), config=config, length=length)
+    return np.asarray(tokens), np.asarray(scores)
+
+
+# =============================================================================================================
+# Beam search
+# =============================================================================================================
+
+
+@flax.struct.dataclass
+class BeamState:
+    """Everything the beam search loop carries. K = beam size, L = output length."""
+
+    step: jnp.ndarray  # () int32: tokens produced so far by every live hypothesis
+    live_tokens: jnp.ndarray  # (B, K, L) int32: live hypotheses, best first
+    live_log_probs: jnp.ndarray  # (B, K) float32: their log P; -inf marks an empty slot
+    finished_tokens: jnp.ndarray  # (B, K, L) int32: finished hypotheses, best first
+    finished_scores: jnp.ndarray  # (B, K) float32: their length-penalised scores; -inf marks an empty slot
+    finished_flags: jnp.ndarray  # (B, K) bool: which finished slots hold a hypothesis
+    done: jnp.ndarray  # (B,) bool: rows whose finished set can no longer change
+    cache: Any  # the decoder cache of the live hypotheses, batch axis B * K
+
+
+def _gather(x, index):
+    """x (B, N, ...), index (B, M) -> (B, M, ...): picks entries along axis 1, per row."""
+    return jnp.take_along_axis(x, index.reshape(index.shape + (1,) * (x.ndim - 2)), axis=1)
+
+
+def _gather_cache(cache, parents, beam_size: int):
+    """Reorders the flat (B * K, ...) cache so that slot k of row b holds the cache of its parent beam."""
+    B = parents.shape[0]
+    flat = (jnp.arange(B)[:, None] * beam_size + parents).reshape(-1)  # (B * K,)
+    # 0-d leaves (the cache index and position) are shared by every row and stay as they are.
+    return jax.tree_util.tree_map(lambda x: x if x.ndim == 0 else x[flat], cache)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "length", "beam_size"))
+def _beam_core(params, src, max_new, min_len, penalties, *, config: TransformerConfig, length: int,
+               beam_size: int):
+    """src (B, S), max_new (B,), penalties (length + 1,) -> tokens (B, length), scores (B,)."""
+    model = Transformer(config)
+    B, K = src.shape[0], beam_size
+    memory = _encode(model, params, src)  # (B, S, D)
+    # Every row is searched with K hypotheses side by side: the decoder sees a batch of B * K rows.
+    src_k = jnp.repeat(src, K, axis=0)  # (B * K, S)
+    memory_k = jnp.repeat(memory, K, axis=0)  # (B * K, S, D)
+    cache = _create_cache(model, params, memory_k, src_k, length)
+
+    def not_finished(s: BeamState):
+        return (s.step < length) & ~jnp.all(s.done)
+
+    def advance(s: BeamState) -> BeamState:
+        t = s.step
+        last = jnp.where(t == 0, config.bos_id, s.live_tokens[:, :, jnp.maximum(t - 1, 0)])  # (B, K)
+        log_probs, cache = _decode_step(model, params, s.cache, memory_k, src_k, last.reshape(-1))  # (B*K, V)
+        V = log_probs.shape[-1]
+        log_probs = _ban_eos(log_probs, t, min_len, config.eos_id).reshape(B, K, V)
+
+        # Extend every live hypothesis by every token; keep the 2K most probable extensions.
+        extended = s.live_log_probs[:, :, None] + log_probs  # (B, K, V)
+        top_log_probs, top_index = lax.top_k(extended.reshape(B, K * V), 2 * K)  # (B, 2K)
+        parents, new_tokens = top_index // V, top_index % V  # (B, 2K)
+        candidates = _gather(s.live_tokens, parents).at[:, :, t].set(new_tokens)  # (B, 2K, L)
+        # A candidate ends with EOS, or when its row reaches the length limit (then without EOS).
+        ends = (new_tokens == config.eos_id) | (t + 1 >= max_new)[:, None]  # (B, 2K)
+
+        # Live set: the K most probable candidates that did not end.
+        live_log_probs, pick = lax.top_k(jnp.where(ends, -jnp.inf, top_log_probs), K)  # (B, K)
+        live_tokens = _gather(candidates, pick)  # (B, K, L)
+        cache = _gather_cache(cache, jnp.take_along_axis(parents, pick, axis=1), K)
+
+        # Finished set: the K best of the old finished and the candidates that ended, by penalised score.
+        new_scores = jnp.where(ends, top_log_probs / penalties[t + 1], -jnp.inf)  # (B, 2K)
+        scores, pick = lax.top_k(jnp.concatenate([s.finished_scores, new_scores], axis=1), K)  # (B, K)
+        tokens = _gather(jnp.concatenate([s.finished_tokens, candidates], axis=1), pick)
+        flags = _gather(jnp.concatenate([s.finished_flags, ends], axis=1), pick)
+        # Rows that were already done keep their finished set (their candidates could only lose, or come
+        # from steps beyond their length limit).
+        frozen = s.done[:, None]
+        scores = jnp.where(frozen, s.finished_scores, scores)
+        tokens = jnp.where(frozen[:, :, None], s.finished_tokens, tokens)
+        flags = jnp.where(frozen, s.finished_flags, flags)
+
+        # Done: the length limit is reached, or K hypotheses are finished and no live one can beat the worst.
+        best_reachable = live_log_probs[:, 0] / penalties[max_new]  # (B,)
+        beaten = jnp.all(flags, axis=1) & (scores[:, -1] > best_reachable)
+        done = s.done | (t + 1 >= max_new) | beaten
+        return BeamState(t + 1, live_tokens, live_log_probs, tokens, scores, flags, done, cache)
+
+    first_beam_only = jnp.where(jnp.arange(K) == 0, 0.0, -jnp.inf)  # K copies of BOS: only one may extend
+    state = BeamState(
+        step=jnp.array(0, jnp.int32),
+        live_tokens=jnp.full((B, K, length), config.pad_id, jnp.int32),
+        live_log_probs=jnp.tile(first_beam_only, (B, 1)).astype(jnp.float32),
+        finished_tokens=jnp.full((B, K, length), config.pad_id, jnp.int32),
+        finished_scores=jnp.full((B, K), -jnp.inf, jnp.float32),
+        finished_flags=jnp.zeros((B, K), bool),
+        done=jnp.zeros((B,), bool),
+        cache=cache)
+    final = lax.while_loop(not_finished, advance, state)
+    # Every row ends done with at least one finished hypothesis (at the latest, its length limit finishes K).
+    return final.finished_tokens[:, 0], final.finished_scores[:, 0]
+
+
+def beam_search(params, config: TransformerConfig, src, *, beam_size: int = 4, alpha: float = 0.6,
+                max_len_a: float = DEFAULT_MAX_LEN_A, max_len_b: float = DEFAULT_MAX_LEN_B,
+                min_len: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Beam search over a batch of right-padded sources (B, S) with the GNMT length penalty.
+
+    Returns the best hypothesis of each row, tokens (B, L) int32 (no BOS; EOS where emitted; PAD after), and
+    its score (B,) float32 = log P / ((5 + length) / 6) ** alpha. With alpha = 0 and beam_size = 1 this is
+    exactly greedy search (with alpha > 0 the single beam may outlive a greedy EOS whose score it can beat).
+    """
+    src = check_source(src, config)
+    _check_options(config, max_len_a, max_len_b, min_len, beam_size, alpha)
+    length = output_length(src.shape[1], config, max_len_a, max_len_b)
+    tokens, scores = _beam_core(
+        params, jnp.asarray(src), jnp.asarray(max_new_tokens(src, config, max_len_a, max_len_b)),
+        jnp.asarray(min_len, jnp.int32), jnp.asarray(length_penalties(length, alpha)),
+        config=config, length=length, beam_size=int(beam_size))
+    return np.asarray(tokens), np.asarray(scores)
+
+
+# =============================================================================================================
+# Translating sentences
+# =============================================================================================================
+
+
+def batch_buckets(batch_size: int) -> tuple[int, ...]:
+    """Row counts a decoding batch is padded to: 1, 2, 4, ... (powers of two below batch_size), batch_size."""
+    sizes = [1]
+    while sizes[-1] * 2 < batch_size:
+        sizes.append(sizes[-1] * 2)
+    return tuple(sizes) + ((batch_size,) if batch_size > 1 else ())
+
+
+def _bucket(n: int, sizes: Sequence[int]) -> int:
+    return next(size for size in sizes if size >= n)
+
+
+def encode_sources(tokenizer, sentences: Sequence[str], config: TransformerConfig) -> list[np.ndarray]:
+    """Subword ids + [EOS] of each sentence (the encoder-input convention of `jax_transformer.data`)."""
+    if isinstance(sentences, str):
+        raise TypeError("translate takes a list of sentences, got one str")
+    encoded = []
+    for i, ids in enumerate(tokenizer.encode_batch(list(sentences))):
+        if len(ids) + 1 > config.max_len:
+            raise ValueError(f"sentence {i} has {len(ids)} tokens + EOS, more than config.max_len="
+                             f"{config.max_len}: {sentences[i][:60]!r}")
+        encoded.append(np.array(list(ids) + [config.eos_id], dtype=np.int32))
+    return encoded
+
+
+def translate(params, config: TransformerConfig, tokenizer, sentences: Sequence[str], *, beam_size: int = 4,
+              alpha: float = 0.6, batch_size: int = 64, max_len_a: float = DEFAULT_MAX_LEN_A,
+              max_len_b: float = DEFAULT_MAX_LEN_B, progress: bool = True) -> list[str]:
+    """Translates sentences (strings) and returns the translations in the same order.
+
+    beam_size=1 uses greedy search, larger values beam search with length penalty `alpha`. Sentences are
+    sorted by length and decoded `batch_size` at a time; each batch is padded to a bucket shape (rows: a power
+    of two up to batch_size; width: `data.bucket_lengths(config.max_len)`), so compilations are few and reused.
+    """
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
+    sources = encode_sources(tokenizer, sentences, config)
+    order = np.argsort([len(s) for s in sources], kind="stable")  # similar lengths share a batch
+    row_sizes, widths = batch_buckets(batch_size), bucket_lengths(config.max_len)
+    out: list[str] = [""] * len(sources)
+    chunks = [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
+    for chunk in tqdm(chunks, desc="translate", unit="batch", disable=not progress or len(chunks) < 2):
+        rows, width = _bucket(len(chunk), row_sizes), _bucket(max(len(sources[i]) for i in chunk), widths)
+        src = np.full((rows, width), config.pad_id, dtype=np.int32)  # filler rows stay all-PAD
+        for row, i in enumerate(chunk):
+            src[row, :len(sources[i])] = sources[i]
+        if beam_size == 1:
+            tokens, _ = greedy_search(params, config, src, max_len_a=max_len_a, max_len_b=max_len_b)
+        else:
+            tokens, _ = beam_search(params, config, src, beam_size=beam_size, alpha=alpha, max_len_a=max_len_a,
+                                    max_len_b=max_len_b)
+        for row, i in enumerate(chunk):
+            out[i] = tokenizer.decode(tokens[row])
+    return out
