@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import signal
 import time
 from pathlib import Path
@@ -299,3 +300,339 @@ def evaluate_translations(params, config: TransformerConfig, tokenizer, sources:
     """Translates `sources` and scores them against `references`: ({"bleu", "chrf"}, hypotheses)."""
     hypotheses = translate_sentences(params, config, tokenizer, sources, beam_size=beam_size, alpha=alpha)
     return score_translations(hypotheses, references), hypotheses
+
+
+# =============================================================================================================
+# 5. The training loop
+# =============================================================================================================
+
+
+@dataclasses.dataclass
+class ValidationSet:
+    """Validation data in the two forms evaluation needs: id batches for the loss, text for BLEU / chrF."""
+
+    batches: list[dict[str, np.ndarray]]
+    sources: list[str]
+    references: list[str]
+
+    @classmethod
+    def from_encoded(cls, encoded, corpus, max_tokens: int) -> "ValidationSet":
+        """`encoded` = encode_corpus(corpus, ...); pairs skipped as too long are left out of both forms."""
+        from jax_transformer.data import eval_batches
+
+        batches = [batch for batch, _ in eval_batches(encoded, max_tokens)]
+        return cls(batches, [corpus.sources[i] for i in encoded.corpus_index],
+                   [corpus.targets[i] for i in encoded.corpus_index])
+
+
+@dataclasses.dataclass
+class LoopConfig:
+    """When the loop evaluates, saves and stops."""
+
+    steps: int  # stop after this many updates in total (a resumed run counts the steps before the resume)
+    eval_every: int = 1000  # validate (loss; BLEU/chrF when a decoder exists) every this many steps
+    save_every: int = 1000  # checkpoint every this many steps (and at evaluations and at the end)
+    max_minutes: float | None = None  # stop after this much wall time since `start_time`
+    eval_beam_size: int = 1  # beam size of the BLEU evaluations during training (1: greedy, fast)
+    final_beam_size: int = 4  # beam size of the final evaluation
+    alpha: float = 0.6  # length penalty of beam search (GNMT), as in paper section 6.1
+    eval_sentences: int | None = None  # BLEU on the first this many validation sentences (None: all)
+    samples: int = 5  # sample translations printed at each evaluation
+    progress: bool = True  # tqdm progress bar
+
+
+class MetricsLog:
+    """Appends one JSON object per line to `<run>/metrics.jsonl`: {"kind": "train" | "eval", "step": ...}."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = open(self.path, "a", encoding="utf-8")
+
+    def write(self, record: Mapping[str, Any]) -> None:
+        self._file.write(json.dumps(record, sort_keys=True) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def truncate_metrics(path: str | os.PathLike, after_step: int) -> None:
+    """Drops records of steps > after_step: a resumed run rewrites the steps the interrupted one did after its
+    last checkpoint, and the curve should show each step once."""
+    path = Path(path)
+    if not path.exists():
+        return
+    kept = [line for line in path.read_text(encoding="utf-8").splitlines()
+            if line.strip() and json.loads(line).get("step", 0) <= after_step]
+    path.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+
+
+def plot_metrics(metrics_path: str | os.PathLike, png_path: str | os.PathLike) -> Path | None:
+    """Loss curve (training loss, smoothed, and validation loss) and BLEU/chrF per evaluation, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display needed
+    import matplotlib.pyplot as plt
+
+    records = [json.loads(line) for line in Path(metrics_path).read_text(encoding="utf-8").splitlines() if line]
+    train = [r for r in records if r["kind"] == "train"]
+    evals = [r for r in records if r["kind"] == "eval"]
+    if not train:
+        return None
+    fig, (ax_loss, ax_bleu) = plt.subplots(1, 2, figsize=(11, 4))
+    steps = np.array([r["step"] for r in train])
+    loss = np.array([r["loss"] for r in train])
+    ax_loss.plot(steps, loss, color="tab:blue", alpha=0.25, linewidth=0.8)
+    window = max(1, len(loss) // 50)  # a moving average over ~2% of the run
+    smooth = np.convolve(loss, np.ones(window) / window, mode="valid")
+    ax_loss.plot(steps[window - 1:], smooth, color="tab:blue", label="train (label-smoothed)")
+    if evals:
+        ax_loss.plot([r["step"] for r in evals], [r["valid_loss"] for r in evals], "o-", color="tab:orange",
+                     label="validation (label-smoothed)")
+    ax_loss.set(xlabel="step", ylabel="loss per target token", title="Loss")
+    ax_loss.legend()
+    scored = [r for r in evals if "bleu" in r]
+    if scored:
+        ax_bleu.plot([r["step"] for r in scored], [r["bleu"] for r in scored], "o-", label="BLEU")
+        ax_bleu.plot([r["step"] for r in scored], [r["chrf"] for r in scored], "s-", label="chrF")
+        ax_bleu.legend()
+    ax_bleu.set(xlabel="step", ylabel="score", title="Validation BLEU / chrF (sacrebleu)")
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=100)
+    plt.close(fig)
+    return Path(png_path)
+
+
+class _StopSignals:
+    """Turns SIGINT / SIGTERM into a flag the loop checks after each step, so it can save and exit cleanly.
+    A second signal of the same kind restores the default behaviour (a second Ctrl-C kills at once)."""
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+        self._previous = {}
+
+    def __enter__(self) -> "_StopSignals":
+        import threading
+
+        if threading.current_thread() is threading.main_thread():  # signal handlers only work there
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        if self.received is not None:
+            signal.signal(signum, self._previous.get(signum, signal.SIG_DFL))
+        self.received = signum
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+@dataclasses.dataclass
+class RunResult:
+    """How a `Trainer.run` ended."""
+
+    step: int
+    stopped_by: str  # "steps", "time", "SIGINT", "SIGTERM"
+    final_eval: dict[str, float] | None
+    samples: list[tuple[str, str, str]]  # (source, reference, hypothesis)
+    curve: Path | None
+
+
+class Trainer:
+    """Runs training steps from a BatchStream, evaluates, checkpoints and logs, until the step budget, the wall
+    time budget or a stop signal. `state` may be fresh or restored; `stream` must be positioned to match it."""
+
+    def __init__(self, *, config: TransformerConfig, optim: OptimConfig, tokenizer, stream, state: TrainState,
+                 loop: LoopConfig, run_dir: str | os.PathLike, checkpoints, valid: ValidationSet | None = None,
+                 run_settings: Mapping[str, Any] | None = None, n_devices: int = 1, start_time: float | None = None,
+                 print_fn: Callable[[str], None] = print) -> None:
+        self.config, self.optim, self.tokenizer, self.stream = config, optim, tokenizer, stream
+        self.loop, self.valid, self.checkpoints = loop, valid, checkpoints
+        self.run_dir = Path(run_dir)
+        self.run_settings = dict(run_settings or {})
+        self.n_devices = n_devices
+        self.start_time = time.time() if start_time is None else start_time
+        self.print = print_fn
+        self.step = int(jax.device_get(state.step))
+        self.state = replicate(state, n_devices)
+        self.train_step = make_train_step(config, optim, n_devices=n_devices)
+        self.eval_step = make_eval_step(config, optim.label_smoothing)
+        self.metrics = MetricsLog(self.run_dir / "metrics.jsonl")
+        # A resumed state is already on disk under its step; orbax cannot save a step twice.
+        self.last_saved_step: int | None = self.step if self.step in checkpoints.steps() else None
+
+    # --- pieces ----------------------------------------------------------------------------------------------
+    def host_params(self):
+        return unreplicate(self.state, self.n_devices).params
+
+    def save(self, metrics: Mapping[str, float] | None = None) -> None:
+        if self.last_saved_step == self.step:
+            return
+        self.checkpoints.save(self.step, unreplicate(self.state, self.n_devices), config=self.config,
+                              optim=self.optim.to_dict(), tokenizer=self.tokenizer, data_state=self.stream.state(),
+                              run=self.run_settings, metrics=metrics)
+        self.last_saved_step = self.step
+
+    def evaluate(self, *, beam_size: int, final: bool = False) -> tuple[dict[str, float], list]:
+        """Validation loss/perplexity/accuracy, and BLEU/chrF when `jax_transformer.decoding` exists."""
+        params = self.host_params()
+        result = {f"valid_{k}": v for k, v in evaluate_loss(params, self.eval_step, self.valid.batches).items()}
+        samples = []
+        if decoder_available():
+            n = len(self.valid.sources) if self.loop.eval_sentences is None else self.loop.eval_sentences
+            sources, references = self.valid.sources[:n], self.valid.references[:n]
+            scores, hypotheses = evaluate_translations(params, self.config, self.tokenizer, sources, references,
+                                                       beam_size=beam_size, alpha=self.loop.alpha)
+            result.update(scores, beam_size=beam_size, sentences=len(sources))
+            samples = list(zip(sources, references, hypotheses))[:self.loop.samples]
+        # The best checkpoint is chosen by BLEU when there is one, else by (minus) the validation loss.
+        result["score"] = result.get("bleu", -result["valid_loss"])
+        self.metrics.write({"kind": "eval", "step": self.step, "final": final,
+                            "elapsed_s": round(time.time() - self.start_time, 1), **result})
+        return result, samples
+
+    def report(self, result: Mapping[str, float], samples) -> None:
+        line = (f"step {self.step}: valid loss {result['valid_loss']:.3f}, ppl {result['valid_ppl']:.2f}, "
+                f"token accuracy {100 * result['valid_accuracy']:.1f}%")
+        if "bleu" in result:
+            line += (f", BLEU {result['bleu']:.2f}, chrF {result['chrf']:.2f} "
+                     f"(sacrebleu, {result['sentences']} sentences, beam {result['beam_size']})")
+        else:
+            line += " (no BLEU: jax_transformer.decoding is not available)"
+        self.print(line)
+        for source, reference, hypothesis in samples:
+            self.print(f"  source:    {source}\n  reference: {reference}\n  model:     {hypothesis}")
+
+    def _stop_reason(self, signals: _StopSignals) -> str | None:
+        if signals.received is not None:
+            return signal.Signals(signals.received).name
+        if self.step >= self.loop.steps:
+            return "steps"
+        if self.loop.max_minutes is not None and time.time() - self.start_time >= 60.0 * self.loop.max_minutes:
+            return "time"
+        return None
+
+    def _one_step(self, bar) -> None:
+        """One update on the next batch; logs it; raises TrainingError on a non-finite loss."""
+        lr = float(noam_rate(self.step + 1, self.config.d_model, self.optim.warmup_steps, self.optim.lr_scale))
+        batch = shard_batch(next(self.stream), self.n_devices)
+        self.state, sums = self.train_step(self.state, batch)
+        sums = jax.device_get(sums)
+        if self.n_devices > 1:
+            sums = {k: v[0] for k, v in sums.items()}  # psummed: every device holds the total
+        stats = summarize(sums)
+        if not math.isfinite(stats["loss"]):
+            # The update just applied came from a non-finite gradient, so the state is ruined. Stop without
+            # saving it: the last checkpoint on disk stays the last good one.
+            self.metrics.write({"kind": "train", "step": self.step + 1, "lr": lr, "loss": stats["loss"],
+                                "error": "non-finite loss"})
+            raise TrainingError(
+                f"step {self.step + 1}: the training loss is {stats['loss']} (not finite); stopped without "
+                f"saving. The last good checkpoint is step {self.checkpoints.latest_step()} in "
+                f"{self.checkpoints.directory}. Try a lower --lr-scale, a longer --warmup or --clip-norm.")
+        self.step += 1
+        tokens, start = self._window
+        tokens, now = tokens + stats["tokens"], time.time()
+        tokens_per_s = tokens / max(now - start, 1e-9)
+        self._window = (0.0, now) if now - start > 10.0 else (tokens, start)  # a ~10 second window
+        self.metrics.write({"kind": "train", "step": self.step, "lr": lr, "tokens_per_s": round(tokens_per_s, 1),
+                            "elapsed_s": round(now - self.start_time, 1), **stats})
+        bar.update(1)
+        bar.set_postfix(loss=f"{stats['loss']:.3f}", lr=f"{lr:.2e}", tok_s=f"{tokens_per_s:.0f}", refresh=False)
+
+    # --- the loop --------------------------------------------------------------------------------------------
+    def run(self) -> RunResult:
+        from tqdm.auto import tqdm
+
+        loop = self.loop
+        bar = tqdm(total=loop.steps, initial=self.step, unit="step", disable=not loop.progress,
+                   dynamic_ncols=True, mininterval=1.0)
+        self._window = (0.0, time.time())  # tokens and start time of the tokens/s window
+        try:
+            with _StopSignals() as signals:
+                while (stopped_by := self._stop_reason(signals)) is None:
+                    self._one_step(bar)
+                    if self._stop_reason(signals) is not None:
+                        continue  # the final evaluation and save below handle this step
+                    if self.valid is not None and self.step % loop.eval_every == 0:
+                        bar.clear()
+                        result, samples = self.evaluate(beam_size=loop.eval_beam_size)
+                        self.report(result, samples[:2])
+                        self.save(metrics={"score": result["score"]})
+                    elif self.step % loop.save_every == 0:
+                        self.save()
+            bar.close()
+            if stopped_by.startswith("SIG"):  # asked to stop: save quickly, no final evaluation
+                self.save()
+                self.print(f"stopped by {stopped_by} at step {self.step}; checkpoint saved in "
+                           f"{self.checkpoints.directory} (resume with --resume {self.run_dir})")
+                return RunResult(self.step, stopped_by, None, [], self._plot())
+            if stopped_by == "time":
+                self.print(f"stopping at step {self.step}: --max-minutes {loop.max_minutes} reached")
+            final, samples = None, []
+            if self.valid is not None:
+                final, samples = self.evaluate(beam_size=loop.final_beam_size, final=True)
+                self.report(final, samples)
+                self.save(metrics={"score": final["score"]})
+            else:
+                self.save()
+            return RunResult(self.step, stopped_by, final, samples, self._plot())
+        finally:
+            bar.close()
+            self.checkpoints.wait()  # never leave with a save half-written
+            self.metrics.close()
+
+    def _plot(self) -> Path | None:
+        try:
+            return plot_metrics(self.run_dir / "metrics.jsonl", self.run_dir / "loss_curve.png")
+        except Exception as e:  # a plotting problem must not lose a finished run
+            self.print(f"warning: could not draw the loss curve: {e}")
+            return None
+
+
+# =============================================================================================================
+# 6. Setting up a run: data specs and corpus fingerprints
+# =============================================================================================================
+
+
+def data_spec(*, src=None, tgt=None, tsv=None, default=None, what: str = "training") -> dict[str, str] | None:
+    """A JSON-able description of where a corpus comes from (stored in checkpoints so a resume re-reads it):
+    {"kind": "parallel", "src", "tgt"}, {"kind": "tsv", "tsv"}, {"kind": "default", "split"}, or None."""
+    from jax_transformer.data import DataError
+
+    if tsv is not None and (src is not None or tgt is not None):
+        raise DataError(f"{what} data: give either a TSV file or a source and a target file, not both")
+    if tsv is not None:
+        return {"kind": "tsv", "tsv": str(Path(tsv).absolute())}
+    if (src is None) != (tgt is None):
+        given, missing = ("source", "target") if tgt is None else ("target", "source")
+        raise DataError(f"{what} data: a {given} file was given without its {missing} file")
+    if src is not None:
+        return {"kind": "parallel", "src": str(Path(src).absolute()), "tgt": str(Path(tgt).absolute())}
+    return None if default is None else {"kind": "default", "split": default}
+
+
+def load_corpus(spec: Mapping[str, str], *, on_empty: str = "skip"):
+    """Reads the corpus a `data_spec` describes (DataError naming the file and line for bad input)."""
+    from jax_transformer import data
+
+    if spec["kind"] == "parallel":
+        return data.read_parallel(spec["src"], spec["tgt"], on_empty=on_empty)
+    if spec["kind"] == "tsv":
+        return data.read_tsv(spec["tsv"], on_empty=on_empty)
+    from jax_transformer import default_task
+
+    return default_task.default_pairs(spec["split"])
+
+
+def corpus_fingerprint(corpus) -> str:
+    """A hash of the pairs' text: a resumed run checks it sees the same training data."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for source, target in zip(corpus.sources, corpus.targets):
+        digest.update(source.encode("utf-8") + b"\t" + target.encode("utf-8") + b"\n")
+    return digest.hexdigest()[:16]

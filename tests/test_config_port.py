@@ -1,0 +1,77 @@
+"""The shared config (validation, JSON round trip) and the torch-free promise of `jax_transformer`."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from jax_transformer.config import ConfigError, TransformerConfig, preset
+
+
+def test_default_is_the_papers_base_model():
+    c = TransformerConfig()
+    assert (c.d_model, c.num_heads, c.d_ff, c.num_encoder_layers, c.num_decoder_layers) == (512, 8, 2048, 6, 6)
+    assert c.dropout == 0.1 and not c.norm_first and c.positions == "sinusoidal" and c.activation == "relu"
+
+
+def test_json_round_trip():
+    c = preset("small", src_vocab_size=123, tgt_vocab_size=123, norm_first=True, positions="learned",
+               share_embeddings=True, activation="gelu")
+    assert TransformerConfig.from_json(c.to_json()) == c
+    assert hash(c) == hash(TransformerConfig.from_json(c.to_json()))  # usable as a static jit argument
+
+
+@pytest.mark.parametrize("changes,field", [
+    (dict(d_model=100, num_heads=8), "'d_model' (100) must be divisible by 'num_heads' (8)"),
+    (dict(positions="rotary"), "'positions' must be one of"),
+    (dict(activation="swish"), "'activation' must be one of"),
+    (dict(dropout=1.0), "'dropout' must be in [0, 1)"),
+    (dict(share_embeddings=True, src_vocab_size=10, tgt_vocab_size=11), "'share_embeddings' needs"),
+    (dict(d_model="512"), "'d_model' must be an int"),
+    (dict(norm_first=1), "'norm_first' must be true or false"),
+    (dict(eos_id=0), "pad_id, bos_id, eos_id must differ"),
+])
+def test_invalid_values_name_the_field(changes, field):
+    with pytest.raises(ConfigError) as info:
+        TransformerConfig(**changes)
+    assert field in str(info.value)
+
+
+def test_unknown_names_are_listed():
+    with pytest.raises(ConfigError, match=r"unknown config field\(s\) \['dmodel', 'heads'\]"):
+        TransformerConfig.from_dict({"dmodel": 3, "heads": 2})
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        TransformerConfig.from_json("{nope")
+    with pytest.raises(ConfigError, match="unknown preset 'huge'"):
+        preset("huge")
+
+
+def test_diff_names_changed_fields():
+    a = preset("tiny")
+    assert a.diff(a.replace(d_ff=128, dropout=0.0)) == {"d_ff": (64, 128), "dropout": (0.1, 0.0)}
+
+
+def test_importing_the_flax_package_never_imports_torch():
+    code = ("import sys, jax_transformer, jax_transformer.model, jax_transformer.port, jax_transformer.losses, "
+            "jax_transformer.data; assert 'torch' not in sys.modules, 'torch was imported'")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_port_without_torch_is_exact_and_shapes_are_checked():
+    import jax
+    import numpy as np
+
+    from jax_transformer.model import init_params
+    from jax_transformer.port import PortError, flax_to_torch, torch_to_flax
+
+    cfg = preset("tiny", src_vocab_size=40, tgt_vocab_size=40)
+    params = init_params(cfg, 3)
+    state = flax_to_torch(params)
+    assert state["encoder.layers.0.self_attention.query.weight"].shape == (cfg.d_model, cfg.d_model)
+    np.testing.assert_array_equal(state["decoder.layers.1.feed_forward.linear1.weight"],
+                                  np.asarray(params["decoder"]["layer_1"]["feed_forward"]["linear1"]["kernel"]).T)
+    back = torch_to_flax(state, cfg)
+    for a, b in zip(jax.tree_util.tree_leaves(params), jax.tree_util.tree_leaves(back)):
+        np.testing.assert_array_equal(np.asarray(a), b)
+    with pytest.raises(PortError, match="d_ff|expected"):
+        torch_to_flax(state, cfg.replace(d_ff=32))

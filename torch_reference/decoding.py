@@ -1,0 +1,245 @@
+"""Greedy and beam search for the PyTorch twin: the reference the fast Flax decoder (`jax_transformer.decoding`)
+is tested against. Written to be read, not to be fast.
+
+The semantics are exactly those of `jax_transformer.decoding` (see its module docstring): the same length rule
+(a row of n source tokens may produce min(max_len, max(1, floor(a * n + b))) tokens, EOS included; 1 for an
+all-PAD row), the same `min_len` EOS ban, the same GNMT length penalty table, the same tie-breaking (lower index
+first: `torch.argmax` returns the first maximum and a stable descending sort keeps equal values in index order,
+as `lax.top_k` does), and the same early stop.
+
+By default each step re-runs the decoder over the whole prefix, as the Annotated Transformer's `greedy_decode`
+does: the simplest correct decoder, with no cache to get wrong. `use_cache=True` switches to
+`IncrementalDecoder`, a key/value cache written here on top of the twin's modules (the twin itself has none),
+which benchmarks compare with the Flax cache. Beam search handles one sentence at a time.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from jax_transformer.config import TransformerConfig
+from torch_reference.model import MultiHeadAttention, Transformer, padding_mask
+
+DEFAULT_MAX_LEN_A = 1.5
+DEFAULT_MAX_LEN_B = 10
+
+
+# --- lengths and length penalty (the same formulas as jax_transformer.decoding) -------------------------------
+
+def max_new_tokens(src: torch.Tensor, cfg: TransformerConfig, max_len_a: float, max_len_b: float) -> list[int]:
+    """Per row: min(max_len, max(1, floor(a * n + b))) for n non-PAD source tokens; 1 for an all-PAD row."""
+    limits = []
+    for n in (src != cfg.pad_id).sum(dim=1).tolist():
+        limits.append(1 if n == 0 else min(cfg.max_len, max(1, math.floor(max_len_a * n + max_len_b))))
+    return limits
+
+
+def output_length(src_width: int, cfg: TransformerConfig, max_len_a: float, max_len_b: float) -> int:
+    """Width of the returned token array: the limit of a source filling all `src_width` positions."""
+    return min(cfg.max_len, max(1, math.floor(max_len_a * src_width + max_len_b)))
+
+
+def length_penalty(length: int, alpha: float) -> float:
+    """GNMT length penalty ((5 + length) / 6) ** alpha, computed in float64 and rounded to float32 once."""
+    return float(np.float32(((5.0 + length) / 6.0) ** alpha))
+
+
+# --- the decoder: whole prefix each step, or a key/value cache ----------------------------------------------
+
+class PrefixDecoder:
+    """Next-token log-probs by re-running the decoder over the whole prefix (BOS + tokens so far) each step."""
+
+    def __init__(self, model: Transformer, memory: torch.Tensor, src: torch.Tensor):
+        self.model, self.memory, self.src = model, memory, src
+        self.prefix = torch.full((src.shape[0], 1), model.cfg.bos_id, dtype=torch.long)  # (B, t + 1)
+
+    def step(self) -> torch.Tensor:
+        """Log-probs (B, V) of the token after the current prefix."""
+        logits = self.model.decode(self.memory, self.src, self.prefix)[:, -1]  # (B, V)
+        return F.log_softmax(logits, dim=-1)
+
+    def append(self, tokens: torch.Tensor) -> None:
+        """Extends every row's prefix by tokens (B,)."""
+        self.prefix = torch.cat([self.prefix, tokens[:, None]], dim=1)
+
+    def reorder(self, rows: torch.Tensor) -> None:
+        """Row r now continues the hypothesis that was row rows[r] (beam search)."""
+        self.prefix = self.prefix[rows]
+
+
+class IncrementalDecoder:
+    """The same computation with a key/value cache: each step runs the decoder on the newest token only,
+    attending to the keys/values stored by earlier steps; cross-attention keys/values are projected once."""
+
+    def __init__(self, model: Transformer, memory: torch.Tensor, src: torch.Tensor):
+        self.model = model
+        cfg = model.cfg
+        self.cross_mask = padding_mask(src, cfg.pad_id)  # (B, 1, 1, S)
+        B = src.shape[0]
+        self.cross = [(self._heads(layer.cross_attention.key(memory)), self._heads(layer.cross_attention.value(memory)))
+                      for layer in model.decoder.layers]  # per layer: (B, S, H, K) twice
+        self.keys = [torch.zeros(B, 0, cfg.num_heads, cfg.head_dim) for _ in model.decoder.layers]
+        self.values = [torch.zeros(B, 0, cfg.num_heads, cfg.head_dim) for _ in model.decoder.layers]
+        self.last = torch.full((B,), cfg.bos_id, dtype=torch.long)
+        self.position = 0
+
+    def _heads(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, D) -> (B, T, H, K)
+        return x.view(x.shape[0], x.shape[1], self.model.cfg.num_heads, self.model.cfg.head_dim)
+
+    def _attend(self, module: MultiHeadAttention, h: torch.Tensor, k, v, mask: Optional[torch.Tensor]):
+        """`module`'s attention for queries h (B, 1, D) over given keys/values (B, T, H, K)."""
+        q = self._heads(module.query(h))  # (B, 1, H, K)
+        scores = torch.einsum("bqhk,bshk->bhqs", q, k) / math.sqrt(self.model.cfg.head_dim)  # (B, H, 1, T)
+        if mask is not None:
+            scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+        out = torch.einsum("bhqs,bshk->bqhk", torch.softmax(scores, dim=-1), v)
+        return module.out(out.reshape(h.shape[0], 1, self.model.cfg.d_model))
+
+    def _self_attention(self, i: int, module: MultiHeadAttention, h: torch.Tensor) -> torch.Tensor:
+        # The newest position may see every earlier one: store its key/value, attend to all stored.
+        self.keys[i] = torch.cat([self.keys[i], self._heads(module.key(h))], dim=1)
+        self.values[i] = torch.cat([self.values[i], self._heads(module.value(h))], dim=1)
+        return self._attend(module, h, self.keys[i], self.values[i], None)
+
+    def step(self) -> torch.Tensor:
+        model = self.model
+        x = model.decoder.positions(model._embed("target", self.last[:, None]), self.position)  # (B, 1, D)
+        for i, layer in enumerate(model.decoder.layers):
+            x = layer.residual(x, lambda h: self._self_attention(i, layer.self_attention, h),
+                               layer.self_attention_norm)
+            k, v = self.cross[i]
+            x = layer.residual(x, lambda h: self._attend(layer.cross_attention, h, k, v, self.cross_mask),
+                               layer.cross_attention_norm)
+            x = layer.residual(x, layer.feed_forward, layer.feed_forward_norm)
+        if model.decoder.final_norm is not None:
+            x = model.decoder.final_norm(x)
+        return F.log_softmax(model.logits(x)[:, 0], dim=-1)  # (B, V)
+
+    def append(self, tokens: torch.Tensor) -> None:
+        self.last, self.position = tokens, self.position + 1
+
+    def reorder(self, rows: torch.Tensor) -> None:
+        self.keys = [k[rows] for k in self.keys]
+        self.values = [v[rows] for v in self.values]
+        self.last = self.last[rows]
+
+
+def _decoder(model: Transformer, memory, src, use_cache: bool):
+    return (IncrementalDecoder if use_cache else PrefixDecoder)(model, memory, src)
+
+
+def _check(model: Transformer, src: torch.Tensor, beam_size: int = 1) -> None:
+    if model.training:
+        raise ValueError("decoding needs the model in eval mode (model.eval()): dropout would make it random")
+    if src.dim() != 2:
+        raise ValueError(f"src must have shape (batch, length), got {tuple(src.shape)}")
+    if 2 * beam_size >= model.cfg.tgt_vocab_size:
+        raise ValueError(f"beam_size={beam_size} needs 2 * beam_size < tgt_vocab_size ({model.cfg.tgt_vocab_size})")
+
+
+def _ban_eos(log_probs: torch.Tensor, step: int, min_len: int, eos_id: int) -> torch.Tensor:
+    if step < min_len:  # fewer than min_len tokens so far: EOS is not allowed yet
+        log_probs = log_probs.clone()
+        log_probs[..., eos_id] = -math.inf
+    return log_probs
+
+
+# --- greedy search ----------------------------------------------------------------------------------------
+
+@torch.no_grad()
+def greedy_search(model: Transformer, src: torch.Tensor, *, max_len_a: float = DEFAULT_MAX_LEN_A,
+                  max_len_b: float = DEFAULT_MAX_LEN_B, min_len: int = 0,
+                  use_cache: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy decoding of right-padded sources (B, S) -> tokens (B, L) long, scores (B,) float32 (sum of
+    log-probs). The loop stops when every row has emitted EOS or reached its length limit."""
+    _check(model, src)
+    cfg = model.cfg
+    B = src.shape[0]
+    limits = max_new_tokens(src, cfg, max_len_a, max_len_b)
+    length = output_length(src.shape[1], cfg, max_len_a, max_len_b)
+    decoder = _decoder(model, model.encode(src), src, use_cache)
+    tokens = torch.full((B, length), cfg.pad_id, dtype=torch.long)
+    scores = torch.zeros(B)
+    done = torch.zeros(B, dtype=torch.bool)
+    for t in range(length):
+        if done.all():
+            break
+        log_probs = _ban_eos(decoder.step(), t, min_len, cfg.eos_id)  # (B, V)
+        best = log_probs.argmax(dim=-1)  # (B,)  first index on ties
+        token = torch.where(done, cfg.pad_id, best)
+        scores += torch.where(done, 0.0, log_probs.gather(1, token[:, None])[:, 0])
+        tokens[:, t] = token
+        decoder.append(token)
+        done |= (token == cfg.eos_id) | torch.tensor([t + 1 >= limit for limit in limits])
+    return tokens, scores
+
+
+# --- beam search ------------------------------------------------------------------------------------------
+
+def _top(values: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k largest values and their indices, equal values in index order (as lax.top_k)."""
+    sorted_values, index = torch.sort(values, descending=True, stable=True)
+    return sorted_values[:k], index[:k]
+
+
+@torch.no_grad()
+def beam_search(model: Transformer, src: torch.Tensor, *, beam_size: int = 4, alpha: float = 0.6,
+                max_len_a: float = DEFAULT_MAX_LEN_A, max_len_b: float = DEFAULT_MAX_LEN_B, min_len: int = 0,
+                use_cache: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Beam search with the GNMT length penalty, one sentence at a time -> the best hypothesis of each row,
+    tokens (B, L) long and score (B,) float32 = log P / ((5 + length) / 6) ** alpha."""
+    _check(model, src, beam_size)
+    if not alpha >= 0:
+        raise ValueError(f"alpha must be >= 0, got {alpha}")
+    cfg = model.cfg
+    limits = max_new_tokens(src, cfg, max_len_a, max_len_b)
+    length = output_length(src.shape[1], cfg, max_len_a, max_len_b)
+    memory = model.encode(src)  # the whole batch at once, as the Flax decoder does
+    tokens = torch.full((src.shape[0], length), cfg.pad_id, dtype=torch.long)
+    scores = torch.zeros(src.shape[0])
+    for b in range(src.shape[0]):
+        tokens[b], scores[b] = _beam_search_one(model, memory[b:b + 1], src[b:b + 1], beam_size, alpha,
+                                                limits[b], length, min_len, use_cache)
+    return tokens, scores
+
+
+def _beam_search_one(model, memory, src, K: int, alpha: float, limit: int, length: int, min_len: int,
+                     use_cache: bool) -> tuple[torch.Tensor, float]:
+    """Beam search for one sentence: memory (1, S, D), src (1, S) -> (tokens (length,), score)."""
+    cfg = model.cfg
+    decoder = _decoder(model, memory.expand(K, -1, -1), src.expand(K, -1), use_cache)
+    live = torch.full((K, length), cfg.pad_id, dtype=torch.long)  # live hypotheses, best first
+    live_log_probs = torch.tensor([0.0] + [-math.inf] * (K - 1))  # K copies of BOS: only the first extends
+    finished = torch.full((K, length), cfg.pad_id, dtype=torch.long)  # finished hypotheses, best first
+    finished_scores = torch.full((K,), -math.inf)
+    finished_flags = torch.zeros(K, dtype=torch.bool)
+    for t in range(limit):
+        log_probs = _ban_eos(decoder.step(), t, min_len, cfg.eos_id)  # (K, V)
+        V = log_probs.shape[-1]
+        # Extend every live hypothesis by every token; keep the 2K most probable extensions.
+        top_log_probs, top_index = _top((live_log_probs[:, None] + log_probs).reshape(-1), 2 * K)  # (2K,)
+        parents, new_tokens = top_index // V, top_index % V
+        candidates = live[parents].clone()
+        candidates[:, t] = new_tokens
+        ends = (new_tokens == cfg.eos_id) | (t + 1 >= limit)  # EOS, or the length limit
+        # Finished set: the K best of the old finished and the candidates that ended, by penalised score.
+        new_scores = torch.where(ends, top_log_probs / length_penalty(t + 1, alpha), -math.inf)
+        finished_scores, pick = _top(torch.cat([finished_scores, new_scores]), K)
+        finished = torch.cat([finished, candidates])[pick]
+        finished_flags = torch.cat([finished_flags, ends])[pick]
+        if t + 1 >= limit:
+            break
+        # Live set: the K most probable candidates that did not end; the decoder follows their parents.
+        live_log_probs, pick = _top(torch.where(ends, -math.inf, top_log_probs), K)
+        live = candidates[pick]
+        decoder.reorder(parents[pick])
+        decoder.append(new_tokens[pick])
+        # Stop when K hypotheses are finished and no live one can beat the worst of them (its log P can only
+        # fall, and the penalty can at most reach that of the length limit).
+        if finished_flags.all() and finished_scores[-1] > live_log_probs[0] / length_penalty(limit, alpha):
+            break
+    return finished[0], float(finished_scores[0])
