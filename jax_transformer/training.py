@@ -484,10 +484,16 @@ class Trainer:
         if decoder_available():
             n = len(self.valid.sources) if self.loop.eval_sentences is None else self.loop.eval_sentences
             sources, references = self.valid.sources[:n], self.valid.references[:n]
-            scores, hypotheses = evaluate_translations(params, self.config, self.tokenizer, sources, references,
-                                                       beam_size=beam_size, alpha=self.loop.alpha)
-            result.update(scores, beam_size=beam_size, sentences=len(sources))
-            samples = list(zip(sources, references, hypotheses))[:self.loop.samples]
+            try:
+                scores, hypotheses = evaluate_translations(params, self.config, self.tokenizer, sources,
+                                                           references, beam_size=beam_size, alpha=self.loop.alpha)
+            except Exception as e:  # a decoding failure must not end a long training run: warn, go on
+                self.print(f"warning: step {self.step}: BLEU evaluation failed ({type(e).__name__}: {e}); "
+                           f"continuing with the validation loss only")
+                result["decode_error"] = f"{type(e).__name__}: {e}"
+            else:
+                result.update(scores, beam_size=beam_size, sentences=len(sources))
+                samples = list(zip(sources, references, hypotheses))[:self.loop.samples]
         # The best checkpoint is chosen by BLEU when there is one, else by (minus) the validation loss.
         result["score"] = result.get("bleu", -result["valid_loss"])
         self.metrics.write({"kind": "eval", "step": self.step, "final": final,
@@ -500,6 +506,8 @@ class Trainer:
         if "bleu" in result:
             line += (f", BLEU {result['bleu']:.2f}, chrF {result['chrf']:.2f} "
                      f"(sacrebleu, {result['sentences']} sentences, beam {result['beam_size']})")
+        elif "decode_error" in result:
+            line += " (no BLEU: decoding failed)"
         else:
             line += " (no BLEU: jax_transformer.decoding is not available)"
         self.print(line)
