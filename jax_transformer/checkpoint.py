@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import logging
 import os
 from pathlib import Path
 from typing import Any, Mapping
@@ -84,6 +85,16 @@ class Checkpoint:
                                   f"saved model/optimiser config: {e}") from None
 
 
+class _QuietUnscoredSaves(logging.Filter):
+    """orbax warns on every save without metrics when a best_fn is set; periodic saves have none by design."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "did not provide metrics" not in record.getMessage()
+
+
+logging.getLogger("absl").addFilter(_QuietUnscoredSaves())
+
+
 def _score(metrics: Mapping[str, Any]) -> float:
     return float(metrics["score"])
 
@@ -117,7 +128,8 @@ class CheckpointManager:
 
     def best_step(self) -> int | None:
         """The step with the highest validation score; the latest step when none was saved with a score."""
-        return self._manager.best_step()
+        best = self._manager.best_step()
+        return self.latest_step() if best is None else best
 
     def resolve_step(self, step: int | str = "best") -> int:
         """"best", "latest" or a step number -> a saved step number (CheckpointError if there is none)."""

@@ -136,7 +136,8 @@ def create_train_state(config: TransformerConfig, opt: OptimConfig, *, seed: int
 
     if params is None:
         params = init_params(config, seed)
-    params = jax.tree_util.tree_map(jnp.asarray, params)
+    # A copy: the train step donates the state's buffers, which must not be the caller's arrays.
+    params = jax.tree_util.tree_map(lambda p: jnp.array(p, copy=True), params)
     tx = make_optimizer(config, opt)
     # The dropout key is derived from the seed but kept apart from the init key (fold_in 1).
     dropout_key = jax.random.fold_in(jax.random.PRNGKey(seed), 1)

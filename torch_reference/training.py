@@ -1,0 +1,65 @@
+"""The training step of `jax_transformer.training`, in PyTorch: the same schedule, optimiser and loss, so that a
+run can be compared with the Flax one step by step (parity_tests/test_training_parity.py).
+
+    optimizer, scheduler = make_optimizer(model, d_model=cfg.d_model, warmup_steps=4000)
+    for batch in batches:
+        sums = train_step(model, optimizer, scheduler, batch, pad_id=cfg.pad_id)
+"""
+from __future__ import annotations
+
+from typing import Callable, Mapping
+
+import numpy as np
+import torch
+from torch import nn
+
+from torch_reference.losses import loss_sums
+
+
+def noam_rate(step: int, d_model: int, warmup_steps: int, scale: float = 1.0) -> float:
+    """The paper's learning rate (section 5.3) for update number `step` (1, 2, ...):
+    scale * d_model^-0.5 * min(step^-0.5, step * warmup^-1.5)."""
+    step = max(step, 1)
+    return scale * d_model ** -0.5 * min(step ** -0.5, step * warmup_steps ** -1.5)
+
+
+def noam_lambda(d_model: int, warmup_steps: int, scale: float = 1.0) -> Callable[[int], float]:
+    """The multiplier for torch.optim.lr_scheduler.LambdaLR (base lr 1.0). LambdaLR passes the number of
+    scheduler.step() calls so far, 0 for the first update; the paper numbers that update 1."""
+    return lambda calls: noam_rate(calls + 1, d_model, warmup_steps, scale)
+
+
+def make_optimizer(model: nn.Module, *, d_model: int, warmup_steps: int = 4000, lr_scale: float = 1.0,
+                   b1: float = 0.9, b2: float = 0.98, eps: float = 1e-9, weight_decay: float = 0.0):
+    """Adam(b1, b2, eps) -- AdamW with decoupled decay on weight matrices when weight_decay > 0, as in optax's
+    adamw with the same mask -- under LambdaLR with the paper's schedule. Returns (optimizer, scheduler)."""
+    if weight_decay:
+        matrices = [p for p in model.parameters() if p.ndim > 1]
+        others = [p for p in model.parameters() if p.ndim <= 1]
+        groups = [{"params": matrices, "weight_decay": weight_decay}, {"params": others, "weight_decay": 0.0}]
+        optimizer = torch.optim.AdamW(groups, lr=1.0, betas=(b1, b2), eps=eps)
+    else:
+        optimizer = torch.optim.Adam(model.parameters(), lr=1.0, betas=(b1, b2), eps=eps)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, noam_lambda(d_model, warmup_steps, lr_scale))
+    return optimizer, scheduler
+
+
+def _as_tensor(x) -> torch.Tensor:
+    return x if isinstance(x, torch.Tensor) else torch.from_numpy(np.asarray(x, dtype=np.int64))
+
+
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, batch: Mapping[str, object], *,
+               pad_id: int = 0, label_smoothing: float = 0.1, clip_norm: float | None = None) -> dict[str, float]:
+    """One update on a batch of src / tgt_in / tgt_out ids (numpy or torch): label-smoothed cross-entropy
+    averaged over real target tokens, backward, optional gradient-norm clipping, Adam step, schedule step.
+    Returns the batch's loss sums (before the update) as floats. Dropout follows model.train()/eval()."""
+    src, tgt_in, tgt_out = (_as_tensor(batch[k]) for k in ("src", "tgt_in", "tgt_out"))
+    optimizer.zero_grad(set_to_none=True)
+    logits = model(src, tgt_in)  # (B, T, V)
+    sums = loss_sums(logits, tgt_out, pad_id, label_smoothing)
+    (sums["loss"] / sums["tokens"].clamp(min=1.0)).backward()
+    if clip_norm is not None:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip_norm)
+    optimizer.step()
+    scheduler.step()
+    return {k: float(v.detach()) for k, v in sums.items()}
