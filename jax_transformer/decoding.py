@@ -19,15 +19,19 @@ Conventions (shared with the PyTorch reference, `torch_reference/decoding.py`, w
 * Output: tokens (B, L) without BOS, EOS included where one was emitted, PAD after; L = the largest max_new a
   source of width S could get, min(config.max_len, max(1, floor(a * S + b))). A row that hits its length limit
   stops without EOS.
+* PAD and BOS are never produced (they are never training targets): their log-prob is set to -inf, without
+  renormalising, as fairseq does for PAD; so is EOS's before `min_len`.
 * Greedy: the argmax of the log-probabilities (first index on ties); score = sum of the chosen log-probs.
 * Beam search (as in Flax's WMT example, GNMT length penalty): score = log P(y) / ((5 + |y|) / 6) ** alpha,
-  |y| counting EOS. Each step extends every live hypothesis by every token, keeps the 2K best extensions (so K
-  survive even if K of them end), moves the ending ones (EOS, or the row's length limit) to the finished set,
-  and keeps the K best others alive. Ties go to the lower index (earlier beam, then lower token id; finished
-  hypotheses found earlier win over later ones), exactly as `lax.top_k` orders them. A row is done when it
-  has K finished hypotheses and no live one can still beat the worst of them: a live hypothesis's score can
-  at best reach log P(prefix) / penalty(max_new), because log-probs only fall as tokens are added and the
-  penalty only grows (alpha >= 0). The result is the best finished hypothesis.
+  |y| counting EOS. Each step extends every live hypothesis by every token and keeps the 2K most probable
+  extensions (so K survive even if K of them end). Those that end (EOS, or the row's length limit) go to the
+  finished set if they rank among the first K of the 2K (fairseq's rule; lower-ranked ones are dropped), and
+  the K best that did not end stay live. Ties go to the lower index (earlier beam, then lower token id;
+  finished hypotheses found earlier win over later ones), exactly as `lax.top_k` orders them. A row is done
+  when it has K finished hypotheses and no live one can still beat the worst of them (Flax's WMT example): a
+  live hypothesis's score can at best reach log P(prefix) / penalty(max_new), because log-probs only fall as
+  tokens are added and the penalty only grows (alpha >= 0). The result is the best finished hypothesis.
+  With beam_size = 1 and alpha = 0 this is exactly greedy search.
 
 Compilation: the jitted cores take `config`, the output length L and the beam size as static arguments and
 everything else (parameters, sources, limits, the length-penalty table, hence alpha) as arrays, so `jax.jit`
@@ -123,9 +127,10 @@ def _check_options(config: TransformerConfig, max_len_a, max_len_b, min_len, bea
         raise ValueError(f"min_len must be an int >= 0, got {min_len!r}")
     if isinstance(beam_size, bool) or not isinstance(beam_size, (int, np.integer)) or beam_size < 1:
         raise ValueError(f"beam_size must be an int >= 1, got {beam_size!r}")
-    if 2 * beam_size >= config.tgt_vocab_size:
-        raise ValueError(f"beam_size={beam_size} needs 2 * beam_size < tgt_vocab_size ({config.tgt_vocab_size}): "
-                         f"each step keeps the 2 * beam_size best extensions of the first beam")
+    if 2 * beam_size + 3 > config.tgt_vocab_size:
+        raise ValueError(f"beam_size={beam_size} needs tgt_vocab_size >= 2 * beam_size + 3, got "
+                         f"{config.tgt_vocab_size}: the first step takes the 2 * beam_size best extensions of one "
+                         f"beam, and PAD, BOS and EOS may be banned")
     if not alpha >= 0:
         raise ValueError(f"alpha must be >= 0 (the early stop relies on the penalty growing with length), "
                          f"got {alpha}")
@@ -150,15 +155,24 @@ def _create_cache(model: Transformer, params, memory, src, length: int):
 
 
 def _decode_step(model: Transformer, params, cache, memory, src, tokens):
-    """One decoder step: tokens (B,) at the cache's position -> log-probs (B, V) of the next token, new cache."""
+    """One decoder step: tokens (B,) at the cache's position -> logits (B, V) of the next token, new cache."""
     logits, variables = model.apply({"params": params, "cache": cache}, memory, src, tokens[:, None],
                                     decode=True, mutable=["cache"], method=Transformer.decode)
-    return jax.nn.log_softmax(logits[:, 0], axis=-1), variables["cache"]  # (B, V)
+    return logits[:, 0], variables["cache"]  # (B, V)
 
 
-def _ban_eos(log_probs, step, min_len, eos_id: int):
-    """EOS gets log-prob -inf while fewer than `min_len` tokens have been produced (no renormalisation)."""
-    return log_probs.at[..., eos_id].set(jnp.where(step < min_len, -jnp.inf, log_probs[..., eos_id]))
+def _next_log_probs(model, params, cache, memory, src, tokens, step, min_len, config: TransformerConfig):
+    """Log-probs (B, V) of the token after `tokens` (see `_restrict` for the banned ones), and the new cache."""
+    logits, cache = _decode_step(model, params, cache, memory, src, tokens)
+    return _restrict(jax.nn.log_softmax(logits, axis=-1), step, min_len, config), cache
+
+
+def _restrict(log_probs, step, min_len, config: TransformerConfig):
+    """Tokens that may not be produced get log-prob -inf (no renormalisation, as fairseq does): PAD and BOS
+    always (they are never training targets), EOS while fewer than `min_len` tokens have been produced."""
+    log_probs = log_probs.at[..., config.pad_id].set(-jnp.inf).at[..., config.bos_id].set(-jnp.inf)
+    eos = log_probs[..., config.eos_id]
+    return log_probs.at[..., config.eos_id].set(jnp.where(step < min_len, -jnp.inf, eos))
 
 
 # =============================================================================================================
@@ -180,8 +194,8 @@ def _greedy_core(params, src, max_new, min_len, *, config: TransformerConfig, le
 
     def advance(state):
         step, last, tokens, scores, done, cache = state
-        log_probs, cache = _decode_step(model, params, cache, memory, src, last)  # (B, V)
-        log_probs = _ban_eos(log_probs, step, min_len, config.eos_id)
+        log_probs, cache = _next_log_probs(model, params, cache, memory, src, last, step, min_len,
+                                           config)  # (B, V)
         # Greedy: take the most probable next token; finished rows emit PAD and add nothing to their score.
         token = jnp.where(done, config.pad_id, jnp.argmax(log_probs, axis=-1).astype(jnp.int32))  # (B,)
         gained = jnp.take_along_axis(log_probs, token[:, None], axis=-1)[:, 0]
@@ -263,17 +277,20 @@ def _beam_core(params, src, max_new, min_len, penalties, *, config: TransformerC
     def advance(s: BeamState) -> BeamState:
         t = s.step
         last = jnp.where(t == 0, config.bos_id, s.live_tokens[:, :, jnp.maximum(t - 1, 0)])  # (B, K)
-        log_probs, cache = _decode_step(model, params, s.cache, memory_k, src_k, last.reshape(-1))  # (B*K, V)
+        log_probs, cache = _next_log_probs(model, params, s.cache, memory_k, src_k, last.reshape(-1), t, min_len,
+                                           config)  # (B * K, V)
         V = log_probs.shape[-1]
-        log_probs = _ban_eos(log_probs, t, min_len, config.eos_id).reshape(B, K, V)
+        log_probs = log_probs.reshape(B, K, V)
 
         # Extend every live hypothesis by every token; keep the 2K most probable extensions.
         extended = s.live_log_probs[:, :, None] + log_probs  # (B, K, V)
         top_log_probs, top_index = lax.top_k(extended.reshape(B, K * V), 2 * K)  # (B, 2K)
         parents, new_tokens = top_index // V, top_index % V  # (B, 2K)
         candidates = _gather(s.live_tokens, parents).at[:, :, t].set(new_tokens)  # (B, 2K, L)
-        # A candidate ends with EOS, or when its row reaches the length limit (then without EOS).
+        # A candidate ends with EOS, or when its row reaches the length limit (then without EOS). Only the K
+        # best candidates may finish (as in fairseq): an ending candidate ranked below them is dropped.
         ends = (new_tokens == config.eos_id) | (t + 1 >= max_new)[:, None]  # (B, 2K)
+        finishing = ends & (jnp.arange(2 * K) < K)[None, :]  # (B, 2K)
 
         # Live set: the K most probable candidates that did not end.
         live_log_probs, pick = lax.top_k(jnp.where(ends, -jnp.inf, top_log_probs), K)  # (B, K)
@@ -281,10 +298,10 @@ def _beam_core(params, src, max_new, min_len, penalties, *, config: TransformerC
         cache = _gather_cache(cache, jnp.take_along_axis(parents, pick, axis=1), K)
 
         # Finished set: the K best of the old finished and the candidates that ended, by penalised score.
-        new_scores = jnp.where(ends, top_log_probs / penalties[t + 1], -jnp.inf)  # (B, 2K)
+        new_scores = jnp.where(finishing, top_log_probs / penalties[t + 1], -jnp.inf)  # (B, 2K)
         scores, pick = lax.top_k(jnp.concatenate([s.finished_scores, new_scores], axis=1), K)  # (B, K)
         tokens = _gather(jnp.concatenate([s.finished_tokens, candidates], axis=1), pick)
-        flags = _gather(jnp.concatenate([s.finished_flags, ends], axis=1), pick)
+        flags = _gather(jnp.concatenate([s.finished_flags, finishing], axis=1), pick)
         # Rows that were already done keep their finished set (their candidates could only lose, or come
         # from steps beyond their length limit).
         frozen = s.done[:, None]
@@ -320,7 +337,7 @@ def beam_search(params, config: TransformerConfig, src, *, beam_size: int = 4, a
 
     Returns the best hypothesis of each row, tokens (B, L) int32 (no BOS; EOS where emitted; PAD after), and
     its score (B,) float32 = log P / ((5 + length) / 6) ** alpha. With alpha = 0 and beam_size = 1 this is
-    exactly greedy search (with alpha > 0 the single beam may outlive a greedy EOS whose score it can beat).
+    exactly greedy search (with alpha > 0 the runner-up kept live when greedy's EOS finishes may later beat it).
     """
     src = check_source(src, config)
     _check_options(config, max_len_a, max_len_b, min_len, beam_size, alpha)

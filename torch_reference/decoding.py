@@ -3,9 +3,9 @@ is tested against. Written to be read, not to be fast.
 
 The semantics are exactly those of `jax_transformer.decoding` (see its module docstring): the same length rule
 (a row of n source tokens may produce min(max_len, max(1, floor(a * n + b))) tokens, EOS included; 1 for an
-all-PAD row), the same `min_len` EOS ban, the same GNMT length penalty table, the same tie-breaking (lower index
+all-PAD row), the same banned tokens (PAD and BOS always, EOS before `min_len`), the same GNMT length penalty table, the same tie-breaking (lower index
 first: `torch.argmax` returns the first maximum and a stable descending sort keeps equal values in index order,
-as `lax.top_k` does), and the same early stop.
+as `lax.top_k` does), the same rule for which ending candidates finish, and the same early stop.
 
 By default each step re-runs the decoder over the whole prefix, as the Annotated Transformer's `greedy_decode`
 does: the simplest correct decoder, with no cache to get wrong. `use_cache=True` switches to
@@ -137,14 +137,18 @@ def _check(model: Transformer, src: torch.Tensor, beam_size: int = 1) -> None:
         raise ValueError("decoding needs the model in eval mode (model.eval()): dropout would make it random")
     if src.dim() != 2:
         raise ValueError(f"src must have shape (batch, length), got {tuple(src.shape)}")
-    if 2 * beam_size >= model.cfg.tgt_vocab_size:
-        raise ValueError(f"beam_size={beam_size} needs 2 * beam_size < tgt_vocab_size ({model.cfg.tgt_vocab_size})")
+    if 2 * beam_size + 3 > model.cfg.tgt_vocab_size:
+        raise ValueError(f"beam_size={beam_size} needs tgt_vocab_size >= 2 * beam_size + 3, got "
+                         f"{model.cfg.tgt_vocab_size}")
 
 
-def _ban_eos(log_probs: torch.Tensor, step: int, min_len: int, eos_id: int) -> torch.Tensor:
-    if step < min_len:  # fewer than min_len tokens so far: EOS is not allowed yet
-        log_probs = log_probs.clone()
-        log_probs[..., eos_id] = -math.inf
+def _restrict(log_probs: torch.Tensor, step: int, min_len: int, cfg: TransformerConfig) -> torch.Tensor:
+    """PAD and BOS are never produced; EOS not before min_len tokens. Set to -inf, not renormalised."""
+    log_probs = log_probs.clone()
+    log_probs[..., cfg.pad_id] = -math.inf
+    log_probs[..., cfg.bos_id] = -math.inf
+    if step < min_len:
+        log_probs[..., cfg.eos_id] = -math.inf
     return log_probs
 
 
@@ -168,7 +172,7 @@ def greedy_search(model: Transformer, src: torch.Tensor, *, max_len_a: float = D
     for t in range(length):
         if done.all():
             break
-        log_probs = _ban_eos(decoder.step(), t, min_len, cfg.eos_id)  # (B, V)
+        log_probs = _restrict(decoder.step(), t, min_len, cfg)  # (B, V)
         best = log_probs.argmax(dim=-1)  # (B,)  first index on ties
         token = torch.where(done, cfg.pad_id, best)
         scores += torch.where(done, 0.0, log_probs.gather(1, token[:, None])[:, 0])
@@ -218,7 +222,7 @@ def _beam_search_one(model, memory, src, K: int, alpha: float, limit: int, lengt
     finished_scores = torch.full((K,), -math.inf)
     finished_flags = torch.zeros(K, dtype=torch.bool)
     for t in range(limit):
-        log_probs = _ban_eos(decoder.step(), t, min_len, cfg.eos_id)  # (K, V)
+        log_probs = _restrict(decoder.step(), t, min_len, cfg)  # (K, V)
         V = log_probs.shape[-1]
         # Extend every live hypothesis by every token; keep the 2K most probable extensions.
         top_log_probs, top_index = _top((live_log_probs[:, None] + log_probs).reshape(-1), 2 * K)  # (2K,)
@@ -226,11 +230,12 @@ def _beam_search_one(model, memory, src, K: int, alpha: float, limit: int, lengt
         candidates = live[parents].clone()
         candidates[:, t] = new_tokens
         ends = (new_tokens == cfg.eos_id) | (t + 1 >= limit)  # EOS, or the length limit
-        # Finished set: the K best of the old finished and the candidates that ended, by penalised score.
-        new_scores = torch.where(ends, top_log_probs / length_penalty(t + 1, alpha), -math.inf)
+        finishing = ends & (torch.arange(2 * K) < K)  # only the K best candidates may finish (fairseq's rule)
+        # Finished set: the K best of the old finished and the candidates that finish, by penalised score.
+        new_scores = torch.where(finishing, top_log_probs / length_penalty(t + 1, alpha), -math.inf)
         finished_scores, pick = _top(torch.cat([finished_scores, new_scores]), K)
         finished = torch.cat([finished, candidates])[pick]
-        finished_flags = torch.cat([finished_flags, ends])[pick]
+        finished_flags = torch.cat([finished_flags, finishing])[pick]
         if t + 1 >= limit:
             break
         # Live set: the K most probable candidates that did not end; the decoder follows their parents.

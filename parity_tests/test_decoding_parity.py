@@ -1,0 +1,238 @@
+"""Decoding parity: the fast Flax decoder (jax_transformer.decoding: key/value cache, jit, while_loop) against the
+PyTorch reference (torch_reference.decoding: the decoder re-run over the whole prefix at every step, and its own
+key/value cache), on the same weights.
+
+Tokens must be identical. They are chosen by argmax / top-k over log-probs that differ between the frameworks
+only by float32 reassociation (~1e-6, see test_forward_parity.py), so a token could flip only where two
+candidates are within ~1e-6 of each other. The greedy tests measure the smallest margin on the path and require
+it to be far above that (1e-4), so a mismatch means a real difference, and a mismatch message prints the margin
+at the first differing token.
+
+Scores: a greedy score sums at most max_len (16 here) log-probs, a beam score the same divided by a penalty >= 1;
+each log-prob agrees to ~1e-6, so sums agree to ~2e-5 at worst; 5e-5 is the tolerance. A wrong token, a missing
+token or a wrong length penalty moves scores by 1e-2 or more.
+
+Random models are tiny and mostly repeat a token, and they rarely emit EOS. To exercise EOS handling, the
+untied config's output bias on EOS is raised so that EOS comes first at step 0 for about half of the rows (set
+halfway between two rows' step-0 margins, so no row is near a tie), which also makes sequences end at different
+steps. The batch holds a source filling all max_len positions, an empty source (EOS only) and padded rows.
+Finally, a tiny model trained briefly on the default task (peaked, realistic distributions) is compared too.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import torch_reference
+from jax_transformer import decoding
+from jax_transformer.config import preset
+from jax_transformer.model import init_params
+from jax_transformer.port import flax_to_torch
+from torch_reference import decoding as torch_decoding
+
+VOCAB = 40
+MAX_LEN = 16
+LENGTHS = (MAX_LEN, 3, 1, 9, 5, 12)  # a full-width source, an empty one (EOS only), padded ones
+SCORE_ATOL = 5e-5  # see the module docstring
+MIN_MARGIN = 1e-4  # greedy paths must not pass through near-ties (float32 noise is ~1e-6)
+
+CONFIGS = {
+    # the paper: post-norm, sinusoidal; untied output so that EOS can be biased up
+    "post_sinusoidal_untied": preset("tiny", src_vocab_size=VOCAB, tgt_vocab_size=VOCAB, max_len=MAX_LEN,
+                                     tie_output=False),
+    # pre-norm with final norms, learned positions, one shared tied table, gelu
+    "pre_learned_shared": preset("tiny", src_vocab_size=VOCAB, tgt_vocab_size=VOCAB, max_len=MAX_LEN,
+                                 norm_first=True, final_norm=True, positions="learned", share_embeddings=True,
+                                 activation="gelu"),
+}
+SEEDS = (0, 1, 2)
+
+
+def make_src(seed: int, lengths=LENGTHS, width=MAX_LEN, vocab=VOCAB) -> np.ndarray:
+    """Right-padded sources: random non-special tokens, then EOS, PAD after."""
+    rng = np.random.default_rng(seed)
+    src = np.zeros((len(lengths), width), np.int64)
+    for row, n in enumerate(lengths):
+        src[row, :n - 1] = rng.integers(3, vocab, n - 1)
+        src[row, n - 1] = 2
+    return src
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread():
+    """These models are tiny: one thread is several times faster than two on a busy machine (no hand-offs)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def torch_twin(config, params) -> torch_reference.Transformer:
+    return torch_reference.load_numpy_state_dict(torch_reference.Transformer(config), flax_to_torch(params)).eval()
+
+
+@torch.no_grad()
+def teacher_forced_log_probs(model, src: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+    """Torch log-probs (B, L, V) of every step of the given outputs (no BOS; PAD after the end), with the
+    tokens the decoders may never produce (PAD, BOS) at -inf, as the searches see them."""
+    cfg = model.cfg
+    tgt_in = np.concatenate([np.full((len(tokens), 1), cfg.bos_id), tokens[:, :-1]], axis=1)
+    tgt_in[tgt_in == cfg.eos_id] = cfg.pad_id
+    lp = torch.log_softmax(model(torch.from_numpy(src), torch.from_numpy(tgt_in)), dim=-1).numpy().copy()
+    lp[:, :, [cfg.pad_id, cfg.bos_id]] = -np.inf
+    return lp
+
+
+def greedy_margin(model, src, tokens, min_len=0) -> float:
+    """Smallest gap, along the produced greedy paths, between the chosen token's log-prob and the runner-up's."""
+    lp = teacher_forced_log_probs(model, src, tokens)
+    lp[:, :min_len, model.cfg.eos_id] = -np.inf
+    top2 = -np.sort(-lp, axis=-1)[:, :, :2]  # (B, L, 2)
+    real = tokens != model.cfg.pad_id
+    return float(np.min((top2[:, :, 0] - top2[:, :, 1])[real]))
+
+
+def explain_mismatch(model, src, flax_tokens, torch_tokens) -> str:
+    """Where the two outputs first differ, and how far apart the two frameworks' choices were (torch log-probs
+    after the shared prefix)."""
+    row, t = map(int, np.argwhere(flax_tokens != torch_tokens)[0])
+    lp = teacher_forced_log_probs(model, src[row:row + 1], torch_tokens[row:row + 1])[0, t]
+    a, b = int(flax_tokens[row, t]), int(torch_tokens[row, t])
+    return (f"row {row} step {t}: flax chose {a} (log-prob {lp[a]:.7f}), torch chose {b} (log-prob {lp[b]:.7f}), "
+            f"gap {abs(lp[a] - lp[b]):.2e}\nflax  {flax_tokens[row].tolist()}\ntorch {torch_tokens[row].tolist()}")
+
+
+def with_eos_bias(config, params, src):
+    """Raises the untied output bias of EOS so that EOS comes first at step 0 for about half of the rows."""
+    if config.tie_output:
+        return params
+    lp = teacher_forced_log_probs(torch_twin(config, params), src, np.zeros((len(src), 1), np.int64))[:, 0]
+    margin = np.sort(np.delete(lp, config.eos_id, axis=1).max(axis=1) - lp[:, config.eos_id])
+    k = len(margin) // 2
+    bias = params["output_proj"]["bias"].at[config.eos_id].add((margin[k - 1] + margin[k]) / 2)
+    return {**params, "output_proj": {**params["output_proj"], "bias": bias}}
+
+
+@pytest.fixture(params=[(name, seed) for name in CONFIGS for seed in SEEDS],
+                ids=[f"{name}-seed{seed}" for name in CONFIGS for seed in SEEDS])
+def random_case(request):
+    name, seed = request.param
+    config, src = CONFIGS[name], make_src(seed)
+    params = with_eos_bias(config, init_params(config, seed), src)
+    return f"{name}-seed{seed}", config, params, torch_twin(config, params), src
+
+
+def check_same(name, what, model, src, flax_out, torch_out, parity_report):
+    (flax_tokens, flax_scores), (torch_tokens, torch_scores) = flax_out, torch_out
+    torch_tokens, torch_scores = torch_tokens.numpy(), torch_scores.numpy()
+    assert flax_tokens.shape == torch_tokens.shape
+    if not np.array_equal(flax_tokens, torch_tokens):
+        pytest.fail(f"{what}: tokens differ. {explain_mismatch(model, src, flax_tokens, torch_tokens)}")
+    diff = float(np.max(np.abs(flax_scores - torch_scores)))
+    parity_report(what, name, diff, SCORE_ATOL)
+    assert diff <= SCORE_ATOL
+
+
+# --- random models ------------------------------------------------------------------------------------------
+
+def test_greedy_tokens_identical(random_case, parity_report):
+    name, config, params, model, src = random_case
+    for min_len in (0, 4):
+        flax_out = decoding.greedy_search(params, config, src, min_len=min_len)
+        margin = greedy_margin(model, src, flax_out[0], min_len)
+        assert margin > MIN_MARGIN, f"near-tie on the greedy path (margin {margin:.1e}): choose another seed"
+        for use_cache in (False, True):
+            torch_out = torch_decoding.greedy_search(model, torch.from_numpy(src), min_len=min_len,
+                                                     use_cache=use_cache)
+            what = f"greedy{' min_len=4' if min_len else ''} vs torch {'cached' if use_cache else 'uncached'}"
+            check_same(name, what, model, src, flax_out, torch_out, parity_report)
+        if min_len == 0 and not config.tie_output:  # the premise of the EOS bias: some rows end at once
+            first = flax_out[0][:, 0] == config.eos_id
+            assert first.any() and not first.all()
+
+
+def test_beam_search_identical(random_case, parity_report):
+    name, config, params, model, src = random_case
+    for alpha, min_len in ((0.6, 0), (0.0, 3)):
+        flax_out = decoding.beam_search(params, config, src, beam_size=4, alpha=alpha, min_len=min_len)
+        for use_cache in (False, True):
+            torch_out = torch_decoding.beam_search(model, torch.from_numpy(src), beam_size=4, alpha=alpha,
+                                                   min_len=min_len, use_cache=use_cache)
+            what = f"beam 4 alpha={alpha} min_len={min_len} vs torch {'cached' if use_cache else 'uncached'}"
+            check_same(name, what, model, src, flax_out, torch_out, parity_report)
+
+
+def test_torch_cached_decoder_equals_prefix_decoder(parity_report):
+    """The reference's own cache: per-step log-probs equal re-running the twin over the whole prefix."""
+    config = CONFIGS["pre_learned_shared"]
+    model, src = torch_twin(config, init_params(config, 5)), torch.from_numpy(make_src(5))
+    memory = model.encode(src)
+    prefix = torch_decoding.PrefixDecoder(model, memory, src)
+    cached = torch_decoding.IncrementalDecoder(model, memory, src)
+    tokens = torch.from_numpy(np.random.default_rng(5).integers(3, VOCAB, (len(src), 10)))
+    worst = 0.0
+    with torch.no_grad():
+        for t in range(tokens.shape[1]):
+            worst = max(worst, float((prefix.step() - cached.step()).abs().max()))
+            prefix.append(tokens[:, t])
+            cached.append(tokens[:, t])
+    parity_report("torch cached vs prefix decoder log-probs", "pre_learned_shared", worst, 1e-5)
+    assert worst <= 1e-5  # same formulas, different shapes: float32 reassociation only (see above)
+
+
+# --- a trained model ----------------------------------------------------------------------------------------
+
+def fixed_shape_batches(encoded, rows: int, width: int, seed: int = 0):
+    """Endless random batches of one shape (one compilation of the train step), in the data.py convention:
+    src = tokens + EOS, tgt_in = BOS + tokens, tgt_out = tokens + EOS, PAD after."""
+    rng = np.random.default_rng(seed)
+    while True:
+        batch = {key: np.zeros((rows, width), np.int32) for key in ("src", "tgt_in", "tgt_out")}
+        for row, i in enumerate(rng.choice(len(encoded), rows, replace=False)):
+            s, t = encoded.src[i], encoded.tgt[i]
+            batch["src"][row, :len(s)] = s
+            batch["tgt_in"][row, :len(t) + 1] = np.concatenate([[1], t])
+            batch["tgt_out"][row, :len(t) + 1] = np.concatenate([t, [2]])
+        yield batch
+
+
+@pytest.fixture(scope="session")
+def trained():
+    """A tiny model trained for 400 steps of 48 sentence pairs on the default task (jax_transformer.training's
+    step; no dropout and no label smoothing, which train fastest), and 16 validation sources. It does not
+    translate well yet, but its distributions are trained ones: peaked, with EOS where sentences end."""
+    from jax_transformer.data import Tokenizer, encode_corpus
+    from jax_transformer.default_task import TOKENIZER_MODEL_TYPE, TOKENIZER_VOCAB_SIZE, default_pairs
+    from jax_transformer.training import OptimConfig, create_train_state, make_train_step
+
+    pairs = default_pairs("train", n=2000)
+    tokenizer = Tokenizer.train(pairs.sources + pairs.targets, TOKENIZER_VOCAB_SIZE, model_type=TOKENIZER_MODEL_TYPE)
+    config = preset("tiny", src_vocab_size=tokenizer.vocab_size, tgt_vocab_size=tokenizer.vocab_size, max_len=24)
+    batches = fixed_shape_batches(encode_corpus(pairs, tokenizer, config.max_len), 48, config.max_len)
+    opt = OptimConfig(lr_scale=2.0, warmup_steps=100, label_smoothing=0.0)
+    state, step = create_train_state(config, opt, seed=0), make_train_step(config, opt, dropout=False)
+    losses = []
+    for _ in range(400):
+        state, sums = step(state, next(batches))
+        losses.append(float(sums["loss"]) / float(sums["tokens"]))
+    sources = decoding.encode_sources(tokenizer, default_pairs("valid", n=16).sources, config)
+    src = np.zeros((len(sources), max(map(len, sources))), np.int64)
+    for row, ids in enumerate(sources):
+        src[row, :len(ids)] = ids
+    return config, state.params, torch_twin(config, state.params), src, losses
+
+
+def test_trained_model_greedy_and_beam_identical(trained, parity_report):
+    config, params, model, src, losses = trained
+    assert np.mean(losses[-20:]) < 0.6 * np.mean(losses[:5]), "the fixture's model did not train"
+    greedy = decoding.greedy_search(params, config, src)
+    ended = np.any(greedy[0] == config.eos_id, axis=1)
+    assert ended.mean() >= 0.5, f"only {ended.sum()} of {len(ended)} outputs end with EOS: is the model trained?"
+    margin = greedy_margin(model, src, greedy[0])
+    assert margin > MIN_MARGIN, f"near-tie on the greedy path (margin {margin:.1e})"
+    check_same("trained tiny", "greedy vs torch uncached", model, src, greedy,
+               torch_decoding.greedy_search(model, torch.from_numpy(src)), parity_report)
+    beam = decoding.beam_search(params, config, src, beam_size=4, alpha=0.6)
+    check_same("trained tiny", "beam 4 alpha=0.6 vs torch uncached", model, src, beam,
+               torch_decoding.beam_search(model, torch.from_numpy(src), beam_size=4, alpha=0.6), parity_report)

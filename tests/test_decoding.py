@@ -1,0 +1,367 @@
+"""Fast decoding (jax_transformer.decoding) against the plain model: the cache, greedy and beam search, lengths,
+edge cases, translate and the attention plot. Cross-framework checks are in parity_tests/test_decoding_parity.py.
+
+The oracle everywhere is the model's own teacher-forced forward pass (`Transformer.__call__`) re-run over the
+whole prefix at each step: no cache, no while_loop, nothing shared with the code under test but the model.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_transformer import decoding
+from jax_transformer.config import preset
+from jax_transformer.model import Transformer, init_params
+
+jax.config.update("jax_default_matmul_precision", "highest")
+
+VOCAB = 40
+MAX_LEN = 16
+# Source rows of different lengths (tokens + EOS): one filling all max_len positions, short rows, and an empty
+# source (EOS only).
+LENGTHS = (MAX_LEN, 3, 1, 6, 5)
+
+# Logits of the cached step and of the full pass are the same sums taken over different shapes (one query vs
+# all, T_cache masked key slots vs T): only float32 reassociation differs. With logits of size O(1-10) and
+# d_model=32 that is ~1e-6; 1e-5 leaves a 10x margin while a real cache bug (wrong position, a key not masked,
+# a stale key) moves logits by O(0.1).
+CACHE_ATOL = 1e-5
+# A score sums up to 16 log-probs, each within ~1e-6 of the oracle's (see above), then divides by a penalty >= 1.
+SCORE_ATOL = 2e-5
+
+
+def make_src(lengths=LENGTHS, width=MAX_LEN, seed=0) -> np.ndarray:
+    """Right-padded sources: random tokens (ids >= 3: no specials) then EOS, PAD after."""
+    rng = np.random.default_rng(seed)
+    src = np.zeros((len(lengths), width), np.int32)
+    for row, n in enumerate(lengths):
+        src[row, :n - 1] = rng.integers(3, VOCAB, n - 1)
+        src[row, n - 1] = 2
+    return src
+
+
+def config_a():
+    """Post-norm, sinusoidal, untied output (whose bias lets the test move EOS up, see eos_biased)."""
+    return preset("tiny", src_vocab_size=VOCAB, tgt_vocab_size=VOCAB, max_len=MAX_LEN, tie_output=False)
+
+
+def config_b():
+    """Pre-norm with final norms, learned positions, one shared (tied) embedding table, gelu."""
+    return preset("tiny", src_vocab_size=VOCAB, tgt_vocab_size=VOCAB, max_len=MAX_LEN, norm_first=True,
+                  final_norm=True, positions="learned", share_embeddings=True, activation="gelu")
+
+
+# --- the oracle: full forward passes over the prefix ----------------------------------------------------------
+
+_FORWARDS: dict = {}
+
+
+def full_forward(config):
+    """A jitted (params, src, tgt_in) -> logits (B, T, V) for `config`, built once per config."""
+    if config not in _FORWARDS:
+        _FORWARDS[config] = jax.jit(lambda p, s, t: Transformer(config).apply({"params": p}, s, t))
+    return _FORWARDS[config]
+
+
+def step_log_probs(params, config, src, tokens, t):
+    """Oracle log-probs (B, V) of token t given tokens[:, :t]: the whole prefix BOS, tokens[:, :t] through the
+    model. The prefix is padded to max_len (one compilation); causal masking hides the padding from position t."""
+    B = tokens.shape[0]
+    tgt_in = np.full((B, config.max_len), config.pad_id, np.int32)
+    tgt_in[:, 0] = config.bos_id
+    tgt_in[:, 1:t + 1] = tokens[:, :t]
+    logits = full_forward(config)(params, src, tgt_in)[:, t]
+    return np.array(jax.nn.log_softmax(logits, axis=-1))  # a writable copy
+
+
+def oracle_greedy(params, config, src, max_len_a=decoding.DEFAULT_MAX_LEN_A,
+                  max_len_b=decoding.DEFAULT_MAX_LEN_B, min_len=0):
+    """Greedy decoding by full forward passes, written from the documented semantics. Also returns, per row,
+    the smallest margin between the chosen token's log-prob and the runner-up's (to rule out near-ties)."""
+    limits = decoding.max_new_tokens(src, config, max_len_a, max_len_b)
+    L = decoding.output_length(src.shape[1], config, max_len_a, max_len_b)
+    B = src.shape[0]
+    tokens = np.full((B, L), config.pad_id, np.int32)
+    scores = np.zeros(B, np.float32)
+    gaps = np.full(B, np.inf)
+    done = np.zeros(B, bool)
+    for t in range(L):
+        lp = step_log_probs(params, config, src, tokens, t)  # (B, V)
+        lp[:, [config.pad_id, config.bos_id]] = -np.inf  # never produced
+        if t < min_len:
+            lp[:, config.eos_id] = -np.inf
+        for row in np.flatnonzero(~done):
+            best = int(np.argmax(lp[row]))
+            gaps[row] = min(gaps[row], lp[row, best] - np.max(np.delete(lp[row], best)))
+            tokens[row, t], scores[row] = best, scores[row] + lp[row, best]
+            done[row] = best == config.eos_id or t + 1 == limits[row]
+    return tokens, scores, gaps
+
+
+def sequence_log_prob(params, config, src, tokens):
+    """log P(tokens[b] | src[b]) by one teacher-forced pass (tokens: no BOS, PAD after the end)."""
+    tgt_in = np.concatenate([np.full((len(src), 1), config.bos_id, np.int32), tokens[:, :-1]], axis=1)
+    tgt_in[tgt_in == config.eos_id] = config.pad_id  # EOS is the last output, never an input
+    lp = np.asarray(jax.nn.log_softmax(full_forward(config)(params, src, tgt_in), axis=-1))
+    picked = np.take_along_axis(lp, tokens[:, :, None], axis=-1)[:, :, 0]
+    return np.where(tokens != config.pad_id, picked, 0.0).sum(axis=1)
+
+
+def eos_biased(config, params, src):
+    """Params whose output bias on EOS puts EOS first at step 0 for some rows and not for others.
+
+    Random models rarely emit EOS. The bias is set halfway between two neighbouring rows' step-0 margins
+    (best other log-prob minus EOS log-prob), so no row is near a tie at step 0.
+    """
+    lp = step_log_probs(params, config, src, np.zeros((len(src), 1), np.int32), 0)
+    margin = np.sort(np.delete(lp, config.eos_id, axis=1).max(axis=1) - lp[:, config.eos_id])
+    k = len(margin) // 2
+    bias = params["output_proj"]["bias"].at[config.eos_id].add((margin[k - 1] + margin[k]) / 2)
+    return {**params, "output_proj": {**params["output_proj"], "bias": bias}}
+
+
+@pytest.fixture(scope="module")
+def model_a():
+    config, src = config_a(), make_src()
+    return config, eos_biased(config, init_params(config, 0), src), src
+
+
+@pytest.fixture(scope="module")
+def model_b():
+    return config_b(), init_params(config_b(), 1), make_src(seed=1)
+
+
+# --- 1. the cache ------------------------------------------------------------------------------------------
+
+@functools.partial(jax.jit, static_argnames=("config", "cache_len"))
+def cached_and_full_logits(params, src, tgt_in, *, config, cache_len):
+    """Logits (B, T, V) of one full teacher-forced pass, and of the cached decoder fed tgt_in one token a step."""
+    model = Transformer(config)
+    full = model.apply({"params": params}, src, tgt_in)
+    memory = model.apply({"params": params}, src, method=Transformer.encode)
+    cache = decoding._create_cache(model, params, memory, src, cache_len)
+
+    def step(cache, tokens):  # tokens (B,)
+        logits, cache = decoding._decode_step(model, params, cache, memory, src, tokens)
+        return cache, logits
+
+    _, stepped = jax.lax.scan(step, cache, tgt_in.T)  # (T, B, V)
+    return full, stepped.transpose(1, 0, 2)
+
+
+@pytest.mark.parametrize("norm_first", [False, True], ids=["post-norm", "pre-norm"])
+@pytest.mark.parametrize("positions", ["sinusoidal", "learned"])
+def test_cached_steps_equal_full_forward(norm_first, positions):
+    config = preset("tiny", src_vocab_size=VOCAB, tgt_vocab_size=VOCAB, max_len=MAX_LEN, norm_first=norm_first,
+                    final_norm=norm_first, positions=positions)
+    params, src = init_params(config, 3), make_src(seed=3)
+    tgt_in = np.random.default_rng(4).integers(3, VOCAB, (len(src), 10)).astype(np.int32)
+    tgt_in[:, 0] = config.bos_id
+    # A cache longer than the 10 steps: its unused slots must not count.
+    full, stepped = cached_and_full_logits(params, src, tgt_in, config=config, cache_len=13)
+    worst = float(np.max(np.abs(np.asarray(full) - np.asarray(stepped))))
+    print(f"cached vs full logits, max abs diff {worst:.2e}")
+    assert worst < CACHE_ATOL
+
+
+# --- 2. greedy search --------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("which", ["a", "b"])
+def test_greedy_equals_full_forward_oracle(which, model_a, model_b):
+    config, params, src = model_a if which == "a" else model_b
+    assert np.all(src[0] != config.pad_id), "row 0 is a source at the maximum length"
+    tokens, scores = decoding.greedy_search(params, config, src)
+    assert tokens.shape == (len(src), MAX_LEN)  # 1.5 * 16 + 10 tokens, capped at max_len
+    expected, expected_scores, gaps = oracle_greedy(params, config, src)
+    assert gaps.min() > 1e-4, f"a near-tie ({gaps.min():.1e}) would make this comparison meaningless"
+    np.testing.assert_array_equal(tokens, expected)
+    np.testing.assert_allclose(scores, expected_scores, rtol=0, atol=SCORE_ATOL)
+    # The output convention: no BOS, EOS where emitted, PAD after; rows without EOS stop at their limit.
+    limits = decoding.max_new_tokens(src, config)
+    for row, limit in zip(tokens, limits):
+        produced = row[row != config.pad_id]
+        assert config.bos_id not in produced
+        assert np.all(row[len(produced):] == config.pad_id)
+        assert (produced[-1] == config.eos_id and len(produced) <= limit) or len(produced) == limit
+
+
+def test_some_rows_finish_at_the_first_step(model_a):
+    config, params, src = model_a
+    tokens, scores = decoding.greedy_search(params, config, src)
+    first_eos = tokens[:, 0] == config.eos_id
+    assert first_eos.any() and not first_eos.all(), "the EOS bias should split the batch (see eos_biased)"
+    assert np.all(tokens[first_eos, 1:] == config.pad_id)
+    # Their score is the log-prob of EOS at the first step alone.
+    lp0 = step_log_probs(params, config, src, np.zeros((len(src), 1), np.int32), 0)
+    np.testing.assert_allclose(scores[first_eos], lp0[first_eos, config.eos_id], atol=SCORE_ATOL)
+    # The others went on past the first step.
+    assert np.all(tokens[~first_eos, 1] != config.pad_id)
+
+
+def test_batch_of_one_empty_source_equals_its_row_in_the_batch(model_a):
+    """Padding-aware: the empty source (EOS only) decoded alone, without padding, gives what it gave as a row
+    of the padded batch."""
+    config, params, src = model_a
+    row = LENGTHS.index(1)
+    batch_tokens, batch_scores = decoding.greedy_search(params, config, src)
+    tokens, scores = decoding.greedy_search(params, config, src[row:row + 1, :1])  # (1, 1): just EOS
+    L = tokens.shape[1]
+    np.testing.assert_array_equal(tokens[0], batch_tokens[row, :L])
+    assert np.all(batch_tokens[row, L:] == config.pad_id)
+    np.testing.assert_allclose(scores[0], batch_scores[row], atol=SCORE_ATOL)
+
+
+def test_length_limits_and_min_len(model_a):
+    config, params, src = model_a
+    # No EOS before 3 tokens.
+    tokens, scores = decoding.greedy_search(params, config, src, min_len=3)
+    assert not np.any(tokens[:, :3] == config.eos_id)
+    expected, expected_scores, _ = oracle_greedy(params, config, src, min_len=3)
+    np.testing.assert_array_equal(tokens, expected)
+    assert np.any(tokens == config.eos_id), "some rows should still end with EOS after min_len"
+    # min_len at least the limits forces every row to exactly its limit (how benchmarks fix the length).
+    limits = decoding.max_new_tokens(src, config)
+    for search in (decoding.greedy_search, decoding.beam_search):
+        tokens, _ = search(params, config, src, min_len=MAX_LEN)
+        assert np.count_nonzero(tokens != config.pad_id, axis=1).tolist() == limits.tolist()
+        assert not np.any(tokens == config.eos_id)
+    # Other length parameters: at most floor(0 * n + 6) = 6 tokens per row, and the output is 6 wide.
+    tokens, _ = decoding.greedy_search(params, config, src, max_len_a=0, max_len_b=6)
+    expected, _, _ = oracle_greedy(params, config, src, max_len_a=0, max_len_b=6)
+    assert tokens.shape == (len(src), 6)
+    np.testing.assert_array_equal(tokens, expected)
+
+
+# --- 3. beam search ----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("which", ["a", "b"])
+def test_beam_size_one_without_penalty_is_greedy(which, model_a, model_b):
+    """With alpha = 0 a single beam is greedy search: the EOS it finishes cannot be beaten by the runner-up that
+    stays live (its log-prob is lower and only falls). Both add the same float32 log-probs in the same order,
+    so even the scores are bit-identical. (With alpha > 0 the live runner-up may win by growing longer.)"""
+    config, params, src = model_a if which == "a" else model_b
+    greedy_tokens, greedy_scores = decoding.greedy_search(params, config, src)
+    tokens, scores = decoding.beam_search(params, config, src, beam_size=1, alpha=0.0)
+    np.testing.assert_array_equal(tokens, greedy_tokens)
+    np.testing.assert_array_equal(scores, greedy_scores)
+
+
+@pytest.mark.parametrize("alpha", [0.6, 0.0])
+def test_beam_scores_are_penalised_log_probs(alpha, model_a):
+    config, params, src = model_a
+    tokens, scores = decoding.beam_search(params, config, src, beam_size=4, alpha=alpha)
+    lengths = np.count_nonzero(tokens != config.pad_id, axis=1)
+    limits = decoding.max_new_tokens(src, config)
+    for row, n, limit in zip(tokens, lengths, limits):  # ends with EOS, or runs to its limit without one
+        assert np.all(row[n:] == config.pad_id)
+        assert (row[n - 1] == config.eos_id and config.eos_id not in row[:n - 1]) or n == limit
+    assert np.any(tokens == config.eos_id), "the EOS bias should make some hypotheses end with EOS"
+    # The score is log P(hypothesis) (recomputed by one teacher-forced pass) over ((5 + length) / 6) ** alpha.
+    log_p = sequence_log_prob(params, config, src, tokens)
+    penalty = ((5.0 + lengths) / 6.0) ** alpha
+    np.testing.assert_allclose(scores, log_p / penalty, rtol=0, atol=SCORE_ATOL)
+
+
+# --- 4. inputs that must be refused ------------------------------------------------------------------------
+
+def test_bad_inputs_are_refused_with_clear_errors(model_a):
+    config, params, src = model_a
+    left_padded = src.copy()
+    left_padded[1] = np.roll(left_padded[1], 2)
+    cases = [
+        (src[0], "shape"),
+        (src.astype(np.float32), "integer"),
+        (np.pad(src, ((0, 0), (0, config.max_len))), "max_len"),
+        (np.where(src == 5, VOCAB + 1, src), "vocabulary"),
+        (left_padded, "row 1"),
+    ]
+    for bad, message in cases:
+        with pytest.raises(ValueError, match=message):
+            decoding.greedy_search(params, config, bad)
+    with pytest.raises(ValueError, match="beam_size"):
+        decoding.beam_search(params, config, src, beam_size=(VOCAB - 2) // 2)
+    with pytest.raises(ValueError, match="alpha"):
+        decoding.beam_search(params, config, src, alpha=-1.0)
+    with pytest.raises(ValueError, match="min_len"):
+        decoding.greedy_search(params, config, src, min_len=-1)
+
+
+def test_length_rule():
+    config = preset("tiny", max_len=16)
+    src = make_src((8, 3, 1), width=8)
+    src[2] = 0  # an all-PAD filler row
+    # n = 8, 3, 0 -> floor(1.5 n + 10) capped at 16; a filler row gets one step.
+    assert decoding.max_new_tokens(src, config).tolist() == [16, 14, 1]
+    assert decoding.max_new_tokens(src, config, 0.5, 1).tolist() == [5, 2, 1]
+    assert decoding.output_length(8, config, 0.5, 1) == 5
+    np.testing.assert_allclose(decoding.length_penalties(3, 0.6), [((5 + i) / 6) ** 0.6 for i in range(4)],
+                               rtol=1e-7)
+
+
+# --- translate and the attention plot ----------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny_translator():
+    from jax_transformer.data import Tokenizer
+    from jax_transformer.default_task import TOKENIZER_MODEL_TYPE, default_pairs
+
+    pairs = default_pairs("train", n=300)
+    tokenizer = Tokenizer.train(pairs.sources + pairs.targets, vocab_size=200, model_type=TOKENIZER_MODEL_TYPE)
+    config = preset("tiny", src_vocab_size=tokenizer.vocab_size, tgt_vocab_size=tokenizer.vocab_size,
+                    max_len=24)
+    return config, init_params(config, 7), tokenizer, pairs.sources
+
+
+def padded(sources, width=None) -> np.ndarray:
+    src = np.zeros((len(sources), width or max(map(len, sources))), np.int32)
+    for row, ids in enumerate(sources):
+        src[row, :len(ids)] = ids
+    return src
+
+
+def test_translate_keeps_order_and_reuses_compilations(tiny_translator):
+    config, params, tokenizer, sentences = tiny_translator
+    # Seven sentences of at most 7 tokens (+ EOS): with batch_size=4 they make two batches of shape (4, 8).
+    lengths = [len(ids) for ids in tokenizer.encode_batch(sentences)]
+    short = [s for s, n in zip(sentences, lengths) if 2 <= n <= 7]
+    chosen = [short[i] for i in (40, 3, 25, 11, 60, 0, 17)]  # mixed lengths, unsorted
+    out = decoding.translate(params, config, tokenizer, chosen, beam_size=1, batch_size=4, progress=False)
+    # Each translation equals the decoding of that sentence as a row of a padded batch of the same shape.
+    sources = decoding.encode_sources(tokenizer, chosen, config)
+    tokens = np.concatenate([decoding.greedy_search(params, config, padded(sources[:4], 8))[0],
+                             decoding.greedy_search(params, config, padded(sources[4:] + [[]], 8))[0]])
+    assert out == [tokenizer.decode(row) for row in tokens[:7]]
+    # Other sentences of the same shapes: nothing new is compiled.
+    compiled = decoding._greedy_core._cache_size()
+    decoding.translate(params, config, tokenizer, short[100:107], beam_size=1, batch_size=4, progress=False)
+    assert decoding._greedy_core._cache_size() == compiled
+    with pytest.raises(ValueError, match="sentence 1 has"):
+        decoding.translate(params, config, tokenizer, ["one", " ".join(["ninety"] * 40)], progress=False)
+
+
+def test_plot_attention_draws_every_layer_and_head(tiny_translator, tmp_path):
+    from jax_transformer import visualize
+
+    config, params, tokenizer, sentences = tiny_translator
+    path = visualize.plot_attention(params, config, tokenizer, sentences[123], tmp_path / "attention.png")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # The grid: one axes per (kind, layer, head); cross-attention has the source subwords on x (ending with
+    # </s>) and the produced tokens on y.
+    result = visualize.sentence_attention(params, config, tokenizer, sentences[123])
+    src = decoding.encode_sources(tokenizer, [sentences[123]], config)[0]
+    assert result.labels["source"] == visualize.token_labels(tokenizer, src, config)
+    assert result.labels["source"][-1] == "</s>"
+    m = len(result.labels["produced"])
+    assert result.maps["decoder/layer_1/cross_attention"].shape == (1, config.num_heads, m, len(src))
+    assert result.labels["decoder_in"][0] == "<s>" and len(result.labels["decoder_in"]) == m
+    fig = visualize.attention_figure(result.maps, config, ("cross", "self", "encoder"), result.labels)
+    assert len(fig.axes) == 3 * 2 * config.num_heads
+    assert [t.get_text() for t in fig.axes[0].get_xticklabels()] == result.labels["source"]
+    assert [t.get_text() for t in fig.axes[0].get_yticklabels()] == result.labels["produced"]
+    np.testing.assert_allclose(result.maps["decoder/layer_0/cross_attention"].sum(-1), 1.0, atol=1e-5)
+    with pytest.raises(ValueError, match="unknown attention kind"):
+        visualize.attention_figure(result.maps, config, ("bogus",), result.labels)
