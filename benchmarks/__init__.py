@@ -1,0 +1,1 @@
+"""Benchmarks of the Flax Transformer against its PyTorch reference: `python benchmarks/run.py --help`."""

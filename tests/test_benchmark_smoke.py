@@ -1,0 +1,109 @@
+"""Smoke test of the benchmark harness (benchmarks/run.py) and a check of its FLOP formula.
+
+The harness runs in a subprocess on the tiny preset for one repetition of its cheap sections (train, flops) and
+the JSON it writes must have the promised structure. Nothing here asserts a speed: timings belong to the
+benchmark's output, not to tests.
+"""
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from jax_transformer.config import preset
+
+REPO = Path(__file__).resolve().parent.parent
+RUN = REPO / "benchmarks" / "run.py"
+JAX = "JAX jit"
+TORCH_DEFAULT = "torch eager, Adam (default: for-loop on CPU)"
+TORCH_FUSED = "torch eager, Adam(fused=True)"
+
+
+def _positive(x) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    out = tmp_path_factory.mktemp("benchmark")
+    cmd = [sys.executable, str(RUN), "--presets", "tiny", "--sections", "train,flops", "--repeats", "1",
+           "--warmup", "1", "--torch-variants", "default,fused", "--vocab", "64", "--batch-size", "8",
+           "--length", "8", "--peak-size", "128", "--json", str(out / "b.json"), "--markdown", str(out / "b.md")]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"benchmark failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
+    return {"json": json.loads((out / "b.json").read_text()), "markdown": (out / "b.md").read_text(),
+            "stdout": proc.stdout}
+
+
+def test_json_describes_the_machine(smoke):
+    machine = smoke["json"]["machine"]
+    assert isinstance(machine["cpu_model"], str) and machine["cpu_model"]
+    assert isinstance(machine["cores"], int) and machine["cores"] >= 1
+    for library in ("jax", "flax", "optax", "torch", "numpy"):
+        assert machine["libraries"][library] not in ("", "not installed")
+    assert machine["date"][:2] == "20"  # ISO date
+    assert smoke["json"]["settings"]["torch_threads"] == machine["cores"]
+
+
+def test_every_figure_has_name_unit_min_median(smoke):
+    figures = smoke["json"]["figures"]
+    assert figures
+    for f in figures:
+        assert isinstance(f["name"], str) and f["name"]
+        assert isinstance(f["unit"], str) and f["unit"]
+        assert _positive(f["min"]) and _positive(f["median"]) and f["min"] <= f["median"], f
+        assert f["n"] >= 1
+        assert all(_positive(v) for v in f["ratios"].values()), f
+    assert smoke["json"]["failures"] == []
+
+
+def test_train_section_has_each_framework_and_jax_ratios(smoke):
+    figures = {f["name"]: f for f in smoke["json"]["figures"]}
+    for kind in ("train step", "train throughput"):
+        for label in (JAX, TORCH_DEFAULT, TORCH_FUSED):
+            assert f"{kind} tiny: {label}" in figures
+        ratios = figures[f"{kind} tiny: {JAX}"]["ratios"]
+        assert set(ratios) == {f"JAX/{TORCH_DEFAULT}", f"JAX/{TORCH_FUSED}"}
+        # The ratio is of medians: recompute it from the two figures.
+        other = figures[f"{kind} tiny: {TORCH_FUSED}"]["median"]
+        assert ratios[f"JAX/{TORCH_FUSED}"] == pytest.approx(figures[f"{kind} tiny: {JAX}"]["median"] / other)
+    assert figures[f"train step tiny: {JAX}"]["unit"] == "ms/step"
+    assert figures[f"train throughput tiny: {JAX}"]["unit"] == "target tokens/s"
+    assert f"first call (compile + step) tiny: {JAX}" in figures
+
+
+def test_flops_section_reports_utilisation_and_cross_checks(smoke):
+    figures = {f["name"]: f for f in smoke["json"]["figures"]}
+    assert "matmul peak: jnp.dot 128x128 float32" in figures
+    assert "matmul peak: torch.mm 128x128 float32" in figures
+    jax_fig = figures[f"achieved tiny: {JAX}"]
+    assert jax_fig["unit"] == "GFLOP/s"
+    assert {"% of jnp.dot peak", "% of torch.mm peak", "XLA flops/analytic"} <= set(jax_fig["ratios"])
+    # The analytic formula counts exactly the dot_general FLOPs of the traced step.
+    assert jax_fig["ratios"]["traced matmul/analytic"] == pytest.approx(1.0, rel=1e-9)
+
+
+def test_markdown_and_stdout_hold_the_table(smoke):
+    assert "| figure | unit | min | median | n | ratios |" in smoke["markdown"]
+    for f in smoke["json"]["figures"]:
+        assert f["name"] in smoke["markdown"]
+        assert f["name"] in smoke["stdout"]
+    assert smoke["json"]["machine"]["cpu_model"] in smoke["stdout"]
+
+
+@pytest.mark.parametrize("overrides", [
+    {},
+    dict(num_encoder_layers=1, num_decoder_layers=3, d_ff=48, tie_output=False),
+    dict(norm_first=True, final_norm=True, tgt_vocab_size=50),
+])
+def test_flop_formula_matches_the_traced_step(overrides):
+    """train_step_matmul_flops (from the shapes) against the dot_general ops jax traces for one step, with
+    source and target lengths that differ so that S and T cannot be swapped unnoticed."""
+    from benchmarks.run import train_step_matmul_flops, traced_train_step_matmul_flops
+
+    config = preset("tiny", **{"src_vocab_size": 60, "tgt_vocab_size": 60, **overrides})
+    B, S, T = 3, 7, 5
+    traced = traced_train_step_matmul_flops(config, B, S, T)
+    assert traced == pytest.approx(train_step_matmul_flops(config, B, S, T)["train_step"], rel=1e-12)
