@@ -80,19 +80,20 @@ class MultiHeadAttention(nn.Module):
             return project("key", memory), project("value", memory)
         # Decoding: the encoder output does not change, so its keys/values are projected once, when the cache
         # is created, and read back at every later step.
-        if self.has_variable("cache", "key"):
-            return self.get_variable("cache", "key"), self.get_variable("cache", "value")
+        # (The cache variables cannot be called "key"/"value": those names belong to the projection submodules.)
+        if self.has_variable("cache", "cached_key"):
+            return self.get_variable("cache", "cached_key"), self.get_variable("cache", "cached_value")
         k, v = project("key", memory), project("value", memory)
-        self.variable("cache", "key", lambda: k)
-        self.variable("cache", "value", lambda: v)
+        self.variable("cache", "cached_key", lambda: k)
+        self.variable("cache", "cached_value", lambda: v)
         return k, v
 
     def _append_to_cache(self, k, v, mask):
         """Self-attention while decoding: write this step's key/value at the cache index, attend to 0..index."""
-        created = self.has_variable("cache", "key")
-        cached_k = self.variable("cache", "key", jnp.zeros, k.shape, k.dtype)  # (B, T_max, H, K)
-        cached_v = self.variable("cache", "value", jnp.zeros, v.shape, v.dtype)
-        index = self.variable("cache", "index", lambda: jnp.array(0, dtype=jnp.int32))
+        created = self.has_variable("cache", "cached_key")
+        cached_k = self.variable("cache", "cached_key", jnp.zeros, k.shape, k.dtype)  # (B, T_max, H, K)
+        cached_v = self.variable("cache", "cached_value", jnp.zeros, v.shape, v.dtype)
+        index = self.variable("cache", "cache_index", lambda: jnp.array(0, dtype=jnp.int32))
         if not created:  # the call that creates the cache: plain attention over the given inputs
             return k, v, mask
         i = index.value
