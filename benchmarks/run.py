@@ -76,6 +76,8 @@ class Settings:
     warmup: int  # untimed steps per variant before timing (the first includes compilation)
     first_step_runs: int  # fresh processes per preset and framework in the first-step section
     torch_variants: tuple[str, ...]
+    decode_batch_sizes: tuple[int, ...]
+    decode_new_tokens: int
     peak_size: int  # n of the n x n float32 matmuls that measure the peak
     peak_repeats: int
     torch_threads: int
@@ -112,6 +114,9 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, S
     p.add_argument("--warmup", type=int, help="untimed steps before timing (default 2, 1 with --quick)")
     p.add_argument("--torch-variants", help=f"comma-separated subset of {list(TORCH_VARIANTS)} (default all; "
                    "with --quick default,fused: torch.compile alone takes minutes to compile on 2 cores)")
+    p.add_argument("--decode-batch-sizes", default="16,1", help="decode section batch sizes (default 16,1)")
+    p.add_argument("--decode-new-tokens", type=int, default=64,
+                   help="tokens each decoded sentence gets (default 64)")
     p.add_argument("--peak-size", type=int, default=2048, help="n of the n x n matmul peak (default 2048)")
     p.add_argument("--child", choices=("first-step", "pmap"), help=argparse.SUPPRESS)  # internal: subprocesses
     p.add_argument("--framework", choices=("jax", "torch"), help=argparse.SUPPRESS)
@@ -124,6 +129,15 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, S
             p.error(f"{what}: unknown {bad or 'empty list'}; choose from {sorted(allowed)}")
         return items
 
+    def positive_ints(text: str, what: str) -> tuple[int, ...]:
+        try:
+            values = tuple(int(x) for x in text.split(",") if x.strip())
+        except ValueError:
+            p.error(f"{what}: expected comma-separated integers, got {text!r}")
+        if not values or min(values) < 1:
+            p.error(f"{what}: expected positive integers, got {text!r}")
+        return values
+
     quick = args.quick
     repeats = dict(QUICK_REPEATS if quick else FULL_REPEATS)
     if args.repeats is not None:
@@ -135,7 +149,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, S
         p.error(f"--warmup must be >= 1 (the first step compiles), got {warmup}")
     batch_size = args.batch_size or (16 if quick else 64)
     for name, value in (("--batch-size", batch_size), ("--length", args.length), ("--vocab", args.vocab),
-                        ("--peak-size", args.peak_size)):
+                        ("--peak-size", args.peak_size), ("--decode-new-tokens", args.decode_new_tokens)):
         if value < 1:
             p.error(f"{name} must be >= 1, got {value}")
     if args.vocab < 5:
@@ -150,7 +164,8 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, S
         batch_size=batch_size, length=args.length, vocab=args.vocab, repeats=repeats, warmup=warmup,
         first_step_runs=1 if quick or args.repeats == 1 else 2,
         torch_variants=listed(variants, TORCH_VARIANTS, "--torch-variants"),
-        peak_size=args.peak_size, peak_repeats=max(3, min(repeats.values())) if args.repeats != 1 else 1,
+        decode_batch_sizes=positive_ints(args.decode_batch_sizes, "--decode-batch-sizes"),
+        decode_new_tokens=args.decode_new_tokens, peak_size=args.peak_size, peak_repeats=max(3, min(repeats.values())) if args.repeats != 1 else 1,
         torch_threads=core_count(), quick=quick)
     return args, settings
 
@@ -184,16 +199,26 @@ def set_torch_threads(n: int) -> None:
 # =============================================================================================================
 
 
-def summary(values: Sequence[float]) -> dict[str, float]:
-    return {"min": float(min(values)), "median": float(statistics.median(values)), "max": float(max(values)),
-            "n": len(values)}
+def figure(name: str, unit: str, seconds: Sequence[float], to_unit: Callable[[float], float] = lambda t: t, *,
+           section: str, preset_name: str | None = None, note: str | None = None) -> dict[str, Any]:
+    """One line of the results from the timed repeats' durations (seconds). `min` is the figure at the fastest
+    repeat and `median` at the median duration, both in `unit`: for a time that is the minimum and the median,
+    for a rate (tokens/s, GFLOP/s) the fastest repeat gives the highest value. Ratios (of medians) are added
+    later with add_ratio."""
+    fastest, median = float(min(seconds)), float(statistics.median(seconds))
+    return {"name": name, "section": section, "preset": preset_name, "unit": unit,
+            "min": to_unit(fastest), "median": to_unit(median), "n": len(seconds),
+            "seconds": {"min": fastest, "median": median, "max": float(max(seconds))},
+            "higher_is_better": unit.endswith("/s"),  # a rate (tokens/s, GFLOP/s), not a time (ms/step, s)
+            "ratios": {}, "note": note}
 
 
-def figure(name: str, unit: str, values: Sequence[float], *, section: str, preset_name: str | None = None,
-           ratios: Mapping[str, float] | None = None, note: str | None = None) -> dict[str, Any]:
-    """One line of the results: min / median / max of the samples, plus named ratios (of medians)."""
-    return {"name": name, "section": section, "preset": preset_name, "unit": unit, **summary(values),
-            "ratios": dict(ratios or {}), "note": note}
+def figure_from_summary(name: str, unit: str, fastest: float, median: float, n: int,
+                        to_unit: Callable[[float], float], **kw) -> dict[str, Any]:
+    """A figure from a fastest and a median duration measured elsewhere (benchmarks/decoding.py)."""
+    fig = figure(name, unit, [fastest, median], to_unit, **kw)
+    fig.update(median=to_unit(median), n=n, seconds={"min": fastest, "median": median, "max": None})
+    return fig
 
 
 def ratio(a: dict | None, b: dict | None) -> float | None:
@@ -391,10 +416,10 @@ def section_train(s: Settings, figures: list, failures: list, state: dict) -> No
                 f"vocab {s.vocab}, dropout 0.1, label smoothing 0.1")
         step_figs, tok_figs = {}, {}
         for label, seconds in times.items():
-            step_figs[label] = figure(f"train step {name}: {label}", "ms/step", [1e3 * t for t in seconds],
+            step_figs[label] = figure(f"train step {name}: {label}", "ms/step", seconds, lambda t: 1e3 * t,
                                       section="train", preset_name=name, note=note)
-            tok_figs[label] = figure(f"train throughput {name}: {label}", "target tokens/s",
-                                     [tokens / t for t in seconds], section="train", preset_name=name, note=note)
+            tok_figs[label] = figure(f"train throughput {name}: {label}", "target tokens/s", seconds,
+                                     lambda t: tokens / t, section="train", preset_name=name, note=note)
         for figs in (step_figs, tok_figs):
             for label, fig in figs.items():
                 if label != JAX_LABEL:
@@ -509,8 +534,8 @@ def section_flops(s: Settings, figures: list, failures: list, state: dict) -> No
     """Achieved GFLOP/s of each measured training step, and its share of the measured matmul peak."""
     peak_times = matmul_peak(s.peak_size, s.peak_repeats, failures)
     flop = 2.0 * s.peak_size ** 3
-    peaks = {lib: figure(f"matmul peak: {lib} {s.peak_size}x{s.peak_size} float32", "GFLOP/s",
-                         [flop / t / 1e9 for t in times], section="flops")
+    peaks = {lib: figure(f"matmul peak: {lib} {s.peak_size}x{s.peak_size} float32", "GFLOP/s", times,
+                         lambda t: flop / t / 1e9, section="flops")
              for lib, times in peak_times.items()}
     if len(peaks) == 2:
         add_ratio(peaks["jnp.dot"], "jnp.dot/torch.mm", ratio(peaks["jnp.dot"], peaks["torch.mm"]))
@@ -546,7 +571,7 @@ def section_flops(s: Settings, figures: list, failures: list, state: dict) -> No
         for label, seconds in entry["times"].items():
             if not seconds:
                 continue
-            fig = figure(f"achieved {name}: {label}", "GFLOP/s", [counts["train_step"] / t / 1e9 for t in seconds],
+            fig = figure(f"achieved {name}: {label}", "GFLOP/s", seconds, lambda t: counts["train_step"] / t / 1e9,
                          section="flops", preset_name=name, note=note)
             peak = peaks.get("jnp.dot" if label == JAX_LABEL else "torch.mm")
             if peak is not None:  # utilisation against the same library's own matmul peak
@@ -655,15 +680,61 @@ def section_first_step(s: Settings, figures: list, failures: list, state: dict) 
 # =============================================================================================================
 
 
+DECODE_LABELS = {  # benchmarks/decoding.py's implementation names -> what they are
+    "flax-cached": "Flax, key/value cache (jit)",
+    "torch-tutorial": "torch, tutorial loop (re-runs the prefix)",
+    "torch-reference": "torch reference decoder (re-runs the prefix)",
+    "torch-reference-cached": "torch reference decoder, its key/value cache",
+}
+
+
 def section_decode(s: Settings, figures: list, failures: list, state: dict) -> None:
-    """Greedy and beam search speed, measured by benchmarks/decoding.py (owned by the decoding work)."""
+    """Greedy and beam 4 at batch 16 and 1: the cached Flax decoder against the tutorial-style PyTorch loop and
+    the PyTorch reference's decoder, all measured by benchmarks/decoding.py's benchmark_decoding (which
+    interleaves them, warms each up once, and produces exactly `new_tokens` tokens per sentence)."""
     try:
-        from benchmarks import decoding  # noqa: F401
+        from benchmarks.decoding import IMPLEMENTATIONS, benchmark_decoding
     except ImportError as e:
         failures.append({"name": "decode", "error": f"benchmarks/decoding.py is not available: {e}"})
         print(f"  skipped: benchmarks/decoding.py is not available ({e})", flush=True)
         return
-    raise NotImplementedError("wire benchmarks/decoding.py in")
+    # --quick leaves out the reference's cached decoder: the brief's three are Flax, tutorial and reference.
+    implementations = [i for i in IMPLEMENTATIONS if not (s.quick and i == "torch-reference-cached")]
+    for name in s.aux_presets:
+        # The reference's beam search re-runs the prefix for one sentence at a time: tens of seconds per call
+        # on 2 cores, so --quick times one call (after the warm-up one).
+        repeats = 1 if s.quick else s.repeats_for(name)
+        try:
+            report = benchmark_decoding(name, batch_sizes=s.decode_batch_sizes, beam_sizes=(1, 4),
+                                        new_tokens=s.decode_new_tokens, vocab=s.vocab, repeats=repeats,
+                                        implementations=implementations,
+                                        log=lambda line: print(f"  [{name}] {line}", flush=True))
+        except Exception as e:  # reported with the other failures; the remaining sections still run
+            failures.append({"name": f"decode/{name}", "error": f"{type(e).__name__}: {e}"})
+            print(f"  failed: {type(e).__name__}: {e}", flush=True)
+            continue
+        settings = report["settings"]
+        # Random weights have near-ties, so an implementation may pick other tokens than Flax: say where.
+        differ = [f"{r['search']} batch {r['batch']} {r['implementation']} {100 * r['agreement']:.0f}%"
+                  for r in report["results"] if r["agreement"] is not None and r["agreement"] < 1.0]
+        note = (f"decode {name}: {settings['new_tokens']} new tokens per sentence from {settings['src_len']} "
+                f"source tokens; tokens/s counts output tokens and a call includes encoding the sources; "
+                f"tokens equal to Flax's: " + ("all" if not differ else "all but " + ", ".join(differ)))
+        groups: dict[tuple[str, int], dict[str, dict]] = {}
+        for row in report["results"]:
+            search, batch, impl = row["search"], row["batch"], row["implementation"]
+            produced = batch * settings["new_tokens"]
+            fig = figure_from_summary(f"decode {name} {search} batch {batch}: {DECODE_LABELS.get(impl, impl)}",
+                                      "tokens/s", row["seconds_min"], row["seconds_median"], repeats,
+                                      lambda t, n=produced: n / t, section="decode", preset_name=name, note=note)
+            fig["agreement_with_flax"] = row["agreement"]
+            groups.setdefault((search, batch), {})[impl] = fig
+        for figs in groups.values():
+            flax = figs.get("flax-cached")
+            for impl, fig in figs.items():
+                if flax is not None and impl != "flax-cached":
+                    add_ratio(flax, f"Flax/{impl}", ratio(flax, fig))
+            figures.extend(figs.values())
 
 
 # =============================================================================================================
@@ -723,7 +794,7 @@ def section_pmap(s: Settings, figures: list, failures: list, state: dict) -> Non
             note = (f"{label} {name}: global batch {s.batch_size} x {s.length} tokens; {PMAP_DEVICES} simulated CPU "
                     f"devices share the machine's {s.torch_threads} cores; untimed warm-up calls took {calls} s")
             devices = "1 device" if label == "jit" else f"{PMAP_DEVICES} devices"
-            figs[label] = figure(f"{label} {name}: {devices}", "ms/step", [1e3 * t for t in times],
+            figs[label] = figure(f"{label} {name}: {devices}", "ms/step", times, lambda t: 1e3 * t,
                                  section="pmap", preset_name=name, note=note)
         if "jit" in figs and "pmap" in figs:
             add_ratio(figs["pmap"], "pmap/jit", ratio(figs["pmap"], figs["jit"]))
@@ -761,8 +832,10 @@ def machine_lines(result: dict) -> list[str]:
             f"date: {m['date']}; load average at start {m['load_average']}, at end {result['load_average_end']}",
             f"threads: torch.set_num_threads({st['torch_threads']}); XLA: its default (all cores)",
             f"training batch: {st['batch_size']} rows x {st['length']} tokens (source and target), vocabulary "
-            f"{st['vocab']}, dropout 0.1, label smoothing 0.1; figures are min / median over the timed repeats "
-            f"after {st['warmup']} warm-up step(s); ratios are of medians"]
+            f"{st['vocab']}, dropout 0.1, label smoothing 0.1",
+            f"each figure: 'best' at the fastest and 'median' at the median of its n timed repeats (after "
+            f"{st['warmup']} untimed warm-up step(s)): for a time the minimum, for a rate the maximum; "
+            f"ratios are of medians"]
 
 
 def text_table(result: dict) -> str:
@@ -774,7 +847,7 @@ def text_table(result: dict) -> str:
         lines += ["", SECTION_TITLES[section]]
         width = max(len(f["name"]) for f in rows)
         for f in rows:
-            lines.append(f"  {f['name']:<{width}}  {f['unit']:>15}  min {_number(f['min']):>9}  "
+            lines.append(f"  {f['name']:<{width}}  {f['unit']:>15}  best {_number(f['min']):>9}  "
                          f"median {_number(f['median']):>9}  (n={f['n']})  {_ratios(f)}")
         notes = sorted({f["note"] for f in rows if f["note"]})
         lines += [f"  note: {n}" for n in notes]
@@ -789,7 +862,7 @@ def markdown_table(result: dict) -> str:
         rows = [f for f in result["figures"] if f["section"] == section]
         if not rows:
             continue
-        lines += ["", f"### {SECTION_TITLES[section]}", "", "| figure | unit | min | median | n | ratios |",
+        lines += ["", f"### {SECTION_TITLES[section]}", "", "| figure | unit | best | median | n | ratios |",
                   "|---|---|---:|---:|---:|---|"]
         for f in rows:
             lines.append(f"| {f['name']} | {f['unit']} | {_number(f['min'])} | {_number(f['median'])} | {f['n']} | "
@@ -839,7 +912,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "machine": machine,
         "load_average_end": machine_info()["load_average"],
         "settings": {**dataclasses.asdict(s), "torch_variants": {v: TORCH_VARIANTS[v] for v in s.torch_variants}},
-        "ratio_definition": "each ratio is the median of this figure over the median of the named other one",
+        "definitions": {
+            "min": "the figure at the fastest timed repeat (for a time, ms or s, its minimum; for a rate, "
+                   "tokens/s or GFLOP/s, its maximum: higher_is_better says which)",
+            "median": "the figure at the median duration of the timed repeats",
+            "seconds": "the durations themselves: min, median, max over the n timed repeats",
+            "ratios": "each ratio is this figure's median over the named other figure's median (x 100 for %)"},
         "figures": figures,
         "failures": failures,
         "wall_time_s": time.perf_counter() - started,
