@@ -2,23 +2,29 @@
 """Speed of the Flax Transformer against its PyTorch reference, on this machine, in one process tree.
 
     python benchmarks/run.py                    # the full run (15-20 minutes on a quiet 2-core machine)
-    python benchmarks/run.py --quick            # fewer repeats, a smaller batch: a few minutes
+    python benchmarks/run.py --quick            # batch 16 x 32, fewer repeats, no torch.compile: a few minutes
     python benchmarks/run.py --json out.json --markdown out.md
-    python benchmarks/run.py --presets tiny --aux-presets tiny --repeats 1 --json smoke.json   # smoke test
+    python benchmarks/run.py --presets tiny --sections train,flops --repeats 1 --json smoke.json   # smoke test
 
 Sections (`--sections`, comma-separated; all by default):
-  train       one training step, the same batch for every framework: JAX `jit` (make_train_step) against the
-              PyTorch reference step (torch_reference.training.train_step) eagerly with Adam's default, foreach
-              and fused implementations, and under torch.compile: ms/step and target tokens/s.
-  flops       achieved GFLOP/s of those steps: matmul FLOPs counted analytically (`train_step_matmul_flops`),
-              cross-checked with XLA's cost analysis, against the float32 matmul peak measured here.
+  train       one training step on the same batch in every framework (batch 64 x 32 tokens; 16 x 32 with
+              --quick): JAX `jit` (make_train_step) against the PyTorch reference step
+              (torch_reference.training.train_step) run eagerly with Adam's default (for-loop on CPU), foreach
+              and fused implementations, and with the model under torch.compile: ms/step, target tokens/s, and
+              the first call's time (compilation) apart.
+  flops       achieved GFLOP/s of those steps: matmul FLOPs counted from the shapes (`train_step_matmul_flops`),
+              cross-checked with the traced step's dot_general ops and XLA's cost analysis, as a percentage of
+              the float32 matmul peak (jnp.dot, torch.mm) measured in the same run.
   first-step  time to the first finished step (trace + compile + run) in a fresh process, persistent caches off.
-  decode      greedy and beam search speed (benchmarks/decoding.py).
-  pmap        data parallel `pmap` over 4 simulated CPU devices against single-device `jit`, same global batch.
+  decode      greedy and beam 4 search, batch 16 and 1, 64 new tokens (benchmarks/decoding.py's
+              benchmark_decoding): the cached Flax decoder against PyTorch loops that re-run the prefix.
+  pmap        data parallel `pmap` over 4 simulated CPU devices against single-device `jit`, same global batch,
+              both in one subprocess started with XLA_FLAGS=--xla_force_host_platform_device_count=4.
 
 Fairness: the frameworks are interleaved in one loop (JAX step, torch step, ..., JAX step, ...; the order rotates
-every round) so that load from other processes on a shared machine hits all of them alike. Each figure is the
-min and the median over the timed repeats, after warm-up steps that are not timed. Ratios are of medians.
+every round) so that load from other processes on a shared machine hits all of them alike. Each figure is given
+at the fastest and at the median of its timed repeats, after untimed warm-up steps. Ratios are of medians.
+torch runs with torch.set_num_threads(number of cores); XLA uses all cores by default.
 """
 from __future__ import annotations
 
@@ -165,7 +171,8 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, S
         first_step_runs=1 if quick or args.repeats == 1 else 2,
         torch_variants=listed(variants, TORCH_VARIANTS, "--torch-variants"),
         decode_batch_sizes=positive_ints(args.decode_batch_sizes, "--decode-batch-sizes"),
-        decode_new_tokens=args.decode_new_tokens, peak_size=args.peak_size, peak_repeats=max(3, min(repeats.values())) if args.repeats != 1 else 1,
+        decode_new_tokens=args.decode_new_tokens, peak_size=args.peak_size,
+        peak_repeats=1 if args.repeats == 1 else max(3, min(repeats.values())),
         torch_threads=core_count(), quick=quick)
     return args, settings
 
@@ -700,19 +707,28 @@ def section_decode(s: Settings, figures: list, failures: list, state: dict) -> N
         return
     # --quick leaves out the reference's cached decoder: the brief's three are Flax, tutorial and reference.
     implementations = [i for i in IMPLEMENTATIONS if not (s.quick and i == "torch-reference-cached")]
+    # The reference's beam search re-runs the prefix for one sentence at a time: minutes per call at batch 16
+    # on 2 cores. So --quick times one call (after the warm-up one) and runs beam search at batch 1 only.
+    plan = [((1,), s.decode_batch_sizes), ((4,), s.decode_batch_sizes)]
+    if s.quick:
+        plan = [((1,), s.decode_batch_sizes), ((4,), tuple(b for b in s.decode_batch_sizes if b == 1) or
+                                                     (min(s.decode_batch_sizes),))]
     for name in s.aux_presets:
-        # The reference's beam search re-runs the prefix for one sentence at a time: tens of seconds per call
-        # on 2 cores, so --quick times one call (after the warm-up one).
         repeats = 1 if s.quick else s.repeats_for(name)
-        try:
-            report = benchmark_decoding(name, batch_sizes=s.decode_batch_sizes, beam_sizes=(1, 4),
-                                        new_tokens=s.decode_new_tokens, vocab=s.vocab, repeats=repeats,
-                                        implementations=implementations,
-                                        log=lambda line: print(f"  [{name}] {line}", flush=True))
-        except Exception as e:  # reported with the other failures; the remaining sections still run
-            failures.append({"name": f"decode/{name}", "error": f"{type(e).__name__}: {e}"})
-            print(f"  failed: {type(e).__name__}: {e}", flush=True)
+        reports = []
+        for beam_sizes, batch_sizes in plan:
+            try:
+                reports.append(benchmark_decoding(name, batch_sizes=batch_sizes, beam_sizes=beam_sizes,
+                                                  new_tokens=s.decode_new_tokens, vocab=s.vocab, repeats=repeats,
+                                                  implementations=implementations,
+                                                  log=lambda line: print(f"  [{name}] {line}", flush=True)))
+            except Exception as e:  # reported with the other failures; the remaining sections still run
+                failures.append({"name": f"decode/{name} beam {beam_sizes[0]}",
+                                 "error": f"{type(e).__name__}: {e}"})
+                print(f"  failed: {type(e).__name__}: {e}", flush=True)
+        if not reports:
             continue
+        report = {"settings": reports[0]["settings"], "results": [r for rep in reports for r in rep["results"]]}
         settings = report["settings"]
         # Random weights have near-ties, so an implementation may pick other tokens than Flax: say where.
         differ = [f"{r['search']} batch {r['batch']} {r['implementation']} {100 * r['agreement']:.0f}%"
