@@ -166,7 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add(g, "--eval-beam-size", type=int, metavar="K",
          help="beam width of the BLEU evaluations during training (default 1: greedy, fast)")
     _add(g, "--eval-sentences", type=int, metavar="N",
-         help="compute BLEU/chrF during training on the first N validation sentences (default: all)")
+         help="compute BLEU/chrF on the first N validation sentences (default: all; 0: no BLEU, loss only)")
     _add_decoding_flags(g)
     _add(g, "--samples", type=int, metavar="N", help="sample translations printed by the final evaluation (default 5)")
     t.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -199,15 +199,14 @@ def build_parser() -> argparse.ArgumentParser:
     x.set_defaults(func=cmd_export)
 
     # --- attention ---------------------------------------------------------------------------------------------
-    a = sub.add_parser("attention", help="draw the attention weights of a checkpoint on one sentence (PNG)")
+    a = sub.add_parser("attention", help="draw the attention weights of a checkpoint on one sentence (PNG)",
+                       description="Translate one sentence greedily and draw every head's attention as heatmaps.")
     _add_checkpoint_flags(a)
     a.add_argument("--sentence", required=True, help="the source sentence")
     a.add_argument("--output", default="attention.png", metavar="FILE", help="the PNG to write (default attention.png)")
-    a.add_argument("--layer", default="decoder/layer_-1/cross_attention", metavar="NAME",
-                   help="which attention to draw, e.g. encoder/layer_0/self_attention or "
-                        "decoder/layer_1/cross_attention; layer_-1 is the last layer "
-                        "(default decoder/layer_-1/cross_attention)")
-    _add_decoding_flags(a)
+    a.add_argument("--kinds", nargs="+", default=["cross"], choices=("cross", "self", "encoder"),
+                   help="which attention: cross (decoder over the source), self (decoder self-attention), encoder "
+                        "(encoder self-attention); one grid row per layer, one column per head (default cross)")
     a.set_defaults(func=cmd_attention)
     return parser
 
@@ -512,16 +511,12 @@ def cmd_export(args, start_time: float) -> int:
 
 def cmd_attention(args, start_time: float) -> int:
     _require_decoder()
-    import importlib.util
-
-    if importlib.util.find_spec("jax_transformer.visualize") is None:
-        raise UsageError("drawing attention needs jax_transformer.visualize, which is not installed in this tree")
     from jax_transformer import visualize
 
     loaded = _load(args)
-    path = visualize.plot_attention_for_sentence(loaded.params, loaded.config, loaded.tokenizer, args.sentence,
-                                                 layer=args.layer, output=args.output, **_decoding(args))
-    _print(f"wrote {path}")
+    path = visualize.plot_attention(loaded.params, loaded.config, loaded.tokenizer, args.sentence, args.output,
+                                    kinds=args.kinds)
+    _print(f"wrote {path} (greedy translation; attention of {', '.join(args.kinds)})")
     return 0
 
 

@@ -18,6 +18,7 @@ index), so it depends only on the step number: a run resumed from a checkpoint d
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -193,6 +194,7 @@ def train_step(state: TrainState, batch, *, config: TransformerConfig, tx: optax
     return state.replace(step=state.step + 1, params=params, opt_state=opt_state), sums
 
 
+@functools.lru_cache(maxsize=16)  # one compiled step per (config, optimiser, devices): reused by later runs
 def make_train_step(config: TransformerConfig, opt: OptimConfig, *, n_devices: int = 1, dropout: bool = True):
     """The compiled step: `jax.jit` on one device, `jax.pmap` over `n_devices` local devices otherwise.
     The state argument is donated (its buffers are reused for the new state), so callers must not use the
@@ -208,6 +210,7 @@ def make_train_step(config: TransformerConfig, opt: OptimConfig, *, n_devices: i
     return jax.pmap(fn, axis_name=AXIS, donate_argnums=0)
 
 
+@functools.lru_cache(maxsize=16)
 def make_eval_step(config: TransformerConfig, label_smoothing: float, *, n_devices: int = 1):
     """Compiled evaluation: (params, batch) -> loss sums, dropout off. Params are not donated (they live on)."""
     if n_devices == 1:
@@ -296,10 +299,11 @@ def score_translations(hypotheses: Sequence[str], references: Sequence[str]) -> 
 
 
 def evaluate_translations(params, config: TransformerConfig, tokenizer, sources: Sequence[str],
-                          references: Sequence[str], *, beam_size: int = 4, alpha: float = 0.6
-                          ) -> tuple[dict[str, float], list[str]]:
+                          references: Sequence[str], *, beam_size: int = 4, alpha: float = 0.6,
+                          progress: bool = True) -> tuple[dict[str, float], list[str]]:
     """Translates `sources` and scores them against `references`: ({"bleu", "chrf"}, hypotheses)."""
-    hypotheses = translate_sentences(params, config, tokenizer, sources, beam_size=beam_size, alpha=alpha)
+    hypotheses = translate_sentences(params, config, tokenizer, sources, beam_size=beam_size, alpha=alpha,
+                                     progress=progress)
     return score_translations(hypotheses, references), hypotheses
 
 
@@ -337,7 +341,7 @@ class LoopConfig:
     eval_beam_size: int = 1  # beam size of the BLEU evaluations during training (1: greedy, fast)
     final_beam_size: int = 4  # beam size of the final evaluation
     alpha: float = 0.6  # length penalty of beam search (GNMT), as in paper section 6.1
-    eval_sentences: int | None = None  # BLEU on the first this many validation sentences (None: all)
+    eval_sentences: int | None = None  # BLEU on the first this many validation sentences (None: all, 0: none)
     samples: int = 5  # sample translations printed at each evaluation
     progress: bool = True  # tqdm progress bar
 
@@ -482,12 +486,13 @@ class Trainer:
         params = self.host_params()
         result = {f"valid_{k}": v for k, v in evaluate_loss(params, self.eval_step, self.valid.batches).items()}
         samples = []
-        if decoder_available():
-            n = len(self.valid.sources) if self.loop.eval_sentences is None else self.loop.eval_sentences
+        n = len(self.valid.sources) if self.loop.eval_sentences is None else self.loop.eval_sentences
+        if n > 0 and decoder_available():
             sources, references = self.valid.sources[:n], self.valid.references[:n]
             try:
                 scores, hypotheses = evaluate_translations(params, self.config, self.tokenizer, sources,
-                                                           references, beam_size=beam_size, alpha=self.loop.alpha)
+                                                           references, beam_size=beam_size, alpha=self.loop.alpha,
+                                                           progress=self.loop.progress)
             except Exception as e:  # a decoding failure must not end a long training run: warn, go on
                 self.print(f"warning: step {self.step}: BLEU evaluation failed ({type(e).__name__}: {e}); "
                            f"continuing with the validation loss only")
@@ -509,6 +514,8 @@ class Trainer:
                      f"(sacrebleu, {result['sentences']} sentences, beam {result['beam_size']})")
         elif "decode_error" in result:
             line += " (no BLEU: decoding failed)"
+        elif self.loop.eval_sentences == 0:
+            line += " (BLEU off: --eval-sentences 0)"
         else:
             line += " (no BLEU: jax_transformer.decoding is not available)"
         self.print(line)

@@ -1,0 +1,130 @@
+"""Shared pieces of the training tests: a tiny corpus on disk, train.py flags for a seconds-long run, and runners."""
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parent.parent
+
+# The numbers 0..299 as English -> French words (the built-in task's pairs): short sentences (one or two batch
+# shapes, so few compilations) and a tokenizer that trains in a fraction of a second.
+N_TRAIN = 300
+
+
+def write_corpus(directory: Path, *, empty_line: bool = False, long_line: bool = False) -> Path:
+    """train.tsv with the pairs of 0..N_TRAIN-1. Optionally line 5 gets an empty target and line 7 a pair far
+    longer than max_len, to exercise --on-empty / --on-too-long."""
+    from jax_transformer.default_task import number_pair
+
+    lines = ["\t".join(number_pair(n)) for n in range(N_TRAIN)]
+    if empty_line:
+        lines[4] = lines[4].split("\t")[0] + "\t"
+    if long_line:
+        lines[6] = " ".join(["seven hundred and seventy-seven thousand"] * 8) + "\t" + "sept cent " * 20
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / "train.tsv"
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+def tiny_train_args(run_dir: Path, train: Path, *, steps: int, save_every: int = 1000, valid: Path | None = None,
+                    extra: tuple[str, ...] = ()) -> list[str]:
+    """train.py flags for a one-layer tiny model that trains in seconds: short sentences and max_len 16 keep it
+    to two batch shapes (two compilations, fewer with layers 1); without `valid` nothing is evaluated."""
+    args = ["train", "--tsv", str(train), "--preset", "tiny", "--layers", "1", "--vocab-size", "100",
+            "--tokenizer-type", "bpe", "--max-len", "16", "--max-tokens", "512", "--warmup", "20", "--lr-scale", "2",
+            "--steps", str(steps), "--eval-every", "1000", "--save-every", str(save_every), "--eval-sentences", "0",
+            "--samples", "0", "--no-progress", "--run-dir", str(run_dir)]
+    if valid is not None:
+        args += ["--valid-tsv", str(valid)]
+    return args + list(extra)
+
+
+def run_main(argv: list[str]) -> tuple[int, str, str]:
+    """Calls train.main(argv) in this process; returns (exit code, stdout, stderr)."""
+    sys.path.insert(0, str(REPO))
+    try:
+        import train
+    finally:
+        sys.path.remove(str(REPO))
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = train.main(argv)
+    return code, out.getvalue(), err.getvalue()
+
+
+def start_train_process(argv: list[str], log: Path, compile_cache: Path | None = None) -> subprocess.Popen:
+    """train.py in a child process (its own jax), output to `log`. Processes given the same `compile_cache`
+    folder share compiled XLA programs (jax's persistent compilation cache), so the second one starts fast."""
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    if compile_cache is not None:
+        env.update(JAX_COMPILATION_CACHE_DIR=str(compile_cache), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+    with open(log, "wb") as f:
+        return subprocess.Popen([sys.executable, str(REPO / "train.py"), *argv], stdout=f, stderr=subprocess.STDOUT,
+                                env=env, cwd=str(REPO))
+
+
+def wait_for(condition, process: subprocess.Popen, log: Path, timeout: float = 180.0) -> None:
+    """Polls `condition()` until true; fails if the process exits first or the timeout passes."""
+    deadline = time.time() + timeout
+    while not condition():
+        if process.poll() is not None:
+            raise AssertionError(f"train.py exited ({process.returncode}) early:\n{log.read_text()[-3000:]}")
+        if time.time() > deadline:
+            process.kill()
+            raise AssertionError(f"timed out waiting; log:\n{log.read_text()[-3000:]}")
+        time.sleep(0.2)
+
+
+def completed_steps(run_dir: Path) -> list[int]:
+    """Finished checkpoint steps on disk: orbax renames a step's temporary folder to its number when done."""
+    folder = run_dir / "checkpoints"
+    if not folder.is_dir():
+        return []
+    return sorted(int(p.name) for p in folder.iterdir() if p.name.isdigit())
+
+
+def logged_steps(run_dir: Path) -> int:
+    path = run_dir / "metrics.jsonl"
+    return path.read_text().count('"kind": "train"') if path.exists() else 0
+
+
+def flat(tree) -> dict[str, np.ndarray]:
+    """A pytree as {path: numpy array}, for leaf-by-leaf comparisons."""
+    import jax
+
+    return {jax.tree_util.keystr(path): np.asarray(leaf)
+            for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+# --- unit-test model: one config, optimiser and batch shape for the in-process tests, so that the compiled
+# train step (cached by make_train_step) is built once per pytest process -------------------------------------
+
+def unit_config():
+    from jax_transformer.config import preset
+
+    return preset("tiny", src_vocab_size=50, tgt_vocab_size=50, max_len=16)
+
+
+def unit_optim():
+    from jax_transformer.training import OptimConfig
+
+    return OptimConfig(warmup_steps=10)
+
+
+def unit_batch(seed: int, rows: int = 4) -> dict[str, np.ndarray]:
+    """Random ids with ragged padding (every row a different length): src (rows, 10), tgt_in/tgt_out (rows, 10)."""
+    rng = np.random.default_rng(seed)
+    src = rng.integers(4, 50, (rows, 10)).astype(np.int32)
+    tgt = rng.integers(4, 50, (rows, 11)).astype(np.int32)
+    for r in range(rows):
+        src[r, 10 - r % 5:] = 0
+        tgt[r, 11 - (2 * r) % 9:] = 0
+    return {"src": src, "tgt_in": tgt[:, :-1], "tgt_out": tgt[:, 1:]}

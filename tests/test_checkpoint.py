@@ -1,0 +1,141 @@
+"""Checkpoints: exact round trip, which steps are kept, config mismatches, and exact resume through train.py."""
+from __future__ import annotations
+
+import json
+import re
+
+import jax
+import numpy as np
+import pytest
+
+from jax_transformer import checkpoint as ckpt_lib
+from jax_transformer import training
+from jax_transformer.config import ConfigError
+from jax_transformer.data import Tokenizer
+from tests.helpers_training import flat, run_main, tiny_train_args, unit_batch, unit_config, unit_optim, write_corpus
+
+CONFIG = unit_config()
+OPTIM = unit_optim()
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    words = [f"w{i} v{i % 7} u{i % 3}" for i in range(300)]
+    return Tokenizer.train(words, 40, model_type="bpe")
+
+
+def _trained_state(steps: int = 2):
+    state = training.create_train_state(CONFIG, OPTIM, seed=1)
+    step = training.make_train_step(CONFIG, OPTIM)
+    for i in range(steps):
+        state, _ = step(state, unit_batch(i))
+    return state
+
+
+def test_save_restore_round_trip_is_exact(tmp_path, tokenizer):
+    state = _trained_state()
+    manager = ckpt_lib.CheckpointManager(tmp_path / "ckpt")
+    data_state = {"epoch": 3, "index": 7, "batches_per_epoch": 11}
+    manager.save(2, state, config=CONFIG, optim=OPTIM.to_dict(), tokenizer=tokenizer, data_state=data_state,
+                 run={"seed": 5})
+    manager.close()
+
+    restored = ckpt_lib.load(tmp_path / "ckpt", "latest")
+    assert restored.step == 2 and restored.config == CONFIG and restored.data_state == data_state
+    assert restored.run == {"seed": 5} and restored.optim == OPTIM.to_dict()
+    assert restored.tokenizer.to_bytes() == tokenizer.to_bytes()
+    rebuilt = restored.train_state()
+    assert jax.tree_util.tree_structure(rebuilt) == jax.tree_util.tree_structure(state)
+    before, after = flat(jax.device_get(state)), flat(rebuilt)
+    assert before.keys() == after.keys()
+    for key in before:  # params, both Adam moments, step counts, the dropout key: bit for bit
+        assert before[key].dtype == after[key].dtype and np.array_equal(before[key], after[key]), key
+
+
+def test_keeps_the_last_k_and_the_best(tmp_path, tokenizer):
+    state = _trained_state(0)
+    manager = ckpt_lib.CheckpointManager(tmp_path / "ckpt", keep=2)
+    scores = {2: 10.0, 4: 30.0, 6: 20.0}  # step 4 is the best; steps 1, 3, 5, 7, 8 carry no score
+    for step in range(1, 9):
+        metrics = {"score": scores[step]} if step in scores else None
+        manager.save(step, state, config=CONFIG, optim=OPTIM.to_dict(), tokenizer=tokenizer, metrics=metrics)
+    manager.wait()
+    assert manager.steps() == [4, 7, 8]
+    assert manager.best_step() == 4 and manager.latest_step() == 8
+    manager.close()
+    assert ckpt_lib.load(tmp_path / "ckpt").step == 4  # load() defaults to the best
+
+
+def test_restoring_into_a_different_config_names_the_field(tmp_path, tokenizer):
+    manager = ckpt_lib.CheckpointManager(tmp_path / "ckpt")
+    manager.save(1, _trained_state(0), config=CONFIG, optim=OPTIM.to_dict(), tokenizer=tokenizer)
+    manager.close()
+    with pytest.raises(ConfigError, match=r"'d_model': checkpoint .* has 32, requested 64"):
+        ckpt_lib.load(tmp_path / "ckpt", "latest", expected_config=CONFIG.replace(d_model=64))
+    with pytest.raises(ckpt_lib.CheckpointError, match="no checkpoint for step 5; saved steps are \\[1\\]"):
+        ckpt_lib.load(tmp_path / "ckpt", 5)
+
+
+# --- resume through train.py ---------------------------------------------------------------------------------
+
+
+def _final_state(run_dir):
+    loaded = ckpt_lib.load(run_dir, "latest")
+    return loaded.step, flat(loaded.state)
+
+
+def _train_losses(run_dir):
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in records if r["kind"] == "train"}
+
+
+@pytest.fixture(scope="module")
+def resumed_and_straight(tmp_path_factory):
+    """Trains 4 steps and stops; resumes that run (a fresh TrainState, BatchStream and Trainer) to 10 steps; and
+    runs 10 steps uninterrupted. Dropout is on (the tiny preset's 0.1) and 10 steps cross an epoch boundary (the
+    corpus makes 8 batches), so data order, the reshuffle and the dropout keys all have to be restored."""
+    root = tmp_path_factory.mktemp("resume")
+    train = write_corpus(root, empty_line=True, long_line=True)
+    interrupted, straight = root / "interrupted", root / "straight"
+    first = run_main(tiny_train_args(interrupted, train, steps=4))
+    resumed = run_main(["train", "--resume", str(interrupted), "--steps", "10", "--no-progress"])
+    uninterrupted = run_main(tiny_train_args(straight, train, steps=10))
+    return interrupted, straight, first, resumed, uninterrupted
+
+
+def test_resume_equals_uninterrupted_run(resumed_and_straight):
+    interrupted, straight, first, resumed, uninterrupted = resumed_and_straight
+    for code, out, err in (first, resumed, uninterrupted):
+        assert code == 0, out + err
+    assert "resuming" in resumed[1] and "from step 4" in resumed[1]
+    per_epoch = int(re.search(r"token slots, (\d+) per epoch", uninterrupted[1]).group(1))
+    assert 4 < per_epoch < 10  # the resume is inside the first epoch and the run goes on into the second
+    step_a, state_a = _final_state(interrupted)
+    step_b, state_b = _final_state(straight)
+    assert step_a == step_b == 10
+    assert state_a.keys() == state_b.keys()
+    for key in state_a:
+        # Bit-identical: the same XLA programs on the same inputs in the same order on the same CPU.
+        assert np.array_equal(state_a[key], state_b[key]), f"{key} differs after resume"
+    losses_a, losses_b = _train_losses(interrupted), _train_losses(straight)
+    assert sorted(losses_a) == list(range(1, 11))  # the resumed log continues the first one, each step once
+    assert losses_a == losses_b
+    assert len(set(losses_b.values())) == 10  # the losses do change from step to step
+
+
+def test_skipped_pairs_are_counted_and_reported(resumed_and_straight):
+    _, _, (code, out, _), _, _ = resumed_and_straight
+    assert code == 0
+    assert "skipped 1 with an empty side (lines 5)" in out
+    assert "skipped 1 too long (lines 7)" in out
+
+
+def test_resume_with_another_config_names_the_field(resumed_and_straight):
+    interrupted = resumed_and_straight[0]
+    code, out, err = run_main(["train", "--resume", str(interrupted), "--d-model", "64", "--no-progress"])
+    assert code == 1
+    assert "'d_model': checkpoint" in err and "has 32, requested 64" in err
+    assert "Traceback" not in err
+    code, out, err = run_main(["train", "--resume", str(interrupted), "--warmup", "99", "--no-progress"])
+    assert code == 1 and "warmup=20" in err and "warmup=99" in err
+    assert "Traceback" not in err
