@@ -136,6 +136,20 @@ def check_same(name, what, model, src, flax_out, torch_out, parity_report):
 
 # --- random models ------------------------------------------------------------------------------------------
 
+def test_length_rules_agree():
+    """The two implementations' length limits, output widths and length penalties are the same numbers."""
+    config = CONFIGS["pre_learned_shared"]
+    src = make_src(0)
+    src[-1] = config.pad_id  # an all-PAD filler row
+    for a, b in ((1.5, 10), (0.0, 6), (1.2, 0.5), (0.7, 3)):
+        assert (decoding.max_new_tokens(src, config, a, b).tolist()
+                == torch_decoding.max_new_tokens(torch.from_numpy(src), config, a, b))
+        assert decoding.output_length(MAX_LEN, config, a, b) == torch_decoding.output_length(MAX_LEN, config, a, b)
+    for alpha in (0.0, 0.6, 1.0):
+        table = decoding.length_penalties(MAX_LEN, alpha)
+        assert table.tolist() == [torch_decoding.length_penalty(n, alpha) for n in range(MAX_LEN + 1)]
+
+
 def test_greedy_tokens_identical(random_case, parity_report):
     name, config, params, model, src = random_case
     for min_len in (0, 4):

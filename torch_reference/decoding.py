@@ -3,9 +3,10 @@ is tested against. Written to be read, not to be fast.
 
 The semantics are exactly those of `jax_transformer.decoding` (see its module docstring): the same length rule
 (a row of n source tokens may produce min(max_len, max(1, floor(a * n + b))) tokens, EOS included; 1 for an
-all-PAD row), the same banned tokens (PAD and BOS always, EOS before `min_len`), the same GNMT length penalty table, the same tie-breaking (lower index
-first: `torch.argmax` returns the first maximum and a stable descending sort keeps equal values in index order,
-as `lax.top_k` does), the same rule for which ending candidates finish, and the same early stop.
+all-PAD row), the same banned tokens (PAD and BOS always, EOS before `min_len`), the same GNMT length penalty
+values, the same tie-breaking (lower index first: `torch.argmax` returns the first maximum and a stable
+descending sort keeps equal values in index order, as `lax.top_k` does), the same rule for which ending
+candidates finish (only the K best of the 2K), and the same early stop.
 
 By default each step re-runs the decoder over the whole prefix, as the Annotated Transformer's `greedy_decode`
 does: the simplest correct decoder, with no cache to get wrong. `use_cache=True` switches to
@@ -59,8 +60,8 @@ class PrefixDecoder:
 
     def step(self) -> torch.Tensor:
         """Log-probs (B, V) of the token after the current prefix."""
-        logits = self.model.decode(self.memory, self.src, self.prefix)[:, -1]  # (B, V)
-        return F.log_softmax(logits, dim=-1)
+        hidden = self.model.decoder_hidden(self.memory, self.src, self.prefix)[:, -1:]  # (B, 1, D): last position
+        return F.log_softmax(self.model.logits(hidden)[:, 0], dim=-1)  # (B, V)
 
     def append(self, tokens: torch.Tensor) -> None:
         """Extends every row's prefix by tokens (B,)."""
