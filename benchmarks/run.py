@@ -2,7 +2,8 @@
 """Speed of the Flax Transformer against its PyTorch reference, on this machine, in one process tree.
 
     python benchmarks/run.py                    # the full run (15-20 minutes on a quiet 2-core machine)
-    python benchmarks/run.py --quick            # batch 16 x 32, fewer repeats, no torch.compile: a few minutes
+    python benchmarks/run.py --quick            # batch 16 x 32, fewer repeats, no torch.compile, 32 new tokens
+                                                # when decoding: a few minutes on a quiet machine
     python benchmarks/run.py --json out.json --markdown out.md
     python benchmarks/run.py --presets tiny --sections train,flops --repeats 1 --json smoke.json   # smoke test
 
@@ -103,7 +104,8 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, S
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     p.add_argument("--quick", action="store_true",
                    help="batch 16 x 32 instead of 64 x 32, fewer repeats, no torch.compile, one fresh process "
-                        "per first-step figure: a few minutes")
+                        "per first-step figure, decoding 32 new tokens with beam search at batch 1 only: a few "
+                        "minutes on a quiet machine")
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     p.add_argument("--markdown", metavar="FILE", help="also write the table as Markdown (for README)")
     p.add_argument("--presets", default="small,base", help="model presets for train/flops/first-step "
@@ -121,8 +123,9 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, S
     p.add_argument("--torch-variants", help=f"comma-separated subset of {list(TORCH_VARIANTS)} (default all; "
                    "with --quick default,fused: torch.compile alone takes minutes to compile on 2 cores)")
     p.add_argument("--decode-batch-sizes", default="16,1", help="decode section batch sizes (default 16,1)")
-    p.add_argument("--decode-new-tokens", type=int, default=64,
-                   help="tokens each decoded sentence gets (default 64)")
+    p.add_argument("--decode-new-tokens", type=int,
+                   help="tokens each decoded sentence gets (default 64; 32 with --quick, since the PyTorch loops "
+                        "that re-run the prefix cost ~ tokens^2)")
     p.add_argument("--peak-size", type=int, default=2048, help="n of the n x n matmul peak (default 2048)")
     p.add_argument("--child", choices=("first-step", "pmap"), help=argparse.SUPPRESS)  # internal: subprocesses
     p.add_argument("--framework", choices=("jax", "torch"), help=argparse.SUPPRESS)
@@ -154,8 +157,9 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, S
     if warmup < 1:
         p.error(f"--warmup must be >= 1 (the first step compiles), got {warmup}")
     batch_size = args.batch_size or (16 if quick else 64)
+    new_tokens = args.decode_new_tokens or (32 if quick else 64)
     for name, value in (("--batch-size", batch_size), ("--length", args.length), ("--vocab", args.vocab),
-                        ("--peak-size", args.peak_size), ("--decode-new-tokens", args.decode_new_tokens)):
+                        ("--peak-size", args.peak_size), ("--decode-new-tokens", new_tokens)):
         if value < 1:
             p.error(f"{name} must be >= 1, got {value}")
     if args.vocab < 5:
@@ -171,7 +175,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, S
         first_step_runs=1 if quick or args.repeats == 1 else 2,
         torch_variants=listed(variants, TORCH_VARIANTS, "--torch-variants"),
         decode_batch_sizes=positive_ints(args.decode_batch_sizes, "--decode-batch-sizes"),
-        decode_new_tokens=args.decode_new_tokens, peak_size=args.peak_size,
+        decode_new_tokens=new_tokens, peak_size=args.peak_size,
         peak_repeats=1 if args.repeats == 1 else max(3, min(repeats.values())),
         torch_threads=core_count(), quick=quick)
     return args, settings
@@ -708,13 +712,14 @@ def section_decode(s: Settings, figures: list, failures: list, state: dict) -> N
     # --quick leaves out the reference's cached decoder: the brief's three are Flax, tutorial and reference.
     implementations = [i for i in IMPLEMENTATIONS if not (s.quick and i == "torch-reference-cached")]
     # The reference's beam search re-runs the prefix for one sentence at a time: minutes per call at batch 16
-    # on 2 cores. So --quick times one call (after the warm-up one) and runs beam search at batch 1 only.
+    # on 2 cores. So at most 3 timed calls, and --quick times one (after the warm-up one) and runs beam search
+    # at batch 1 only.
     plan = [((1,), s.decode_batch_sizes), ((4,), s.decode_batch_sizes)]
     if s.quick:
         plan = [((1,), s.decode_batch_sizes), ((4,), tuple(b for b in s.decode_batch_sizes if b == 1) or
                                                      (min(s.decode_batch_sizes),))]
     for name in s.aux_presets:
-        repeats = 1 if s.quick else s.repeats_for(name)
+        repeats = 1 if s.quick else min(3, s.repeats_for(name))
         reports = []
         for beam_sizes, batch_sizes in plan:
             try:
