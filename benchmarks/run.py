@@ -725,6 +725,7 @@ def section_decode(s: Settings, figures: list, failures: list, state: dict) -> N
             try:
                 reports.append(benchmark_decoding(name, batch_sizes=batch_sizes, beam_sizes=beam_sizes,
                                                   new_tokens=s.decode_new_tokens, vocab=s.vocab, repeats=repeats,
+                                                  torch_threads=s.torch_threads,
                                                   implementations=implementations,
                                                   log=lambda line: print(f"  [{name}] {line}", flush=True)))
             except Exception as e:  # reported with the other failures; the remaining sections still run
