@@ -238,7 +238,11 @@ def replicate(tree, n_devices: int):
         return tree
     import flax.jax_utils
 
-    return flax.jax_utils.replicate(tree, devices=jax.local_devices()[:n_devices])
+    devices = jax.local_devices()[:n_devices]
+    replicated = flax.jax_utils.replicate(tree, devices=devices)
+    # flax's replicate gives the arrays a different sharding than a pmap step returns, so the step's second call
+    # would compile again (tens of seconds on CPU). One identity pmap gives them the step's own sharding.
+    return jax.pmap(lambda x: x, axis_name=AXIS, devices=devices)(replicated)
 
 
 def unreplicate(tree, n_devices: int):
