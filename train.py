@@ -38,7 +38,7 @@ class UsageError(ValueError):
 
 # The built-in numbers task: sized to reach a useful model on 2 CPU cores in about five minutes (see README).
 DEFAULT_TASK_SETTINGS = dict(
-    preset="tiny", steps=1500, max_tokens=2048, lr_scale=2.0, warmup=400, eval_every=500, save_every=500,
+    preset="tiny", steps=1000, max_tokens=2048, lr_scale=2.0, warmup=400, eval_every=500, save_every=500,
     vocab_size=256, tokenizer_type="bpe", max_len=32, eval_sentences=None,
 )
 # Your own data: the paper's schedule on the "small" model; raise --steps to taste.
@@ -139,7 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "true here")
 
     g = t.add_argument_group("optimisation (Adam b1=0.9, b2=0.98, eps=1e-9; paper section 5.3)")
-    _add(g, "--steps", type=int, metavar="N", help="total optimiser steps (default numbers 1500 / files 20000)")
+    _add(g, "--steps", type=int, metavar="N", help="total optimiser steps (default numbers 1000 / files 20000)")
     _add(g, "--lr-scale", type=float, metavar="S",
          help="multiplies the learning rate S * d_model^-0.5 * min(step^-0.5, step * warmup^-1.5) "
               "(default numbers 2.0 / files 1.0)")
