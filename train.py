@@ -468,8 +468,8 @@ def cmd_evaluate(args, start_time: float) -> int:
         scores, hypotheses = training.evaluate_translations(loaded.params, loaded.config, loaded.tokenizer,
                                                             valid.sources, valid.references, **_decoding(args))
         result.update(scores, **_decoding(args), sentences=len(valid.sources))
-        for source, reference, hypothesis in list(zip(valid.sources, valid.references, hypotheses))[:args.samples]:
-            _print(f"  source:    {source}\n  reference: {reference}\n  model:     {hypothesis}")
+        for i in training.spread_indices(len(hypotheses), args.samples):
+            _print(f"  source:    {valid.sources[i]}\n  reference: {valid.references[i]}\n  model:     {hypotheses[i]}")
         if args.output:
             Path(args.output).write_text("".join(h + "\n" for h in hypotheses), encoding="utf-8")
     else:

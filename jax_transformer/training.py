@@ -294,6 +294,11 @@ def translate_sentences(params, config: TransformerConfig, tokenizer, sentences:
     return translate(params, config, tokenizer, list(sentences), beam_size=beam_size, alpha=alpha, **kwargs)
 
 
+def spread_indices(n: int, k: int) -> list[int]:
+    """k indices spread evenly over range(n): sample translations from across a (often sorted) corpus."""
+    return sorted(set(np.linspace(0, n - 1, num=min(k, n), dtype=int).tolist())) if n and k > 0 else []
+
+
 def score_translations(hypotheses: Sequence[str], references: Sequence[str]) -> dict[str, float]:
     """Corpus BLEU and chrF with sacrebleu's defaults (13a tokenization, cased) on detokenized text."""
     import sacrebleu
@@ -503,7 +508,8 @@ class Trainer:
                 result["decode_error"] = f"{type(e).__name__}: {e}"
             else:
                 result.update(scores, beam_size=beam_size, sentences=len(sources))
-                samples = list(zip(sources, references, hypotheses))[:self.loop.samples]
+                samples = [(sources[i], references[i], hypotheses[i])
+                           for i in spread_indices(len(sources), self.loop.samples)]
         # The best checkpoint is chosen by BLEU when there is one, else by (minus) the validation loss.
         result["score"] = result.get("bleu", -result["valid_loss"])
         self.metrics.write({"kind": "eval", "step": self.step, "final": final,
