@@ -337,6 +337,10 @@ def cmd_train(args, start_time: float) -> int:
 
     # --- batches ----------------------------------------------------------------------------------------------
     n_devices = jax.local_device_count()
+    if stored is not None and stored.get("devices", n_devices) != n_devices:
+        raise UsageError(f"--resume: the checkpoint was trained on {stored['devices']} device(s), this machine has "
+                         f"{n_devices}; batches are split per device, so an exact resume needs the same count")
+    settings["devices"] = n_devices
     encoded = encode_corpus(train_corpus, tokenizer, config.max_len, on_too_long=settings["on_too_long"])
     _print(f"training data: {encoded.describe()}")
     stream = BatchStream(encoded, settings["max_tokens"], row_multiple=n_devices, seed=settings["seed"],

@@ -194,12 +194,16 @@ def train_step(state: TrainState, batch, *, config: TransformerConfig, tx: optax
     return state.replace(step=state.step + 1, params=params, opt_state=opt_state), sums
 
 
-@functools.lru_cache(maxsize=16)  # one compiled step per (config, optimiser, devices): reused by later runs
 def make_train_step(config: TransformerConfig, opt: OptimConfig, *, n_devices: int = 1, dropout: bool = True):
     """The compiled step: `jax.jit` on one device, `jax.pmap` over `n_devices` local devices otherwise.
     The state argument is donated (its buffers are reused for the new state), so callers must not use the
     state they passed in after the call. Under pmap the state is replicated and the batch has a leading
     device axis (see `replicate`, `shard_batch`)."""
+    return _compiled_train_step(config, opt, n_devices, dropout)
+
+
+@functools.lru_cache(maxsize=16)  # one compiled step per (config, optimiser, devices, dropout), reused by later runs
+def _compiled_train_step(config: TransformerConfig, opt: OptimConfig, n_devices: int, dropout: bool):
     tx = make_optimizer(config, opt)
     if n_devices == 1:
         fn = lambda state, batch: train_step(state, batch, config=config, tx=tx,  # noqa: E731
@@ -211,12 +215,9 @@ def make_train_step(config: TransformerConfig, opt: OptimConfig, *, n_devices: i
 
 
 @functools.lru_cache(maxsize=16)
-def make_eval_step(config: TransformerConfig, label_smoothing: float, *, n_devices: int = 1):
-    """Compiled evaluation: (params, batch) -> loss sums, dropout off. Params are not donated (they live on)."""
-    if n_devices == 1:
-        return jax.jit(lambda params, batch: batch_loss_sums(params, batch, config, label_smoothing))
-    return jax.pmap(lambda params, batch: lax.psum(batch_loss_sums(params, batch, config, label_smoothing), AXIS),
-                    axis_name=AXIS)
+def make_eval_step(config: TransformerConfig, label_smoothing: float):
+    """Compiled evaluation on one device: (params, batch) -> loss sums, dropout off. Params are not donated."""
+    return jax.jit(lambda params, batch: batch_loss_sums(params, batch, config, label_smoothing))
 
 
 def shard_batch(batch: Mapping[str, np.ndarray], n_devices: int) -> dict[str, np.ndarray]:
@@ -266,14 +267,12 @@ def summarize(sums: Mapping[str, Any]) -> dict[str, float]:
 # =============================================================================================================
 
 
-def evaluate_loss(params, eval_step, batches: Iterable[Mapping[str, np.ndarray]], n_devices: int = 1
-                  ) -> dict[str, float]:
-    """Loss, perplexity and token accuracy over evaluation batches (dicts src/tgt_in/tgt_out)."""
+def evaluate_loss(params, eval_step, batches: Iterable[Mapping[str, np.ndarray]]) -> dict[str, float]:
+    """Loss, perplexity and token accuracy over evaluation batches (dicts src/tgt_in/tgt_out), on one device
+    (under pmap training, pass the first replica's params)."""
     total = {"loss": 0.0, "nll": 0.0, "tokens": 0.0, "correct": 0.0}
     for batch in batches:
-        sums = jax.device_get(eval_step(params, shard_batch(batch, n_devices)))
-        if n_devices > 1:
-            sums = {k: v[0] for k, v in sums.items()}  # psummed: every device holds the total
+        sums = jax.device_get(eval_step(params, batch))
         for k in total:
             total[k] += float(sums[k])
     return summarize(total)
