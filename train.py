@@ -166,7 +166,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add(g, "--eval-beam-size", type=int, metavar="K",
          help="beam width of the BLEU evaluations during training (default 1: greedy, fast)")
     _add(g, "--eval-sentences", type=int, metavar="N",
-         help="compute BLEU/chrF on the first N validation sentences (default: all; 0: no BLEU, loss only)")
+         help="compute BLEU/chrF of the evaluations during training on the first N validation sentences; the "
+              "final evaluation uses all (default: all; 0: no BLEU at all, loss only)")
     _add_decoding_flags(g)
     _add(g, "--samples", type=int, metavar="N", help="sample translations printed by the final evaluation (default 5)")
     t.add_argument("--no-progress", action="store_true", help="no progress bar")

@@ -349,7 +349,8 @@ class LoopConfig:
     eval_beam_size: int = 1  # beam size of the BLEU evaluations during training (1: greedy, fast)
     final_beam_size: int = 4  # beam size of the final evaluation
     alpha: float = 0.6  # length penalty of beam search (GNMT), as in paper section 6.1
-    eval_sentences: int | None = None  # BLEU on the first this many validation sentences (None: all, 0: none)
+    eval_sentences: int | None = None  # BLEU during training on the first this many validation sentences
+    # (None: all; 0: no BLEU at all). The final evaluation always uses them all.
     samples: int = 5  # sample translations printed at each evaluation
     progress: bool = True  # tqdm progress bar
 
@@ -494,7 +495,9 @@ class Trainer:
         params = self.host_params()
         result = {f"valid_{k}": v for k, v in evaluate_loss(params, self.eval_step, self.valid.batches).items()}
         samples = []
-        n = len(self.valid.sources) if self.loop.eval_sentences is None else self.loop.eval_sentences
+        n = len(self.valid.sources)  # the final evaluation: every validation sentence (unless BLEU is off)
+        if not final and self.loop.eval_sentences is not None or self.loop.eval_sentences == 0:
+            n = min(n, self.loop.eval_sentences)
         if n > 0 and decoder_available():
             sources, references = self.valid.sources[:n], self.valid.references[:n]
             try:
