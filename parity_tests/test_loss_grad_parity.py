@@ -40,7 +40,7 @@ def _loss_and_grads(cfg, seed, smoothing):
     torch_loss = torch_losses.mean_loss(torch_model(t(src), t(tgt_in)), t(tgt_out), cfg.pad_id, smoothing)
     torch_loss.backward()
     torch_grads = {name: p.grad for name, p in torch_model.named_parameters()}
-    return loss, flax_to_torch(grads), torch_loss, torch_grads, (model, params, torch_model, src, tgt_in, tgt_out)
+    return loss, flax_to_torch(grads), torch_loss, torch_grads
 
 
 # The key projection's bias adds q . b_k to every score of a query row alike, and softmax ignores such a shift,
@@ -69,7 +69,7 @@ def _worst_relative(grads, torch_grads):
 @pytest.mark.parametrize("smoothing", [0.0, 0.1])
 def test_loss_and_every_gradient(config_case, smoothing, parity_report):
     name, cfg = config_case
-    loss, grads, torch_loss, torch_grads, _ = _loss_and_grads(cfg, seed=4, smoothing=smoothing)
+    loss, grads, torch_loss, torch_grads = _loss_and_grads(cfg, seed=4, smoothing=smoothing)
     loss_diff = abs(float(loss) - torch_loss.item())
     parity_report(f"loss (label smoothing {smoothing})", name, loss_diff, LOSS_ATOL)
     assert loss_diff <= LOSS_ATOL
@@ -103,7 +103,7 @@ def test_loss_ignores_padding_and_smooths_labels():
 
 def test_base_model_gradients(parity_report):
     """The paper's base configuration: loss and every gradient, same tolerances."""
-    loss, grads, torch_loss, torch_grads, _ = _loss_and_grads(BASE, seed=0, smoothing=0.1)
+    loss, grads, torch_loss, torch_grads = _loss_and_grads(BASE, seed=0, smoothing=0.1)
     loss_diff = abs(float(loss) - torch_loss.item())
     parity_report("loss (label smoothing 0.1)", "base", loss_diff, LOSS_ATOL)
     worst_name, worst = _worst_relative(grads, torch_grads)
