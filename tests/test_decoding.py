@@ -365,3 +365,12 @@ def test_plot_attention_draws_every_layer_and_head(tiny_translator, tmp_path):
     np.testing.assert_allclose(result.maps["decoder/layer_0/cross_attention"].sum(-1), 1.0, atol=1e-5)
     with pytest.raises(ValueError, match="unknown attention kind"):
         visualize.attention_figure(result.maps, config, ("bogus",), result.labels)
+
+
+def test_first_argmax_is_argmax_with_its_tie_break():
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((64, 300)).astype(np.float32)
+    x[:8, 5] = x[:8, 200] = 10.0  # ties: the first index wins, as in argmax
+    x[8:16] = 0.0  # a whole row tied
+    x[16:24, :100] = -np.inf  # -inf entries (banned tokens) are never the maximum
+    np.testing.assert_array_equal(np.asarray(decoding._first_argmax(jnp.asarray(x))), np.argmax(x, axis=-1))
