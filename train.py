@@ -36,7 +36,7 @@ class UsageError(ValueError):
 # Defaults. Flags default to None so that a resumed run can tell "given" from "not given"; these fill the rest.
 # =============================================================================================================
 
-# The built-in numbers task: sized to reach a useful model on 2 CPU cores in about five minutes (see README).
+# The built-in numbers task: sized to reach a useful model on 2 CPU cores in about two minutes (see README).
 DEFAULT_TASK_SETTINGS = dict(
     preset="tiny", steps=1000, max_tokens=2048, lr_scale=2.0, warmup=400, eval_every=500, save_every=500,
     vocab_size=256, tokenizer_type="bpe", max_len=32, eval_sentences=None,
@@ -101,7 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     # --- train -------------------------------------------------------------------------------------------------
     t = sub.add_parser("train", help="train a model (the default sub-command)",
                        description="Train a model. Without data flags: the built-in English->French numbers task "
-                                   "(tiny model, ~5 minutes on 2 CPU cores). Defaults marked 'numbers/files' "
+                                   "(tiny model, ~2 minutes on 2 CPU cores). Defaults marked 'numbers/files' "
                                    "differ between the built-in task and your own files.")
     g = t.add_argument_group("data (UTF-8 text, one sentence per line; or source<TAB>target lines)")
     _add(g, "--src", metavar="FILE", help="training source sentences (line-aligned with --tgt)")

@@ -7,7 +7,7 @@ problem: French counts in twenties above sixty ("quatre-vingt-dix-neuf" is 4*20+
 in 21, 31, ..., 71, and pluralises "cents" and "quatre-vingts" only at the end of a number ("deux cents" but
 "deux cent un", "quatre-vingt mille"). The model must learn to reorder and regroup words, not to copy them.
 
-Choices, made so that `python train.py` learns it on 2 CPU cores in about five minutes:
+Choices, made so that `python train.py` learns it on 2 CPU cores in about two minutes:
 
 * Numbers 0 .. 999,999. Sentences stay short, yet there are a million of them, so a model trained on 2% of
   them must generalise. Measured on the default training set with a 256-piece BPE vocabulary: English

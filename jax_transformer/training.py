@@ -495,9 +495,12 @@ class Trainer:
         params = self.host_params()
         result = {f"valid_{k}": v for k, v in evaluate_loss(params, self.eval_step, self.valid.batches).items()}
         samples = []
-        n = len(self.valid.sources)  # the final evaluation: every validation sentence (unless BLEU is off)
-        if not final and self.loop.eval_sentences is not None or self.loop.eval_sentences == 0:
-            n = min(n, self.loop.eval_sentences)
+        # The final evaluation scores every validation sentence; evaluations during training the first
+        # `eval_sentences` (None: all); 0 turns BLEU off in both.
+        limit = self.loop.eval_sentences
+        n = len(self.valid.sources)
+        if limit == 0 or (limit is not None and not final):
+            n = min(n, limit)
         if n > 0 and decoder_available():
             sources, references = self.valid.sources[:n], self.valid.references[:n]
             try:
