@@ -407,6 +407,7 @@ def _train_tokenizer(corpus, settings):
 def _init_from_torch(args, settings, corpus):
     """Weights, config and tokenizer for --init-from-torch."""
     from jax_transformer import checkpoint as ckpt_lib
+    from jax_transformer import export as export_lib
 
     model_flags_given = args.preset is not None or bool(_config_overrides(args))
     requested = None
@@ -414,7 +415,7 @@ def _init_from_torch(args, settings, corpus):
     if model_flags_given:  # the flags describe (or must agree with) the model in the file
         tokenizer = _train_tokenizer(corpus, settings)
         requested = _model_config(args, settings, tokenizer.vocab_size)
-    params, config, file_tokenizer = ckpt_lib.import_torch(args.init_from_torch, requested)
+    params, config, file_tokenizer = export_lib.import_torch(args.init_from_torch, requested)
     if file_tokenizer is not None:
         tokenizer = file_tokenizer  # the vocabulary the weights were trained with
     elif tokenizer is None:
@@ -506,10 +507,10 @@ def cmd_translate(args, start_time: float) -> int:
 
 
 def cmd_export(args, start_time: float) -> int:
-    from jax_transformer import checkpoint as ckpt_lib
+    from jax_transformer import export as export_lib
 
     loaded = _load(args)
-    path = ckpt_lib.export_torch(args.output, loaded.params, loaded.config, loaded.tokenizer)
+    path = export_lib.export_torch(args.output, loaded.params, loaded.config, loaded.tokenizer)
     _print(f"wrote {path}: torch_reference state_dict of step {loaded.step} with its config and tokenizer")
     return 0
 
