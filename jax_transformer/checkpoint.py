@@ -3,7 +3,8 @@
 A checkpoint directory (one per run) holds numbered steps, each written atomically by orbax (into a temporary
 directory that is renamed when complete, so a process killed mid-save leaves the previous step loadable):
 
-    <run>/checkpoints/<step>/state   the TrainState pytree: step, params, optimiser state, base dropout key
+    <run>/checkpoints/<step>/state   the train state as a nested dict of arrays: step, params, optimiser state,
+                                     the base dropout key's raw words (`training.state_for_saving`)
     <run>/checkpoints/<step>/meta    JSON: model config, optimiser config, data position (BatchStream.state()),
                                      run settings and the SentencePiece model (base64), so translation later
                                      uses exactly the training vocabulary
@@ -13,6 +14,13 @@ Which steps are kept: the last `keep` saved plus the best by validation score (o
 preservation policies, combined with AnyPreservationPolicy). Saving is asynchronous: `save` returns once the
 state has been copied to host memory and writes to disk in the background; it waits for the previous save
 first, and `wait`/`close` block until everything is on disk (call before exit).
+
+This module knows the model config and the tokenizer, not the training loop or the optimiser: `restore` returns
+the saved arrays, and `jax_transformer.training.restore_train_state` rebuilds a TrainState from them.
+
+Formats: 2 (this code) stores the run settings grouped as `{"data": ..., "optim": ..., "loop": ...}`; format 1
+(before typed keys) stored them flat. Both hold the same arrays (the dropout key as raw uint32 words), so both
+load; `jax_transformer.run` reads a format-1 run's settings when resuming it.
 """
 from __future__ import annotations
 
@@ -26,13 +34,13 @@ from typing import Any, Mapping
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
-from flax import serialization
 from orbax.checkpoint import checkpoint_managers as policies
 
 from jax_transformer.config import ConfigError, TransformerConfig
 from jax_transformer.data import Tokenizer
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_FORMATS = (1, 2)
 CHECKPOINT_SUBDIR = "checkpoints"
 
 
@@ -57,8 +65,8 @@ def check_config(saved: TransformerConfig, requested: TransformerConfig, where: 
 
 @dataclasses.dataclass
 class Checkpoint:
-    """One restored step. `state` is the saved TrainState as a nested dict of numpy arrays; `train_state`
-    rebuilds the TrainState for the optimiser settings it was saved with."""
+    """One restored step. `state` is the saved train state as a nested dict of numpy arrays
+    (`jax_transformer.training.restore_train_state` rebuilds the TrainState from it)."""
 
     directory: Path
     step: int
@@ -68,21 +76,11 @@ class Checkpoint:
     tokenizer: Tokenizer
     data_state: dict[str, int] | None
     run: dict[str, Any]
+    format: int = FORMAT_VERSION
 
     @property
     def params(self):
         return self.state["params"]
-
-    def train_state(self):
-        """The saved TrainState (numpy leaves), structured for the saved model and optimiser config."""
-        from jax_transformer.training import OptimConfig, abstract_train_state
-
-        template = abstract_train_state(self.config, OptimConfig.from_dict(self.optim))
-        try:
-            return serialization.from_state_dict(template, self.state)
-        except (ValueError, KeyError) as e:
-            raise CheckpointError(f"{self.directory} step {self.step}: the saved train state does not fit the "
-                                  f"saved model/optimiser config: {e}") from None
 
 
 class _QuietUnscoredSaves(logging.Filter):
@@ -149,15 +147,15 @@ class CheckpointManager:
         return step
 
     # --- saving --------------------------------------------------------------------------------------------
-    def save(self, step: int, state, *, config: TransformerConfig, optim: Mapping[str, Any], tokenizer: Tokenizer,
-             data_state: Mapping[str, int] | None = None, run: Mapping[str, Any] | None = None,
+    def save(self, step: int, state: Mapping[str, Any], *, config: TransformerConfig, optim: Mapping[str, Any],
+             tokenizer: Tokenizer, data_state: Mapping[str, int] | None = None, run: Mapping[str, Any] | None = None,
              metrics: Mapping[str, float] | None = None) -> None:
-        """Saves `state` (a TrainState) as `step`, asynchronously. `metrics` needs a "score" (higher is better)
-        to take part in the choice of the best step."""
+        """Saves `state` (a nested dict of arrays: `training.state_for_saving(train_state)`) as `step`,
+        asynchronously. `metrics` needs a "score" (higher is better) to take part in the choice of the best step."""
         self._manager.wait_until_finished()  # one save at a time: the previous one is on disk before the next
         # A host copy: the training step donates the device buffers of the live state, so the background
         # writer must not read them.
-        host_state = serialization.to_state_dict(jax.device_get(state))
+        host_state = jax.device_get(state)
         meta = {"format": FORMAT_VERSION, "step": int(step), "config": config.to_dict(), "optim": dict(optim),
                 "data_state": None if data_state is None else dict(data_state), "run": dict(run or {}),
                 "tokenizer": base64.b64encode(tokenizer.to_bytes()).decode("ascii")}
@@ -188,9 +186,9 @@ class CheckpointManager:
         """Loads a step. With `expected_config`, a different saved config is a ConfigError naming the fields."""
         step = self.resolve_step(step)
         meta = self.read_meta(step)
-        if meta.get("format") != FORMAT_VERSION:
+        if meta.get("format") not in READABLE_FORMATS:
             raise CheckpointError(f"{self.directory} step {step}: checkpoint format {meta.get('format')!r}, this "
-                                  f"code reads format {FORMAT_VERSION}")
+                                  f"code reads formats {READABLE_FORMATS}")
         config = TransformerConfig.from_dict(meta["config"], source=f"{self.directory} step {step} config")
         if expected_config is not None:
             check_config(config, expected_config, where=f"checkpoint {self.directory} (step {step})")
@@ -201,7 +199,8 @@ class CheckpointManager:
         state = jax.tree_util.tree_map(np.asarray, restored["state"])
         tokenizer = Tokenizer.from_bytes(base64.b64decode(meta["tokenizer"]))
         return Checkpoint(directory=self.directory, step=step, state=state, config=config, optim=meta["optim"],
-                          tokenizer=tokenizer, data_state=meta.get("data_state"), run=meta.get("run", {}))
+                          tokenizer=tokenizer, data_state=meta.get("data_state"), run=meta.get("run", {}),
+                          format=meta["format"])
 
 
 def load(path: str | os.PathLike, step: int | str = "best", *,

@@ -11,6 +11,8 @@ Read top to bottom, this module follows the data:
 4. `BatchStream` (training) and `eval_batches` (evaluation) group pairs of similar length into batches of about
    `max_tokens` token slots, like fairseq and tensor2tensor. Every batch of one length bucket has the same
    shape, so a jitted step compiles once per bucket rather than once per batch.
+5. `DataConfig`, `load_corpus`, `corpus_fingerprint`: the data settings of a training run (which files, the
+   tokenizer, the batch size), stored in its checkpoints so that a resume re-reads the same corpus.
 
 Sequence conventions, shared with the models (ids from `TransformerConfig`: pad 0, bos 1, eos 2):
 
@@ -30,10 +32,12 @@ import io
 import itertools
 import os
 from pathlib import Path
-from typing import Iterable, Iterator, Mapping, Sequence
+from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 import sentencepiece as spm
+
+from jax_transformer.config import setting, settings_from_dict
 
 # The special ids. They equal TransformerConfig's defaults; the tokenizer is trained to use exactly these.
 PAD_ID = 0
@@ -628,3 +632,102 @@ def eval_batches(encoded: EncodedCorpus, max_tokens: int, *,
     """
     buckets = _Buckets(encoded, max_tokens, row_multiple)
     return [(buckets.collate(b, rows), rows) for b, rows in buckets.plan(None)]
+
+
+# =============================================================================================================
+# 5. A run's data settings
+# =============================================================================================================
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """Where a training run's text comes from and how it is cut into batches. No files at all means the built-in
+    English -> French numbers task (`jax_transformer.default_task`). Paths are stored as given; `absolute()`
+    makes them absolute before they go into a checkpoint, so a resume from another directory finds them."""
+
+    src: str | None = setting(None, "training source sentences, one per line (line-aligned with --tgt)")
+    tgt: str | None = setting(None, "training target sentences, one per line")
+    tsv: str | None = setting(None, "training pairs as source<TAB>target lines (instead of --src/--tgt)")
+    valid_src: str | None = setting(None, "validation source sentences (for loss, BLEU, chrF)")
+    valid_tgt: str | None = setting(None, "validation target sentences")
+    valid_tsv: str | None = setting(None, "validation pairs as source<TAB>target lines")
+    vocab_size: int = setting(8000, "joint SentencePiece vocabulary size, an upper bound")
+    tokenizer_type: str = setting("unigram", "SentencePiece model type", choices=("unigram", "bpe"))
+    max_tokens: int = setting(4096, "token slots per batch (rows x padded length), all devices together")
+    on_empty: str = setting("skip", "a pair with an empty side: skip and count it, or stop with an error naming "
+                                    "the line", choices=_ON_EMPTY)
+    on_too_long: str = setting("skip", "a pair longer than max_len tokens: skip and count it, or stop with an error "
+                                       "naming the line", choices=_ON_TOO_LONG)
+
+    def __post_init__(self) -> None:
+        for split, (src, tgt, tsv) in (("training", (self.src, self.tgt, self.tsv)),
+                                       ("validation", (self.valid_src, self.valid_tgt, self.valid_tsv))):
+            if tsv is not None and (src is not None or tgt is not None):
+                raise DataError(f"{split} data: give either a TSV file or a source and a target file, not both")
+            if (src is None) != (tgt is None):
+                given, missing = ("source", "target") if tgt is None else ("target", "source")
+                raise DataError(f"{split} data: a {given} file was given without its {missing} file")
+        if self.uses_default_task and (self.valid_src or self.valid_tsv):
+            raise DataError("validation files were given without training files (the built-in task has its own)")
+        if isinstance(self.vocab_size, bool) or not isinstance(self.vocab_size, int) or self.vocab_size < 4:
+            raise DataError(f"data field 'vocab_size' must be an int >= 4 (pad, bos, eos, unk), got {self.vocab_size!r}")
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise DataError(f"data field 'max_tokens' must be an int >= 1, got {self.max_tokens!r}")
+        for name, allowed in (("tokenizer_type", ("unigram", "bpe")), ("on_empty", _ON_EMPTY),
+                              ("on_too_long", _ON_TOO_LONG)):
+            if getattr(self, name) not in allowed:
+                raise DataError(f"data field {name!r} must be one of {allowed}, got {getattr(self, name)!r}")
+
+    @property
+    def uses_default_task(self) -> bool:
+        return self.src is None and self.tsv is None
+
+    @property
+    def has_validation(self) -> bool:
+        return self.uses_default_task or self.valid_src is not None or self.valid_tsv is not None
+
+    def absolute(self) -> "DataConfig":
+        """The same settings with every file path made absolute."""
+        paths = {name: str(Path(getattr(self, name)).absolute()) for name in _PATH_FIELDS
+                 if getattr(self, name) is not None}
+        return dataclasses.replace(self, **paths)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any], source: str = "data settings") -> "DataConfig":
+        return settings_from_dict(cls, values, source)
+
+
+_PATH_FIELDS = ("src", "tgt", "tsv", "valid_src", "valid_tgt", "valid_tsv")
+
+
+def load_corpus(data: DataConfig, split: str = "train") -> Corpus | None:
+    """Reads the training ("train") or validation ("valid") pairs that `data` names (DataError naming the file
+    and line for bad input); None for "valid" when there are no validation files."""
+    if split not in ("train", "valid"):
+        raise ValueError(f"split must be 'train' or 'valid', got {split!r}")
+    if data.uses_default_task:
+        from jax_transformer import (
+            default_task,  # the built-in task is a data source like a file
+        )
+
+        return default_task.default_pairs(split)
+    prefix = "" if split == "train" else "valid_"
+    src, tgt, tsv = (getattr(data, prefix + name) for name in ("src", "tgt", "tsv"))
+    if tsv is not None:
+        return read_tsv(tsv, on_empty=data.on_empty)
+    if src is not None:
+        return read_parallel(src, tgt, on_empty=data.on_empty)
+    return None
+
+
+def corpus_fingerprint(corpus: Corpus) -> str:
+    """A hash of the pairs' text: a resumed run checks that it sees the same training data."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for source, target in zip(corpus.sources, corpus.targets):
+        digest.update(source.encode("utf-8") + b"\t" + target.encode("utf-8") + b"\n")
+    return digest.hexdigest()[:16]

@@ -293,4 +293,4 @@ def attention_maps(intermediates) -> dict[str, jnp.ndarray]:
 def init_params(config: TransformerConfig, seed: int = 0):
     """Fresh parameters for `config` (Xavier-uniform matrices, zero biases, unit LayerNorm scales)."""
     dummy = jnp.ones((1, 2), dtype=jnp.int32)
-    return Transformer(config).init(jax.random.PRNGKey(seed), dummy, dummy)["params"]
+    return Transformer(config).init(jax.random.key(seed), dummy, dummy)["params"]

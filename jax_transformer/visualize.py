@@ -1,4 +1,8 @@
-"""Attention heatmaps: what each head of each layer looks at while the model translates one sentence.
+"""Pictures: the training curves of a run (`plot_metrics`) and attention heatmaps (`plot_attention`).
+
+`plot_metrics` draws `<run>/metrics.jsonl` (training loss, validation loss, BLEU/chrF) as `loss_curve.png`.
+
+Attention heatmaps show what each head of each layer looks at while the model translates one sentence.
 
 `plot_attention` translates a sentence greedily, runs the model once more over (source, produced target) with
 the `intermediates` collection mutable to collect every attention map, and draws a grid of heatmaps, one row
@@ -16,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import os
 from pathlib import Path
 from typing import Sequence
@@ -124,3 +129,37 @@ def plot_attention(params, config: TransformerConfig, tokenizer, sentence: str, 
     fig.savefig(path, dpi=dpi)
     plt.close(fig)
     return path
+
+
+# --- training curves ----------------------------------------------------------------------------------------
+
+
+def plot_metrics(metrics_path: str | os.PathLike, png_path: str | os.PathLike) -> Path | None:
+    """Loss curve (training loss, smoothed, and validation loss) and BLEU/chrF per evaluation, as a PNG."""
+    records = [json.loads(line) for line in Path(metrics_path).read_text(encoding="utf-8").splitlines() if line]
+    train = [r for r in records if r["kind"] == "train"]
+    evals = [r for r in records if r["kind"] == "eval"]
+    if not train:
+        return None
+    fig, (ax_loss, ax_bleu) = plt.subplots(1, 2, figsize=(11, 4))
+    steps = np.array([r["step"] for r in train])
+    loss = np.array([r["loss"] for r in train])
+    ax_loss.plot(steps, loss, color="tab:blue", alpha=0.25, linewidth=0.8)
+    window = max(1, len(loss) // 50)  # a moving average over ~2% of the run
+    smooth = np.convolve(loss, np.ones(window) / window, mode="valid")
+    ax_loss.plot(steps[window - 1:], smooth, color="tab:blue", label="train (label-smoothed)")
+    if evals:
+        ax_loss.plot([r["step"] for r in evals], [r["valid_loss"] for r in evals], "o-", color="tab:orange",
+                     label="validation (label-smoothed)")
+    ax_loss.set(xlabel="step", ylabel="loss per target token", title="Loss")
+    ax_loss.legend()
+    scored = [r for r in evals if "bleu" in r]
+    if scored:
+        ax_bleu.plot([r["step"] for r in scored], [r["bleu"] for r in scored], "o-", label="BLEU")
+        ax_bleu.plot([r["step"] for r in scored], [r["chrf"] for r in scored], "s-", label="chrF")
+        ax_bleu.legend()
+    ax_bleu.set(xlabel="step", ylabel="score", title="Validation BLEU / chrF (sacrebleu)")
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=100)
+    plt.close(fig)
+    return Path(png_path)

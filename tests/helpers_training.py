@@ -38,8 +38,9 @@ def tiny_train_args(run_dir: Path, train: Path, *, steps: int, save_every: int =
                     extra: tuple[str, ...] = ()) -> list[str]:
     """train.py flags for a one-layer tiny model that trains in seconds: short sentences and max_len 16 keep it
     to two batch shapes (two compilations, fewer with layers 1); without `valid` nothing is evaluated."""
-    args = ["train", "--tsv", str(train), "--preset", "tiny", "--layers", "1", "--vocab-size", "100",
-            "--tokenizer-type", "bpe", "--max-len", "16", "--max-tokens", "512", "--warmup", "20", "--lr-scale", "2",
+    args = ["train", "--tsv", str(train), "--preset", "tiny", "--num-encoder-layers", "1", "--num-decoder-layers", "1",
+            "--vocab-size", "100", "--tokenizer-type", "bpe", "--max-len", "16", "--max-tokens", "512",
+            "--warmup-steps", "20", "--lr-scale", "2",
             "--steps", str(steps), "--eval-every", "1000", "--save-every", str(save_every), "--eval-sentences", "0",
             "--samples", "0", "--no-progress", "--run-dir", str(run_dir)]
     if valid is not None:
@@ -97,11 +98,15 @@ def logged_steps(run_dir: Path) -> int:
 
 
 def flat(tree) -> dict[str, np.ndarray]:
-    """A pytree as {path: numpy array}, for leaf-by-leaf comparisons."""
+    """A pytree as {path: numpy array}, for leaf-by-leaf comparisons; typed PRNG keys as their raw words."""
     import jax
 
-    return {jax.tree_util.keystr(path): np.asarray(leaf)
-            for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+    def as_array(leaf):
+        if isinstance(leaf, jax.Array) and jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+            leaf = jax.random.key_data(leaf)
+        return np.asarray(leaf)
+
+    return {jax.tree_util.keystr(path): as_array(leaf) for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
 # --- unit-test model: one config, optimiser and batch shape for the in-process tests, so that the compiled

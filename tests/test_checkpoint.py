@@ -36,7 +36,7 @@ def test_save_restore_round_trip_is_exact(tmp_path, tokenizer):
     state = _trained_state()
     manager = ckpt_lib.CheckpointManager(tmp_path / "ckpt")
     data_state = {"epoch": 3, "index": 7, "batches_per_epoch": 11}
-    manager.save(2, state, config=CONFIG, optim=OPTIM.to_dict(), tokenizer=tokenizer, data_state=data_state,
+    manager.save(2, training.state_for_saving(state), config=CONFIG, optim=OPTIM.to_dict(), tokenizer=tokenizer, data_state=data_state,
                  run={"seed": 5})
     manager.close()
 
@@ -44,7 +44,7 @@ def test_save_restore_round_trip_is_exact(tmp_path, tokenizer):
     assert restored.step == 2 and restored.config == CONFIG and restored.data_state == data_state
     assert restored.run == {"seed": 5} and restored.optim == OPTIM.to_dict()
     assert restored.tokenizer.to_bytes() == tokenizer.to_bytes()
-    rebuilt = restored.train_state()
+    rebuilt = training.restore_train_state(restored.state, CONFIG, OPTIM)
     assert jax.tree_util.tree_structure(rebuilt) == jax.tree_util.tree_structure(state)
     before, after = flat(jax.device_get(state)), flat(rebuilt)
     assert before.keys() == after.keys()
@@ -58,7 +58,7 @@ def test_keeps_the_last_k_and_the_best(tmp_path, tokenizer):
     scores = {2: 10.0, 4: 30.0, 6: 20.0}  # step 4 is the best; steps 1, 3, 5, 7, 8 carry no score
     for step in range(1, 9):
         metrics = {"score": scores[step]} if step in scores else None
-        manager.save(step, state, config=CONFIG, optim=OPTIM.to_dict(), tokenizer=tokenizer, metrics=metrics)
+        manager.save(step, training.state_for_saving(state), config=CONFIG, optim=OPTIM.to_dict(), tokenizer=tokenizer, metrics=metrics)
     manager.wait()
     assert manager.steps() == [4, 7, 8]
     assert manager.best_step() == 4 and manager.latest_step() == 8
@@ -68,7 +68,7 @@ def test_keeps_the_last_k_and_the_best(tmp_path, tokenizer):
 
 def test_restoring_into_a_different_config_names_the_field(tmp_path, tokenizer):
     manager = ckpt_lib.CheckpointManager(tmp_path / "ckpt")
-    manager.save(1, _trained_state(0), config=CONFIG, optim=OPTIM.to_dict(), tokenizer=tokenizer)
+    manager.save(1, training.state_for_saving(_trained_state(0)), config=CONFIG, optim=OPTIM.to_dict(), tokenizer=tokenizer)
     manager.close()
     with pytest.raises(ConfigError, match=r"'d_model': checkpoint .* has 32, requested 64"):
         ckpt_lib.load(tmp_path / "ckpt", "latest", expected_config=CONFIG.replace(d_model=64))
@@ -136,6 +136,6 @@ def test_resume_with_another_config_names_the_field(resumed_and_straight):
     assert code == 1
     assert "'d_model': checkpoint" in err and "has 32, requested 64" in err
     assert "Traceback" not in err
-    code, out, err = run_main(["train", "--resume", str(interrupted), "--warmup", "99", "--no-progress"])
-    assert code == 1 and "warmup=20" in err and "warmup=99" in err
+    code, out, err = run_main(["train", "--resume", str(interrupted), "--warmup-steps", "99", "--no-progress"])
+    assert code == 1 and "warmup_steps=20" in err and "warmup_steps=99" in err
     assert "Traceback" not in err

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from jax_transformer.config import ConfigError, TransformerConfig, preset
+from jax_transformer.config import OptimConfig, ConfigError, TransformerConfig, preset
 
 
 def test_default_is_the_papers_base_model():
@@ -38,8 +38,10 @@ def test_invalid_values_name_the_field(changes, field):
 
 
 def test_unknown_names_are_listed():
-    with pytest.raises(ConfigError, match=r"unknown config field\(s\) \['dmodel', 'heads'\]"):
+    with pytest.raises(ConfigError, match=r"unknown TransformerConfig field\(s\) \['dmodel', 'heads'\]"):
         TransformerConfig.from_dict({"dmodel": 3, "heads": 2})
+    with pytest.raises(ConfigError, match=r"unknown OptimConfig field\(s\) \['warmup'\]"):
+        OptimConfig.from_dict({"warmup": 3})
     with pytest.raises(ConfigError, match="not valid JSON"):
         TransformerConfig.from_json("{nope")
     with pytest.raises(ConfigError, match="unknown preset 'huge'"):

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from jax_transformer import checkpoint as ckpt_lib
+from jax_transformer import trainer as trainer_lib
 from jax_transformer import training
 from tests.helpers_training import (REPO, completed_steps, flat, logged_steps, run_main, start_train_process,
                                     tiny_train_args, wait_for, write_corpus)
@@ -41,8 +42,11 @@ BAD_INPUTS = {
     "source without target": ({"a.de": "eins\n"}, ["--src", "{d}/a.de"], ["source file was given without its target"]),
     "bad validation file": ({"a.tsv": "eins\tone\n", "v.tsv": "no tab here\n"}, ["--tsv", "{d}/a.tsv", "--valid-tsv", "{d}/v.tsv"],
                             ["v.tsv, line 1", "expected exactly one tab"]),
-    "bad --set field": ({"a.tsv": "eins\tone\nzwei\ttwo\n"}, ["--tsv", "{d}/a.tsv", "--set", "d_modl=3", "--vocab-size", "30"],
-                        ["unknown config field(s) ['d_modl']"]),
+    "bad model field value": ({"a.tsv": "eins\tone\nzwei\ttwo\n"},
+                              ["--tsv", "{d}/a.tsv", "--d-model", "30", "--num-heads", "4", "--vocab-size", "30"],
+                              ["'d_model' (30) must be divisible by 'num_heads' (4)"]),
+    "bad loop value": ({"a.tsv": "eins\tone\nzwei\ttwo\n"}, ["--tsv", "{d}/a.tsv", "--eval-every", "0"],
+                       ["loop field 'eval_every' must be an int >= 1, got 0"]),
 }
 
 
@@ -74,7 +78,8 @@ def test_help_explains_every_flag():
                 assert action.help and len(action.help) > 10, f"{name} {action.option_strings} has no help"
     train_flags = {s for a in commands["train"]._actions for s in a.option_strings}
     for flag in ("--src", "--tgt", "--tsv", "--valid-src", "--valid-tgt", "--valid-tsv", "--on-empty", "--on-too-long",
-                 "--preset", "--d-model", "--layers", "--set", "--label-smoothing", "--lr-scale", "--warmup",
+                 "--preset", "--d-model", "--num-encoder-layers", "--norm-first", "--label-smoothing", "--lr-scale",
+                 "--warmup-steps", "--warmup",
                  "--clip-norm", "--weight-decay", "--resume", "--init-from-torch", "--max-minutes", "--steps"):
         assert flag in train_flags
 
@@ -102,10 +107,10 @@ def test_nan_loss_stops_without_overwriting_the_last_good_checkpoint(tmp_path):
     tokenizer = Tokenizer.train([f"w{i} v{i % 7}" for i in range(200)], 40, model_type="bpe")
     config, optim = unit_config(), unit_optim()
     manager = ckpt_lib.CheckpointManager(tmp_path / "run" / "checkpoints")
-    trainer = training.Trainer(config=config, optim=optim, tokenizer=tokenizer, stream=Batches(),
-                               state=training.create_train_state(config, optim), loop=training.LoopConfig(
-                                   steps=10, save_every=2, progress=False),
-                               run_dir=tmp_path / "run", checkpoints=manager, print_fn=lambda s: None)
+    trainer = trainer_lib.Trainer(config=config, optim=optim, tokenizer=tokenizer, stream=Batches(),
+                                  state=training.create_train_state(config, optim), loop=trainer_lib.LoopConfig(
+                                      steps=10, save_every=2, progress=False),
+                                  run_dir=tmp_path / "run", checkpoints=manager, print_fn=lambda s: None)
     real_step, calls, saved = trainer.train_step, [], {}
 
     def diverging_step(state, batch):
@@ -119,7 +124,7 @@ def test_nan_loss_stops_without_overwriting_the_last_good_checkpoint(tmp_path):
         return state, sums
 
     trainer.train_step = diverging_step
-    with pytest.raises(training.TrainingError, match=r"step 5: the training loss is nan .* last good checkpoint "
+    with pytest.raises(trainer_lib.TrainingError, match=r"step 5: the training loss is nan .* last good checkpoint "
                                                      r"is step 4"):
         trainer.run()
     manager.close()
@@ -133,9 +138,9 @@ def test_nan_loss_stops_without_overwriting_the_last_good_checkpoint(tmp_path):
 
 def test_training_error_exits_with_code_3(monkeypatch, tmp_path):
     def diverge(self):
-        raise training.TrainingError("step 7: the training loss is nan (not finite)")
+        raise trainer_lib.TrainingError("step 7: the training loss is nan (not finite)")
 
-    monkeypatch.setattr(training.Trainer, "run", diverge)
+    monkeypatch.setattr(trainer_lib.Trainer, "run", diverge)
     code, out, err = run_main(tiny_train_args(tmp_path / "run", write_corpus(tmp_path), steps=10))
     assert code == 3 and "error: step 7: the training loss is nan" in err and "Traceback" not in err
 

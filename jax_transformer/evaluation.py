@@ -1,0 +1,42 @@
+"""Translation quality: decode sentences with `jax_transformer.decoding` and score them with sacreBLEU.
+
+BLEU and chrF are sacreBLEU's defaults (13a tokenization, cased) on detokenized text, the numbers papers report
+as "sacreBLEU"; the signature sacreBLEU prints (e.g. `nrefs:1|case:mixed|eff:no|tok:13a|smooth:exp|version:2.6.0`)
+is returned with them so that a figure can always be traced to how it was computed.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from jax_transformer.config import TransformerConfig
+from jax_transformer.decoding import translate
+
+
+def spread_indices(n: int, k: int) -> list[int]:
+    """k indices spread evenly over range(n): sample translations from across a (often sorted) corpus."""
+    return sorted(set(np.linspace(0, n - 1, num=min(k, n), dtype=int).tolist())) if n and k > 0 else []
+
+
+def score_translations(hypotheses: Sequence[str], references: Sequence[str]) -> dict[str, float | str]:
+    """Corpus BLEU and chrF (sacreBLEU's defaults: 13a tokenization, cased, detokenized input) and their
+    signatures: {"bleu", "chrf", "bleu_signature", "chrf_signature"}."""
+    from sacrebleu.metrics import BLEU, CHRF
+
+    if len(hypotheses) != len(references):
+        raise ValueError(f"{len(hypotheses)} hypotheses for {len(references)} references")
+    bleu, chrf = BLEU(), CHRF()
+    hypotheses, refs = list(hypotheses), [list(references)]
+    return {"bleu": bleu.corpus_score(hypotheses, refs).score, "chrf": chrf.corpus_score(hypotheses, refs).score,
+            "bleu_signature": str(bleu.get_signature()), "chrf_signature": str(chrf.get_signature())}
+
+
+def evaluate_translations(params, config: TransformerConfig, tokenizer, sources: Sequence[str],
+                          references: Sequence[str], *, beam_size: int = 4, alpha: float = 0.6,
+                          progress: bool = True) -> tuple[dict[str, float | str], list[str]]:
+    """Translates `sources` (beam search; beam_size=1 is greedy) and scores them against `references`:
+    (scores as `score_translations` gives them, hypotheses)."""
+    hypotheses = translate(params, config, tokenizer, list(sources), beam_size=beam_size, alpha=alpha,
+                           progress=progress)
+    return score_translations(hypotheses, references), hypotheses
