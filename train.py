@@ -415,7 +415,7 @@ def _init_from_torch(args, settings, corpus):
     if model_flags_given:  # the flags describe (or must agree with) the model in the file
         tokenizer = _train_tokenizer(corpus, settings)
         requested = _model_config(args, settings, tokenizer.vocab_size)
-    params, config, file_tokenizer = export_lib.import_torch(args.init_from_torch, requested)
+    params, config, file_tokenizer = export_lib.import_weights(args.init_from_torch, requested)
     if file_tokenizer is not None:
         tokenizer = file_tokenizer  # the vocabulary the weights were trained with
     elif tokenizer is None:
@@ -510,7 +510,7 @@ def cmd_export(args, start_time: float) -> int:
     from jax_transformer import export as export_lib
 
     loaded = _load(args)
-    path = export_lib.export_torch(args.output, loaded.params, loaded.config, loaded.tokenizer)
+    path = export_lib.export_weights(args.output, loaded.params, loaded.config, loaded.tokenizer)
     _print(f"wrote {path}: torch_reference state_dict of step {loaded.step} with its config and tokenizer")
     return 0
 

@@ -11,8 +11,14 @@ from torch import nn
 
 import torch_reference
 from jax_transformer.model import Transformer
-from jax_transformer.port import (PortError, expected_param_shapes, flax_to_torch, from_nn_transformer, torch_name,
-                                  torch_to_flax)
+from jax_transformer.port import (
+    PortError,
+    expected_param_shapes,
+    flax_to_torch,
+    from_nn_transformer,
+    torch_name,
+    torch_to_flax,
+)
 from parity_tests.conftest import CONFIGS, make_batch
 from parity_tests.twins import max_abs_diff, t, twin_models
 
