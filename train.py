@@ -73,8 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--run-dir", metavar="DIR", help="where checkpoints, metrics.jsonl, loss_curve.png and "
                    "tokenizer.model go (default runs/<date-time>)")
     g.add_argument("--resume", metavar="DIR", help="continue the run in DIR from its latest checkpoint, exactly")
-    g.add_argument("--init-from-torch", metavar="FILE", help="start from the weights of a PyTorch file (from "
-                   "`train.py export`, or a bare torch_reference state_dict described by the model flags)")
+    g.add_argument("--init-from-torch", metavar="FILE", help="start from the weights of a PyTorch file, torch.save "
+                   "or safetensors (from `train.py export`, or a bare torch_reference state_dict described by the "
+                   "model flags)")
     g.add_argument("--preset", choices=("tiny", "small", "base"), help="model size: tiny (2+2 layers, d_model 32), "
                    "small (3+3, 256), base (6+6, 512, the paper's); model flags override its fields (default: tiny "
                    "for the numbers task, small for files)")
@@ -106,7 +107,10 @@ def build_parser() -> argparse.ArgumentParser:
     x = sub.add_parser("export", help="write a checkpoint's weights as a PyTorch file for torch_reference")
     _add_checkpoint_flags(x)
     x.add_argument("--output", required=True, metavar="FILE",
-                   help="the .pt file: {format, config (JSON), state_dict, tokenizer}")
+                   help="the file to write: torch.save of {format, config (JSON), state_dict, tokenizer}, or a "
+                        "safetensors file (no pickle) with the config and tokenizer in its metadata")
+    x.add_argument("--format", choices=("torch", "safetensors"),
+                   help="file format (default: safetensors for a .safetensors name, torch otherwise)")
     x.set_defaults(func=cmd_export)
 
     a = sub.add_parser("attention", help="draw the attention weights of a checkpoint on one sentence (PNG)",
@@ -226,8 +230,8 @@ def cmd_export(args, start_time: float) -> int:
     from jax_transformer import export
 
     loaded = _load(args)
-    path = export.export_torch(args.output, loaded.params, loaded.config, loaded.tokenizer)
-    _print(f"wrote {path}: torch_reference state_dict of step {loaded.step} with its config and tokenizer")
+    path = export.export_weights(args.output, loaded.params, loaded.config, loaded.tokenizer, format=args.format)
+    _print(f"wrote {path}: the torch_reference state_dict of step {loaded.step} with its config and tokenizer")
     return 0
 
 

@@ -67,6 +67,9 @@ class TransformerConfig:
     activation: str = setting("relu", "feed-forward activation: relu (the paper) or exact (erf) gelu",
                               choices=ACTIVATIONS)
     qkv_bias: bool = setting(True, "bias on the query/key/value/output projections of attention")
+    ffn_bias: bool = setting(True, "bias on the feed-forward layers linear1 and linear2")
+    norm_bias: bool = setting(True, "bias (beta) of every LayerNorm, the final norms included")
+    output_bias: bool = setting(True, "bias of the untied output projection (a tied output never has one)")
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -111,7 +114,8 @@ class TransformerConfig:
 _INT_FIELDS = ("src_vocab_size", "tgt_vocab_size", "pad_id", "bos_id", "eos_id", "d_model", "num_heads", "d_ff",
                "num_encoder_layers", "num_decoder_layers", "max_len")
 _FLOAT_FIELDS = ("dropout", "attention_dropout", "activation_dropout", "embedding_dropout", "layer_norm_eps")
-_BOOL_FIELDS = ("norm_first", "final_norm", "scale_embeddings", "share_embeddings", "tie_output", "qkv_bias")
+_BOOL_FIELDS = ("norm_first", "final_norm", "scale_embeddings", "share_embeddings", "tie_output", "qkv_bias",
+                "ffn_bias", "norm_bias", "output_bias")
 
 
 def _validate(c: TransformerConfig) -> None:

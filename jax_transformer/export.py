@@ -1,15 +1,30 @@
-"""PyTorch weight files: the one place that reads and writes them.
+"""Weight files for PyTorch: the one place that reads and writes them, as torch.save files or safetensors files.
 
-`export_torch` writes Flax parameters as a `torch_reference` state_dict file with the model config and the
-tokenizer inside; `import_torch` reads such a file (or a bare torch_reference state_dict) back into Flax
-parameters. The name map itself is `jax_transformer.port` (numpy only); torch is imported only inside these
-functions, so importing this module does not import torch.
+`export_weights` writes Flax parameters as a `torch_reference` state_dict (float32, torch_reference names) with the
+model config and the tokenizer inside, in one of two formats:
+
+    "torch"        torch.save of {"format", "config" (JSON), "state_dict", "tokenizer" (SentencePiece bytes)}
+    "safetensors"  the state_dict as tensors; metadata {"format", "config" (JSON), "tokenizer" (base64)}
+
+`import_weights` reads either back into Flax parameters, telling the two apart by the file's content. The name map
+itself is `jax_transformer.port` (numpy only).
+
+Why safetensors: loading a .pt file runs pickle, and even `torch.load(weights_only=True)` is a (restricted)
+unpickler, a large attack surface for a file from elsewhere. A safetensors file is a JSON header and raw
+little-endian arrays: reading it runs no code from the file, and writing or reading it needs no torch at all
+(`safetensors.numpy`). torch is imported only for the torch format (and to convert bfloat16 when asked), so
+importing this module does not import torch.
 """
 from __future__ import annotations
 
+import base64
+import binascii
+import io
+import json
 import os
+import struct
 from pathlib import Path
-from typing import Mapping
+from typing import Any, Mapping
 
 import jax
 import numpy as np
@@ -19,56 +34,169 @@ from jax_transformer.config import TransformerConfig
 from jax_transformer.data import Tokenizer
 
 TORCH_FORMAT = "jax_transformer.torch_export.v1"
+SAFETENSORS_FORMAT = "jax_transformer.safetensors_export.v1"
+FORMATS = ("torch", "safetensors")
+
+# A safetensors file: an 8-byte little-endian header length N, then N bytes of JSON starting with "{".
+_SAFETENSORS_MAX_HEADER = 100 * 1024 * 1024  # the limit the safetensors library itself enforces
 
 
-def export_torch(path: str | os.PathLike, params, config: TransformerConfig, tokenizer: Tokenizer | None = None) -> Path:
-    """Writes Flax params as a torch_reference state_dict file: torch.save of
-    {"format", "config" (JSON text), "state_dict" (name -> float32 tensor), "tokenizer" (SentencePiece bytes)}.
-    Load it with `torch_reference.Transformer(TransformerConfig.from_json(d["config"])).load_state_dict(...)`."""
-    import torch
+# --- writing ---------------------------------------------------------------------------------------------
 
+def export_weights(path: str | os.PathLike, params, config: TransformerConfig, tokenizer: Tokenizer | None = None,
+                   *, format: str | None = None) -> Path:
+    """Writes Flax params as a torch_reference state_dict file with the config (and tokenizer) inside.
+
+    `format`: "torch" (torch.save) or "safetensors"; None picks by suffix: `.safetensors` -> safetensors, anything
+    else -> torch. Load a safetensors export in PyTorch with
+    `torch_reference.Transformer(config).load_state_dict(safetensors.torch.load_file(path))`, the config being
+    `TransformerConfig.from_json(safe_open(path, "pt").metadata()["config"])`."""
     from jax_transformer.port import flax_to_torch
 
-    state_dict = {name: torch.from_numpy(np.array(value, dtype=np.float32))
-                  for name, value in flax_to_torch(jax.device_get(params)).items()}
-    payload = {"format": TORCH_FORMAT, "config": config.to_json(), "state_dict": state_dict,
-               "tokenizer": None if tokenizer is None else tokenizer.to_bytes()}
     path = Path(path)
+    if format is None:
+        format = "safetensors" if path.suffix == ".safetensors" else "torch"
+    if format not in FORMATS:
+        raise ValueError(f"export format must be one of {FORMATS}, got {format!r}")
+    # name -> contiguous float32 (out, in) arrays: the state_dict torch_reference loads.
+    state = {name: np.ascontiguousarray(value, dtype=np.float32)
+             for name, value in flax_to_torch(jax.device_get(params)).items()}
     path.parent.mkdir(parents=True, exist_ok=True)
-    torch.save(payload, path)
+    if format == "safetensors":
+        import safetensors.numpy
+
+        metadata = {"format": SAFETENSORS_FORMAT, "config": config.to_json()}
+        if tokenizer is not None:
+            metadata["tokenizer"] = base64.b64encode(tokenizer.to_bytes()).decode("ascii")
+        safetensors.numpy.save_file(state, path, metadata=metadata)
+    else:
+        import torch
+
+        payload = {"format": TORCH_FORMAT, "config": config.to_json(),
+                   "state_dict": {name: torch.from_numpy(array) for name, array in state.items()},
+                   "tokenizer": None if tokenizer is None else tokenizer.to_bytes()}
+        torch.save(payload, path)
     return path
 
 
-def import_torch(path: str | os.PathLike, config: TransformerConfig | None = None):
-    """Reads a PyTorch file -> (Flax params, config, tokenizer or None).
+# --- reading ---------------------------------------------------------------------------------------------
 
-    Accepts what `export_torch` writes (config and tokenizer inside) or a bare torch_reference state_dict
-    (`torch.save(model.state_dict(), path)`), which needs `config`. When both the file and `config` give a
-    config they must agree (ConfigError naming the fields). Wrong names or shapes are a PortError."""
-    import torch
+def import_weights(path: str | os.PathLike, config: TransformerConfig | None = None, *,
+                   convert_dtypes: bool = False):
+    """Reads a weight file -> (Flax params, config, tokenizer or None).
 
-    from jax_transformer.port import torch_to_flax
+    The format comes from the content, not the suffix: a torch.save file (a zip, b"PK...", or the legacy pickle
+    format) or a safetensors file. Accepts what `export_weights` writes (config and tokenizer inside) and bare
+    torch_reference state_dicts (`torch.save(model.state_dict(), path)`, or a safetensors file of those names
+    without this project's metadata), which need `config`. When both the file and `config` give a config they
+    must agree (ConfigError naming the fields). Wrong names or shapes are a PortError naming the file; weights
+    that are not float32 are refused unless `convert_dtypes` (floating point only, as in `port.torch_to_flax`)."""
+    from jax_transformer.port import PortError, torch_to_flax
 
     path = Path(path)
     if not path.is_file():
-        raise CheckpointError(f"{path}: PyTorch file not found")
+        raise CheckpointError(f"{path}: weight file not found")
+    data = path.read_bytes()
+    kind = detect_format(data)
+    if kind == "safetensors":
+        state_dict, saved, tokenizer = _read_safetensors(path, data, convert_dtypes)
+    else:  # also an unrecognised file: torch.load has the last word, and its error is reported
+        state_dict, saved, tokenizer = _read_torch(path, data, recognised=kind == "torch")
+    if saved is not None:
+        if config is not None:
+            check_config(saved, config, where=f"weight file {path}")
+        config = saved
+    elif config is None:
+        raise CheckpointError(f"{path}: a bare state_dict has no config; give the model's config "
+                              f"(train.py: --preset and size flags)")
     try:
-        payload = torch.load(path, map_location="cpu", weights_only=True)
+        params = torch_to_flax(state_dict, config, convert_dtypes=convert_dtypes)
+    except PortError as e:
+        raise PortError(f"{path}: {e}") from None
+    return params, config, tokenizer
+
+
+def detect_format(data: bytes) -> str | None:
+    """"torch", "safetensors" or None (neither) from a file's first bytes. A torch.save file is a zip (b"PK") or,
+    written by old versions, a pickle (protocol opcode 0x80); a safetensors file is an 8-byte little-endian header
+    length within the library's limit, then a JSON object. The safetensors test comes first: a header length's
+    low byte may well be 0x80, while a legacy torch.save file starts with a fixed magic number that fails it."""
+    if data[:2] != b"PK" and len(data) >= 9:
+        (n,) = struct.unpack("<Q", data[:8])
+        if 2 <= n <= _SAFETENSORS_MAX_HEADER and data[8:9] == b"{":
+            return "safetensors"
+    if data[:2] == b"PK" or data[:1] == b"\x80":
+        return "torch"
+    return None
+
+
+def _read_safetensors(path: Path, data: bytes, convert_dtypes: bool):
+    """(state_dict, config or None, tokenizer or None) from a safetensors file's bytes; loads no torch unless
+    non-float32 weights are to be converted."""
+    import safetensors
+
+    from jax_transformer.port import PortError
+
+    (n,) = struct.unpack("<Q", data[:8])
+    if 8 + n > len(data):
+        raise CheckpointError(f"{path}: truncated safetensors file: the header alone is {n} bytes, the file has "
+                              f"{len(data) - 8} after the length")
+    try:
+        header = json.loads(data[8:8 + n])
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: corrupt safetensors header: {e}") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: corrupt safetensors header: not a JSON object")
+    metadata = header.pop("__metadata__", None) or {}
+    dtypes = {name: info.get("dtype") if isinstance(info, dict) else None for name, info in header.items()}
+    not_float32 = sorted(f"{name} ({dtype})" for name, dtype in dtypes.items() if dtype != "F32")
+    if not_float32 and not convert_dtypes:
+        raise PortError(f"{path}: tensors that are not float32: {', '.join(not_float32)} "
+                        f"(pass convert_dtypes=True to convert floating-point weights)")
+    try:
+        if not_float32:  # bfloat16 has no numpy dtype: read through torch, converted by the port
+            import safetensors.torch
+            state_dict: Mapping[str, Any] = safetensors.torch.load(data)
+        else:
+            import safetensors.numpy
+            state_dict = safetensors.numpy.load(data)
+    except (safetensors.SafetensorError, ValueError, TypeError) as e:
+        raise CheckpointError(f"{path}: cannot read as a safetensors file: {e}") from None
+    if metadata.get("format") != SAFETENSORS_FORMAT:  # a plain state_dict, e.g. safetensors.torch.save_file
+        return state_dict, None, None
+    if "config" not in metadata:
+        raise CheckpointError(f"{path}: safetensors metadata has no 'config'")
+    config = TransformerConfig.from_json(metadata["config"], source=f"{path} config")
+    tokenizer = None
+    if "tokenizer" in metadata:
+        try:
+            model_bytes = base64.b64decode(metadata["tokenizer"], validate=True)
+        except (binascii.Error, ValueError) as e:
+            raise CheckpointError(f"{path}: tokenizer in the safetensors metadata is not base64: {e}") from None
+        tokenizer = Tokenizer(model_bytes, source=f"{path} tokenizer")
+    return state_dict, config, tokenizer
+
+
+def _read_torch(path: Path, data: bytes, recognised: bool = True):
+    """(state_dict, config or None, tokenizer or None) from a torch.save file's bytes: an export or a bare
+    state_dict. Read with weights_only=True: the restricted unpickler, never arbitrary pickle."""
+    import torch
+
+    try:
+        payload = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except Exception as e:
-        raise CheckpointError(f"{path}: cannot read as a PyTorch file: {e}") from None
+        what = "cannot read as a PyTorch (torch.save) file" if recognised else \
+            "neither a safetensors file nor a PyTorch (torch.save) file"
+        raise CheckpointError(f"{path}: {what}: {e}") from None
     if not isinstance(payload, Mapping):
         raise CheckpointError(f"{path}: expected a dict (a state_dict or an export), got {type(payload).__name__}")
+    if payload.get("format") != TORCH_FORMAT:
+        return payload, None, None
+    missing = [key for key in ("config", "state_dict") if key not in payload]
+    if missing:
+        raise CheckpointError(f"{path}: export without {missing}")
+    config = TransformerConfig.from_json(payload["config"], source=f"{path} config")
     tokenizer = None
-    if payload.get("format") == TORCH_FORMAT:
-        saved = TransformerConfig.from_json(payload["config"], source=f"{path} config")
-        if config is not None:
-            check_config(saved, config, where=f"PyTorch file {path}")
-        config, state_dict = saved, payload["state_dict"]
-        if payload.get("tokenizer") is not None:
-            tokenizer = Tokenizer(payload["tokenizer"], source=f"{path} tokenizer")
-    else:
-        if config is None:
-            raise CheckpointError(f"{path}: a bare state_dict has no config; give the model's config "
-                                  f"(train.py: --preset and size flags)")
-        state_dict = payload
-    return torch_to_flax(state_dict, config), config, tokenizer
+    if payload.get("tokenizer") is not None:
+        tokenizer = Tokenizer(payload["tokenizer"], source=f"{path} tokenizer")
+    return payload["state_dict"], config, tokenizer

@@ -34,7 +34,7 @@ xavier_uniform = nn.initializers.xavier_uniform()
 
 def _layer_norm(cfg: TransformerConfig, name: str) -> nn.LayerNorm:
     # Two-pass variance E[(x - mean)^2], as torch computes it; the fast E[x^2] - mean^2 loses digits.
-    return nn.LayerNorm(epsilon=cfg.layer_norm_eps, use_fast_variance=False, name=name)
+    return nn.LayerNorm(epsilon=cfg.layer_norm_eps, use_bias=cfg.norm_bias, use_fast_variance=False, name=name)
 
 
 def _dense(features: int, name: str, use_bias: bool = True) -> nn.Dense:
@@ -117,10 +117,10 @@ class FeedForward(nn.Module):
     @nn.compact
     def __call__(self, x, deterministic: bool = True):
         cfg = self.config
-        h = _dense(cfg.d_ff, "linear1")(x)  # (B, T, F)
+        h = _dense(cfg.d_ff, "linear1", cfg.ffn_bias)(x)  # (B, T, F)
         h = nn.relu(h) if cfg.activation == "relu" else nn.gelu(h, approximate=False)
         h = Dropout(cfg.activation_dropout)(h, deterministic=deterministic)
-        return _dense(cfg.d_model, "linear2")(h)  # (B, T, D)
+        return _dense(cfg.d_model, "linear2", cfg.ffn_bias)(h)  # (B, T, D)
 
 
 def _residual(cfg, x, sublayer, norm, deterministic):
@@ -242,7 +242,7 @@ class Transformer(nn.Module):
         self.encoder = Encoder(cfg)
         self.decoder = Decoder(cfg)
         if not cfg.tie_output:
-            self.output_proj = nn.Dense(cfg.tgt_vocab_size, kernel_init=xavier_uniform)
+            self.output_proj = nn.Dense(cfg.tgt_vocab_size, use_bias=cfg.output_bias, kernel_init=xavier_uniform)
 
     def _embedding(self, side: str) -> nn.Embed:
         if self.config.share_embeddings:

@@ -152,7 +152,8 @@ _NN_DECODER_LAYER = {"self_attn": "self_attention", "multihead_attn": "cross_att
 def nn_transformer_to_twin(transformer_state: Mapping[str, Any], *, convert_dtypes: bool = False
                            ) -> dict[str, np.ndarray]:
     """Renames a `torch.nn.Transformer` state_dict to torch_reference names (numpy), splitting each fused
-    `in_proj_weight` (3D, D) / `in_proj_bias` (3D,) into query, key and value. Unknown keys are an error."""
+    `in_proj_weight` (3D, D) / `in_proj_bias` (3D,) into query, key and value. Unknown keys are an error.
+    Only the keys present are renamed: a model built with `bias=False` has no bias keys, and gives none."""
     out: dict[str, np.ndarray] = {}
     unknown = []
     for key, value in transformer_state.items():
@@ -194,9 +195,11 @@ def from_nn_transformer(transformer_state: Mapping[str, Any], config: Transforme
     surround it in a user's model (nn.Transformer has none of its own).
 
     `config` must describe that model: `final_norm=True` (nn.Transformer always has final norms), `norm_first`
-    as the layers were built, `activation`, `layer_norm_eps`, `qkv_bias` (False for `bias=False`);
+    as the layers were built, `activation`, `layer_norm_eps`, and the biases `qkv_bias`, `ffn_bias`, `norm_bias`
+    (all False for `nn.Transformer(..., bias=False)`: its state_dict then has no bias keys at all);
     `torch_reference.interop.config_from_nn_transformer` reads these off a module. With `share_embeddings`
-    pass only `source_embedding`; with `tie_output` leave `output_weight` out; learned positions need
+    pass only `source_embedding`; with `tie_output` leave `output_weight` out; an output layer without bias
+    needs `output_bias=False` in the config and no `output_bias` here; learned positions need
     `source_positions`/`target_positions` of shape (max_len, d_model).
     """
     state = nn_transformer_to_twin(transformer_state, convert_dtypes=convert_dtypes)

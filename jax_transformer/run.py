@@ -252,13 +252,13 @@ def _init_from_torch(path, corpus: Corpus, data: DataConfig, preset_name: str, m
                      explicit: bool, print_fn) -> tuple[Any, TransformerConfig, Tokenizer]:
     """Weights, config and tokenizer for --init-from-torch. Model settings given explicitly describe (or must
     agree with) the model in the file; the file's own tokenizer wins over a freshly trained one."""
-    from jax_transformer.export import import_torch
+    from jax_transformer.export import import_weights
 
     tokenizer = requested = None
     if explicit:
         tokenizer = train_tokenizer(corpus, data, print_fn)
         requested = model_config(preset_name, tokenizer.vocab_size, model_fields)
-    params, config, file_tokenizer = import_torch(path, requested)
+    params, config, file_tokenizer = import_weights(path, requested)
     if file_tokenizer is not None:
         tokenizer = file_tokenizer  # the vocabulary the weights were trained with
     elif tokenizer is None:

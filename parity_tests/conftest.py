@@ -56,10 +56,12 @@ _SMALL = dict(d_model=64, num_heads=4, d_ff=128, num_encoder_layers=2, num_decod
 CONFIGS: dict[str, TransformerConfig] = {
     # the paper: post-norm, sinusoidal, tied output, relu, biased projections
     "post_sinusoidal_tied_relu": TransformerConfig(**_SMALL),
-    # the Annotated Transformer's layout: pre-norm with final norms; plus learned positions, untied, gelu, no bias
+    # the Annotated Transformer's layout: pre-norm with final norms; plus learned positions, untied, gelu, and no
+    # bias anywhere (attention, feed-forward, LayerNorms, the output head), as nn.Transformer(bias=False)
     "pre_learned_untied_gelu_nobias": TransformerConfig(**_SMALL, norm_first=True, final_norm=True,
                                                         positions="learned", tie_output=False,
-                                                        activation="gelu", qkv_bias=False),
+                                                        activation="gelu", qkv_bias=False, ffn_bias=False,
+                                                        norm_bias=False, output_bias=False),
     # one shared source/target table, unscaled embeddings, post-norm with final norms
     "post_shared_unscaled_final": TransformerConfig(**{**_SMALL, "tgt_vocab_size": 97}, share_embeddings=True,
                                                     scale_embeddings=False, final_norm=True),

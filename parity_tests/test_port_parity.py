@@ -1,6 +1,7 @@
 """The weight map both ways: bit-exact round trips, strict errors, explicit dtype handling, a deliberately wrong
 port that the parity checks catch, and check 5: `torch.nn.Transformer` weights give the same logits in Flax."""
 import math
+import re
 
 import jax
 import numpy as np
@@ -10,7 +11,14 @@ from torch import nn
 
 import torch_reference
 from jax_transformer.model import Transformer
-from jax_transformer.port import PortError, flax_to_torch, from_nn_transformer, torch_to_flax
+from jax_transformer.port import (
+    PortError,
+    expected_param_shapes,
+    flax_to_torch,
+    from_nn_transformer,
+    torch_name,
+    torch_to_flax,
+)
 from parity_tests.conftest import CONFIGS, make_batch
 from parity_tests.twins import max_abs_diff, t, twin_models
 
@@ -35,6 +43,25 @@ def test_round_trip_is_bit_exact(config_case):
     again = flax_to_torch(torch_to_flax(fresh.state_dict(), cfg))
     for name, tensor in fresh.state_dict().items():
         np.testing.assert_array_equal(tensor.numpy(), again[name], err_msg=name)
+
+
+def test_bias_switches_remove_exactly_their_parameters():
+    """Each bias switch removes its biases, and only those, from both twins alike. (Biases start at zero, where
+    logits cannot tell a missing bias from a present one, so this is checked on the names.)"""
+    cfg = CONFIGS["post_sinusoidal_tied_relu"].replace(tie_output=False, final_norm=True)
+    names = lambda c: {torch_name(path) for path in expected_param_shapes(c)}  # noqa: E731
+    everything = names(cfg)
+    owners = {"qkv_bias": r"_attention\.(query|key|value|out)\.bias", "ffn_bias": r"feed_forward\.linear[12]\.bias",
+              "norm_bias": r"_norm\.bias", "output_bias": r"output_proj\.bias"}
+    for field, pattern in owners.items():
+        off = cfg.replace(**{field: False})
+        flax_names = names(off)
+        assert flax_names == set(torch_reference.Transformer(off).state_dict()), field
+        removed = everything - flax_names
+        assert removed and removed == {n for n in everything if re.search(pattern, n)}, field
+    # the tied output has no bias whatever output_bias says
+    tied = cfg.replace(tie_output=True)
+    assert names(tied) == names(tied.replace(output_bias=False))
 
 
 def test_strict_errors_list_every_offending_name():
@@ -98,14 +125,14 @@ class NNTransformerSeq2Seq(nn.Module):
     positions, nn.Transformer (batch_first), a linear output layer."""
 
     def __init__(self, vocab, d_model=64, nhead=4, layers=2, d_ff=128, norm_first=False, activation="relu",
-                 max_len=32):
+                 bias=True, max_len=32):
         super().__init__()
         self.d_model = d_model
         self.src_embed = nn.Embedding(vocab, d_model)
         self.tgt_embed = nn.Embedding(vocab, d_model)
         self.transformer = nn.Transformer(d_model, nhead, layers, layers, d_ff, dropout=0.0, batch_first=True,
-                                          norm_first=norm_first, activation=activation)
-        self.generator = nn.Linear(d_model, vocab)
+                                          norm_first=norm_first, activation=activation, bias=bias)
+        self.generator = nn.Linear(d_model, vocab, bias=bias)
         position = torch.arange(max_len)[:, None]
         div = torch.exp(torch.arange(0, d_model, 2) * (-math.log(10000.0) / d_model))
         pe = torch.zeros(max_len, d_model)
@@ -124,30 +151,40 @@ class NNTransformerSeq2Seq(nn.Module):
         return self.generator(out)
 
 
-@pytest.mark.parametrize("norm_first,activation", [(False, "relu"), (True, "gelu")])
-def test_nn_transformer_import_gives_same_logits(norm_first, activation, parity_report):
+# Each bias setting with both norm placements and both activations; bias=False also drops the output layer's bias.
+@pytest.mark.parametrize("norm_first,activation,bias", [(False, "relu", True), (True, "gelu", True),
+                                                        (False, "gelu", False), (True, "relu", False)])
+def test_nn_transformer_import_gives_same_logits(norm_first, activation, bias, parity_report):
     torch.manual_seed(0)
     vocab = 53
-    theirs = NNTransformerSeq2Seq(vocab, norm_first=norm_first, activation=activation)
+    theirs = NNTransformerSeq2Seq(vocab, norm_first=norm_first, activation=activation, bias=bias)
+    # torch starts attention biases and LayerNorm betas at zero and LayerNorm scales at one, where a bias dropped
+    # or put in the wrong place changes nothing: move every vector parameter off those values first.
+    with torch.no_grad():
+        for p in theirs.parameters():
+            if p.dim() == 1:
+                p.add_(torch.empty_like(p).uniform_(-0.2, 0.2))
     # Train mode with dropout 0 keeps torch on its plain math path (its eval-mode "fast path" packs padded
     # sequences into nested tensors and zeroes padded encoder outputs, a different but equivalent computation).
     theirs.train()
     cfg = torch_reference.config_from_nn_transformer(theirs.transformer, src_vocab_size=vocab, tgt_vocab_size=vocab,
-                                                     max_len=32, tie_output=False, dropout=0.0,
+                                                     max_len=32, tie_output=False, output_bias=bias, dropout=0.0,
                                                      embedding_dropout=0.0)
     assert cfg.final_norm and cfg.norm_first == norm_first and cfg.activation == activation
+    assert cfg.qkv_bias == cfg.ffn_bias == cfg.norm_bias == bias
     params = from_nn_transformer(theirs.transformer.state_dict(), cfg,
                                  source_embedding=theirs.src_embed.weight, target_embedding=theirs.tgt_embed.weight,
                                  output_weight=theirs.generator.weight, output_bias=theirs.generator.bias)
     src, tgt_in, _ = make_batch(cfg, seed=9)
     # torch.nn.MultiheadAttention gives NaN for a query whose keys are all masked (softmax over -inf), so the
     # all-padding row, which this project's models keep finite, is left out of this comparison.
-    src, tgt_in = src[:-1], tgt_in[:-1]
+    ours = np.asarray(Transformer(cfg).apply({"params": params}, src, tgt_in))
+    assert np.isfinite(ours).all(), "the Flax model must stay finite on the all-padding row"
     with torch.no_grad():
-        reference = theirs(t(src), t(tgt_in))
-    ours = Transformer(cfg).apply({"params": params}, src, tgt_in)
-    diff = max_abs_diff(ours, reference)
-    parity_report("logits vs torch.nn.Transformer", f"norm_first={norm_first} {activation}", diff, ATOL)
+        reference = theirs(t(src[:-1]), t(tgt_in[:-1]))
+    diff = max_abs_diff(ours[:-1], reference)
+    parity_report("logits vs torch.nn.Transformer", f"{'pre' if norm_first else 'post'} {activation} bias={bias}",
+                  diff, ATOL)
     assert diff <= ATOL
 
 
@@ -160,3 +197,11 @@ def test_nn_transformer_import_is_strict():
     with pytest.raises(PortError, match=r"missing encoder\.layers\.1\.self_attention\.query\.weight"):
         from_nn_transformer(model.state_dict(), cfg, source_embedding=embed, target_embedding=embed,
                             output_weight=embed, output_bias=np.zeros(53, np.float32))
+
+
+def test_nn_transformer_config_refuses_what_one_switch_cannot_say():
+    """The config has one switch per bias and setting: layers that disagree (custom layers) are refused by name."""
+    model = nn.Transformer(64, 4, 2, 2, 128, batch_first=True)
+    model.decoder.layers[1].norm3 = nn.LayerNorm(64, bias=False)
+    with pytest.raises(ValueError, match=r"disagree on \{'norm_bias': \[False, True\]\}"):
+        torch_reference.config_from_nn_transformer(model, src_vocab_size=53, tgt_vocab_size=53)

@@ -16,9 +16,17 @@ def test_default_is_the_papers_base_model():
 
 def test_json_round_trip():
     c = preset("small", src_vocab_size=123, tgt_vocab_size=123, norm_first=True, positions="learned",
-               share_embeddings=True, activation="gelu")
+               share_embeddings=True, activation="gelu", ffn_bias=False, norm_bias=False, output_bias=False)
     assert TransformerConfig.from_json(c.to_json()) == c
     assert hash(c) == hash(TransformerConfig.from_json(c.to_json()))  # usable as a static jit argument
+
+
+def test_json_written_before_the_bias_switches_loads_with_every_bias():
+    values = json.loads(preset("tiny").to_json())
+    for name in ("ffn_bias", "norm_bias", "output_bias"):
+        del values[name]
+    c = TransformerConfig.from_json(json.dumps(values))
+    assert c.qkv_bias and c.ffn_bias and c.norm_bias and c.output_bias
 
 
 @pytest.mark.parametrize("changes,field", [
@@ -29,6 +37,9 @@ def test_json_round_trip():
     (dict(share_embeddings=True, src_vocab_size=10, tgt_vocab_size=11), "'share_embeddings' needs"),
     (dict(d_model="512"), "'d_model' must be an int"),
     (dict(norm_first=1), "'norm_first' must be true or false"),
+    (dict(ffn_bias="no"), "'ffn_bias' must be true or false"),
+    (dict(norm_bias=0), "'norm_bias' must be true or false"),
+    (dict(output_bias=None), "'output_bias' must be true or false"),
     (dict(eos_id=0), "pad_id, bos_id, eos_id must differ"),
 ])
 def test_invalid_values_name_the_field(changes, field):

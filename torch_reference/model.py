@@ -39,6 +39,11 @@ def decoder_self_mask(tgt_in: torch.Tensor, pad_id: int) -> torch.Tensor:
 
 # --- modules -----------------------------------------------------------------------------------------
 
+def _layer_norm(cfg: TransformerConfig) -> nn.LayerNorm:
+    """A LayerNorm over d_model; its bias (beta) only with `norm_bias`, as in the Flax model."""
+    return nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps, bias=cfg.norm_bias)
+
+
 class MultiHeadAttention(nn.Module):
     """Multi-head scaled dot-product attention (paper 3.2): softmax(Q K^T / sqrt(d_k)) V on H learned projections."""
 
@@ -75,8 +80,8 @@ class FeedForward(nn.Module):
 
     def __init__(self, cfg: TransformerConfig):
         super().__init__()
-        self.linear1 = nn.Linear(cfg.d_model, cfg.d_ff)
-        self.linear2 = nn.Linear(cfg.d_ff, cfg.d_model)
+        self.linear1 = nn.Linear(cfg.d_model, cfg.d_ff, bias=cfg.ffn_bias)
+        self.linear2 = nn.Linear(cfg.d_ff, cfg.d_model, bias=cfg.ffn_bias)
         self.activation = nn.ReLU() if cfg.activation == "relu" else nn.GELU(approximate="none")
         self.dropout = nn.Dropout(cfg.activation_dropout)
 
@@ -104,9 +109,9 @@ class EncoderLayer(nn.Module):
     def __init__(self, cfg: TransformerConfig):
         super().__init__()
         self.self_attention = MultiHeadAttention(cfg)
-        self.self_attention_norm = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps)
+        self.self_attention_norm = _layer_norm(cfg)
         self.feed_forward = FeedForward(cfg)
-        self.feed_forward_norm = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps)
+        self.feed_forward_norm = _layer_norm(cfg)
         self.residual = Residual(cfg)
 
     def forward(self, x, src_mask):
@@ -118,11 +123,11 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: TransformerConfig):
         super().__init__()
         self.self_attention = MultiHeadAttention(cfg)
-        self.self_attention_norm = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps)
+        self.self_attention_norm = _layer_norm(cfg)
         self.cross_attention = MultiHeadAttention(cfg)
-        self.cross_attention_norm = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps)
+        self.cross_attention_norm = _layer_norm(cfg)
         self.feed_forward = FeedForward(cfg)
-        self.feed_forward_norm = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps)
+        self.feed_forward_norm = _layer_norm(cfg)
         self.residual = Residual(cfg)
 
     def forward(self, x, memory, self_mask, cross_mask):
@@ -153,7 +158,7 @@ class Encoder(nn.Module):
         self.positions = Positions(cfg)
         self.dropout = nn.Dropout(cfg.embedding_dropout)
         self.layers = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.num_encoder_layers))
-        self.final_norm = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps) if cfg.final_norm else None
+        self.final_norm = _layer_norm(cfg) if cfg.final_norm else None
 
     def forward(self, x, src_mask):
         x = self.dropout(self.positions(x))
@@ -168,7 +173,7 @@ class Decoder(nn.Module):
         self.positions = Positions(cfg)
         self.dropout = nn.Dropout(cfg.embedding_dropout)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_decoder_layers))
-        self.final_norm = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps) if cfg.final_norm else None
+        self.final_norm = _layer_norm(cfg) if cfg.final_norm else None
 
     def forward(self, x, memory, self_mask, cross_mask):
         x = self.dropout(self.positions(x))
@@ -192,7 +197,7 @@ class Transformer(nn.Module):
         self.encoder = Encoder(cfg)
         self.decoder = Decoder(cfg)
         if not cfg.tie_output:
-            self.output_proj = nn.Linear(cfg.d_model, cfg.tgt_vocab_size)
+            self.output_proj = nn.Linear(cfg.d_model, cfg.tgt_vocab_size, bias=cfg.output_bias)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
