@@ -242,6 +242,21 @@ def test_export_and_import_round_trip(tmp_path):
     before, after = flat(loaded.params), flat(started.params)
     assert before.keys() == after.keys() and all(np.array_equal(before[k], after[k]) for k in before)
 
+    # The same through safetensors (no pickle): `export --format safetensors`, read back by --init-from-torch.
+    import safetensors.torch
+
+    safe = tmp_path / "model.weights"
+    code, out, err = run_main(["export", "--checkpoint", str(tmp_path / "run"), "--output", str(safe),
+                               "--format", "safetensors"])
+    assert code == 0, out + err
+    flax_logits, torch_logits = _logits_both(loaded.params, loaded.config, safetensors.torch.load_file(safe), batch)
+    assert np.max(np.abs(flax_logits - torch_logits)) <= 1e-5
+    code, out, err = run_main(["train", "--tsv", str(train), "--init-from-torch", str(safe), "--steps", "0",
+                               "--run-dir", str(tmp_path / "from_safe"), "--no-progress", "--max-tokens", "512"])
+    assert code == 0, out + err
+    after = flat(ckpt_lib.load(tmp_path / "from_safe", "latest").params)
+    assert before.keys() == after.keys() and all(np.array_equal(before[k], after[k]) for k in before)
+
     # A bare state_dict of a freshly initialised PyTorch model, described by flags.
     torch.manual_seed(0)
     model = torch_reference.Transformer(loaded.config)
