@@ -1,0 +1,69 @@
+"""The package's layering: each module of `jax_transformer` imports only modules before it in `LAYERS`.
+
+Data flows text -> tokenizer and batches -> model -> step -> run loop -> checkpoints -> decoder -> text, and imports
+go one way, downwards: the checkpoint module never imports the loop, the step never imports the loop, the
+decoder never imports training. A new module must be placed in `LAYERS` (the test fails until it is), which is
+where a reader learns what it may use.
+"""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parent.parent / "jax_transformer"
+
+# Lowest first. Modules on one line form one layer and may import each other.
+LAYERS = [
+    ("config",),  # the settings dataclasses, no jax, no torch
+    ("positions", "masks"),
+    ("data", "default_task"),  # text, tokenizer, batches (no jax); the built-in task is a data source
+    ("dropout", "losses"),
+    ("model",),
+    ("port",),  # numpy-only weight map
+    ("training",),  # optimiser, train state, train/eval steps: the twin of torch_reference/training.py
+    ("decoding",),
+    ("evaluation", "visualize"),
+    ("checkpoint",),
+    ("export",),  # PyTorch / safetensors weight files
+    ("trainer",),  # the run loop
+    ("run",),  # setting up a run
+]
+
+
+def _layer_of() -> dict[str, int]:
+    return {name: i for i, names in enumerate(LAYERS) for name in names}
+
+
+def _imports(path: Path) -> set[str]:
+    """jax_transformer modules `path` imports, at any depth (inside functions too)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            if node.module == "jax_transformer":
+                found.update(alias.name for alias in node.names)
+            elif node.module.startswith("jax_transformer."):
+                found.add(node.module.split(".")[1])
+        elif isinstance(node, ast.Import):
+            found.update(a.name.split(".")[1] for a in node.names if a.name.startswith("jax_transformer."))
+    return found
+
+
+def test_every_module_has_a_layer():
+    modules = {p.stem for p in PACKAGE.glob("*.py")} - {"__init__"}
+    assert modules == set(_layer_of()), f"place these in LAYERS: {sorted(modules - set(_layer_of()))}"
+
+
+def test_imports_go_downwards_only():
+    layer = _layer_of()
+    upward = []
+    for path in sorted(PACKAGE.glob("*.py")):
+        if path.stem == "__init__":
+            continue
+        for imported in _imports(path):
+            if imported in layer and layer[imported] > layer[path.stem]:
+                upward.append(f"{path.stem} (layer {layer[path.stem]}) imports {imported} (layer {layer[imported]})")
+    assert not upward, "imports against the flow:\n" + "\n".join(upward)
+
+
+def test_the_checkpoint_module_knows_neither_loop_nor_optimiser():
+    assert not {"trainer", "run", "training"} & _imports(PACKAGE / "checkpoint.py")
