@@ -3,6 +3,10 @@
 Shapes broadcast against attention scores (B, H, T_query, T_key):
   padding mask (B, 1, 1, T_key)   keys that are real tokens
   causal mask  (1, 1, T, T)       query i sees keys j <= i (the decoder must not look ahead, paper 3.2.3)
+  segment mask (B, 1, Tq, Tk)     packed rows: query and key belong to the same sentence pair, the key is real
+
+A packed row holds several sentence pairs one after the other (as in Flax's WMT example); segment ids number
+them 1, 2, ... along the row and 0 marks padding, so attention never crosses from one pair into another.
 """
 import jax.numpy as jnp
 
@@ -20,3 +24,23 @@ def causal_mask(length: int) -> jnp.ndarray:
 def decoder_self_mask(tgt_in: jnp.ndarray, pad_id: int) -> jnp.ndarray:
     """(B, T) decoder input ids -> (B, 1, T, T): causal and not padding."""
     return padding_mask(tgt_in, pad_id) & causal_mask(tgt_in.shape[1])
+
+
+def segment_mask(query_segments: jnp.ndarray, key_segments: jnp.ndarray) -> jnp.ndarray:
+    """(B, Tq), (B, Tk) segment ids (0 = padding) -> (B, 1, Tq, Tk) bool: True where the key is real and belongs
+    to the query's own pair."""
+    same = query_segments[:, :, None] == key_segments[:, None, :]  # (B, Tq, Tk)
+    return (same & (key_segments != 0)[:, None, :])[:, None]
+
+
+def encoder_mask(src: jnp.ndarray, pad_id: int, src_segments=None) -> jnp.ndarray:
+    """Encoder self-attention: real keys of the same pair; (B, 1, 1, S) unpacked, (B, 1, S, S) packed."""
+    return padding_mask(src, pad_id) if src_segments is None else segment_mask(src_segments, src_segments)
+
+
+def decoder_masks(src, tgt_in, pad_id: int, src_segments=None, tgt_segments=None):
+    """(decoder self-attention mask, cross-attention mask): causal within the pair, and the pair's own source."""
+    if tgt_segments is None:
+        return decoder_self_mask(tgt_in, pad_id), padding_mask(src, pad_id)
+    self_mask = segment_mask(tgt_segments, tgt_segments) & causal_mask(tgt_in.shape[1])
+    return self_mask, segment_mask(tgt_segments, src_segments)

@@ -13,6 +13,11 @@ projected from the encoder output once, when the cache is created.
 Attention probabilities of every layer and head are sown into the `intermediates` collection; apply with
 `mutable=["intermediates"]` and read them with `attention_maps`. When the collection is not mutable `sow` does
 nothing, so the main path is unchanged.
+
+Packed batches (several sentence pairs per row, as in Flax's WMT example) pass segment ids and positions:
+`model(src, tgt_in, src_segments=..., tgt_segments=..., src_positions=..., tgt_positions=...)`, all (B, L) ints.
+Attention then stays within each pair (`masks.segment_mask`) and positions restart at each pair, so every pair
+gets the logits it would get alone. Without them a row is one pair, right-padded.
 """
 from __future__ import annotations
 
@@ -25,7 +30,7 @@ from jax import lax
 
 from jax_transformer.config import TransformerConfig
 from jax_transformer.dropout import Dropout
-from jax_transformer.masks import decoder_self_mask, padding_mask
+from jax_transformer.masks import decoder_masks, encoder_mask
 from jax_transformer.positions import sinusoidal_table
 
 # Xavier-uniform for every matrix, zeros for biases (as the Annotated Transformer initialises).
@@ -173,13 +178,16 @@ class Positions(nn.Module):
     config: TransformerConfig
 
     @nn.compact
-    def __call__(self, x, offset=0):
-        """x (B, T, D); offset: position of x[:, 0] (non-zero while decoding step by step)."""
+    def __call__(self, x, offset=0, positions=None):
+        """x (B, T, D); offset: position of x[:, 0] (non-zero while decoding step by step); positions (B, T):
+        each token's position within its pair (packed rows), instead of 0, 1, 2, ... along the row."""
         cfg = self.config
         if cfg.positions == "learned":
             table = self.param("embedding", xavier_uniform, (cfg.max_len, cfg.d_model))
         else:
             table = jnp.asarray(sinusoidal_table(cfg.max_len, cfg.d_model))
+        if positions is not None:
+            return x + jnp.take(table, positions, axis=0)  # (B, T, D)
         return x + lax.dynamic_slice_in_dim(table, offset, x.shape[1], axis=0)[None]  # (B, T, D)
 
 
@@ -189,10 +197,11 @@ class Encoder(nn.Module):
     config: TransformerConfig
 
     @nn.compact
-    def __call__(self, x, src_mask, deterministic: bool = True):
-        """x (B, S, D) embedded source tokens; src_mask (B, 1, 1, S). Returns the memory (B, S, D)."""
+    def __call__(self, x, src_mask, deterministic: bool = True, positions=None):
+        """x (B, S, D) embedded source tokens; src_mask (B, 1, 1, S) or (B, 1, S, S) packed. Returns the memory
+        (B, S, D)."""
         cfg = self.config
-        x = Positions(cfg, name="positions")(x)
+        x = Positions(cfg, name="positions")(x, positions=positions)
         x = Dropout(cfg.embedding_dropout)(x, deterministic=deterministic)
         for i in range(cfg.num_encoder_layers):
             x = EncoderLayer(cfg, name=f"layer_{i}")(x, src_mask, deterministic)
@@ -207,7 +216,8 @@ class Decoder(nn.Module):
     config: TransformerConfig
 
     @nn.compact
-    def __call__(self, x, memory, self_mask, cross_mask, deterministic: bool = True, decode: bool = False):
+    def __call__(self, x, memory, self_mask, cross_mask, deterministic: bool = True, decode: bool = False,
+                 positions=None):
         """x (B, T, D) embedded decoder inputs; memory (B, S, D). Returns hidden states (B, T, D)."""
         cfg = self.config
         offset = 0
@@ -217,7 +227,7 @@ class Decoder(nn.Module):
             if created:
                 offset = position.value
                 position.value = offset + x.shape[1]
-        x = Positions(cfg, name="positions")(x, offset)
+        x = Positions(cfg, name="positions")(x, offset, positions)
         x = Dropout(cfg.embedding_dropout)(x, deterministic=deterministic)
         for i in range(cfg.num_decoder_layers):
             x = DecoderLayer(cfg, name=f"layer_{i}")(x, memory, self_mask, cross_mask, deterministic, decode)
@@ -254,15 +264,17 @@ class Transformer(nn.Module):
         # Embeddings are multiplied by sqrt(d_model) (paper 3.4) so they are not drowned by the positions.
         return x * math.sqrt(self.config.d_model) if self.config.scale_embeddings else x
 
-    def encode(self, src, deterministic: bool = True):
-        """src (B, S) token ids -> memory (B, S, D)."""
-        return self.encoder(self._embed("source", src), padding_mask(src, self.config.pad_id), deterministic)
+    def encode(self, src, deterministic: bool = True, *, src_segments=None, src_positions=None):
+        """src (B, S) token ids -> memory (B, S, D). Packed rows: segment ids and positions (B, S)."""
+        mask = encoder_mask(src, self.config.pad_id, src_segments)
+        return self.encoder(self._embed("source", src), mask, deterministic, src_positions)
 
-    def decoder_hidden(self, memory, src, tgt_in, deterministic: bool = True, decode: bool = False):
+    def decoder_hidden(self, memory, src, tgt_in, deterministic: bool = True, decode: bool = False, *,
+                       src_segments=None, tgt_segments=None, tgt_positions=None):
         """Decoder output before the vocabulary projection: (B, T, D). `src` (B, S) gives the padding mask."""
-        cfg = self.config
-        return self.decoder(self._embed("target", tgt_in), memory, decoder_self_mask(tgt_in, cfg.pad_id),
-                            padding_mask(src, cfg.pad_id), deterministic, decode)
+        self_mask, cross_mask = decoder_masks(src, tgt_in, self.config.pad_id, src_segments, tgt_segments)
+        return self.decoder(self._embed("target", tgt_in), memory, self_mask, cross_mask, deterministic, decode,
+                            tgt_positions)
 
     def logits(self, hidden):
         """(B, T, D) -> (B, T, V). Tied: the target embedding matrix, transposed, is the projection (paper 3.4)."""
@@ -270,13 +282,17 @@ class Transformer(nn.Module):
             return self._embedding("target").attend(hidden)
         return self.output_proj(hidden)
 
-    def decode(self, memory, src, tgt_in, deterministic: bool = True, decode: bool = False):
-        """memory (B, S, D), src (B, S), tgt_in (B, T) -> logits (B, T, V)."""
-        return self.logits(self.decoder_hidden(memory, src, tgt_in, deterministic, decode))
+    def decode(self, memory, src, tgt_in, deterministic: bool = True, decode: bool = False, **packing):
+        """memory (B, S, D), src (B, S), tgt_in (B, T) -> logits (B, T, V); `packing` as for `decoder_hidden`."""
+        return self.logits(self.decoder_hidden(memory, src, tgt_in, deterministic, decode, **packing))
 
-    def __call__(self, src, tgt_in, deterministic: bool = True):
-        """Teacher forcing: src (B, S), tgt_in (B, T) -> logits (B, T, V)."""
-        return self.decode(self.encode(src, deterministic), src, tgt_in, deterministic)
+    def __call__(self, src, tgt_in, deterministic: bool = True, *, src_segments=None, tgt_segments=None,
+                 src_positions=None, tgt_positions=None):
+        """Teacher forcing: src (B, S), tgt_in (B, T) -> logits (B, T, V). Packed rows: segment ids and positions
+        of both sides, (B, S) and (B, T)."""
+        memory = self.encode(src, deterministic, src_segments=src_segments, src_positions=src_positions)
+        return self.decode(memory, src, tgt_in, deterministic, src_segments=src_segments,
+                           tgt_segments=tgt_segments, tgt_positions=tgt_positions)
 
 
 def attention_maps(intermediates) -> dict[str, jnp.ndarray]:

@@ -38,6 +38,8 @@ __all__ = ["OptimConfig", "TrainState", "create_train_state", "restore_train_sta
            "make_train_step", "make_eval_step", "evaluate_loss", "noam_rate", "summarize"]
 
 AXIS = "devices"  # pmap axis name used by the data-parallel step
+# A batch is a dict of (B, L) int32 arrays: src, tgt_in, tgt_out, and for packed rows these as well.
+PACKING_KEYS = ("src_segments", "tgt_segments", "src_positions", "tgt_positions")
 
 
 # =============================================================================================================
@@ -141,12 +143,13 @@ def state_for_saving(state: TrainState) -> dict[str, Any]:
 
 def batch_loss_sums(params, batch: Mapping[str, jax.Array], config: TransformerConfig, label_smoothing: float,
                     dropout_key=None) -> dict[str, jax.Array]:
-    """Teacher-forced forward pass -> summed loss statistics over the batch's real target tokens.
-    Dropout is on when a key is given (training), off otherwise (evaluation)."""
+    """Teacher-forced forward pass -> summed loss statistics over the batch's real target tokens (src, tgt_in,
+    tgt_out, and `PACKING_KEYS` for packed rows). Dropout is on when a key is given (training), off otherwise."""
     deterministic = dropout_key is None
     rngs = None if deterministic else {"dropout": dropout_key}
+    packing = {key: batch[key] for key in PACKING_KEYS if key in batch}  # packed rows: segment ids, positions
     logits = Transformer(config).apply({"params": params}, batch["src"], batch["tgt_in"],
-                                       deterministic=deterministic, rngs=rngs)  # (B, T, V)
+                                       deterministic=deterministic, rngs=rngs, **packing)  # (B, T, V)
     return loss_sums(logits, batch["tgt_out"], config.pad_id, label_smoothing)
 
 

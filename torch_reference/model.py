@@ -37,6 +37,25 @@ def decoder_self_mask(tgt_in: torch.Tensor, pad_id: int) -> torch.Tensor:
     return padding_mask(tgt_in, pad_id) & causal_mask(tgt_in.shape[1], tgt_in.device)
 
 
+def segment_mask(query_segments: torch.Tensor, key_segments: torch.Tensor) -> torch.Tensor:
+    """Packed rows: (B, Tq), (B, Tk) segment ids (0 = padding) -> (B, 1, Tq, Tk), True where the key is real and
+    belongs to the query's own pair."""
+    same = query_segments[:, :, None] == key_segments[:, None, :]
+    return (same & (key_segments != 0)[:, None, :])[:, None]
+
+
+def encoder_mask(src: torch.Tensor, pad_id: int, src_segments=None) -> torch.Tensor:
+    return padding_mask(src, pad_id) if src_segments is None else segment_mask(src_segments, src_segments)
+
+
+def decoder_masks(src, tgt_in, pad_id: int, src_segments=None, tgt_segments=None):
+    """(decoder self-attention mask, cross-attention mask), as `jax_transformer.masks.decoder_masks`."""
+    if tgt_segments is None:
+        return decoder_self_mask(tgt_in, pad_id), padding_mask(src, pad_id)
+    self_mask = segment_mask(tgt_segments, tgt_segments) & causal_mask(tgt_in.shape[1], tgt_in.device)
+    return self_mask, segment_mask(tgt_segments, src_segments)
+
+
 # --- modules -----------------------------------------------------------------------------------------
 
 def _layer_norm(cfg: TransformerConfig) -> nn.LayerNorm:
@@ -147,8 +166,11 @@ class Positions(nn.Module):
             self.register_buffer("table", torch.from_numpy(sinusoidal_table(cfg.max_len, cfg.d_model)),
                                  persistent=False)
 
-    def forward(self, x: torch.Tensor, offset: int = 0) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, offset: int = 0, positions: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """positions (B, T): each token's position within its pair (packed rows); else offset, offset + 1, ..."""
         table = self.weight if hasattr(self, "weight") else self.table
+        if positions is not None:
+            return x + table[positions]
         return x + table[offset: offset + x.shape[1]][None]
 
 
@@ -160,8 +182,8 @@ class Encoder(nn.Module):
         self.layers = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.num_encoder_layers))
         self.final_norm = _layer_norm(cfg) if cfg.final_norm else None
 
-    def forward(self, x, src_mask):
-        x = self.dropout(self.positions(x))
+    def forward(self, x, src_mask, positions=None):
+        x = self.dropout(self.positions(x, positions=positions))
         for layer in self.layers:
             x = layer(x, src_mask)
         return self.final_norm(x) if self.final_norm is not None else x
@@ -175,8 +197,8 @@ class Decoder(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_decoder_layers))
         self.final_norm = _layer_norm(cfg) if cfg.final_norm else None
 
-    def forward(self, x, memory, self_mask, cross_mask):
-        x = self.dropout(self.positions(x))
+    def forward(self, x, memory, self_mask, cross_mask, positions=None):
+        x = self.dropout(self.positions(x, positions=positions))
         for layer in self.layers:
             x = layer(x, memory, self_mask, cross_mask)
         return self.final_norm(x) if self.final_norm is not None else x
@@ -219,26 +241,32 @@ class Transformer(nn.Module):
         x = self._embedding(side)(tokens)
         return x * math.sqrt(self.cfg.d_model) if self.cfg.scale_embeddings else x
 
-    def encode(self, src: torch.Tensor) -> torch.Tensor:
-        """src (B, S) -> memory (B, S, D)."""
-        return self.encoder(self._embed("source", src), padding_mask(src, self.cfg.pad_id))
+    def encode(self, src: torch.Tensor, *, src_segments=None, src_positions=None) -> torch.Tensor:
+        """src (B, S) -> memory (B, S, D). Packed rows: segment ids and positions (B, S)."""
+        mask = encoder_mask(src, self.cfg.pad_id, src_segments)
+        return self.encoder(self._embed("source", src), mask, src_positions)
 
-    def decoder_hidden(self, memory, src, tgt_in) -> torch.Tensor:
+    def decoder_hidden(self, memory, src, tgt_in, *, src_segments=None, tgt_segments=None,
+                       tgt_positions=None) -> torch.Tensor:
         """(B, T, D) decoder output before the vocabulary projection."""
-        return self.decoder(self._embed("target", tgt_in), memory, decoder_self_mask(tgt_in, self.cfg.pad_id),
-                            padding_mask(src, self.cfg.pad_id))
+        self_mask, cross_mask = decoder_masks(src, tgt_in, self.cfg.pad_id, src_segments, tgt_segments)
+        return self.decoder(self._embed("target", tgt_in), memory, self_mask, cross_mask, tgt_positions)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.cfg.tie_output:
             return F.linear(hidden, self._embedding("target").weight)
         return self.output_proj(hidden)
 
-    def decode(self, memory, src, tgt_in) -> torch.Tensor:
+    def decode(self, memory, src, tgt_in, **packing) -> torch.Tensor:
         """memory (B, S, D), src (B, S), tgt_in (B, T) -> logits (B, T, V)."""
-        return self.logits(self.decoder_hidden(memory, src, tgt_in))
+        return self.logits(self.decoder_hidden(memory, src, tgt_in, **packing))
 
-    def forward(self, src: torch.Tensor, tgt_in: torch.Tensor) -> torch.Tensor:
-        return self.decode(self.encode(src), src, tgt_in)
+    def forward(self, src: torch.Tensor, tgt_in: torch.Tensor, *, src_segments=None, tgt_segments=None,
+                src_positions=None, tgt_positions=None) -> torch.Tensor:
+        """Teacher forcing; packed rows pass segment ids and positions of both sides (see the Flax model)."""
+        memory = self.encode(src, src_segments=src_segments, src_positions=src_positions)
+        return self.decode(memory, src, tgt_in, src_segments=src_segments, tgt_segments=tgt_segments,
+                           tgt_positions=tgt_positions)
 
     @contextlib.contextmanager
     def record_attention(self) -> Iterator[dict[str, torch.Tensor]]:

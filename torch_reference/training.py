@@ -15,6 +15,9 @@ from torch import nn
 
 from torch_reference.losses import loss_sums
 
+# Packed batches carry these too (see jax_transformer.training.PACKING_KEYS).
+PACKING_KEYS = ("src_segments", "tgt_segments", "src_positions", "tgt_positions")
+
 
 def noam_rate(step: int, d_model: int, warmup_steps: int, scale: float = 1.0) -> float:
     """The paper's learning rate (section 5.3) for update number `step` (1, 2, ...):
@@ -54,8 +57,9 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, ba
     averaged over real target tokens, backward, optional gradient-norm clipping, Adam step, schedule step.
     Returns the batch's loss sums (before the update) as floats. Dropout follows model.train()/eval()."""
     src, tgt_in, tgt_out = (_as_tensor(batch[k]) for k in ("src", "tgt_in", "tgt_out"))
+    packing = {k: _as_tensor(batch[k]) for k in PACKING_KEYS if k in batch}  # packed rows
     optimizer.zero_grad(set_to_none=True)
-    logits = model(src, tgt_in)  # (B, T, V)
+    logits = model(src, tgt_in, **packing)  # (B, T, V)
     sums = loss_sums(logits, tgt_out, pad_id, label_smoothing)
     (sums["loss"] / sums["tokens"].clamp(min=1.0)).backward()
     if clip_norm is not None:
