@@ -21,6 +21,9 @@ times the decoder work for them). A call includes encoding the sources. Each fig
 the timed repeats, after one untimed warm-up call per implementation (it includes Flax's compilation). The
 implementations are interleaved within each repeat, in a rotating order, so that load from other processes on a
 shared machine hits all of them alike.
+
+benchmarks/run.py's decode section (`section_decode`, at the end of this file) runs benchmark_decoding and turns
+its report into the run's figures.
 """
 from __future__ import annotations
 
@@ -30,7 +33,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # `python benchmarks/decoding.py` puts benchmarks/ first on the path, not the repo
@@ -39,7 +42,12 @@ if str(REPO) not in sys.path:  # `python benchmarks/decoding.py` puts benchmarks
 import numpy as np  # noqa: E402
 
 from benchmarks.machine import machine_info  # noqa: E402
-from jax_transformer.config import TransformerConfig, preset  # noqa: E402
+from benchmarks.report import add_ratio, figure_from_summary, ratio  # noqa: E402
+from jax_transformer.config import TransformerConfig  # noqa: E402
+from tests.fixtures import preset_config, twin_models  # noqa: E402
+
+if TYPE_CHECKING:
+    from benchmarks.run import Settings
 
 IMPLEMENTATIONS = ("flax-cached", "torch-tutorial", "torch-reference", "torch-reference-cached")
 
@@ -114,19 +122,13 @@ def _benchmark(preset_name, batch_sizes, beam_sizes, new_tokens, src_len, vocab,
     import jax
     import torch
 
-    import torch_reference
-    from jax_transformer.model import init_params
-    from jax_transformer.port import flax_to_torch
-
     unknown = sorted(set(implementations) - set(IMPLEMENTATIONS))
     if unknown:
         raise ValueError(f"unknown implementations {unknown}; choose from {IMPLEMENTATIONS}")
-    config = preset(preset_name, src_vocab_size=vocab, tgt_vocab_size=vocab)
+    config = preset_config(preset_name, vocab)
     if config.max_len < max(new_tokens, src_len):  # the positions table must cover both sides
         config = config.replace(max_len=max(new_tokens, src_len))
-    params = init_params(config, seed)
-    torch_model = torch_reference.load_numpy_state_dict(torch_reference.Transformer(config),
-                                                        flax_to_torch(params)).eval()
+    _, params, torch_model = twin_models(config, seed)
     rng = np.random.default_rng(seed)
     settings = dict(preset=preset_name, d_model=config.d_model, layers=[config.num_encoder_layers,
                     config.num_decoder_layers], vocab=vocab, src_len=src_len, new_tokens=new_tokens,
@@ -217,6 +219,73 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.json.write_text(json.dumps(report, indent=2))
         print(f"\nwrote {args.json}")
     return 0
+
+
+# =============================================================================================================
+# benchmarks/run.py's section 4: decoding
+# =============================================================================================================
+
+
+DECODE_LABELS = {  # IMPLEMENTATIONS -> what they are, in the run's figure names
+    "flax-cached": "Flax, key/value cache (jit)",
+    "torch-tutorial": "torch, tutorial loop (re-runs the prefix)",
+    "torch-reference": "torch reference decoder (re-runs the prefix)",
+    "torch-reference-cached": "torch reference decoder, its key/value cache",
+}
+
+
+def section_decode(s: Settings, figures: list, failures: list, state: dict) -> None:
+    """Greedy and beam 4 at batch 16 and 1: the cached Flax decoder against the tutorial-style PyTorch loop and
+    the PyTorch reference's decoder, all measured by benchmark_decoding (which interleaves them, warms each up
+    once, and produces exactly `new_tokens` tokens per sentence)."""
+    # --quick leaves out the reference's cached decoder: the brief's three are Flax, tutorial and reference.
+    implementations = [i for i in IMPLEMENTATIONS if not (s.quick and i == "torch-reference-cached")]
+    # The reference's beam search re-runs the prefix for one sentence at a time: minutes per call at batch 16
+    # on 2 cores. So at most 3 timed calls, and --quick times one (after the warm-up one) and runs beam search
+    # at batch 1 only.
+    plan = [((1,), s.decode_batch_sizes), ((4,), s.decode_batch_sizes)]
+    if s.quick:
+        plan = [((1,), s.decode_batch_sizes), ((4,), tuple(b for b in s.decode_batch_sizes if b == 1) or
+                                                     (min(s.decode_batch_sizes),))]
+    for name in s.aux_presets:
+        repeats = 1 if s.quick else min(3, s.repeats_for(name))
+        reports = []
+        for beam_sizes, batch_sizes in plan:
+            try:
+                reports.append(benchmark_decoding(name, batch_sizes=batch_sizes, beam_sizes=beam_sizes,
+                                                  new_tokens=s.decode_new_tokens, vocab=s.vocab, repeats=repeats,
+                                                  torch_threads=s.torch_threads,
+                                                  implementations=implementations,
+                                                  log=lambda line: print(f"  [{name}] {line}", flush=True)))
+            except Exception as e:  # reported with the other failures; the remaining sections still run
+                failures.append({"name": f"decode/{name} beam {beam_sizes[0]}",
+                                 "error": f"{type(e).__name__}: {e}"})
+                print(f"  failed: {type(e).__name__}: {e}", flush=True)
+        if not reports:
+            continue
+        report = {"settings": reports[0]["settings"], "results": [r for rep in reports for r in rep["results"]]}
+        settings = report["settings"]
+        # Random weights have near-ties, so an implementation may pick other tokens than Flax: say where.
+        differ = [f"{r['search']} batch {r['batch']} {r['implementation']} {100 * r['agreement']:.0f}%"
+                  for r in report["results"] if r["agreement"] is not None and r["agreement"] < 1.0]
+        note = (f"decode {name}: {settings['new_tokens']} new tokens per sentence from {settings['src_len']} "
+                f"source tokens; tokens/s counts output tokens and a call includes encoding the sources; "
+                f"tokens equal to Flax's: " + ("all" if not differ else "all but " + ", ".join(differ)))
+        groups: dict[tuple[str, int], dict[str, dict]] = {}
+        for row in report["results"]:
+            search, batch, impl = row["search"], row["batch"], row["implementation"]
+            produced = batch * settings["new_tokens"]
+            fig = figure_from_summary(f"decode {name} {search} batch {batch}: {DECODE_LABELS.get(impl, impl)}",
+                                      "tokens/s", row["seconds_min"], row["seconds_median"], repeats,
+                                      lambda t, n=produced: n / t, section="decode", preset_name=name, note=note)
+            fig["agreement_with_flax"] = row["agreement"]
+            groups.setdefault((search, batch), {})[impl] = fig
+        for figs in groups.values():
+            flax = figs.get("flax-cached")
+            for impl, fig in figs.items():
+                if flax is not None and impl != "flax-cached":
+                    add_ratio(flax, f"Flax/{impl}", ratio(flax, fig))
+            figures.extend(figs.values())
 
 
 if __name__ == "__main__":

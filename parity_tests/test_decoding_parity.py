@@ -24,39 +24,20 @@ import numpy as np
 import pytest
 import torch
 
-import torch_reference
 from jax_transformer import decoding
 from jax_transformer.config import preset
 from jax_transformer.model import init_params
-from jax_transformer.port import flax_to_torch
+from tests.fixtures import DECODING_CONFIGS as CONFIGS
+from tests.fixtures import DECODING_MAX_LEN as MAX_LEN
+from tests.fixtures import DECODING_VOCAB as VOCAB
+from tests.fixtures import corpus_batches, eos_biased, make_src, pad_rows, t, torch_twin
 from torch_reference import decoding as torch_decoding
 
-VOCAB = 40
-MAX_LEN = 16
 LENGTHS = (MAX_LEN, 3, 1, 9, 5, 12)  # a full-width source, an empty one (EOS only), padded ones
 SCORE_ATOL = 5e-5  # see the module docstring
 MIN_MARGIN = 1e-4  # greedy paths must not pass through near-ties (float32 noise is ~1e-6)
 
-CONFIGS = {
-    # the paper: post-norm, sinusoidal; untied output so that EOS can be biased up
-    "post_sinusoidal_untied": preset("tiny", src_vocab_size=VOCAB, tgt_vocab_size=VOCAB, max_len=MAX_LEN,
-                                     tie_output=False),
-    # pre-norm with final norms, learned positions, one shared tied table, gelu
-    "pre_learned_shared": preset("tiny", src_vocab_size=VOCAB, tgt_vocab_size=VOCAB, max_len=MAX_LEN,
-                                 norm_first=True, final_norm=True, positions="learned", share_embeddings=True,
-                                 activation="gelu"),
-}
 SEEDS = (0, 1, 2)
-
-
-def make_src(seed: int, lengths=LENGTHS, width=MAX_LEN, vocab=VOCAB) -> np.ndarray:
-    """Right-padded sources: random non-special tokens, then EOS, PAD after."""
-    rng = np.random.default_rng(seed)
-    src = np.zeros((len(lengths), width), np.int64)
-    for row, n in enumerate(lengths):
-        src[row, :n - 1] = rng.integers(3, vocab, n - 1)
-        src[row, n - 1] = 2
-    return src
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -68,10 +49,6 @@ def one_torch_thread():
     torch.set_num_threads(threads)
 
 
-def torch_twin(config, params) -> torch_reference.Transformer:
-    return torch_reference.load_numpy_state_dict(torch_reference.Transformer(config), flax_to_torch(params)).eval()
-
-
 @torch.no_grad()
 def teacher_forced_log_probs(model, src: np.ndarray, tokens: np.ndarray) -> np.ndarray:
     """Torch log-probs (B, L, V) of every step of the given outputs (no BOS; PAD after the end), with the
@@ -79,7 +56,7 @@ def teacher_forced_log_probs(model, src: np.ndarray, tokens: np.ndarray) -> np.n
     cfg = model.cfg
     tgt_in = np.concatenate([np.full((len(tokens), 1), cfg.bos_id), tokens[:, :-1]], axis=1)
     tgt_in[tgt_in == cfg.eos_id] = cfg.pad_id
-    lp = torch.log_softmax(model(torch.from_numpy(src), torch.from_numpy(tgt_in)), dim=-1).numpy().copy()
+    lp = torch.log_softmax(model(t(src), t(tgt_in)), dim=-1).numpy().copy()
     lp[:, :, [cfg.pad_id, cfg.bos_id]] = -np.inf
     return lp
 
@@ -107,18 +84,16 @@ def with_eos_bias(config, params, src):
     """Raises the untied output bias of EOS so that EOS comes first at step 0 for about half of the rows."""
     if config.tie_output:
         return params
-    lp = teacher_forced_log_probs(torch_twin(config, params), src, np.zeros((len(src), 1), np.int64))[:, 0]
-    margin = np.sort(np.delete(lp, config.eos_id, axis=1).max(axis=1) - lp[:, config.eos_id])
-    k = len(margin) // 2
-    bias = params["output_proj"]["bias"].at[config.eos_id].add((margin[k - 1] + margin[k]) / 2)
-    return {**params, "output_proj": {**params["output_proj"], "bias": bias}}
+    first = teacher_forced_log_probs(torch_twin(config, params), src, np.zeros((len(src), 1), np.int64))[:, 0]
+    return eos_biased(config, params, first)
 
 
 @pytest.fixture(params=[(name, seed) for name in CONFIGS for seed in SEEDS],
                 ids=[f"{name}-seed{seed}" for name in CONFIGS for seed in SEEDS])
 def random_case(request):
     name, seed = request.param
-    config, src = CONFIGS[name], make_src(seed)
+    config = CONFIGS[name]
+    src = make_src(config, LENGTHS, seed=seed)
     params = with_eos_bias(config, init_params(config, seed), src)
     return f"{name}-seed{seed}", config, params, torch_twin(config, params), src
 
@@ -139,11 +114,11 @@ def check_same(name, what, model, src, flax_out, torch_out, parity_report):
 def test_length_rules_agree():
     """The two implementations' length limits, output widths and length penalties are the same numbers."""
     config = CONFIGS["pre_learned_shared"]
-    src = make_src(0)
+    src = make_src(config, LENGTHS, seed=0)
     src[-1] = config.pad_id  # an all-PAD filler row
     for a, b in ((1.5, 10), (0.0, 6), (1.2, 0.5), (0.7, 3)):
         assert (decoding.max_new_tokens(src, config, a, b).tolist()
-                == torch_decoding.max_new_tokens(torch.from_numpy(src), config, a, b))
+                == torch_decoding.max_new_tokens(t(src), config, a, b))
         assert decoding.output_length(MAX_LEN, config, a, b) == torch_decoding.output_length(MAX_LEN, config, a, b)
     for alpha in (0.0, 0.6, 1.0):
         table = decoding.length_penalties(MAX_LEN, alpha)
@@ -157,7 +132,7 @@ def test_greedy_tokens_identical(random_case, parity_report):
         margin = greedy_margin(model, src, flax_out[0], min_len)
         assert margin > MIN_MARGIN, f"near-tie on the greedy path (margin {margin:.1e}): choose another seed"
         for use_cache in (False, True):
-            torch_out = torch_decoding.greedy_search(model, torch.from_numpy(src), min_len=min_len,
+            torch_out = torch_decoding.greedy_search(model, t(src), min_len=min_len,
                                                      use_cache=use_cache)
             what = f"greedy{' min_len=4' if min_len else ''} vs torch {'cached' if use_cache else 'uncached'}"
             check_same(name, what, model, src, flax_out, torch_out, parity_report)
@@ -171,7 +146,7 @@ def test_beam_search_identical(random_case, parity_report):
     for alpha, min_len in ((0.6, 0), (0.0, 3)):
         flax_out = decoding.beam_search(params, config, src, beam_size=4, alpha=alpha, min_len=min_len)
         for use_cache in (False, True):
-            torch_out = torch_decoding.beam_search(model, torch.from_numpy(src), beam_size=4, alpha=alpha,
+            torch_out = torch_decoding.beam_search(model, t(src), beam_size=4, alpha=alpha,
                                                    min_len=min_len, use_cache=use_cache)
             what = f"beam 4 alpha={alpha} min_len={min_len} vs torch {'cached' if use_cache else 'uncached'}"
             check_same(name, what, model, src, flax_out, torch_out, parity_report)
@@ -180,7 +155,7 @@ def test_beam_search_identical(random_case, parity_report):
 def test_torch_cached_decoder_equals_prefix_decoder(parity_report):
     """The reference's own cache: per-step log-probs equal re-running the twin over the whole prefix."""
     config = CONFIGS["pre_learned_shared"]
-    model, src = torch_twin(config, init_params(config, 5)), torch.from_numpy(make_src(5))
+    model, src = torch_twin(config, init_params(config, 5)), torch.from_numpy(make_src(config, LENGTHS, seed=5)).long()
     memory = model.encode(src)
     prefix = torch_decoding.PrefixDecoder(model, memory, src)
     cached = torch_decoding.IncrementalDecoder(model, memory, src)
@@ -197,20 +172,6 @@ def test_torch_cached_decoder_equals_prefix_decoder(parity_report):
 
 # --- a trained model ----------------------------------------------------------------------------------------
 
-def fixed_shape_batches(encoded, rows: int, width: int, seed: int = 0):
-    """Endless random batches of one shape (one compilation of the train step), in the data.py convention:
-    src = tokens + EOS, tgt_in = BOS + tokens, tgt_out = tokens + EOS, PAD after."""
-    rng = np.random.default_rng(seed)
-    while True:
-        batch = {key: np.zeros((rows, width), np.int32) for key in ("src", "tgt_in", "tgt_out")}
-        for row, i in enumerate(rng.choice(len(encoded), rows, replace=False)):
-            s, t = encoded.src[i], encoded.tgt[i]
-            batch["src"][row, :len(s)] = s
-            batch["tgt_in"][row, :len(t) + 1] = np.concatenate([[1], t])
-            batch["tgt_out"][row, :len(t) + 1] = np.concatenate([t, [2]])
-        yield batch
-
-
 @pytest.fixture(scope="session")
 def trained():
     """A tiny model trained for 400 steps of 48 sentence pairs on the default task (jax_transformer.training's
@@ -223,7 +184,7 @@ def trained():
     pairs = default_pairs("train", n=2000)
     tokenizer = Tokenizer.train(pairs.sources + pairs.targets, TOKENIZER_VOCAB_SIZE, model_type=TOKENIZER_MODEL_TYPE)
     config = preset("tiny", src_vocab_size=tokenizer.vocab_size, tgt_vocab_size=tokenizer.vocab_size, max_len=24)
-    batches = fixed_shape_batches(encode_corpus(pairs, tokenizer, config.max_len), 48, config.max_len)
+    batches = corpus_batches(encode_corpus(pairs, tokenizer, config.max_len), config, 48)  # one shape: 48 x max_len
     opt = OptimConfig(lr_scale=2.0, warmup_steps=100, label_smoothing=0.0)
     state, step = create_train_state(config, opt, seed=0), make_train_step(config, opt, dropout=False)
     losses = []
@@ -231,9 +192,7 @@ def trained():
         state, sums = step(state, next(batches))
         losses.append(float(sums["loss"]) / float(sums["tokens"]))
     sources = decoding.encode_sources(tokenizer, default_pairs("valid", n=16).sources, config)
-    src = np.zeros((len(sources), max(map(len, sources))), np.int64)
-    for row, ids in enumerate(sources):
-        src[row, :len(ids)] = ids
+    src = pad_rows(sources)
     return config, state.params, torch_twin(config, state.params), src, losses
 
 
@@ -246,7 +205,7 @@ def test_trained_model_greedy_and_beam_identical(trained, parity_report):
     margin = greedy_margin(model, src, greedy[0])
     assert margin > MIN_MARGIN, f"near-tie on the greedy path (margin {margin:.1e})"
     check_same("trained tiny", "greedy vs torch uncached", model, src, greedy,
-               torch_decoding.greedy_search(model, torch.from_numpy(src)), parity_report)
+               torch_decoding.greedy_search(model, t(src)), parity_report)
     beam = decoding.beam_search(params, config, src, beam_size=4, alpha=0.6)
     check_same("trained tiny", "beam 4 alpha=0.6 vs torch uncached", model, src, beam,
-               torch_decoding.beam_search(model, torch.from_numpy(src), beam_size=4, alpha=0.6), parity_report)
+               torch_decoding.beam_search(model, t(src), beam_size=4, alpha=0.6), parity_report)

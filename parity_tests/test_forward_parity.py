@@ -16,8 +16,8 @@ import torch
 import torch_reference
 from jax_transformer import masks
 from jax_transformer.model import MultiHeadAttention, attention_maps
-from parity_tests.conftest import BASE, CONFIGS, make_batch
-from parity_tests.twins import max_abs_diff, t, twin_models
+from tests.fixtures import BASE, make_batch, max_abs_diff, t, twin_models
+from tests.fixtures import PARITY_CONFIGS as CONFIGS
 
 ATOL = 1e-5  # see module docstring
 
@@ -25,7 +25,8 @@ ATOL = 1e-5  # see module docstring
 def test_attention_probabilities_every_layer_and_head(config_case, parity_report):
     name, cfg = config_case
     model, params, torch_model = twin_models(cfg, seed=1)
-    src, tgt_in, _ = make_batch(cfg, seed=1)
+    batch = make_batch(cfg, seed=1)
+    src, tgt_in = batch["src"], batch["tgt_in"]
     _, state = model.apply({"params": params}, src, tgt_in, mutable=["intermediates"])
     flax_maps = attention_maps(state["intermediates"])
     with torch.no_grad(), torch_model.record_attention() as torch_maps:
@@ -85,7 +86,8 @@ def _forward_both(model, params, torch_model, src, tgt_in):
 def test_encoder_decoder_logits(config_case, seed, parity_report):
     name, cfg = config_case
     model, params, torch_model = twin_models(cfg, seed=seed)
-    src, tgt_in, _ = make_batch(cfg, seed=seed)
+    batch = make_batch(cfg, seed=seed)
+    src, tgt_in = batch["src"], batch["tgt_in"]
     results = _forward_both(model, params, torch_model, src, tgt_in)
     for quantity, (ours, theirs) in results.items():
         assert np.isfinite(np.asarray(ours)).all(), f"{quantity}: non-finite values (all-padding row?)"
@@ -100,7 +102,8 @@ def test_encoder_decoder_logits(config_case, seed, parity_report):
 def test_base_model_logits(parity_report):
     """The paper's base configuration, 6+6 layers of width 512: same 1e-5 bound on logits and probabilities."""
     model, params, torch_model = twin_models(BASE, seed=0)
-    src, tgt_in, _ = make_batch(BASE, seed=0)
+    batch = make_batch(BASE, seed=0)
+    src, tgt_in = batch["src"], batch["tgt_in"]
     results = _forward_both(model, params, torch_model, src, tgt_in)
     for quantity, (ours, theirs) in results.items():
         diff = max_abs_diff(ours, theirs)
@@ -122,7 +125,8 @@ def test_base_model_logits(parity_report):
 
 def test_masks_identical_in_both_frameworks(parity_report):
     cfg = CONFIGS["post_sinusoidal_tied_relu"]
-    src, tgt_in, _ = make_batch(cfg)
+    batch = make_batch(cfg)
+    src, tgt_in = batch["src"], batch["tgt_in"]
     pairs = {
         "padding": (masks.padding_mask(jnp.asarray(src), 0), torch_reference.padding_mask(t(src), 0)),
         "causal": (masks.causal_mask(6), torch_reference.causal_mask(6)),
@@ -145,7 +149,8 @@ def test_padding_and_future_tokens_have_no_effect(config_case, parity_report):
     later target token leaves earlier logits unchanged (the decoder cannot look ahead)."""
     name, cfg = config_case
     model, params, torch_model = twin_models(cfg, seed=3)
-    src, tgt_in, _ = make_batch(cfg, seed=3)
+    batch = make_batch(cfg, seed=3)
+    src, tgt_in = batch["src"], batch["tgt_in"]
     logits = np.asarray(model.apply({"params": params}, src, tgt_in))
     with torch.no_grad():
         t_logits = torch_model(t(src), t(tgt_in)).numpy()

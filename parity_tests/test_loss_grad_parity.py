@@ -21,8 +21,7 @@ import torch
 
 from jax_transformer import losses
 from jax_transformer.port import flax_to_torch
-from parity_tests.conftest import BASE, make_batch
-from parity_tests.twins import max_abs_diff, t, twin_models
+from tests.fixtures import BASE, make_batch, t, twin_models
 from torch_reference import losses as torch_losses
 
 LOSS_ATOL = 1e-5
@@ -31,7 +30,8 @@ GRAD_RTOL = 1e-4
 
 def _loss_and_grads(cfg, seed, smoothing):
     model, params, torch_model = twin_models(cfg, seed=seed)
-    src, tgt_in, tgt_out = make_batch(cfg, seed=seed)
+    batch = make_batch(cfg, seed=seed)
+    src, tgt_in, tgt_out = batch["src"], batch["tgt_in"], batch["tgt_out"]
 
     def loss_fn(p):
         return losses.mean_loss(model.apply({"params": p}, src, tgt_in), tgt_out, cfg.pad_id, smoothing)
@@ -83,12 +83,13 @@ def test_loss_ignores_padding_and_smooths_labels():
     computation of the definition, so a loss that counted padding or ignored smoothing would fail."""
     cfg = BASE.replace(num_encoder_layers=1, num_decoder_layers=1, d_model=64, num_heads=4, d_ff=64)
     model, params, torch_model = twin_models(cfg, seed=5)
-    src, tgt_in, tgt_out = make_batch(cfg, seed=5)
+    batch = make_batch(cfg, seed=5)
+    src, tgt_in, tgt_out = batch["src"], batch["tgt_in"], batch["tgt_out"]
     logits = np.asarray(model.apply({"params": params}, src, tgt_in), dtype=np.float64)
     logp = logits - logits.max(-1, keepdims=True)
     logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
     real = tgt_out != cfg.pad_id
-    eps, vocab = 0.1, logits.shape[-1]
+    eps = 0.1
     nll = -np.take_along_axis(logp, tgt_out[..., None], -1)[..., 0]
     smoothed = (1 - eps) * nll + eps * (-logp.mean(-1))  # target (1-eps) one-hot + eps/V uniform
     expected = smoothed[real].mean()

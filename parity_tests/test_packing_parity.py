@@ -20,7 +20,7 @@ from torch_reference.losses import loss_sums as torch_loss_sums
 from jax_transformer.losses import loss_sums
 from jax_transformer.model import Transformer, init_params
 from jax_transformer.port import flax_to_torch
-from parity_tests.conftest import CONFIGS
+from tests.fixtures import PARITY_CONFIGS as CONFIGS
 
 LOGIT_TOL = 1e-5  # float32 summation order only (see the module docstring)
 GRAD_TOL = 1e-4  # relative to the largest gradient, as test_loss_grad_parity.py

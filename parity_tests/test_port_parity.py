@@ -3,7 +3,6 @@ port that the parity checks catch, and check 5: `torch.nn.Transformer` weights g
 import math
 import re
 
-import jax
 import numpy as np
 import pytest
 import torch
@@ -11,29 +10,19 @@ from torch import nn
 
 import torch_reference
 from jax_transformer.model import Transformer
-from jax_transformer.port import (
-    PortError,
-    expected_param_shapes,
-    flax_to_torch,
-    from_nn_transformer,
-    torch_name,
-    torch_to_flax,
-)
-from parity_tests.conftest import CONFIGS, make_batch
-from parity_tests.twins import max_abs_diff, t, twin_models
+from jax_transformer.port import (PortError, expected_param_shapes, flax_to_torch, from_nn_transformer, torch_name,
+                                  torch_to_flax)
+from tests.fixtures import PARITY_CONFIGS as CONFIGS
+from tests.fixtures import flat, make_batch, max_abs_diff, t, twin_models
 
 ATOL = 1e-5  # forward quantities: see test_forward_parity.py
-
-
-def _leaves(params):
-    return dict(jax.tree_util.tree_flatten_with_path(params)[0])
 
 
 def test_round_trip_is_bit_exact(config_case):
     _, cfg = config_case
     _, params, torch_model = twin_models(cfg, seed=7)
     back = torch_to_flax(torch_model.state_dict(), cfg)  # torch tensors in, through the torch model
-    ours, theirs = _leaves(params), _leaves(back)
+    ours, theirs = flat(params), flat(back)
     assert ours.keys() == theirs.keys()
     for path, value in ours.items():
         assert np.asarray(value).dtype == theirs[path].dtype == np.float32
@@ -89,7 +78,7 @@ def test_dtypes_are_refused_or_converted_explicitly():
     with pytest.raises(PortError, match=r"dtype torch.bfloat16, expected torch.float32"):
         torch_to_flax(half, cfg)
     converted = torch_to_flax(half, cfg, convert_dtypes=True)
-    assert all(np.asarray(v).dtype == np.float32 for v in _leaves(converted).values())
+    assert all(np.asarray(v).dtype == np.float32 for v in flat(converted).values())
     doubles = {k: v.double().numpy() for k, v in model.state_dict().items()}
     with pytest.raises(PortError, match=r"dtype float64, expected float32"):
         torch_to_flax(doubles, cfg)
@@ -103,7 +92,8 @@ def test_a_wrong_port_is_caught(parity_report):
     that passes for the right port must fail for this one."""
     cfg = CONFIGS["post_sinusoidal_tied_relu"]
     model, params, torch_model = twin_models(cfg, seed=8)
-    src, tgt_in, _ = make_batch(cfg, seed=8)
+    batch = make_batch(cfg, seed=8)
+    src, tgt_in = batch["src"], batch["tgt_in"]
     state = torch_reference.numpy_state_dict(torch_model)
     name = "decoder.layers.1.self_attention.value.weight"
     state[name] = state[name].T.copy()
@@ -175,7 +165,8 @@ def test_nn_transformer_import_gives_same_logits(norm_first, activation, bias, p
     params = from_nn_transformer(theirs.transformer.state_dict(), cfg,
                                  source_embedding=theirs.src_embed.weight, target_embedding=theirs.tgt_embed.weight,
                                  output_weight=theirs.generator.weight, output_bias=theirs.generator.bias)
-    src, tgt_in, _ = make_batch(cfg, seed=9)
+    batch = make_batch(cfg, seed=9)
+    src, tgt_in = batch["src"], batch["tgt_in"]
     # torch.nn.MultiheadAttention gives NaN for a query whose keys are all masked (softmax over -inf), so the
     # all-padding row, which this project's models keep finite, is left out of this comparison.
     ours = np.asarray(Transformer(cfg).apply({"params": params}, src, tgt_in))

@@ -31,8 +31,8 @@ import torch
 import torch_reference
 from jax_transformer import training
 from jax_transformer.port import flax_to_torch
-from parity_tests.conftest import CONFIGS, make_batch
-from parity_tests.twins import twin_models
+from tests.fixtures import PARITY_CONFIGS as CONFIGS
+from tests.fixtures import make_batch, twin_models
 from torch_reference import training as torch_training
 
 STEPS = 3
@@ -53,11 +53,7 @@ CASES = [("post_sinusoidal_tied_relu", "adam"), ("pre_learned_untied_gelu_nobias
 
 def _batches(cfg):
     """Three different padded batches (make_batch leaves the last row all padding: it must count zero tokens)."""
-    out = []
-    for seed in range(STEPS):
-        src, tgt_in, tgt_out = make_batch(cfg, seed=10 + seed)
-        out.append({k: v.astype(np.int32) for k, v in (("src", src), ("tgt_in", tgt_in), ("tgt_out", tgt_out))})
-    return out
+    return [make_batch(cfg, seed=10 + seed) for seed in range(STEPS)]
 
 
 def _torch_optimizer(model, cfg, optim):

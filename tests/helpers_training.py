@@ -1,4 +1,7 @@
-"""Shared pieces of the training tests: a tiny corpus on disk, train.py flags for a seconds-long run, and runners."""
+"""Shared pieces of the training tests: a tiny corpus on disk, train.py flags for a seconds-long run, and runners.
+
+The in-process unit-test model, optimiser and batch (unit_config, unit_optim, unit_batch) and `flat` are in
+tests/fixtures.py."""
 from __future__ import annotations
 
 import contextlib
@@ -8,8 +11,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-
-import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -95,41 +96,3 @@ def completed_steps(run_dir: Path) -> list[int]:
 def logged_steps(run_dir: Path) -> int:
     path = run_dir / "metrics.jsonl"
     return path.read_text().count('"kind": "train"') if path.exists() else 0
-
-
-def flat(tree) -> dict[str, np.ndarray]:
-    """A pytree as {path: numpy array}, for leaf-by-leaf comparisons; typed PRNG keys as their raw words."""
-    import jax
-
-    def as_array(leaf):
-        if isinstance(leaf, jax.Array) and jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
-            leaf = jax.random.key_data(leaf)
-        return np.asarray(leaf)
-
-    return {jax.tree_util.keystr(path): as_array(leaf) for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
-
-
-# --- unit-test model: one config, optimiser and batch shape for the in-process tests, so that the compiled
-# train step (cached by make_train_step) is built once per pytest process -------------------------------------
-
-def unit_config():
-    from jax_transformer.config import preset
-
-    return preset("tiny", src_vocab_size=50, tgt_vocab_size=50, max_len=16)
-
-
-def unit_optim():
-    from jax_transformer.training import OptimConfig
-
-    return OptimConfig(warmup_steps=10)
-
-
-def unit_batch(seed: int, rows: int = 4) -> dict[str, np.ndarray]:
-    """Random ids with ragged padding (every row a different length): src (rows, 10), tgt_in/tgt_out (rows, 10)."""
-    rng = np.random.default_rng(seed)
-    src = rng.integers(4, 50, (rows, 10)).astype(np.int32)
-    tgt = rng.integers(4, 50, (rows, 11)).astype(np.int32)
-    for r in range(rows):
-        src[r, 10 - r % 5:] = 0
-        tgt[r, 11 - (2 * r) % 9:] = 0
-    return {"src": src, "tgt_in": tgt[:, :-1], "tgt_out": tgt[:, 1:]}

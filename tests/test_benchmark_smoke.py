@@ -1,4 +1,4 @@
-"""Smoke test of the benchmark harness (benchmarks/run.py) and a check of its FLOP formula.
+"""Smoke test of the benchmark harness (benchmarks/run.py) and a check of its FLOP formula (benchmarks/flops.py).
 
 The harness runs in a subprocess on the tiny preset for one repetition of its cheap sections (train, flops) and
 the JSON it writes must have the promised structure. Nothing here asserts a speed: timings belong to the
@@ -104,7 +104,7 @@ def test_markdown_and_stdout_hold_the_table(smoke):
 def test_flop_formula_matches_the_traced_step(overrides):
     """train_step_matmul_flops (from the shapes) against the dot_general ops jax traces for one step, with
     source and target lengths that differ so that S and T cannot be swapped unnoticed."""
-    from benchmarks.run import train_step_matmul_flops, traced_train_step_matmul_flops
+    from benchmarks.flops import train_step_matmul_flops, traced_train_step_matmul_flops
 
     config = preset("tiny", **{"src_vocab_size": 60, "tgt_vocab_size": 60, **overrides})
     B, S, T = 3, 7, 5

@@ -12,7 +12,8 @@ from jax_transformer import checkpoint as ckpt_lib
 from jax_transformer import training
 from jax_transformer.config import ConfigError
 from jax_transformer.data import Tokenizer
-from tests.helpers_training import flat, run_main, tiny_train_args, unit_batch, unit_config, unit_optim, write_corpus
+from tests.fixtures import flat, unit_batch, unit_config, unit_optim
+from tests.helpers_training import run_main, tiny_train_args, write_corpus
 
 CONFIG = unit_config()
 OPTIM = unit_optim()

@@ -16,11 +16,12 @@ import pytest
 from jax_transformer import decoding
 from jax_transformer.config import preset
 from jax_transformer.model import Transformer, init_params
+from tests.fixtures import DECODING_CONFIGS, eos_biased, make_src, pad_rows
+from tests.fixtures import DECODING_MAX_LEN as MAX_LEN
+from tests.fixtures import DECODING_VOCAB as VOCAB
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
-VOCAB = 40
-MAX_LEN = 16
 # Source rows of different lengths (tokens + EOS): one filling all max_len positions, short rows, and an empty
 # source (EOS only).
 LENGTHS = (MAX_LEN, 3, 1, 6, 5)
@@ -34,25 +35,10 @@ CACHE_ATOL = 1e-5
 SCORE_ATOL = 2e-5
 
 
-def make_src(lengths=LENGTHS, width=MAX_LEN, seed=0) -> np.ndarray:
-    """Right-padded sources: random tokens (ids >= 3: no specials) then EOS, PAD after."""
-    rng = np.random.default_rng(seed)
-    src = np.zeros((len(lengths), width), np.int32)
-    for row, n in enumerate(lengths):
-        src[row, :n - 1] = rng.integers(3, VOCAB, n - 1)
-        src[row, n - 1] = 2
-    return src
-
-
-def config_a():
-    """Post-norm, sinusoidal, untied output (whose bias lets the test move EOS up, see eos_biased)."""
-    return preset("tiny", src_vocab_size=VOCAB, tgt_vocab_size=VOCAB, max_len=MAX_LEN, tie_output=False)
-
-
-def config_b():
-    """Pre-norm with final norms, learned positions, one shared (tied) embedding table, gelu."""
-    return preset("tiny", src_vocab_size=VOCAB, tgt_vocab_size=VOCAB, max_len=MAX_LEN, norm_first=True,
-                  final_norm=True, positions="learned", share_embeddings=True, activation="gelu")
+# Model a: post-norm, sinusoidal, untied output (whose bias lets the tests move EOS up, see eos_biased).
+# Model b: pre-norm with final norms, learned positions, one shared (tied) embedding table, gelu.
+CONFIG_A = DECODING_CONFIGS["post_sinusoidal_untied"]
+CONFIG_B = DECODING_CONFIGS["pre_learned_shared"]
 
 
 # --- the oracle: full forward passes over the prefix ----------------------------------------------------------
@@ -111,28 +97,18 @@ def sequence_log_prob(params, config, src, tokens):
     return np.where(tokens != config.pad_id, picked, 0.0).sum(axis=1)
 
 
-def eos_biased(config, params, src):
-    """Params whose output bias on EOS puts EOS first at step 0 for some rows and not for others.
-
-    Random models rarely emit EOS. The bias is set halfway between two neighbouring rows' step-0 margins
-    (best other log-prob minus EOS log-prob), so no row is near a tie at step 0.
-    """
-    lp = step_log_probs(params, config, src, np.zeros((len(src), 1), np.int32), 0)
-    margin = np.sort(np.delete(lp, config.eos_id, axis=1).max(axis=1) - lp[:, config.eos_id])
-    k = len(margin) // 2
-    bias = params["output_proj"]["bias"].at[config.eos_id].add((margin[k - 1] + margin[k]) / 2)
-    return {**params, "output_proj": {**params["output_proj"], "bias": bias}}
-
-
 @pytest.fixture(scope="module")
 def model_a():
-    config, src = config_a(), make_src()
-    return config, eos_biased(config, init_params(config, 0), src), src
+    """Model a with its EOS bias raised (eos_biased: EOS first at step 0 for about half of the rows)."""
+    config, src = CONFIG_A, make_src(CONFIG_A, LENGTHS)
+    params = init_params(config, 0)
+    first = step_log_probs(params, config, src, np.zeros((len(src), 1), np.int32), 0)
+    return config, eos_biased(config, params, first), src
 
 
 @pytest.fixture(scope="module")
 def model_b():
-    return config_b(), init_params(config_b(), 1), make_src(seed=1)
+    return CONFIG_B, init_params(CONFIG_B, 1), make_src(CONFIG_B, LENGTHS, seed=1)
 
 
 # --- 1. the cache ------------------------------------------------------------------------------------------
@@ -158,7 +134,7 @@ def cached_and_full_logits(params, src, tgt_in, *, config, cache_len):
 def test_cached_steps_equal_full_forward(norm_first, positions):
     config = preset("tiny", src_vocab_size=VOCAB, tgt_vocab_size=VOCAB, max_len=MAX_LEN, norm_first=norm_first,
                     final_norm=norm_first, positions=positions)
-    params, src = init_params(config, 3), make_src(seed=3)
+    params, src = init_params(config, 3), make_src(config, LENGTHS, seed=3)
     tgt_in = np.random.default_rng(4).integers(3, VOCAB, (len(src), 10)).astype(np.int32)
     tgt_in[:, 0] = config.bos_id
     # A cache longer than the 10 steps: its unused slots must not count.
@@ -292,7 +268,7 @@ def test_bad_inputs_are_refused_with_clear_errors(model_a):
 
 def test_length_rule():
     config = preset("tiny", max_len=16)
-    src = make_src((8, 3, 1), width=8)
+    src = make_src(CONFIG_A, (8, 3, 1), width=8)  # the ids do not matter here, only the lengths
     src[2] = 0  # an all-PAD filler row
     # n = 8, 3, 0 -> floor(1.5 n + 10) capped at 16; a filler row gets one step.
     assert decoding.max_new_tokens(src, config).tolist() == [16, 14, 1]
@@ -316,13 +292,6 @@ def tiny_translator():
     return config, init_params(config, 7), tokenizer, pairs.sources
 
 
-def padded(sources, width=None) -> np.ndarray:
-    src = np.zeros((len(sources), width or max(map(len, sources))), np.int32)
-    for row, ids in enumerate(sources):
-        src[row, :len(ids)] = ids
-    return src
-
-
 def test_translate_keeps_order_and_reuses_compilations(tiny_translator):
     config, params, tokenizer, sentences = tiny_translator
     # Seven sentences of at most 7 tokens (+ EOS): with batch_size=4 they make two batches of shape (4, 8).
@@ -332,8 +301,8 @@ def test_translate_keeps_order_and_reuses_compilations(tiny_translator):
     out = decoding.translate(params, config, tokenizer, chosen, beam_size=1, batch_size=4, progress=False)
     # Each translation equals the decoding of that sentence as a row of a padded batch of the same shape.
     sources = decoding.encode_sources(tokenizer, chosen, config)
-    tokens = np.concatenate([decoding.greedy_search(params, config, padded(sources[:4], 8))[0],
-                             decoding.greedy_search(params, config, padded(sources[4:] + [[]], 8))[0]])
+    tokens = np.concatenate([decoding.greedy_search(params, config, pad_rows(sources[:4], 8))[0],
+                             decoding.greedy_search(params, config, pad_rows(sources[4:] + [[]], 8))[0]])
     assert out == [tokenizer.decode(row) for row in tokens[:7]]
     # Other sentences of the same shapes: nothing new is compiled.
     compiled = decoding._greedy_core._cache_size()

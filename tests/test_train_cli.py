@@ -1,7 +1,6 @@
 """train.py as people use it: bad input, help, stopping on NaN, signals, and the PyTorch round trip."""
 from __future__ import annotations
 
-import math
 import signal
 import sys
 
@@ -12,7 +11,8 @@ import pytest
 from jax_transformer import checkpoint as ckpt_lib
 from jax_transformer import trainer as trainer_lib
 from jax_transformer import training
-from tests.helpers_training import (REPO, completed_steps, flat, logged_steps, run_main, start_train_process,
+from tests.fixtures import flat
+from tests.helpers_training import (REPO, completed_steps, logged_steps, run_main, start_train_process,
                                     tiny_train_args, wait_for, write_corpus)
 
 
@@ -92,7 +92,7 @@ def test_nan_loss_stops_without_overwriting_the_last_good_checkpoint(tmp_path):
     the parameters (what a diverged update does). The run must stop at once with a TrainingError, save nothing,
     and leave checkpoint 4 as it was."""
     from jax_transformer.data import Tokenizer
-    from tests.helpers_training import unit_batch, unit_config, unit_optim
+    from tests.fixtures import unit_batch, unit_config, unit_optim
 
     class Batches:  # stands in for a BatchStream: the unit-test batches, so the compiled step is shared
         index = 0

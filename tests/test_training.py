@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from jax_transformer import training
-from tests.helpers_training import REPO, unit_batch, unit_config, unit_optim
+from tests.fixtures import corpus_batches, unit_batch, unit_config, unit_optim
+from tests.helpers_training import REPO
 
 CONFIG = unit_config()
 OPTIM = unit_optim()
@@ -71,7 +72,7 @@ os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
 import jax, numpy as np
 jax.config.update("jax_default_matmul_precision", "highest")
 from jax_transformer import training
-from tests.helpers_training import unit_batch as _batch, unit_config
+from tests.fixtures import flat, unit_batch as _batch, unit_config
 CONFIG = unit_config().replace(num_encoder_layers=1, num_decoder_layers=1)  # depth does not matter here; compile time does
 
 assert jax.local_device_count() == 4
@@ -92,9 +93,8 @@ for batch in batches:
     losses.append((float(s["loss"] / s["tokens"]), float(p["loss"][0] / p["tokens"][0]), float(p["tokens"][0]),
                    float(s["tokens"])))
 
-leaves = lambda tree: {jax.tree_util.keystr(k): np.asarray(v) for k, v in jax.tree_util.tree_flatten_with_path(tree)[0]}
-jit_params, pmap_all = leaves(single.params), leaves(replicated.params)
-start = leaves(initial)
+jit_params, pmap_all = flat(single.params), flat(replicated.params)
+start = flat(initial)
 replicas_equal = all(np.array_equal(v[0], v[i]) for v in pmap_all.values() for i in range(4))
 report = {"losses": losses, "token_counts": token_counts, "replicas_equal": replicas_equal, "tensors": {}}
 for k, a in jit_params.items():
@@ -157,18 +157,7 @@ def test_default_task_learns():
     config = unit_config().replace(src_vocab_size=tokenizer.vocab_size, tgt_vocab_size=tokenizer.vocab_size,
                                    max_len=24, share_embeddings=True)
     optim = training.OptimConfig(warmup_steps=400, lr_scale=2.0)  # train.py's defaults for this task
-    encoded = encode_corpus(train, tokenizer, 24)
-    rng = np.random.default_rng(0)
-
-    def batch():
-        rows = rng.choice(len(encoded), 128, replace=False)
-        out = {k: np.zeros((128, 24), np.int32) for k in ("src", "tgt_in", "tgt_out")}
-        for r, i in enumerate(rows):
-            s, t = encoded.src[i], encoded.tgt[i]
-            out["src"][r, :len(s)] = s
-            out["tgt_in"][r, :len(t) + 1] = np.concatenate([[config.bos_id], t])
-            out["tgt_out"][r, :len(t) + 1] = np.concatenate([t, [config.eos_id]])
-        return out
+    batches = corpus_batches(encode_corpus(train, tokenizer, 24), config, 128)  # 128 random pairs x 24 tokens
 
     valid_batches = [b for b, _ in eval_batches(encode_corpus(valid, tokenizer, 24), 4096)]
     eval_step = training.make_eval_step(config, optim.label_smoothing)
@@ -176,7 +165,7 @@ def test_default_task_learns():
     before = training.evaluate_loss(state.params, eval_step, valid_batches)
     step = training.make_train_step(config, optim)
     for _ in range(200):
-        state, _ = step(state, batch())
+        state, _ = step(state, next(batches))
     after = training.evaluate_loss(state.params, eval_step, valid_batches)
     print(f"default task, 200 steps: valid loss {before['loss']:.3f} -> {after['loss']:.3f}, "
           f"token accuracy {before['accuracy']:.3f} -> {after['accuracy']:.3f}")

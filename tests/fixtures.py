@@ -1,0 +1,290 @@
+"""The one home of the data and model helpers shared by tests/, parity_tests/ and benchmarks/.
+
+Conventions, everywhere below:
+- Token ids are numpy int32 arrays (what the Flax model and the data pipeline use). PyTorch wants int64 indices:
+  convert at the call, with `t()` (which turns integer arrays into int64 tensors) or `torch.from_numpy(x).long()`.
+- Padding is on the right: a row is its tokens, then `config.pad_id` to the width of the batch.
+- Sources end with EOS where a case says so (`make_src`, the "staircase" batches); decoder inputs start with BOS,
+  and targets (`tgt_out`) are the decoder inputs shifted left, ending with EOS: tgt_in = BOS w1 .. wn,
+  tgt_out = w1 .. wn EOS. Random word ids start past the special ids, so no special token appears by chance.
+- Where a case wants it, the last row is all padding (an empty sentence: every key masked, zero target tokens).
+- Everything is deterministic in its `seed`: the same call gives the same numbers, so the figures the parity
+  tests report and the benchmark's token counts stay comparable from run to run.
+
+Nothing here imports jax or torch at module level: the benchmark imports this module before it has set up the
+compilation caches that jax and torch read when they are first imported (benchmarks/run.py, isolate_caches).
+"""
+from __future__ import annotations
+
+from typing import Any, Iterator, Mapping, Sequence
+
+import numpy as np
+
+from jax_transformer.config import TransformerConfig, preset
+
+# =============================================================================================================
+# Configurations
+# =============================================================================================================
+
+_SMALL = dict(d_model=64, num_heads=4, d_ff=128, num_encoder_layers=2, num_decoder_layers=2, max_len=32,
+              src_vocab_size=97, tgt_vocab_size=89)
+
+# The configurations every parity check runs over (parity_tests/conftest.py's `config_case` fixture).
+PARITY_CONFIGS: dict[str, TransformerConfig] = {
+    # the paper: post-norm, sinusoidal, tied output, relu, biased projections
+    "post_sinusoidal_tied_relu": TransformerConfig(**_SMALL),
+    # the Annotated Transformer's layout: pre-norm with final norms; plus learned positions, untied, gelu, no bias
+    # (and no bias anywhere: attention, feed-forward, LayerNorms, the output head, as nn.Transformer(bias=False))
+    "pre_learned_untied_gelu_nobias": TransformerConfig(**_SMALL, norm_first=True, final_norm=True,
+                                                        positions="learned", tie_output=False,
+                                                        activation="gelu", qkv_bias=False, ffn_bias=False,
+                                                        norm_bias=False, output_bias=False),
+    # one shared source/target table, unscaled embeddings, post-norm with final norms
+    "post_shared_unscaled_final": TransformerConfig(**{**_SMALL, "tgt_vocab_size": 97}, share_embeddings=True,
+                                                    scale_embeddings=False, final_norm=True),
+}
+
+# The paper's base model (512, 8 heads, 2048, 6+6, post-norm, sinusoidal, ReLU) with a small vocabulary: the
+# vocabulary size does not change the per-element arithmetic, only the cost.
+BASE = preset("base", src_vocab_size=1000, tgt_vocab_size=1000, max_len=32)
+
+# The decoding tests' models (tests/test_decoding.py, parity_tests/test_decoding_parity.py): tiny, a 40-token
+# vocabulary and 16 positions, so that sources filling every position and outputs cut at max_len are cheap.
+DECODING_VOCAB = 40
+DECODING_MAX_LEN = 16
+DECODING_CONFIGS: dict[str, TransformerConfig] = {
+    # the paper: post-norm, sinusoidal; untied output, whose bias lets a test move EOS up (see eos_biased)
+    "post_sinusoidal_untied": preset("tiny", src_vocab_size=DECODING_VOCAB, tgt_vocab_size=DECODING_VOCAB,
+                                     max_len=DECODING_MAX_LEN, tie_output=False),
+    # pre-norm with final norms, learned positions, one shared (tied) embedding table, gelu
+    "pre_learned_shared": preset("tiny", src_vocab_size=DECODING_VOCAB, tgt_vocab_size=DECODING_VOCAB,
+                                 max_len=DECODING_MAX_LEN, norm_first=True, final_norm=True, positions="learned",
+                                 share_embeddings=True, activation="gelu"),
+}
+
+
+# The unit-test model: one config, optimiser and batch shape (`unit_batch`) for the in-process training tests,
+# so that the compiled train step (cached by make_train_step) is built once per pytest process.
+
+def unit_config() -> TransformerConfig:
+    """The tiny preset with a 50-token vocabulary and 16 positions (dropout 0.1, label smoothing 0.1)."""
+    return preset("tiny", src_vocab_size=50, tgt_vocab_size=50, max_len=16)
+
+
+def unit_optim():
+    """The paper's Adam and schedule with a 10-step warmup (a jax_transformer.training.OptimConfig)."""
+    from jax_transformer.training import OptimConfig
+
+    return OptimConfig(warmup_steps=10)
+
+
+def preset_config(name: str, vocab: int) -> TransformerConfig:
+    """A preset with one vocabulary size for source and target (the benchmarks' models); dropout 0.1 and label
+    smoothing 0.1 are the defaults."""
+    return preset(name, src_vocab_size=vocab, tgt_vocab_size=vocab)
+
+
+# =============================================================================================================
+# Token ids
+# =============================================================================================================
+
+
+def _first_word(config: TransformerConfig) -> int:
+    """The lowest id a random word may take: past PAD, BOS, EOS and the unknown token after them (4 with the
+    default ids 0, 1, 2)."""
+    return max(config.pad_id, config.bos_id, config.eos_id) + 2
+
+
+def make_src(config: TransformerConfig, lengths: Sequence[int], *, seed: int = 0, width: int | None = None
+             ) -> np.ndarray:
+    """Right-padded sources (len(lengths), width) int32: row i holds lengths[i] - 1 random ids >= 3 (no PAD, BOS
+    or EOS), then EOS, then PAD. A length of 1 is an empty sentence (EOS only); a length equal to `width` (default
+    config.max_len) fills the row."""
+    rng = np.random.default_rng(seed)
+    src = np.full((len(lengths), width or config.max_len), config.pad_id, np.int32)
+    for row, n in enumerate(lengths):
+        src[row, :n - 1] = rng.integers(3, config.src_vocab_size, n - 1)
+        src[row, n - 1] = config.eos_id
+    return src
+
+
+# How make_batch chooses each row's length (see there).
+LAYOUTS = ("staircase", "drawn", "noise")
+
+
+def make_batch(config: TransformerConfig, seed: int = 0, rows: int = 4, src_len: int = 11, tgt_len: int = 9, *,
+               layout: str = "staircase", padding_row: bool = True, src_eos: bool = True) -> dict[str, np.ndarray]:
+    """A teacher-forcing batch with ragged right padding: {"src": (rows, src_len), "tgt_in": (rows, tgt_len),
+    "tgt_out": (rows, tgt_len)}, int32. With `padding_row` the last row is all padding (it must count zero
+    target tokens and stay finite).
+
+    `layout` says how the other rows' lengths are chosen:
+    - "staircase" (the parity tests'): every row a different length, fixed by its index. Row 0 fills the source
+      exactly (src_len - 1 words and EOS); each later row has 3 source words and 2 target words fewer (at least
+      one target word). tgt_in = BOS + words, tgt_out = words + EOS.
+    - "drawn" (the benchmark's): each row's source length (positions, EOS included if any) and target length
+      (predicted tokens, EOS included) drawn uniformly from [width/2, width], so some positions are padding and
+      the real target tokens (`target_tokens`) are fewer than rows x tgt_len. The same BOS/EOS convention.
+    - "noise" (the unit tests', `unit_batch`): random ids everywhere, no BOS or EOS (tgt_in and tgt_out are one
+      drawn sequence shifted by one), drawn as whole matrices; then row r keeps src_len - r % 5 source ids and
+      tgt_len + 1 - (2r) % 9 ids of its target sequence, the rest is PAD.
+    `src_eos` (staircase and drawn): end each source with EOS (the default), or fill it with words only (the
+    benchmark's batch).
+    """
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown layout {layout!r}; choose from {LAYOUTS}")
+    rng = np.random.default_rng(seed)
+    pad, bos, eos, first = config.pad_id, config.bos_id, config.eos_id, _first_word(config)
+    filled = rows - 1 if padding_row else rows
+    if layout == "noise":
+        src = rng.integers(first, config.src_vocab_size, (rows, src_len)).astype(np.int32)
+        tgt = rng.integers(first, config.tgt_vocab_size, (rows, tgt_len + 1)).astype(np.int32)
+        for r in range(rows):
+            kept_src, kept_tgt = (src_len - r % 5, tgt_len + 1 - (2 * r) % 9) if r < filled else (0, 0)
+            src[r, kept_src:] = pad
+            tgt[r, kept_tgt:] = pad
+        return {"src": src, "tgt_in": tgt[:, :-1], "tgt_out": tgt[:, 1:]}
+
+    src = np.full((rows, src_len), pad, np.int32)
+    tgt_in = np.full((rows, tgt_len), pad, np.int32)
+    tgt_out = tgt_in.copy()
+    for row in range(filled):
+        # Source positions used (words, plus EOS with src_eos), then target positions (BOS + words = words + EOS).
+        if layout == "staircase":
+            n_src = src_len - 3 * row
+        else:
+            n_src = rng.integers(max(int(src_eos), src_len // 2), src_len + 1)
+        words = n_src - int(src_eos)
+        if words < 0:
+            raise ValueError(f"row {row} of {rows}: no room for a source in {src_len} positions")
+        src[row, :words] = rng.integers(first, config.src_vocab_size, words)
+        if src_eos:
+            src[row, words] = eos
+        if layout == "staircase":
+            n_tgt = max(1, tgt_len - 1 - 2 * row) + 1
+        else:
+            n_tgt = rng.integers(max(1, tgt_len // 2), tgt_len + 1)
+        target_words = rng.integers(first, config.tgt_vocab_size, n_tgt - 1)
+        tgt_in[row, :n_tgt] = np.concatenate([[bos], target_words])
+        tgt_out[row, :n_tgt] = np.concatenate([target_words, [eos]])
+    return {"src": src, "tgt_in": tgt_in, "tgt_out": tgt_out}
+
+
+def unit_batch(seed: int, rows: int = 4) -> dict[str, np.ndarray]:
+    """The unit tests' batch for `unit_config()`: make_batch's "noise" layout, src (rows, 10), tgt_in/tgt_out
+    (rows, 10), rows of different lengths and none all padding. One shape, so one compiled train step."""
+    return make_batch(unit_config(), seed, rows, 10, 10, layout="noise", padding_row=False)
+
+
+def target_tokens(batch: Mapping[str, np.ndarray], pad_id: int) -> int:
+    """How many target tokens a batch predicts (non-PAD tgt_out): what tokens/s figures count."""
+    return int((np.asarray(batch["tgt_out"]) != pad_id).sum())
+
+
+def pad_rows(rows: Sequence[Sequence[int]], width: int | None = None, pad_id: int = 0) -> np.ndarray:
+    """Id lists as one right-padded int32 array (len(rows), width); width defaults to the longest row."""
+    out = np.full((len(rows), width or max(map(len, rows))), pad_id, np.int32)
+    for row, ids in enumerate(rows):
+        out[row, :len(ids)] = ids
+    return out
+
+
+def corpus_batches(encoded, config: TransformerConfig, rows: int, width: int | None = None, seed: int = 0
+                   ) -> Iterator[dict[str, np.ndarray]]:
+    """Endless batches of `rows` random pairs of an EncodedCorpus (jax_transformer.data), all of one shape
+    (rows, width; width defaults to config.max_len), so a train step compiles once. The data.py convention:
+    src = tokens + EOS (as encoded), tgt_in = BOS + tokens, tgt_out = tokens + EOS, PAD after. Pairs are drawn
+    without replacement within a batch, from one generator seeded once."""
+    rng = np.random.default_rng(seed)
+    width = width or config.max_len
+    while True:
+        batch = {key: np.full((rows, width), config.pad_id, np.int32) for key in ("src", "tgt_in", "tgt_out")}
+        for row, i in enumerate(rng.choice(len(encoded), rows, replace=False)):
+            source, target = encoded.src[i], encoded.tgt[i]
+            batch["src"][row, :len(source)] = source
+            batch["tgt_in"][row, :len(target) + 1] = np.concatenate([[config.bos_id], target])
+            batch["tgt_out"][row, :len(target) + 1] = np.concatenate([target, [config.eos_id]])
+        yield batch
+
+
+# =============================================================================================================
+# Models in both frameworks
+# =============================================================================================================
+
+
+def ported_params(config: TransformerConfig, seed: int = 0) -> tuple[Any, dict[str, np.ndarray]]:
+    """Fresh Flax parameters (init_params(config, seed)) and the same weights as a PyTorch state dict of numpy
+    arrays (jax_transformer.port.flax_to_torch), for torch_reference.load_numpy_state_dict."""
+    from jax_transformer.model import init_params
+    from jax_transformer.port import flax_to_torch
+
+    params = init_params(config, seed)
+    return params, flax_to_torch(params)
+
+
+def torch_twin(config: TransformerConfig, params):
+    """A torch_reference.Transformer in eval mode holding the Flax `params` (ported by flax_to_torch)."""
+    import torch_reference
+    from jax_transformer.port import flax_to_torch
+
+    return torch_reference.load_numpy_state_dict(torch_reference.Transformer(config), flax_to_torch(params)).eval()
+
+
+def twin_models(config: TransformerConfig, seed: int = 0):
+    """The same model in both frameworks: (Flax module, fresh Flax params, torch module in eval mode holding the
+    same weights)."""
+    from jax_transformer.model import Transformer, init_params
+
+    params = init_params(config, seed)
+    return Transformer(config), params, torch_twin(config, params)
+
+
+def eos_biased(config: TransformerConfig, params, first_log_probs: np.ndarray):
+    """Params whose untied output bias on EOS puts EOS first at step 0 for about half of the rows.
+
+    Random models rarely emit EOS. `first_log_probs` (B, V) are each source row's log-probs of the first output
+    token, from either framework. The bias is raised halfway between two neighbouring rows' step-0 margins (best
+    other log-prob minus EOS log-prob), so no row is near a tie at step 0.
+    """
+    eos = config.eos_id
+    margin = np.sort(np.delete(first_log_probs, eos, axis=1).max(axis=1) - first_log_probs[:, eos])
+    k = len(margin) // 2
+    bias = params["output_proj"]["bias"].at[eos].add((margin[k - 1] + margin[k]) / 2)
+    return {**params, "output_proj": {**params["output_proj"], "bias": bias}}
+
+
+# =============================================================================================================
+# Comparisons
+# =============================================================================================================
+
+
+def t(array):
+    """A numpy (or jax) array as a torch tensor. Integer arrays (the int32 ids above) become int64, torch's
+    index type; floats and booleans keep their dtype."""
+    import torch
+
+    array = np.asarray(array)
+    tensor = torch.from_numpy(array)
+    return tensor.long() if np.issubdtype(array.dtype, np.integer) else tensor
+
+
+def max_abs_diff(a, b) -> float:
+    """Largest absolute elementwise difference (in float64) of two arrays or tensors of the same shape."""
+    import torch
+
+    a = np.asarray(a, dtype=np.float64)
+    b = b.detach().numpy().astype(np.float64) if isinstance(b, torch.Tensor) else np.asarray(b, dtype=np.float64)
+    assert a.shape == b.shape, f"shape mismatch {a.shape} vs {b.shape}"
+    return float(np.max(np.abs(a - b))) if a.size else 0.0
+
+
+def flat(tree) -> dict[str, np.ndarray]:
+    """A pytree as {path: numpy array}, for leaf-by-leaf comparisons; typed PRNG keys as their raw words."""
+    import jax
+
+    def as_array(leaf):
+        if isinstance(leaf, jax.Array) and jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+            leaf = jax.random.key_data(leaf)
+        return np.asarray(leaf)
+
+    return {jax.tree_util.keystr(path): as_array(leaf) for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
