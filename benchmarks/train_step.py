@@ -122,35 +122,27 @@ class TorchTrain:
 
         from jax_transformer.training import OptimConfig
         from torch_reference import Transformer, load_numpy_state_dict
-        from torch_reference.training import make_optimizer, noam_lambda
+        from torch_reference.training import make_optimizer
 
         opt = OptimConfig()
         model = Transformer(config)
         if numpy_params is not None:
             load_numpy_state_dict(model, numpy_params)
         model.train()  # dropout on, as in the JAX step
-        if variant == "default":
-            self.optimizer, self.scheduler = make_optimizer(model, d_model=config.d_model,
-                                                            warmup_steps=opt.warmup_steps, lr_scale=opt.lr_scale,
-                                                            b1=opt.b1, b2=opt.b2, eps=opt.eps)
-        else:  # the same optimiser and schedule as make_optimizer, with the implementation chosen explicitly
-            kind = {"foreach": {"foreach": True}, "fused": {"fused": True}, "compile": {"fused": True}}[variant]
-            self.optimizer = torch.optim.Adam(model.parameters(), lr=1.0, betas=(opt.b1, opt.b2), eps=opt.eps,
-                                              **kind)
-            self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-                self.optimizer, noam_lambda(config.d_model, opt.warmup_steps, opt.lr_scale))
+        # The same optimiser and schedule in every variant, with torch's Adam implementation chosen explicitly.
+        kind = {"default": {}, "foreach": {"foreach": True}, "fused": {"fused": True}, "compile": {"fused": True}}
+        self.optimizer, self.scheduler = make_optimizer(model, opt, **kind[variant])
         # torch.compile compiles lazily, at the first call; the forward, the loss's backward (AOTAutograd) and
         # later calls all run compiled code. The optimiser step stays eager (fused).
         self.model = torch.compile(model) if variant == "compile" else model
         self.batch = {k: torch.from_numpy(np.asarray(v, dtype=np.int64)) for k, v in batch.items()}
-        self.pad_id, self.label_smoothing = config.pad_id, opt.label_smoothing
+        self.opt = opt
 
     def __call__(self):
         from torch_reference.training import train_step
 
         # Returns Python floats, so the step has finished when this returns (CPU torch is synchronous anyway).
-        return train_step(self.model, self.optimizer, self.scheduler, self.batch, pad_id=self.pad_id,
-                          label_smoothing=self.label_smoothing)
+        return train_step(self.model, self.optimizer, self.scheduler, self.batch, self.opt)
 
 
 def section_train(s: Settings, figures: list, failures: list, state: dict) -> None:

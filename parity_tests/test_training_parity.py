@@ -57,9 +57,7 @@ def _batches(cfg):
 
 
 def _torch_optimizer(model, cfg, optim):
-    return torch_training.make_optimizer(model, d_model=cfg.d_model, warmup_steps=optim.warmup_steps,
-                                         lr_scale=optim.lr_scale, b1=optim.b1, b2=optim.b2, eps=optim.eps,
-                                         weight_decay=optim.weight_decay)
+    return torch_training.make_optimizer(model, optim)
 
 
 def _as_torch_names(tree):
@@ -101,8 +99,7 @@ def test_three_optimizer_steps_match(case, optim_name, parity_report):
                                                if k.endswith("key.bias")])
 
         state, sums = jax_step(state, batch)
-        torch_sums = torch_training.train_step(torch_model, optimizer, scheduler, batch, pad_id=cfg.pad_id,
-                                               label_smoothing=optim.label_smoothing, clip_norm=optim.clip_norm)
+        torch_sums = torch_training.train_step(torch_model, optimizer, scheduler, batch, optim)
         losses.append((float(sums["loss"] / sums["tokens"]), torch_sums["loss"] / torch_sums["tokens"], lr))
         if optim.clip_norm is None:  # torch's .grad is this step's gradient (clipping would have scaled it)
             grad_diff = max(grad_diff, max(float(np.max(np.abs(p.grad.numpy() - grads_np[k])))

@@ -1,9 +1,10 @@
-"""The training step of `jax_transformer.training`, in PyTorch: the same schedule, optimiser and loss, so that a
-run can be compared with the Flax one step by step (parity_tests/test_training_parity.py).
+"""The training step of `jax_transformer.training`, in PyTorch: the same schedule, optimiser and loss, read from
+the same `OptimConfig`, so that a run can be compared with the Flax one step by step
+(parity_tests/test_training_parity.py).
 
-    optimizer, scheduler = make_optimizer(model, d_model=cfg.d_model, warmup_steps=4000)
+    optimizer, scheduler = make_optimizer(model, opt)           # opt: jax_transformer.config.OptimConfig
     for batch in batches:
-        sums = train_step(model, optimizer, scheduler, batch, pad_id=cfg.pad_id)
+        sums = train_step(model, optimizer, scheduler, batch, opt)
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from jax_transformer.config import OptimConfig
 from torch_reference.losses import loss_sums
 
 # Packed batches carry these too (see jax_transformer.training.PACKING_KEYS).
@@ -32,38 +34,41 @@ def noam_lambda(d_model: int, warmup_steps: int, scale: float = 1.0) -> Callable
     return lambda calls: noam_rate(calls + 1, d_model, warmup_steps, scale)
 
 
-def make_optimizer(model: nn.Module, *, d_model: int, warmup_steps: int = 4000, lr_scale: float = 1.0,
-                   b1: float = 0.9, b2: float = 0.98, eps: float = 1e-9, weight_decay: float = 0.0):
-    """Adam(b1, b2, eps) -- AdamW with decoupled decay on weight matrices when weight_decay > 0, as in optax's
-    adamw with the same mask -- under LambdaLR with the paper's schedule. Returns (optimizer, scheduler)."""
-    if weight_decay:
+def make_optimizer(model: nn.Module, opt: OptimConfig, **implementation):
+    """Adam(b1, b2, eps) -- AdamW with decoupled decay on weight matrices when weight_decay > 0, as optax's adamw
+    with the same mask -- under LambdaLR with the paper's schedule for the model's d_model. `implementation`
+    passes torch's choice of kernels through (foreach=True, fused=True). Returns (optimizer, scheduler)."""
+    adam = dict(lr=1.0, betas=(opt.b1, opt.b2), eps=opt.eps, **implementation)
+    if opt.weight_decay:
         matrices = [p for p in model.parameters() if p.ndim > 1]
         others = [p for p in model.parameters() if p.ndim <= 1]
-        groups = [{"params": matrices, "weight_decay": weight_decay}, {"params": others, "weight_decay": 0.0}]
-        optimizer = torch.optim.AdamW(groups, lr=1.0, betas=(b1, b2), eps=eps)
+        groups = [{"params": matrices, "weight_decay": opt.weight_decay}, {"params": others, "weight_decay": 0.0}]
+        optimizer = torch.optim.AdamW(groups, **adam)
     else:
-        optimizer = torch.optim.Adam(model.parameters(), lr=1.0, betas=(b1, b2), eps=eps)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, noam_lambda(d_model, warmup_steps, lr_scale))
-    return optimizer, scheduler
+        optimizer = torch.optim.Adam(model.parameters(), **adam)
+    schedule = noam_lambda(model.cfg.d_model, opt.warmup_steps, opt.lr_scale)
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
 
 
 def _as_tensor(x) -> torch.Tensor:
     return x if isinstance(x, torch.Tensor) else torch.from_numpy(np.asarray(x, dtype=np.int64))
 
 
-def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, batch: Mapping[str, object], *,
-               pad_id: int = 0, label_smoothing: float = 0.1, clip_norm: float | None = None) -> dict[str, float]:
-    """One update on a batch of src / tgt_in / tgt_out ids (numpy or torch): label-smoothed cross-entropy
-    averaged over real target tokens, backward, optional gradient-norm clipping, Adam step, schedule step.
-    Returns the batch's loss sums (before the update) as floats. Dropout follows model.train()/eval()."""
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, batch: Mapping[str, object],
+               opt: OptimConfig) -> dict[str, float]:
+    """One update on a batch of src / tgt_in / tgt_out ids (numpy or torch; packed rows with PACKING_KEYS too):
+    label-smoothed cross-entropy averaged over real target tokens, backward, optional gradient-norm clipping, Adam
+    step, schedule step. Returns the batch's loss sums (before the update) as floats. Dropout follows
+    model.train()/eval(). `model` may be wrapped (torch.compile); its config is read off the unwrapped module."""
+    cfg = getattr(model, "_orig_mod", model).cfg
     src, tgt_in, tgt_out = (_as_tensor(batch[k]) for k in ("src", "tgt_in", "tgt_out"))
     packing = {k: _as_tensor(batch[k]) for k in PACKING_KEYS if k in batch}  # packed rows
     optimizer.zero_grad(set_to_none=True)
     logits = model(src, tgt_in, **packing)  # (B, T, V)
-    sums = loss_sums(logits, tgt_out, pad_id, label_smoothing)
+    sums = loss_sums(logits, tgt_out, cfg.pad_id, opt.label_smoothing)
     (sums["loss"] / sums["tokens"].clamp(min=1.0)).backward()
-    if clip_norm is not None:
-        torch.nn.utils.clip_grad_norm_(model.parameters(), clip_norm)
+    if opt.clip_norm is not None:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), opt.clip_norm)
     optimizer.step()
     scheduler.step()
     return {k: float(v.detach()) for k, v in sums.items()}
