@@ -13,6 +13,7 @@
 dataclasses, named after them (`TransformerConfig.d_model` is `--d-model`, `OptimConfig.warmup_steps` is
 `--warmup-steps`), so this file only turns flags into calls of `jax_transformer.run` and friends.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -49,8 +50,9 @@ def add_settings(parser: argparse.ArgumentParser, cls, group: str, title: str, s
         else:
             choices = field.metadata.get("choices")
             metavar = None if choices else {int: "N", float: "X"}.get(types[0], "FILE" if group == "data" else "S")
-            section.add_argument(flag, *ALIASES.get(field.name, []), type=types[0], metavar=metavar, choices=choices,
-                                 **options)
+            section.add_argument(
+                flag, *ALIASES.get(field.name, []), type=types[0], metavar=metavar, choices=choices, **options
+            )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -59,30 +61,51 @@ def build_parser() -> argparse.ArgumentParser:
     from jax_transformer.trainer import LoopConfig
 
     parser = argparse.ArgumentParser(
-        prog="train.py", formatter_class=argparse.RawDescriptionHelpFormatter,
+        prog="train.py",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Train and use the encoder-decoder Transformer (Flax). With no sub-command, `train` runs; "
-                    "with no arguments at all it trains on the built-in English->French numbers task.",
-        epilog="Run `train.py SUBCOMMAND --help` for the flags of each sub-command.")
+        "with no arguments at all it trains on the built-in English->French numbers task.",
+        epilog="Run `train.py SUBCOMMAND --help` for the flags of each sub-command.",
+    )
     sub = parser.add_subparsers(dest="command", metavar="SUBCOMMAND")
 
-    t = sub.add_parser("train", help="train a model (the default sub-command)",
-                       description="Train a model. Without data files: the built-in English->French numbers task "
-                                   "(tiny model, ~2 minutes on 2 CPU cores, with its own defaults: "
-                                   "jax_transformer.run.NUMBERS_TASK_DEFAULTS).")
+    t = sub.add_parser(
+        "train",
+        help="train a model (the default sub-command)",
+        description="Train a model. Without data files: the built-in English->French numbers task "
+        "(tiny model, ~2 minutes on 2 CPU cores, with its own defaults: "
+        "jax_transformer.run.NUMBERS_TASK_DEFAULTS).",
+    )
     g = t.add_argument_group("run")
-    g.add_argument("--run-dir", metavar="DIR", help="where checkpoints, metrics.jsonl, loss_curve.png and "
-                   "tokenizer.model go (default runs/<date-time>)")
+    g.add_argument(
+        "--run-dir",
+        metavar="DIR",
+        help="where checkpoints, metrics.jsonl, loss_curve.png and tokenizer.model go (default runs/<date-time>)",
+    )
     g.add_argument("--resume", metavar="DIR", help="continue the run in DIR from its latest checkpoint, exactly")
-    g.add_argument("--init-from-torch", metavar="FILE", help="start from the weights of a PyTorch file, torch.save "
-                   "or safetensors (from `train.py export`, or a bare torch_reference state_dict described by the "
-                   "model flags)")
-    g.add_argument("--preset", choices=("tiny", "small", "base"), help="model size: tiny (2+2 layers, d_model 32), "
-                   "small (3+3, 256), base (6+6, 512, the paper's); model flags override its fields (default: tiny "
-                   "for the numbers task, small for files)")
+    g.add_argument(
+        "--init-from-torch",
+        metavar="FILE",
+        help="start from the weights of a PyTorch file, torch.save "
+        "or safetensors (from `train.py export`, or a bare torch_reference state_dict described by the "
+        "model flags)",
+    )
+    g.add_argument(
+        "--preset",
+        choices=("tiny", "small", "base"),
+        help="model size: tiny (2+2 layers, d_model 32), "
+        "small (3+3, 256), base (6+6, 512, the paper's); model flags override its fields (default: tiny "
+        "for the numbers task, small for files)",
+    )
     g.add_argument("--seed", type=int, help="seed of initialisation, dropout and data order (default 0)")
     add_settings(t, DataConfig, "data", "data (UTF-8 text, one sentence per line; or source<TAB>target lines)")
-    add_settings(t, TransformerConfig, "model", "model (TransformerConfig; defaults: the preset's)",
-                 skip=("src_vocab_size", "tgt_vocab_size", "pad_id", "bos_id", "eos_id"))  # the tokenizer's
+    add_settings(
+        t,
+        TransformerConfig,
+        "model",
+        "model (TransformerConfig; defaults: the preset's)",
+        skip=("src_vocab_size", "tgt_vocab_size", "pad_id", "bos_id", "eos_id"),
+    )  # the tokenizer's
     add_settings(t, OptimConfig, "optim", "optimiser (Adam, the paper's schedule, label smoothing)")
     add_settings(t, LoopConfig, "loop", "run loop: steps, evaluation, checkpoints")
     t.set_defaults(func=cmd_train)
@@ -93,7 +116,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--tgt", metavar="FILE", help="reference translations, line-aligned with --src")
     e.add_argument("--tsv", metavar="FILE", help="source<TAB>reference lines (instead of --src/--tgt)")
     _add_decoding_flags(e)
-    e.add_argument("--max-tokens", type=int, default=4096, metavar="N", help="token slots per loss batch (default 4096)")
+    e.add_argument(
+        "--max-tokens", type=int, default=4096, metavar="N", help="token slots per loss batch (default 4096)"
+    )
     e.add_argument("--samples", type=int, default=5, metavar="N", help="sample translations to print (default 5)")
     e.add_argument("--output", metavar="FILE", help="also write the translations to FILE, one per line")
     e.set_defaults(func=cmd_evaluate)
@@ -106,36 +131,63 @@ def build_parser() -> argparse.ArgumentParser:
 
     x = sub.add_parser("export", help="write a checkpoint's weights as a PyTorch file for torch_reference")
     _add_checkpoint_flags(x)
-    x.add_argument("--output", required=True, metavar="FILE",
-                   help="the file to write: torch.save of {format, config (JSON), state_dict, tokenizer}, or a "
-                        "safetensors file (no pickle) with the config and tokenizer in its metadata")
-    x.add_argument("--format", choices=("torch", "safetensors"),
-                   help="file format (default: safetensors for a .safetensors name, torch otherwise)")
+    x.add_argument(
+        "--output",
+        required=True,
+        metavar="FILE",
+        help="the file to write: torch.save of {format, config (JSON), state_dict, tokenizer}, or a "
+        "safetensors file (no pickle) with the config and tokenizer in its metadata",
+    )
+    x.add_argument(
+        "--format",
+        choices=("torch", "safetensors"),
+        help="file format (default: safetensors for a .safetensors name, torch otherwise)",
+    )
     x.set_defaults(func=cmd_export)
 
-    a = sub.add_parser("attention", help="draw the attention weights of a checkpoint on one sentence (PNG)",
-                       description="Translate one sentence greedily and draw every head's attention as heatmaps.")
+    a = sub.add_parser(
+        "attention",
+        help="draw the attention weights of a checkpoint on one sentence (PNG)",
+        description="Translate one sentence greedily and draw every head's attention as heatmaps.",
+    )
     _add_checkpoint_flags(a)
     a.add_argument("--sentence", required=True, help="the source sentence")
     a.add_argument("--output", default="attention.png", metavar="FILE", help="the PNG to write (default attention.png)")
-    a.add_argument("--kinds", nargs="+", default=["cross"], choices=("cross", "self", "encoder"),
-                   help="which attention: cross (decoder over the source), self (decoder self-attention), encoder "
-                        "(encoder self-attention); one grid row per layer, one column per head (default cross)")
+    a.add_argument(
+        "--kinds",
+        nargs="+",
+        default=["cross"],
+        choices=("cross", "self", "encoder"),
+        help="which attention: cross (decoder over the source), self (decoder self-attention), encoder "
+        "(encoder self-attention); one grid row per layer, one column per head (default cross)",
+    )
     a.set_defaults(func=cmd_attention)
     return parser
 
 
 def _add_checkpoint_flags(p) -> None:
-    p.add_argument("--checkpoint", required=True, metavar="DIR",
-                   help="run directory (or its checkpoints/ folder) written by `train.py train`")
-    p.add_argument("--step", default="best", metavar="STEP",
-                   help="which checkpoint: 'best' (highest validation score, the default), 'latest' or a number")
+    p.add_argument(
+        "--checkpoint",
+        required=True,
+        metavar="DIR",
+        help="run directory (or its checkpoints/ folder) written by `train.py train`",
+    )
+    p.add_argument(
+        "--step",
+        default="best",
+        metavar="STEP",
+        help="which checkpoint: 'best' (highest validation score, the default), 'latest' or a number",
+    )
 
 
 def _add_decoding_flags(p) -> None:
     p.add_argument("--beam-size", type=int, default=4, metavar="K", help="beam width; 1 is greedy search (default 4)")
-    p.add_argument("--alpha", type=float, default=0.6,
-                   help="length penalty exponent of beam search, ((5+len)/6)^alpha (default 0.6)")
+    p.add_argument(
+        "--alpha",
+        type=float,
+        default=0.6,
+        help="length penalty exponent of beam search, ((5+len)/6)^alpha (default 0.6)",
+    )
 
 
 def _print(text: str = "") -> None:
@@ -155,11 +207,20 @@ def _groups(args) -> dict[str, dict]:
 def cmd_train(args, start_time: float) -> int:
     from jax_transformer import run
 
-    result = run.train(run_dir=args.run_dir, resume=args.resume, init_from_torch=args.init_from_torch,
-                       preset_name=args.preset, seed=args.seed, start_time=start_time, print_fn=_print,
-                       **_groups(args))
-    _print(f"done: step {result.step} ({result.stopped_by}), {(time.time() - start_time) / 60:.1f} minutes; "
-           f"checkpoints in {result.checkpoint_dir} (best step {result.best_step})")
+    result = run.train(
+        run_dir=args.run_dir,
+        resume=args.resume,
+        init_from_torch=args.init_from_torch,
+        preset_name=args.preset,
+        seed=args.seed,
+        start_time=start_time,
+        print_fn=_print,
+        **_groups(args),
+    )
+    _print(
+        f"done: step {result.step} ({result.stopped_by}), {(time.time() - start_time) / 60:.1f} minutes; "
+        f"checkpoints in {result.checkpoint_dir} (best step {result.best_step})"
+    )
     if result.curve is not None:
         _print(f"loss curve: {result.curve}")
     if result.stopped_by.startswith("SIG"):
@@ -194,9 +255,15 @@ def cmd_evaluate(args, start_time: float) -> int:
     valid = ValidationSet.from_encoded(encoded, corpus, args.max_tokens)
     eval_step = training.make_eval_step(loaded.config, loaded.optim.get("label_smoothing", 0.1))
     result = {"step": loaded.step, **training.evaluate_loss(loaded.params, eval_step, valid.batches)}
-    scores, hypotheses = evaluation.evaluate_translations(loaded.params, loaded.config, loaded.tokenizer,
-                                                          valid.sources, valid.references, beam_size=args.beam_size,
-                                                          alpha=args.alpha)
+    scores, hypotheses = evaluation.evaluate_translations(
+        loaded.params,
+        loaded.config,
+        loaded.tokenizer,
+        valid.sources,
+        valid.references,
+        beam_size=args.beam_size,
+        alpha=args.alpha,
+    )
     result.update(scores, beam_size=args.beam_size, alpha=args.alpha, sentences=len(valid.sources))
     for i in evaluation.spread_indices(len(hypotheses), args.samples):
         _print(f"  source:    {valid.sources[i]}\n  reference: {valid.references[i]}\n  model:     {hypotheses[i]}")
@@ -218,8 +285,18 @@ def cmd_translate(args, start_time: float) -> int:
     lines = text.splitlines()
     todo = [i for i, line in enumerate(lines) if line.strip()]  # empty lines stay empty
     outputs = [""] * len(lines)
-    translations = translate(loaded.params, loaded.config, loaded.tokenizer, [lines[i] for i in todo],
-                             beam_size=args.beam_size, alpha=args.alpha) if todo else []
+    translations = (
+        translate(
+            loaded.params,
+            loaded.config,
+            loaded.tokenizer,
+            [lines[i] for i in todo],
+            beam_size=args.beam_size,
+            alpha=args.alpha,
+        )
+        if todo
+        else []
+    )
     for i, translation in zip(todo, translations):
         outputs[i] = translation
     sys.stdout.write("".join(line + "\n" for line in outputs))
@@ -239,8 +316,9 @@ def cmd_attention(args, start_time: float) -> int:
     from jax_transformer import visualize
 
     loaded = _load(args)
-    path = visualize.plot_attention(loaded.params, loaded.config, loaded.tokenizer, args.sentence, args.output,
-                                    kinds=args.kinds)
+    path = visualize.plot_attention(
+        loaded.params, loaded.config, loaded.tokenizer, args.sentence, args.output, kinds=args.kinds
+    )
     _print(f"wrote {path} (greedy translation; attention of {', '.join(args.kinds)})")
     return 0
 

@@ -14,6 +14,7 @@ starts, so both run in one child process started with it (`child_pmap`), interle
 A child is benchmarks/run.py itself with the internal --child flag; it prints its result as JSON on the last line
 of its stdout (`run_child`).
 """
+
 from __future__ import annotations
 
 import json
@@ -22,12 +23,20 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Mapping
+from typing import TYPE_CHECKING
 
 from benchmarks.report import add_ratio, figure, ratio
-from benchmarks.train_step import (JAX_LABEL, TORCH_VARIANTS, JaxTrain, TorchTrain, interleaved, set_torch_threads,
-                                   training_batch)
+from benchmarks.train_step import (
+    JAX_LABEL,
+    TORCH_VARIANTS,
+    JaxTrain,
+    TorchTrain,
+    interleaved,
+    set_torch_threads,
+    training_batch,
+)
 from tests.fixtures import ported_params, preset_config
 
 if TYPE_CHECKING:
@@ -55,8 +64,9 @@ def child_env(**extra: str) -> dict[str, str]:
 
 def run_child(args: list[str], env: Mapping[str, str], timeout: float = 1800) -> dict:
     """Runs benchmarks/run.py with --child ... and returns the JSON object its last stdout line holds."""
-    proc = subprocess.run([sys.executable, str(RUN), *args], env=dict(env),
-                          capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(
+        [sys.executable, str(RUN), *args], env=dict(env), capture_output=True, text=True, timeout=timeout
+    )
     if proc.returncode != 0:
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-5:]
         raise RuntimeError(f"child {' '.join(args)} exited with {proc.returncode}: " + " | ".join(tail))
@@ -65,8 +75,7 @@ def run_child(args: list[str], env: Mapping[str, str], timeout: float = 1800) ->
 
 def child_args(s: Settings, name: str) -> list[str]:
     """run.py flags that give a child the parent's model (preset `name`) and batch."""
-    return ["--presets", name, "--batch-size", str(s.batch_size), "--length", str(s.length),
-            "--vocab", str(s.vocab)]
+    return ["--presets", name, "--batch-size", str(s.batch_size), "--length", str(s.length), "--vocab", str(s.vocab)]
 
 
 # =============================================================================================================
@@ -97,8 +106,12 @@ def child_first_step(framework: str, s: Settings) -> dict:
     t_first = time.perf_counter()
     runner()
     t_second = time.perf_counter()
-    return {"import_s": t_import - t0, "setup_s": t_setup - t_import, "first_step_s": t_first - t_setup,
-            "second_step_s": t_second - t_first}
+    return {
+        "import_s": t_import - t0,
+        "setup_s": t_setup - t_import,
+        "first_step_s": t_first - t_setup,
+        "second_step_s": t_second - t_first,
+    }
 
 
 def section_first_step(s: Settings, figures: list, failures: list, state: dict) -> None:
@@ -111,11 +124,11 @@ def section_first_step(s: Settings, figures: list, failures: list, state: dict) 
         for _ in tqdm(range(s.first_step_runs), desc=f"first step {name}", unit="run", leave=False):
             for fw in labels:  # interleaved, as everywhere
                 try:
-                    results[fw].append(run_child(["--child", "first-step", "--framework", fw,
-                                                  *child_args(s, name)], child_env()))
+                    results[fw].append(
+                        run_child(["--child", "first-step", "--framework", fw, *child_args(s, name)], child_env())
+                    )
                 except Exception as e:
-                    failures.append({"name": f"first-step/{name}: {labels[fw]}",
-                                     "error": f"{type(e).__name__}: {e}"})
+                    failures.append({"name": f"first-step/{name}: {labels[fw]}", "error": f"{type(e).__name__}: {e}"})
         figs = {}
         for fw, runs in results.items():
             if not runs:
@@ -123,10 +136,15 @@ def section_first_step(s: Settings, figures: list, failures: list, state: dict) 
             imports = statistics.median(r["import_s"] for r in runs)
             setup = statistics.median(r["setup_s"] for r in runs)
             later = statistics.median(r["second_step_s"] for r in runs)
-            figs[fw] = figure(f"first step {name}: {labels[fw]}", "s", [r["first_step_s"] for r in runs],
-                              section="first-step", preset_name=name,
-                              note=f"{labels[fw]}, {name}: fresh process; not counted: import {imports:.1f} s, "
-                                   f"model/optimiser setup {setup:.1f} s; the second step took {later:.2f} s")
+            figs[fw] = figure(
+                f"first step {name}: {labels[fw]}",
+                "s",
+                [r["first_step_s"] for r in runs],
+                section="first-step",
+                preset_name=name,
+                note=f"{labels[fw]}, {name}: fresh process; not counted: import {imports:.1f} s, "
+                f"model/optimiser setup {setup:.1f} s; the second step took {later:.2f} s",
+            )
         if "jax" in figs and "torch" in figs:
             add_ratio(figs["jax"], f"JAX/{labels['torch']}", ratio(figs["jax"], figs["torch"]))
         figures.extend(figs.values())
@@ -144,8 +162,9 @@ def child_pmap(s: Settings) -> dict:
 
     devices = jax.local_device_count()
     if devices < PMAP_DEVICES:
-        raise RuntimeError(f"expected {PMAP_DEVICES} CPU devices (XLA_FLAGS={os.environ.get('XLA_FLAGS')!r}), "
-                           f"jax sees {devices}")
+        raise RuntimeError(
+            f"expected {PMAP_DEVICES} CPU devices (XLA_FLAGS={os.environ.get('XLA_FLAGS')!r}), jax sees {devices}"
+        )
     config = preset_config(s.presets[0], s.vocab)
     batch = training_batch(config, s.batch_size, s.length)
     params, _ = ported_params(config)
@@ -168,15 +187,26 @@ def child_pmap(s: Settings) -> dict:
 def section_pmap(s: Settings, figures: list, failures: list, state: dict) -> None:
     """pmap over simulated CPU devices vs jit on one, the same global batch (rows split over devices)."""
     if s.batch_size % PMAP_DEVICES:
-        failures.append({"name": "pmap", "error": f"--batch-size {s.batch_size} is not divisible by "
-                                                  f"{PMAP_DEVICES} devices"})
+        failures.append(
+            {"name": "pmap", "error": f"--batch-size {s.batch_size} is not divisible by {PMAP_DEVICES} devices"}
+        )
         return
     flags = (os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={PMAP_DEVICES}").strip()
     for name in s.aux_presets:
         print(f"  [{name}] jit vs pmap over {PMAP_DEVICES} simulated devices (subprocess)", flush=True)
         try:
-            result = run_child(["--child", "pmap", *child_args(s, name), "--repeats", str(s.repeats_for(name)),
-                                "--warmup", str(s.warmup)], child_env(XLA_FLAGS=flags))
+            result = run_child(
+                [
+                    "--child",
+                    "pmap",
+                    *child_args(s, name),
+                    "--repeats",
+                    str(s.repeats_for(name)),
+                    "--warmup",
+                    str(s.warmup),
+                ],
+                child_env(XLA_FLAGS=flags),
+            )
         except Exception as e:
             failures.append({"name": f"pmap/{name}", "error": f"{type(e).__name__}: {e}"})
             continue
@@ -186,11 +216,20 @@ def section_pmap(s: Settings, figures: list, failures: list, state: dict) -> Non
             if not times:
                 continue
             calls = ", ".join(f"{t:.1f}" for t in result["warmup_s"][label])
-            note = (f"{label} {name}: global batch {s.batch_size} x {s.length} tokens; {PMAP_DEVICES} simulated CPU "
-                    f"devices share the machine's {s.torch_threads} cores; untimed warm-up calls took {calls} s")
+            note = (
+                f"{label} {name}: global batch {s.batch_size} x {s.length} tokens; {PMAP_DEVICES} simulated CPU "
+                f"devices share the machine's {s.torch_threads} cores; untimed warm-up calls took {calls} s"
+            )
             devices = "1 device" if label == "jit" else f"{PMAP_DEVICES} devices"
-            figs[label] = figure(f"{label} {name}: {devices}", "ms/step", times, lambda t: 1e3 * t,
-                                 section="pmap", preset_name=name, note=note)
+            figs[label] = figure(
+                f"{label} {name}: {devices}",
+                "ms/step",
+                times,
+                lambda t: 1e3 * t,
+                section="pmap",
+                preset_name=name,
+                note=note,
+            )
         if "jit" in figs and "pmap" in figs:
             add_ratio(figs["pmap"], "pmap/jit", ratio(figs["pmap"], figs["jit"]))
         figures.extend(figs.values())

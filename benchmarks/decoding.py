@@ -25,6 +25,7 @@ shared machine hits all of them alike.
 benchmarks/run.py's decode section (`section_decode`, at the end of this file) runs benchmark_decoding and turns
 its report into the run's figures.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,8 +33,9 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import TYPE_CHECKING
 
 REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # `python benchmarks/decoding.py` puts benchmarks/ first on the path, not the repo
@@ -67,8 +69,9 @@ def tutorial_greedy_decode(model, src, new_tokens: int, bos_id: int):
     return ys[:, 1:]
 
 
-def _decoders(config: TransformerConfig, params, torch_model, src: np.ndarray, beam_size: int, new_tokens: int
-              ) -> dict[str, Callable[[], np.ndarray]]:
+def _decoders(
+    config: TransformerConfig, params, torch_model, src: np.ndarray, beam_size: int, new_tokens: int
+) -> dict[str, Callable[[], np.ndarray]]:
     """name -> a zero-argument call that decodes `src` and returns the tokens (B, new_tokens) as numpy."""
     import torch
 
@@ -82,25 +85,36 @@ def _decoders(config: TransformerConfig, params, torch_model, src: np.ndarray, b
             "flax-cached": lambda: decoding.greedy_search(params, config, src, **fixed)[0],
             "torch-tutorial": lambda: tutorial_greedy_decode(torch_model, src_t, new_tokens, config.bos_id).numpy(),
             "torch-reference": lambda: torch_decoding.greedy_search(torch_model, src_t, **fixed)[0].numpy(),
-            "torch-reference-cached": lambda: torch_decoding.greedy_search(torch_model, src_t, use_cache=True,
-                                                                           **fixed)[0].numpy(),
+            "torch-reference-cached": lambda: torch_decoding.greedy_search(torch_model, src_t, use_cache=True, **fixed)[
+                0
+            ].numpy(),
         }
     else:
         beam = dict(beam_size=beam_size, alpha=0.6, **fixed)
         calls = {
             "flax-cached": lambda: decoding.beam_search(params, config, src, **beam)[0],
             "torch-reference": lambda: torch_decoding.beam_search(torch_model, src_t, **beam)[0].numpy(),
-            "torch-reference-cached": lambda: torch_decoding.beam_search(torch_model, src_t, use_cache=True,
-                                                                         **beam)[0].numpy(),
+            "torch-reference-cached": lambda: torch_decoding.beam_search(torch_model, src_t, use_cache=True, **beam)[
+                0
+            ].numpy(),
         }
     return calls
 
 
-def benchmark_decoding(preset_name: str = "small", *, batch_sizes: Sequence[int] = (16, 1),
-                       beam_sizes: Sequence[int] = (1, 4), new_tokens: int = 64, src_len: int = 24,
-                       vocab: int = 8000, repeats: int = 5, implementations: Sequence[str] = IMPLEMENTATIONS,
-                       seed: int = 0, torch_threads: int | None = None,
-                       log: Callable[[str], None] = print) -> dict:
+def benchmark_decoding(
+    preset_name: str = "small",
+    *,
+    batch_sizes: Sequence[int] = (16, 1),
+    beam_sizes: Sequence[int] = (1, 4),
+    new_tokens: int = 64,
+    src_len: int = 24,
+    vocab: int = 8000,
+    repeats: int = 5,
+    implementations: Sequence[str] = IMPLEMENTATIONS,
+    seed: int = 0,
+    torch_threads: int | None = None,
+    log: Callable[[str], None] = print,
+) -> dict:
     """Measures every (search, batch size, implementation); returns {"machine", "settings", "results"}, where each
     result has search, batch, implementation, seconds (min, median), tokens_per_s (best, median), the share of
     tokens equal to flax-cached's ("agreement"; random weights have near-ties, so 1.0 is not guaranteed).
@@ -111,14 +125,16 @@ def benchmark_decoding(preset_name: str = "small", *, batch_sizes: Sequence[int]
     if torch_threads:
         torch.set_num_threads(torch_threads)
     try:
-        return _benchmark(preset_name, batch_sizes, beam_sizes, new_tokens, src_len, vocab, repeats,
-                          implementations, seed, log)
+        return _benchmark(
+            preset_name, batch_sizes, beam_sizes, new_tokens, src_len, vocab, repeats, implementations, seed, log
+        )
     finally:
         torch.set_num_threads(previous)
 
 
-def _benchmark(preset_name, batch_sizes, beam_sizes, new_tokens, src_len, vocab, repeats, implementations, seed,
-               log) -> dict:
+def _benchmark(
+    preset_name, batch_sizes, beam_sizes, new_tokens, src_len, vocab, repeats, implementations, seed, log
+) -> dict:
     import jax
     import torch
 
@@ -130,25 +146,37 @@ def _benchmark(preset_name, batch_sizes, beam_sizes, new_tokens, src_len, vocab,
         config = config.replace(max_len=max(new_tokens, src_len))
     _, params, torch_model = twin_models(config, seed)
     rng = np.random.default_rng(seed)
-    settings = dict(preset=preset_name, d_model=config.d_model, layers=[config.num_encoder_layers,
-                    config.num_decoder_layers], vocab=vocab, src_len=src_len, new_tokens=new_tokens,
-                    repeats=repeats, batch_sizes=list(batch_sizes), beam_sizes=list(beam_sizes),
-                    torch_threads=torch.get_num_threads(), jax_backend=jax.default_backend())
+    settings = dict(
+        preset=preset_name,
+        d_model=config.d_model,
+        layers=[config.num_encoder_layers, config.num_decoder_layers],
+        vocab=vocab,
+        src_len=src_len,
+        new_tokens=new_tokens,
+        repeats=repeats,
+        batch_sizes=list(batch_sizes),
+        beam_sizes=list(beam_sizes),
+        torch_threads=torch.get_num_threads(),
+        jax_backend=jax.default_backend(),
+    )
     results = []
     for beam_size in beam_sizes:
         for batch in batch_sizes:
             # Random non-special source tokens, every row the full src_len (the last one EOS).
             src = rng.integers(3, vocab, (batch, src_len)).astype(np.int32)
             src[:, -1] = config.eos_id
-            calls = {name: call for name, call in _decoders(config, params, torch_model, src, beam_size,
-                                                             new_tokens).items() if name in implementations}
+            calls = {
+                name: call
+                for name, call in _decoders(config, params, torch_model, src, beam_size, new_tokens).items()
+                if name in implementations
+            }
             search = "greedy" if beam_size == 1 else f"beam {beam_size}"
             log(f"{search}, batch {batch}: warm-up ({', '.join(calls)})")
             outputs = {name: call() for name, call in calls.items()}  # untimed: includes jit compilation
             times: dict[str, list[float]] = {name: [] for name in calls}
             names = list(calls)
             for r in range(repeats):
-                for name in names[r % len(names):] + names[:r % len(names)]:  # rotate the order every repeat
+                for name in names[r % len(names) :] + names[: r % len(names)]:  # rotate the order every repeat
                     start = time.perf_counter()
                     calls[name]()
                     times[name].append(time.perf_counter() - start)
@@ -156,37 +184,59 @@ def _benchmark(preset_name, batch_sizes, beam_sizes, new_tokens, src_len, vocab,
             for name in names:
                 best, median = min(times[name]), statistics.median(times[name])
                 produced = batch * new_tokens
-                row = dict(search=search, batch=batch, implementation=name, seconds_min=best,
-                           seconds_median=median, tokens_per_s_best=produced / best,
-                           tokens_per_s_median=produced / median,
-                           agreement=None if reference is None else float(np.mean(outputs[name] == reference)))
+                row = dict(
+                    search=search,
+                    batch=batch,
+                    implementation=name,
+                    seconds_min=best,
+                    seconds_median=median,
+                    tokens_per_s_best=produced / best,
+                    tokens_per_s_median=produced / median,
+                    agreement=None if reference is None else float(np.mean(outputs[name] == reference)),
+                )
                 results.append(row)
-                log(f"  {name:<24} {row['tokens_per_s_median']:>10.1f} tokens/s median, "
-                    f"{row['tokens_per_s_best']:>10.1f} best  ({median:.3f} s / call)")
+                log(
+                    f"  {name:<24} {row['tokens_per_s_median']:>10.1f} tokens/s median, "
+                    f"{row['tokens_per_s_best']:>10.1f} best  ({median:.3f} s / call)"
+                )
     return {"machine": machine_info(), "settings": settings, "results": results}
 
 
 def format_table(report: dict) -> str:
     """A Markdown table of the results, with the speed-up of each implementation over torch-reference."""
-    lines = ["| search | batch | implementation | tokens/s (median) | tokens/s (best) | s/call (median) | "
-             "vs torch-reference | same tokens as flax |",
-             "|---|---:|---|---:|---:|---:|---:|---:|"]
+    lines = [
+        "| search | batch | implementation | tokens/s (median) | tokens/s (best) | s/call (median) | "
+        "vs torch-reference | same tokens as flax |",
+        "|---|---:|---|---:|---:|---:|---:|---:|",
+    ]
     rows = report["results"]
     for row in rows:
-        base = next((r for r in rows if r["search"] == row["search"] and r["batch"] == row["batch"]
-                     and r["implementation"] == "torch-reference"), None)
+        base = next(
+            (
+                r
+                for r in rows
+                if r["search"] == row["search"]
+                and r["batch"] == row["batch"]
+                and r["implementation"] == "torch-reference"
+            ),
+            None,
+        )
         ratio = f"{base['seconds_median'] / row['seconds_median']:.1f}x" if base else "-"
         agree = "-" if row["agreement"] is None else f"{100 * row['agreement']:.0f}%"
-        lines.append(f"| {row['search']} | {row['batch']} | {row['implementation']} | "
-                     f"{row['tokens_per_s_median']:.1f} | {row['tokens_per_s_best']:.1f} | "
-                     f"{row['seconds_median']:.3f} | {ratio} | {agree} |")
+        lines.append(
+            f"| {row['search']} | {row['batch']} | {row['implementation']} | "
+            f"{row['tokens_per_s_median']:.1f} | {row['tokens_per_s_best']:.1f} | "
+            f"{row['seconds_median']:.3f} | {ratio} | {agree} |"
+        )
     return "\n".join(lines)
 
 
 def describe_machine(info: dict) -> str:
     libs = ", ".join(f"{k} {v}" for k, v in info["libraries"].items())
-    return (f"{info['cpu_model']} ({', '.join(info['cpu_features']) or 'no SIMD flags read'}), {info['cores']} "
-            f"cores, {info['memory_gib']} GiB; {info['os']}; {libs}; load average {info['load_average']}")
+    return (
+        f"{info['cpu_model']} ({', '.join(info['cpu_features']) or 'no SIMD flags read'}), {info['cores']} "
+        f"cores, {info['memory_gib']} GiB; {info['os']}; {libs}; load average {info['load_average']}"
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -199,19 +249,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--vocab", type=int, default=8000, help="vocabulary size (default: 8000)")
     parser.add_argument("--repeats", type=int, default=5, help="timed calls per figure (default: 5)")
     parser.add_argument("--quick", action="store_true", help="2 timed repeats")
-    parser.add_argument("--implementations", default=",".join(IMPLEMENTATIONS),
-                        help=f"comma-separated subset of {','.join(IMPLEMENTATIONS)}")
+    parser.add_argument(
+        "--implementations",
+        default=",".join(IMPLEMENTATIONS),
+        help=f"comma-separated subset of {','.join(IMPLEMENTATIONS)}",
+    )
     parser.add_argument("--torch-threads", type=int, help="torch.set_num_threads (default: torch's own choice)")
     parser.add_argument("--json", type=Path, help="also write the full report here")
     args = parser.parse_args(argv)
     ints = lambda text: [int(x) for x in text.split(",") if x]  # noqa: E731
     info = machine_info()
     print(f"machine: {describe_machine(info)}", flush=True)
-    report = benchmark_decoding(args.preset, batch_sizes=ints(args.batch_sizes), beam_sizes=ints(args.beam_sizes),
-                                new_tokens=args.new_tokens, src_len=args.src_len, vocab=args.vocab,
-                                repeats=2 if args.quick else args.repeats,
-                                implementations=[x for x in args.implementations.split(",") if x],
-                                torch_threads=args.torch_threads, log=lambda line: print(line, flush=True))
+    report = benchmark_decoding(
+        args.preset,
+        batch_sizes=ints(args.batch_sizes),
+        beam_sizes=ints(args.beam_sizes),
+        new_tokens=args.new_tokens,
+        src_len=args.src_len,
+        vocab=args.vocab,
+        repeats=2 if args.quick else args.repeats,
+        implementations=[x for x in args.implementations.split(",") if x],
+        torch_threads=args.torch_threads,
+        log=lambda line: print(line, flush=True),
+    )
     print(f"\nsettings: {json.dumps(report['settings'])}")
     print(f"load average after: {machine_info()['load_average']}\n")
     print(format_table(report))
@@ -245,39 +305,61 @@ def section_decode(s: Settings, figures: list, failures: list, state: dict) -> N
     # at batch 1 only.
     plan = [((1,), s.decode_batch_sizes), ((4,), s.decode_batch_sizes)]
     if s.quick:
-        plan = [((1,), s.decode_batch_sizes), ((4,), tuple(b for b in s.decode_batch_sizes if b == 1) or
-                                                     (min(s.decode_batch_sizes),))]
+        plan = [
+            ((1,), s.decode_batch_sizes),
+            ((4,), tuple(b for b in s.decode_batch_sizes if b == 1) or (min(s.decode_batch_sizes),)),
+        ]
     for name in s.aux_presets:
         repeats = 1 if s.quick else min(3, s.repeats_for(name))
         reports = []
         for beam_sizes, batch_sizes in plan:
             try:
-                reports.append(benchmark_decoding(name, batch_sizes=batch_sizes, beam_sizes=beam_sizes,
-                                                  new_tokens=s.decode_new_tokens, vocab=s.vocab, repeats=repeats,
-                                                  torch_threads=s.torch_threads,
-                                                  implementations=implementations,
-                                                  log=lambda line: print(f"  [{name}] {line}", flush=True)))
+                reports.append(
+                    benchmark_decoding(
+                        name,
+                        batch_sizes=batch_sizes,
+                        beam_sizes=beam_sizes,
+                        new_tokens=s.decode_new_tokens,
+                        vocab=s.vocab,
+                        repeats=repeats,
+                        torch_threads=s.torch_threads,
+                        implementations=implementations,
+                        log=lambda line: print(f"  [{name}] {line}", flush=True),
+                    )
+                )
             except Exception as e:  # reported with the other failures; the remaining sections still run
-                failures.append({"name": f"decode/{name} beam {beam_sizes[0]}",
-                                 "error": f"{type(e).__name__}: {e}"})
+                failures.append({"name": f"decode/{name} beam {beam_sizes[0]}", "error": f"{type(e).__name__}: {e}"})
                 print(f"  failed: {type(e).__name__}: {e}", flush=True)
         if not reports:
             continue
         report = {"settings": reports[0]["settings"], "results": [r for rep in reports for r in rep["results"]]}
         settings = report["settings"]
         # Random weights have near-ties, so an implementation may pick other tokens than Flax: say where.
-        differ = [f"{r['search']} batch {r['batch']} {r['implementation']} {100 * r['agreement']:.0f}%"
-                  for r in report["results"] if r["agreement"] is not None and r["agreement"] < 1.0]
-        note = (f"decode {name}: {settings['new_tokens']} new tokens per sentence from {settings['src_len']} "
-                f"source tokens; tokens/s counts output tokens and a call includes encoding the sources; "
-                f"tokens equal to Flax's: " + ("all" if not differ else "all but " + ", ".join(differ)))
+        differ = [
+            f"{r['search']} batch {r['batch']} {r['implementation']} {100 * r['agreement']:.0f}%"
+            for r in report["results"]
+            if r["agreement"] is not None and r["agreement"] < 1.0
+        ]
+        note = (
+            f"decode {name}: {settings['new_tokens']} new tokens per sentence from {settings['src_len']} "
+            f"source tokens; tokens/s counts output tokens and a call includes encoding the sources; "
+            f"tokens equal to Flax's: " + ("all" if not differ else "all but " + ", ".join(differ))
+        )
         groups: dict[tuple[str, int], dict[str, dict]] = {}
         for row in report["results"]:
             search, batch, impl = row["search"], row["batch"], row["implementation"]
             produced = batch * settings["new_tokens"]
-            fig = figure_from_summary(f"decode {name} {search} batch {batch}: {DECODE_LABELS.get(impl, impl)}",
-                                      "tokens/s", row["seconds_min"], row["seconds_median"], repeats,
-                                      lambda t, n=produced: n / t, section="decode", preset_name=name, note=note)
+            fig = figure_from_summary(
+                f"decode {name} {search} batch {batch}: {DECODE_LABELS.get(impl, impl)}",
+                "tokens/s",
+                row["seconds_min"],
+                row["seconds_median"],
+                repeats,
+                lambda t, n=produced: n / t,
+                section="decode",
+                preset_name=name,
+                note=note,
+            )
             fig["agreement_with_flax"] = row["agreement"]
             groups.setdefault((search, batch), {})[impl] = fig
         for figs in groups.values():

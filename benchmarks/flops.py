@@ -8,6 +8,7 @@ which must agree exactly) and against XLA's cost analysis of the compiled step (
 somewhat higher). The peak is measured in the same run, not taken from a data sheet: n x n float32 matmuls with
 jnp.dot and torch.mm (`matmul_peak`), each framework's steps compared with its own library's peak.
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -23,8 +24,7 @@ if TYPE_CHECKING:
     from benchmarks.run import Settings
 
 
-def train_step_matmul_flops(config: TransformerConfig, batch_size: int, src_len: int, tgt_len: int
-                            ) -> dict[str, float]:
+def train_step_matmul_flops(config: TransformerConfig, batch_size: int, src_len: int, tgt_len: int) -> dict[str, float]:
     """Matmul FLOPs of one training step (forward + backward), counted from the shapes.
 
     A (m, k) @ (k, n) matmul costs 2*m*k*n FLOPs (one multiply and one add per term). Padding positions are
@@ -42,14 +42,23 @@ def train_step_matmul_flops(config: TransformerConfig, batch_size: int, src_len:
     """
     B, S, T, d, f, V = batch_size, src_len, tgt_len, config.d_model, config.d_ff, config.tgt_vocab_size
     encoder_layer = 4 * 2 * B * S * d * d + 2 * (2 * B * S * S * d) + 2 * (2 * B * S * d * f)
-    decoder_layer = (4 * 2 * B * T * d * d + 2 * (2 * B * T * T * d)  # masked self-attention
-                     + 2 * 2 * B * T * d * d + 2 * 2 * B * S * d * d + 2 * (2 * B * T * S * d)  # cross-attention
-                     + 2 * (2 * B * T * d * f))  # feed-forward
+    decoder_layer = (
+        4 * 2 * B * T * d * d
+        + 2 * (2 * B * T * T * d)  # masked self-attention
+        + 2 * 2 * B * T * d * d
+        + 2 * 2 * B * S * d * d
+        + 2 * (2 * B * T * S * d)  # cross-attention
+        + 2 * (2 * B * T * d * f)
+    )  # feed-forward
     output = 2 * B * T * d * V
     forward = config.num_encoder_layers * encoder_layer + config.num_decoder_layers * decoder_layer + output
-    return {"encoder": float(config.num_encoder_layers * encoder_layer),
-            "decoder": float(config.num_decoder_layers * decoder_layer), "output_projection": float(output),
-            "forward": float(forward), "train_step": float(3 * forward)}
+    return {
+        "encoder": float(config.num_encoder_layers * encoder_layer),
+        "decoder": float(config.num_decoder_layers * decoder_layer),
+        "output_projection": float(output),
+        "forward": float(forward),
+        "train_step": float(3 * forward),
+    }
 
 
 def jaxpr_matmul_flops(jaxpr) -> float:
@@ -78,8 +87,7 @@ def jaxpr_matmul_flops(jaxpr) -> float:
     return total
 
 
-def traced_train_step_matmul_flops(config: TransformerConfig, batch_size: int, src_len: int, tgt_len: int
-                                   ) -> float:
+def traced_train_step_matmul_flops(config: TransformerConfig, batch_size: int, src_len: int, tgt_len: int) -> float:
     """jaxpr_matmul_flops of make_train_step's step, traced on shapes only (nothing is computed)."""
     import jax
     import jax.numpy as jnp
@@ -113,10 +121,17 @@ def matmul_peak(n: int, repeats: int, failures: list) -> dict[str, list[float]]:
 def section_flops(s: Settings, figures: list, failures: list, state: dict) -> None:
     """Achieved GFLOP/s of each measured training step, and its share of the measured matmul peak."""
     peak_times = matmul_peak(s.peak_size, s.peak_repeats, failures)
-    flop = 2.0 * s.peak_size ** 3
-    peaks = {lib: figure(f"matmul peak: {lib} {s.peak_size}x{s.peak_size} float32", "GFLOP/s", times,
-                         lambda t: flop / t / 1e9, section="flops")
-             for lib, times in peak_times.items()}
+    flop = 2.0 * s.peak_size**3
+    peaks = {
+        lib: figure(
+            f"matmul peak: {lib} {s.peak_size}x{s.peak_size} float32",
+            "GFLOP/s",
+            times,
+            lambda t: flop / t / 1e9,
+            section="flops",
+        )
+        for lib, times in peak_times.items()
+    }
     if len(peaks) == 2:
         add_ratio(peaks["jnp.dot"], "jnp.dot/torch.mm", ratio(peaks["jnp.dot"], peaks["torch.mm"]))
     figures.extend(peaks.values())
@@ -128,8 +143,13 @@ def section_flops(s: Settings, figures: list, failures: list, state: dict) -> No
             runner = JaxTrain(config, batch, ported_params(config)[0])
             for _ in range(s.warmup):
                 runner()
-            times = interleaved({JAX_LABEL: runner}, s.repeats_for(name), desc=f"flops {name}",
-                                failures=failures, context=f"flops/{name}")
+            times = interleaved(
+                {JAX_LABEL: runner},
+                s.repeats_for(name),
+                desc=f"flops {name}",
+                failures=failures,
+                context=f"flops/{name}",
+            )
             trained[name] = {"times": times, "runners": {JAX_LABEL: runner}, "config": config, "batch": batch}
         entry = trained[name]
         config = entry["config"]
@@ -144,19 +164,27 @@ def section_flops(s: Settings, figures: list, failures: list, state: dict) -> No
                 xla = jax_runner.cost_analysis().get("flops")
             except Exception as e:  # a cross-check's absence is reported, not fatal
                 failures.append({"name": f"flops/{name}: cross-check", "error": f"{type(e).__name__}: {e}"})
-        note = (f"{name}: analytic matmul FLOPs per step {counts['train_step'] / 1e9:.2f} G (3 x forward "
-                f"{counts['forward'] / 1e9:.2f} G)"
-                + (f"; dot_general in the traced step {traced / 1e9:.2f} G" if traced else "")
-                + (f"; XLA cost analysis (all ops) {xla / 1e9:.2f} G" if xla else ""))
+        note = (
+            f"{name}: analytic matmul FLOPs per step {counts['train_step'] / 1e9:.2f} G (3 x forward "
+            f"{counts['forward'] / 1e9:.2f} G)"
+            + (f"; dot_general in the traced step {traced / 1e9:.2f} G" if traced else "")
+            + (f"; XLA cost analysis (all ops) {xla / 1e9:.2f} G" if xla else "")
+        )
         for label, seconds in entry["times"].items():
             if not seconds:
                 continue
-            fig = figure(f"achieved {name}: {label}", "GFLOP/s", seconds, lambda t: counts["train_step"] / t / 1e9,
-                         section="flops", preset_name=name, note=note)
+            fig = figure(
+                f"achieved {name}: {label}",
+                "GFLOP/s",
+                seconds,
+                lambda t: counts["train_step"] / t / 1e9,
+                section="flops",
+                preset_name=name,
+                note=note,
+            )
             peak = peaks.get("jnp.dot" if label == JAX_LABEL else "torch.mm")
             if peak is not None:  # utilisation against the same library's own matmul peak
-                add_ratio(fig, f"% of {'jnp.dot' if label == JAX_LABEL else 'torch.mm'} peak",
-                          100.0 * ratio(fig, peak))
+                add_ratio(fig, f"% of {'jnp.dot' if label == JAX_LABEL else 'torch.mm'} peak", 100.0 * ratio(fig, peak))
             if label == JAX_LABEL:
                 if "torch.mm" in peaks:
                     add_ratio(fig, "% of torch.mm peak", 100.0 * ratio(fig, peaks["torch.mm"]))

@@ -3,6 +3,7 @@
 Nothing here imports jax or torch (versions come from the installed packages' metadata), so the parent process
 of the benchmark can describe the machine before deciding what to import.
 """
+
 from __future__ import annotations
 
 import datetime

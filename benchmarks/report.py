@@ -9,35 +9,58 @@ library versions, load, threads and the batch, without which the figures cannot 
 
 Nothing here measures anything or imports jax or torch.
 """
+
 from __future__ import annotations
 
 import statistics
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 # The benchmark's sections, in the order they run and are shown (run.py's --sections chooses among them).
 SECTIONS = ("train", "flops", "first-step", "decode", "pmap")
 
-SECTION_TITLES = {"train": "1. Training step (JAX / other: ms/step < 1 and tokens/s > 1 mean JAX is faster)",
-                  "flops": "2. Achieved matmul GFLOP/s", "first-step": "3. Time to the first step (fresh process)",
-                  "decode": "4. Decoding", "pmap": "5. pmap over simulated CPU devices vs jit"}
+SECTION_TITLES = {
+    "train": "1. Training step (JAX / other: ms/step < 1 and tokens/s > 1 mean JAX is faster)",
+    "flops": "2. Achieved matmul GFLOP/s",
+    "first-step": "3. Time to the first step (fresh process)",
+    "decode": "4. Decoding",
+    "pmap": "5. pmap over simulated CPU devices vs jit",
+}
 
 
-def figure(name: str, unit: str, seconds: Sequence[float], to_unit: Callable[[float], float] = lambda t: t, *,
-           section: str, preset_name: str | None = None, note: str | None = None) -> dict[str, Any]:
+def figure(
+    name: str,
+    unit: str,
+    seconds: Sequence[float],
+    to_unit: Callable[[float], float] = lambda t: t,
+    *,
+    section: str,
+    preset_name: str | None = None,
+    note: str | None = None,
+) -> dict[str, Any]:
     """One line of the results from the timed repeats' durations (seconds). `min` is the figure at the fastest
     repeat and `median` at the median duration, both in `unit`: for a time that is the minimum and the median,
     for a rate (tokens/s, GFLOP/s) the fastest repeat gives the highest value. Ratios (of medians) are added
     later with add_ratio."""
     fastest, median = float(min(seconds)), float(statistics.median(seconds))
-    return {"name": name, "section": section, "preset": preset_name, "unit": unit,
-            "min": to_unit(fastest), "median": to_unit(median), "n": len(seconds),
-            "seconds": {"min": fastest, "median": median, "max": float(max(seconds))},
-            "higher_is_better": unit.endswith("/s"),  # a rate (tokens/s, GFLOP/s), not a time (ms/step, s)
-            "ratios": {}, "note": note}
+    return {
+        "name": name,
+        "section": section,
+        "preset": preset_name,
+        "unit": unit,
+        "min": to_unit(fastest),
+        "median": to_unit(median),
+        "n": len(seconds),
+        "seconds": {"min": fastest, "median": median, "max": float(max(seconds))},
+        "higher_is_better": unit.endswith("/s"),  # a rate (tokens/s, GFLOP/s), not a time (ms/step, s)
+        "ratios": {},
+        "note": note,
+    }
 
 
-def figure_from_summary(name: str, unit: str, fastest: float, median: float, n: int,
-                        to_unit: Callable[[float], float], **kw) -> dict[str, Any]:
+def figure_from_summary(
+    name: str, unit: str, fastest: float, median: float, n: int, to_unit: Callable[[float], float], **kw
+) -> dict[str, Any]:
     """A figure from a fastest and a median duration measured elsewhere (benchmarks/decoding.py)."""
     fig = figure(name, unit, [fastest, median], to_unit, **kw)
     fig.update(median=to_unit(median), n=n, seconds={"min": fastest, "median": median, "max": None})
@@ -56,7 +79,6 @@ def add_ratio(fig: dict, key: str, value: float | None) -> None:
         fig["ratios"][key] = value
 
 
-
 def _number(x: float) -> str:
     if x >= 100:
         return f"{x:,.0f}"
@@ -69,21 +91,22 @@ def _ratios(fig: dict) -> str:
     return "; ".join(f"{k} {_number(v)}" for k, v in fig["ratios"].items())
 
 
-
 def machine_lines(result: dict) -> list[str]:
     """What the figures were measured on and how: the lines both tables begin with."""
     m, st = result["machine"], result["settings"]
     libs = ", ".join(f"{k} {v}" for k, v in m["libraries"].items())
-    return [f"machine: {m['cpu_model']} ({', '.join(m['cpu_features'])}), {m['cores']} cores, "
-            f"{m['memory_gib']} GiB, {m['os']}",
-            f"libraries: {libs}",
-            f"date: {m['date']}; load average at start {m['load_average']}, at end {result['load_average_end']}",
-            f"threads: torch.set_num_threads({st['torch_threads']}); XLA: its default (all cores)",
-            f"training batch: {st['batch_size']} rows x {st['length']} tokens (source and target), vocabulary "
-            f"{st['vocab']}, dropout 0.1, label smoothing 0.1",
-            f"each figure: 'best' at the fastest and 'median' at the median of its n timed repeats (after "
-            f"{st['warmup']} untimed warm-up step(s)): for a time the minimum, for a rate the maximum; "
-            f"ratios are of medians"]
+    return [
+        f"machine: {m['cpu_model']} ({', '.join(m['cpu_features'])}), {m['cores']} cores, "
+        f"{m['memory_gib']} GiB, {m['os']}",
+        f"libraries: {libs}",
+        f"date: {m['date']}; load average at start {m['load_average']}, at end {result['load_average_end']}",
+        f"threads: torch.set_num_threads({st['torch_threads']}); XLA: its default (all cores)",
+        f"training batch: {st['batch_size']} rows x {st['length']} tokens (source and target), vocabulary "
+        f"{st['vocab']}, dropout 0.1, label smoothing 0.1",
+        f"each figure: 'best' at the fastest and 'median' at the median of its n timed repeats (after "
+        f"{st['warmup']} untimed warm-up step(s)): for a time the minimum, for a rate the maximum; "
+        f"ratios are of medians",
+    ]
 
 
 def text_table(result: dict) -> str:
@@ -96,8 +119,10 @@ def text_table(result: dict) -> str:
         lines += ["", SECTION_TITLES[section]]
         width = max(len(f["name"]) for f in rows)
         for f in rows:
-            lines.append(f"  {f['name']:<{width}}  {f['unit']:>15}  best {_number(f['min']):>9}  "
-                         f"median {_number(f['median']):>9}  (n={f['n']})  {_ratios(f)}")
+            lines.append(
+                f"  {f['name']:<{width}}  {f['unit']:>15}  best {_number(f['min']):>9}  "
+                f"median {_number(f['median']):>9}  (n={f['n']})  {_ratios(f)}"
+            )
         notes = sorted({f["note"] for f in rows if f["note"]})
         lines += [f"  note: {n}" for n in notes]
     if result["failures"]:
@@ -112,11 +137,18 @@ def markdown_table(result: dict) -> str:
         rows = [f for f in result["figures"] if f["section"] == section]
         if not rows:
             continue
-        lines += ["", f"### {SECTION_TITLES[section]}", "", "| figure | unit | best | median | n | ratios |",
-                  "|---|---|---:|---:|---:|---|"]
+        lines += [
+            "",
+            f"### {SECTION_TITLES[section]}",
+            "",
+            "| figure | unit | best | median | n | ratios |",
+            "|---|---|---:|---:|---:|---|",
+        ]
         for f in rows:
-            lines.append(f"| {f['name']} | {f['unit']} | {_number(f['min'])} | {_number(f['median'])} | {f['n']} | "
-                         f"{_ratios(f)} |")
+            lines.append(
+                f"| {f['name']} | {f['unit']} | {_number(f['min'])} | {_number(f['median'])} | {f['n']} | "
+                f"{_ratios(f)} |"
+            )
         notes = sorted({f["note"] for f in rows if f["note"]})
         if notes:
             lines += [""] + [f"Note: {n}." for n in notes]

@@ -27,6 +27,7 @@ every round) so that load from other processes on a shared machine hits all of t
 at the fastest and at the median of its timed repeats, after untimed warm-up steps. Ratios are of medians.
 torch runs with torch.set_num_threads(number of cores); XLA uses all cores by default.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,8 +39,8 @@ import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # `python benchmarks/run.py` puts benchmarks/ first on the path, not the repo
@@ -94,31 +95,51 @@ QUICK_REPEATS = {"tiny": 3, "small": 3, "base": 2}
 
 
 def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, Settings]:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    p.add_argument("--quick", action="store_true",
-                   help="batch 16 x 32 instead of 64 x 32, fewer repeats, no torch.compile, one fresh process "
-                        "per first-step figure, decoding 64 new tokens with beam search at batch 1 only: a few "
-                        "minutes on a quiet machine")
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__
+    )
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="batch 16 x 32 instead of 64 x 32, fewer repeats, no torch.compile, one fresh process "
+        "per first-step figure, decoding 64 new tokens with beam search at batch 1 only: a few "
+        "minutes on a quiet machine",
+    )
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     p.add_argument("--markdown", metavar="FILE", help="also write the table as Markdown (for README)")
-    p.add_argument("--presets", default="small,base", help="model presets for train/flops/first-step "
-                   f"(comma-separated, from {sorted(PRESETS)}; default small,base)")
-    p.add_argument("--aux-presets", default="small",
-                   help="presets for the decode and pmap sections (default small: the base model's re-run-the-"
-                        "prefix decoding alone takes many minutes on CPU)")
+    p.add_argument(
+        "--presets",
+        default="small,base",
+        help=f"model presets for train/flops/first-step (comma-separated, from {sorted(PRESETS)}; default small,base)",
+    )
+    p.add_argument(
+        "--aux-presets",
+        default="small",
+        help="presets for the decode and pmap sections (default small: the base model's re-run-the-"
+        "prefix decoding alone takes many minutes on CPU)",
+    )
     p.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated subset of {SECTIONS}")
     p.add_argument("--batch-size", type=int, help="training batch rows (default 64, 16 with --quick)")
     p.add_argument("--length", type=int, default=32, help="training source/target width in tokens (default 32)")
     p.add_argument("--vocab", type=int, default=8000, help="shared vocabulary size (default 8000)")
-    p.add_argument("--repeats", type=int, help="timed steps per figure, for every preset (default: per preset, "
-                   f"{FULL_REPEATS}, with --quick {QUICK_REPEATS})")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        help="timed steps per figure, for every preset (default: per preset, "
+        f"{FULL_REPEATS}, with --quick {QUICK_REPEATS})",
+    )
     p.add_argument("--warmup", type=int, help="untimed steps before timing (default 2, 1 with --quick)")
-    p.add_argument("--torch-variants", help=f"comma-separated subset of {list(TORCH_VARIANTS)} (default all; "
-                   "with --quick default,fused: torch.compile alone takes minutes to compile on 2 cores)")
+    p.add_argument(
+        "--torch-variants",
+        help=f"comma-separated subset of {list(TORCH_VARIANTS)} (default all; "
+        "with --quick default,fused: torch.compile alone takes minutes to compile on 2 cores)",
+    )
     p.add_argument("--decode-batch-sizes", default="16,1", help="decode section batch sizes (default 16,1)")
-    p.add_argument("--decode-new-tokens", type=int,
-                   help="tokens each decoded sentence gets (default 64, as the speed goal is stated)")
+    p.add_argument(
+        "--decode-new-tokens",
+        type=int,
+        help="tokens each decoded sentence gets (default 64, as the speed goal is stated)",
+    )
     p.add_argument("--peak-size", type=int, default=2048, help="n of the n x n matmul peak (default 2048)")
     p.add_argument("--child", choices=("first-step", "pmap"), help=argparse.SUPPRESS)  # internal: subprocesses
     p.add_argument("--framework", choices=("jax", "torch"), help=argparse.SUPPRESS)
@@ -151,8 +172,13 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, S
         p.error(f"--warmup must be >= 1 (the first step compiles), got {warmup}")
     batch_size = args.batch_size or (16 if quick else 64)
     new_tokens = args.decode_new_tokens or 64
-    for name, value in (("--batch-size", batch_size), ("--length", args.length), ("--vocab", args.vocab),
-                        ("--peak-size", args.peak_size), ("--decode-new-tokens", new_tokens)):
+    for name, value in (
+        ("--batch-size", batch_size),
+        ("--length", args.length),
+        ("--vocab", args.vocab),
+        ("--peak-size", args.peak_size),
+        ("--decode-new-tokens", new_tokens),
+    ):
         if value < 1:
             p.error(f"{name} must be >= 1, got {value}")
     if args.vocab < 5:
@@ -164,13 +190,20 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, S
         presets=listed(args.presets, PRESETS, "--presets"),
         aux_presets=listed(args.aux_presets, PRESETS, "--aux-presets"),
         sections=listed(args.sections, SECTIONS, "--sections"),
-        batch_size=batch_size, length=args.length, vocab=args.vocab, repeats=repeats, warmup=warmup,
+        batch_size=batch_size,
+        length=args.length,
+        vocab=args.vocab,
+        repeats=repeats,
+        warmup=warmup,
         first_step_runs=1 if quick or args.repeats == 1 else 2,
         torch_variants=listed(variants, TORCH_VARIANTS, "--torch-variants"),
         decode_batch_sizes=positive_ints(args.decode_batch_sizes, "--decode-batch-sizes"),
-        decode_new_tokens=new_tokens, peak_size=args.peak_size,
+        decode_new_tokens=new_tokens,
+        peak_size=args.peak_size,
         peak_repeats=1 if args.repeats == 1 else max(3, min(repeats.values())),
-        torch_threads=core_count(), quick=quick)
+        torch_threads=core_count(),
+        quick=quick,
+    )
     return args, settings
 
 
@@ -191,8 +224,13 @@ def isolate_caches() -> None:
 # =============================================================================================================
 
 
-SECTION_FUNCTIONS = {"train": section_train, "flops": section_flops, "first-step": section_first_step,
-                     "decode": section_decode, "pmap": section_pmap}
+SECTION_FUNCTIONS = {
+    "train": section_train,
+    "flops": section_flops,
+    "first-step": section_first_step,
+    "decode": section_decode,
+    "pmap": section_pmap,
+}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -225,10 +263,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "settings": {**dataclasses.asdict(s), "torch_variants": {v: TORCH_VARIANTS[v] for v in s.torch_variants}},
         "definitions": {
             "min": "the figure at the fastest timed repeat (for a time, ms or s, its minimum; for a rate, "
-                   "tokens/s or GFLOP/s, its maximum: higher_is_better says which)",
+            "tokens/s or GFLOP/s, its maximum: higher_is_better says which)",
             "median": "the figure at the median duration of the timed repeats",
             "seconds": "the durations themselves: min, median, max over the n timed repeats",
-            "ratios": "each ratio is this figure's median over the named other figure's median (x 100 for %)"},
+            "ratios": "each ratio is this figure's median over the named other figure's median (x 100 for %)",
+        },
         "figures": figures,
         "failures": failures,
         "wall_time_s": time.perf_counter() - started,

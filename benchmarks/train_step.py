@@ -12,10 +12,12 @@ step time. The variants are timed by `interleaved`, which every timed section us
 the order rotating every round, so that load from other processes on a shared machine hits all of them alike.
 torch runs with one intra-op thread per core (set_torch_threads), as XLA's CPU client uses all cores by default.
 """
+
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -42,8 +44,9 @@ def set_torch_threads(n: int) -> None:
     torch.set_num_threads(n)
 
 
-def interleaved(runners: Mapping[str, Callable[[], Any]], repeats: int, *, desc: str,
-                failures: list[dict], context: str) -> dict[str, list[float]]:
+def interleaved(
+    runners: Mapping[str, Callable[[], Any]], repeats: int, *, desc: str, failures: list[dict], context: str
+) -> dict[str, list[float]]:
     """Runs every runner once per round, `repeats` rounds, rotating the order each round so that no runner
     always follows the same one; returns {name: [seconds, ...]}. A runner that raises is reported in
     `failures` and dropped; the others go on."""
@@ -52,7 +55,7 @@ def interleaved(runners: Mapping[str, Callable[[], Any]], repeats: int, *, desc:
     names = list(runners)
     times: dict[str, list[float]] = {name: [] for name in names}
     for r in tqdm(range(repeats), desc=desc, unit="round", leave=False, dynamic_ncols=True):
-        order = names[r % len(names):] + names[:r % len(names)] if names else []
+        order = names[r % len(names) :] + names[: r % len(names)] if names else []
         for name in order:
             if name not in runners:
                 continue
@@ -82,8 +85,7 @@ class JaxTrain:
     def __init__(self, config: TransformerConfig, batch: Mapping[str, np.ndarray], params, n_devices: int = 1):
         import jax
 
-        from jax_transformer.training import OptimConfig, create_train_state, make_train_step, replicate, \
-            shard_batch
+        from jax_transformer.training import OptimConfig, create_train_state, make_train_step, replicate, shard_batch
 
         opt = OptimConfig()  # the paper's Adam and schedule, label smoothing 0.1
         self.n_devices = n_devices
@@ -171,18 +173,40 @@ def section_train(s: Settings, figures: list, failures: list, state: dict) -> No
                 print(f"    failed: {type(e).__name__}: {e}", flush=True)
                 continue
             runners[label] = runner
-        times = interleaved(runners, s.repeats_for(name), desc=f"train {name}", failures=failures,
-                            context=f"train/{name}")
-        state.setdefault("train", {})[name] = {"times": times, "tokens": tokens, "runners": runners,
-                                               "batch": batch, "config": config}
-        note = (f"batch {s.batch_size} x {s.length} tokens (src and tgt), {tokens} real target tokens, "
-                f"vocab {s.vocab}, dropout 0.1, label smoothing 0.1")
+        times = interleaved(
+            runners, s.repeats_for(name), desc=f"train {name}", failures=failures, context=f"train/{name}"
+        )
+        state.setdefault("train", {})[name] = {
+            "times": times,
+            "tokens": tokens,
+            "runners": runners,
+            "batch": batch,
+            "config": config,
+        }
+        note = (
+            f"batch {s.batch_size} x {s.length} tokens (src and tgt), {tokens} real target tokens, "
+            f"vocab {s.vocab}, dropout 0.1, label smoothing 0.1"
+        )
         step_figs, tok_figs = {}, {}
         for label, seconds in times.items():
-            step_figs[label] = figure(f"train step {name}: {label}", "ms/step", seconds, lambda t: 1e3 * t,
-                                      section="train", preset_name=name, note=note)
-            tok_figs[label] = figure(f"train throughput {name}: {label}", "target tokens/s", seconds,
-                                     lambda t: tokens / t, section="train", preset_name=name, note=note)
+            step_figs[label] = figure(
+                f"train step {name}: {label}",
+                "ms/step",
+                seconds,
+                lambda t: 1e3 * t,
+                section="train",
+                preset_name=name,
+                note=note,
+            )
+            tok_figs[label] = figure(
+                f"train throughput {name}: {label}",
+                "target tokens/s",
+                seconds,
+                lambda t: tokens / t,
+                section="train",
+                preset_name=name,
+                note=note,
+            )
         for figs in (step_figs, tok_figs):
             for label, fig in figs.items():
                 if label != JAX_LABEL:
@@ -190,12 +214,20 @@ def section_train(s: Settings, figures: list, failures: list, state: dict) -> No
             figures.extend(figs.values())
         # The first call of a jitted / torch.compiled function compiles: reported apart from the step time.
         compiled = {label: t for label, t in first_call.items() if label == JAX_LABEL or "compile" in label}
-        compile_figs = {label: figure(f"first call (compile + step) {name}: {label}", "s", [t],
-                                      section="train", preset_name=name,
-                                      note="in the benchmark process (imports and other models already loaded)")
-                        for label, t in compiled.items()}
+        compile_figs = {
+            label: figure(
+                f"first call (compile + step) {name}: {label}",
+                "s",
+                [t],
+                section="train",
+                preset_name=name,
+                note="in the benchmark process (imports and other models already loaded)",
+            )
+            for label, t in compiled.items()
+        }
         for label, fig in compile_figs.items():
             if label != JAX_LABEL:
-                add_ratio(compile_figs.get(JAX_LABEL, {"ratios": {}}), f"JAX/{label}",
-                          ratio(compile_figs.get(JAX_LABEL), fig))
+                add_ratio(
+                    compile_figs.get(JAX_LABEL, {"ratios": {}}), f"JAX/{label}", ratio(compile_figs.get(JAX_LABEL), fig)
+                )
         figures.extend(compile_figs.values())

@@ -22,14 +22,16 @@ Formats: 2 (this code) stores the run settings grouped as `{"data": ..., "optim"
 (before typed keys) stored them flat. Both hold the same arrays (the dropout key as raw uint32 words), so both
 load; `jax_transformer.run` reads a format-1 run's settings when resuming it.
 """
+
 from __future__ import annotations
 
 import base64
 import dataclasses
 import logging
 import os
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import jax
 import numpy as np
@@ -101,20 +103,32 @@ class CheckpointManager:
     """Saves and restores a run's checkpoints (see the module docstring). `keep` last steps are kept, plus the
     best by `metrics["score"]` (higher is better) among the steps saved with metrics."""
 
-    def __init__(self, directory: str | os.PathLike, *, keep: int = 3, read_only: bool = False,
-                 async_save: bool = True) -> None:
+    def __init__(
+        self, directory: str | os.PathLike, *, keep: int = 3, read_only: bool = False, async_save: bool = True
+    ) -> None:
         if keep < 1:
             raise ValueError(f"keep must be >= 1, got {keep}")
         self.directory = Path(directory).absolute()
         if read_only and not self.directory.is_dir():
             raise CheckpointError(f"{self.directory}: no checkpoint directory here")
-        keep_policy = None if read_only else policies.AnyPreservationPolicy([
-            policies.LatestN(keep),
-            policies.BestN(get_metric_fn=_score, n=1, keep_checkpoints_without_metrics=False),
-        ])
+        keep_policy = (
+            None
+            if read_only
+            else policies.AnyPreservationPolicy(
+                [
+                    policies.LatestN(keep),
+                    policies.BestN(get_metric_fn=_score, n=1, keep_checkpoints_without_metrics=False),
+                ]
+            )
+        )
         options = ocp.CheckpointManagerOptions(
-            preservation_policy=keep_policy, best_fn=_score, best_mode="max", read_only=read_only,
-            enable_async_checkpointing=async_save, create=not read_only)
+            preservation_policy=keep_policy,
+            best_fn=_score,
+            best_mode="max",
+            read_only=read_only,
+            enable_async_checkpointing=async_save,
+            create=not read_only,
+        )
         self._manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "meta"))
 
     # --- which steps exist ---------------------------------------------------------------------------------
@@ -130,7 +144,7 @@ class CheckpointManager:
         return self.latest_step() if best is None else best
 
     def resolve_step(self, step: int | str = "best") -> int:
-        """"best", "latest" or a step number -> a saved step number (CheckpointError if there is none)."""
+        """ "best", "latest" or a step number -> a saved step number (CheckpointError if there is none)."""
         steps = self.steps()
         if not steps:
             raise CheckpointError(f"{self.directory}: no complete checkpoint found")
@@ -147,22 +161,39 @@ class CheckpointManager:
         return step
 
     # --- saving --------------------------------------------------------------------------------------------
-    def save(self, step: int, state: Mapping[str, Any], *, config: TransformerConfig, optim: Mapping[str, Any],
-             tokenizer: Tokenizer, data_state: Mapping[str, int] | None = None, run: Mapping[str, Any] | None = None,
-             metrics: Mapping[str, float] | None = None) -> None:
+    def save(
+        self,
+        step: int,
+        state: Mapping[str, Any],
+        *,
+        config: TransformerConfig,
+        optim: Mapping[str, Any],
+        tokenizer: Tokenizer,
+        data_state: Mapping[str, int] | None = None,
+        run: Mapping[str, Any] | None = None,
+        metrics: Mapping[str, float] | None = None,
+    ) -> None:
         """Saves `state` (a nested dict of arrays: `training.state_for_saving(train_state)`) as `step`,
         asynchronously. `metrics` needs a "score" (higher is better) to take part in the choice of the best step."""
         self._manager.wait_until_finished()  # one save at a time: the previous one is on disk before the next
         # A host copy: the training step donates the device buffers of the live state, so the background
         # writer must not read them.
         host_state = jax.device_get(state)
-        meta = {"format": FORMAT_VERSION, "step": int(step), "config": config.to_dict(), "optim": dict(optim),
-                "data_state": None if data_state is None else dict(data_state), "run": dict(run or {}),
-                "tokenizer": base64.b64encode(tokenizer.to_bytes()).decode("ascii")}
-        self._manager.save(int(step), args=ocp.args.Composite(state=ocp.args.StandardSave(host_state),
-                                                              meta=ocp.args.JsonSave(meta)),
-                           metrics=None if metrics is None else {k: float(v) for k, v in metrics.items()},
-                           force=True)
+        meta = {
+            "format": FORMAT_VERSION,
+            "step": int(step),
+            "config": config.to_dict(),
+            "optim": dict(optim),
+            "data_state": None if data_state is None else dict(data_state),
+            "run": dict(run or {}),
+            "tokenizer": base64.b64encode(tokenizer.to_bytes()).decode("ascii"),
+        }
+        self._manager.save(
+            int(step),
+            args=ocp.args.Composite(state=ocp.args.StandardSave(host_state), meta=ocp.args.JsonSave(meta)),
+            metrics=None if metrics is None else {k: float(v) for k, v in metrics.items()},
+            force=True,
+        )
 
     def wait(self) -> None:
         """Blocks until every started save is complete on disk."""
@@ -181,14 +212,15 @@ class CheckpointManager:
         except Exception as e:  # orbax raises several types for unreadable files
             raise CheckpointError(f"{self.directory} step {step}: cannot read metadata: {e}") from None
 
-    def restore(self, step: int | str = "latest", *, expected_config: TransformerConfig | None = None
-                ) -> Checkpoint:
+    def restore(self, step: int | str = "latest", *, expected_config: TransformerConfig | None = None) -> Checkpoint:
         """Loads a step. With `expected_config`, a different saved config is a ConfigError naming the fields."""
         step = self.resolve_step(step)
         meta = self.read_meta(step)
         if meta.get("format") not in READABLE_FORMATS:
-            raise CheckpointError(f"{self.directory} step {step}: checkpoint format {meta.get('format')!r}, this "
-                                  f"code reads formats {READABLE_FORMATS}")
+            raise CheckpointError(
+                f"{self.directory} step {step}: checkpoint format {meta.get('format')!r}, this "
+                f"code reads formats {READABLE_FORMATS}"
+            )
         config = TransformerConfig.from_dict(meta["config"], source=f"{self.directory} step {step} config")
         if expected_config is not None:
             check_config(config, expected_config, where=f"checkpoint {self.directory} (step {step})")
@@ -198,13 +230,22 @@ class CheckpointManager:
             raise CheckpointError(f"{self.directory} step {step}: cannot read the saved state: {e}") from None
         state = jax.tree_util.tree_map(np.asarray, restored["state"])
         tokenizer = Tokenizer.from_bytes(base64.b64decode(meta["tokenizer"]))
-        return Checkpoint(directory=self.directory, step=step, state=state, config=config, optim=meta["optim"],
-                          tokenizer=tokenizer, data_state=meta.get("data_state"), run=meta.get("run", {}),
-                          format=meta["format"])
+        return Checkpoint(
+            directory=self.directory,
+            step=step,
+            state=state,
+            config=config,
+            optim=meta["optim"],
+            tokenizer=tokenizer,
+            data_state=meta.get("data_state"),
+            run=meta.get("run", {}),
+            format=meta["format"],
+        )
 
 
-def load(path: str | os.PathLike, step: int | str = "best", *,
-         expected_config: TransformerConfig | None = None) -> Checkpoint:
+def load(
+    path: str | os.PathLike, step: int | str = "best", *, expected_config: TransformerConfig | None = None
+) -> Checkpoint:
     """Loads one step of a run directory (or its `checkpoints` folder) for evaluation, translation or export."""
     manager = CheckpointManager(find_checkpoint_dir(path), read_only=True)
     try:

@@ -6,11 +6,13 @@ round-tripped through JSON. `train.py` makes one flag per field, named after it 
 the help text stored in the field's metadata (`setting(default, help)`), so a setting has one name from the
 command line to the dataclass. Nothing here imports jax or torch.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 POSITIONS = ("sinusoidal", "learned")
 ACTIVATIONS = ("relu", "gelu")
@@ -59,13 +61,15 @@ class TransformerConfig:
     norm_first: bool = setting(False, "pre-norm x + f(LN(x)) instead of the paper's post-norm x = LN(x + f(x))")
     final_norm: bool = setting(False, "a LayerNorm after the last encoder and decoder layer (usual with pre-norm)")
     layer_norm_eps: float = setting(1e-5, "LayerNorm epsilon (torch's default)")
-    positions: str = setting("sinusoidal", "position encoding: the paper's interleaved sin/cos table, or learned",
-                             choices=POSITIONS)
+    positions: str = setting(
+        "sinusoidal", "position encoding: the paper's interleaved sin/cos table, or learned", choices=POSITIONS
+    )
     scale_embeddings: bool = setting(True, "multiply token embeddings by sqrt(d_model) (paper 3.4)")
     share_embeddings: bool = setting(False, "one embedding table for source and target (needs equal vocab sizes)")
     tie_output: bool = setting(True, "output projection = target embedding transposed, no bias (paper 3.4)")
-    activation: str = setting("relu", "feed-forward activation: relu (the paper) or exact (erf) gelu",
-                              choices=ACTIVATIONS)
+    activation: str = setting(
+        "relu", "feed-forward activation: relu (the paper) or exact (erf) gelu", choices=ACTIVATIONS
+    )
     qkv_bias: bool = setting(True, "bias on the query/key/value/output projections of attention")
     ffn_bias: bool = setting(True, "bias on the feed-forward layers linear1 and linear2")
     norm_bias: bool = setting(True, "bias (beta) of every LayerNorm, the final norms included")
@@ -87,12 +91,12 @@ class TransformerConfig:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True)
 
     @classmethod
-    def from_dict(cls, values: Mapping[str, Any], source: str = "config") -> "TransformerConfig":
+    def from_dict(cls, values: Mapping[str, Any], source: str = "config") -> TransformerConfig:
         """Builds a config from a mapping; unknown keys are an error that lists them (and `source`)."""
         return settings_from_dict(cls, values, source)
 
     @classmethod
-    def from_json(cls, text: str, source: str = "config JSON") -> "TransformerConfig":
+    def from_json(cls, text: str, source: str = "config JSON") -> TransformerConfig:
         try:
             values = json.loads(text)
         except json.JSONDecodeError as e:
@@ -101,21 +105,41 @@ class TransformerConfig:
             raise ConfigError(f"{source}: expected a JSON object, got {type(values).__name__}")
         return cls.from_dict(values, source=source)
 
-    def replace(self, **changes: Any) -> "TransformerConfig":
+    def replace(self, **changes: Any) -> TransformerConfig:
         """A copy with some fields changed (validated again); unknown names are an error."""
         return TransformerConfig.from_dict({**self.to_dict(), **changes}, source="replace()")
 
-    def diff(self, other: "TransformerConfig") -> dict[str, tuple[Any, Any]]:
+    def diff(self, other: TransformerConfig) -> dict[str, tuple[Any, Any]]:
         """Fields whose values differ, as {name: (self's, other's)}."""
         a, b = self.to_dict(), other.to_dict()
         return {k: (a[k], b[k]) for k in a if a[k] != b[k]}
 
 
-_INT_FIELDS = ("src_vocab_size", "tgt_vocab_size", "pad_id", "bos_id", "eos_id", "d_model", "num_heads", "d_ff",
-               "num_encoder_layers", "num_decoder_layers", "max_len")
+_INT_FIELDS = (
+    "src_vocab_size",
+    "tgt_vocab_size",
+    "pad_id",
+    "bos_id",
+    "eos_id",
+    "d_model",
+    "num_heads",
+    "d_ff",
+    "num_encoder_layers",
+    "num_decoder_layers",
+    "max_len",
+)
 _FLOAT_FIELDS = ("dropout", "attention_dropout", "activation_dropout", "embedding_dropout", "layer_norm_eps")
-_BOOL_FIELDS = ("norm_first", "final_norm", "scale_embeddings", "share_embeddings", "tie_output", "qkv_bias",
-                "ffn_bias", "norm_bias", "output_bias")
+_BOOL_FIELDS = (
+    "norm_first",
+    "final_norm",
+    "scale_embeddings",
+    "share_embeddings",
+    "tie_output",
+    "qkv_bias",
+    "ffn_bias",
+    "norm_bias",
+    "output_bias",
+)
 
 
 def _validate(c: TransformerConfig) -> None:
@@ -148,13 +172,17 @@ def _validate(c: TransformerConfig) -> None:
     if c.activation not in ACTIVATIONS:
         raise ConfigError(f"config field 'activation' must be one of {ACTIVATIONS}, got {c.activation!r}")
     if c.share_embeddings and c.src_vocab_size != c.tgt_vocab_size:
-        raise ConfigError(f"config field 'share_embeddings' needs src_vocab_size == tgt_vocab_size, "
-                          f"got {c.src_vocab_size} and {c.tgt_vocab_size}")
+        raise ConfigError(
+            f"config field 'share_embeddings' needs src_vocab_size == tgt_vocab_size, "
+            f"got {c.src_vocab_size} and {c.tgt_vocab_size}"
+        )
     special = {"pad_id": c.pad_id, "bos_id": c.bos_id, "eos_id": c.eos_id}
     for name, v in special.items():
         if not 0 <= v < min(c.src_vocab_size, c.tgt_vocab_size):
-            raise ConfigError(f"config field {name!r} ({v}) must be a valid id in both vocabularies "
-                              f"(< {min(c.src_vocab_size, c.tgt_vocab_size)})")
+            raise ConfigError(
+                f"config field {name!r} ({v}) must be a valid id in both vocabularies "
+                f"(< {min(c.src_vocab_size, c.tgt_vocab_size)})"
+            )
     if len(set(special.values())) != 3:
         raise ConfigError(f"config fields pad_id, bos_id, eos_id must differ, got {special}")
 
@@ -187,8 +215,11 @@ class OptimConfig:
     """Optimiser and loss settings, read by `jax_transformer.training` and `torch_reference.training` alike. The
     defaults are the paper's, except `lr_scale` (the paper's is 1.0; small models and short runs often want more)."""
 
-    lr_scale: float = setting(1.0, "multiplies the learning rate lr_scale * d_model^-0.5 * min(step^-0.5, "
-                                   "step * warmup_steps^-1.5) (the paper: 1.0)")
+    lr_scale: float = setting(
+        1.0,
+        "multiplies the learning rate lr_scale * d_model^-0.5 * min(step^-0.5, "
+        "step * warmup_steps^-1.5) (the paper: 1.0)",
+    )
     warmup_steps: int = setting(4000, "steps of linear learning-rate warm-up before the step^-0.5 decay")
     b1: float = setting(0.9, "Adam beta1")
     b2: float = setting(0.98, "Adam beta2 (the paper's 0.98, not the usual 0.999)")
@@ -198,8 +229,12 @@ class OptimConfig:
     label_smoothing: float = setting(0.1, "label smoothing epsilon_ls of the cross-entropy (paper 5.4)")
 
     def __post_init__(self) -> None:
-        _check_types(self, ints=("warmup_steps",), floats=("lr_scale", "b1", "b2", "eps", "weight_decay",
-                                                            "label_smoothing"), optional_floats=("clip_norm",))
+        _check_types(
+            self,
+            ints=("warmup_steps",),
+            floats=("lr_scale", "b1", "b2", "eps", "weight_decay", "label_smoothing"),
+            optional_floats=("clip_norm",),
+        )
         if self.warmup_steps < 1:
             raise ConfigError(f"optimiser field 'warmup_steps' must be >= 1, got {self.warmup_steps}")
         if not self.lr_scale > 0:
@@ -210,7 +245,9 @@ class OptimConfig:
         if not self.eps > 0:
             raise ConfigError(f"optimiser field 'eps' must be > 0, got {self.eps}")
         if self.clip_norm is not None and not self.clip_norm > 0:
-            raise ConfigError(f"optimiser field 'clip_norm' must be > 0 (or null for no clipping), got {self.clip_norm}")
+            raise ConfigError(
+                f"optimiser field 'clip_norm' must be > 0 (or null for no clipping), got {self.clip_norm}"
+            )
         if self.weight_decay < 0:
             raise ConfigError(f"optimiser field 'weight_decay' must be >= 0, got {self.weight_decay}")
         if not 0.0 <= self.label_smoothing < 1.0:
@@ -220,7 +257,7 @@ class OptimConfig:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, values: Mapping[str, Any], source: str = "optimiser settings") -> "OptimConfig":
+    def from_dict(cls, values: Mapping[str, Any], source: str = "optimiser settings") -> OptimConfig:
         return settings_from_dict(cls, values, source)
 
 

@@ -24,6 +24,7 @@ All three are padded with PAD on the right. In a batch, `src` and `tgt_*` are pa
 L: that costs a little padding when the two sides differ in length, but gives one length per bucket and so the
 fewest distinct shapes. Nothing here imports jax or torch: batches are plain `np.int32` arrays.
 """
+
 from __future__ import annotations
 
 import codecs
@@ -31,8 +32,9 @@ import dataclasses
 import io
 import itertools
 import os
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import sentencepiece as spm
@@ -79,8 +81,10 @@ class Corpus:
 
     def __post_init__(self) -> None:
         if not len(self.sources) == len(self.targets) == len(self.line_numbers):
-            raise ValueError(f"{self.origin}: Corpus needs as many sources ({len(self.sources)}) as targets "
-                             f"({len(self.targets)}) and line numbers ({len(self.line_numbers)})")
+            raise ValueError(
+                f"{self.origin}: Corpus needs as many sources ({len(self.sources)}) as targets "
+                f"({len(self.targets)}) and line numbers ({len(self.line_numbers)})"
+            )
 
     def __len__(self) -> int:
         return len(self.sources)
@@ -128,13 +132,14 @@ def _read_lines(path: Path) -> Iterator[tuple[int, str]]:
                     raw = raw[:-1]
                 if number == 1 and raw.startswith(codecs.BOM_UTF8):
                     # Editors on Windows often start UTF-8 files with a byte-order mark; it is not text.
-                    raw, start = raw[len(codecs.BOM_UTF8):], start + len(codecs.BOM_UTF8)
+                    raw, start = raw[len(codecs.BOM_UTF8) :], start + len(codecs.BOM_UTF8)
                 try:
                     text = raw.decode("utf-8")
                 except UnicodeDecodeError as e:
                     raise DataError(
                         f"{_where(path, number)}: not valid UTF-8: byte 0x{raw[e.start]:02x} at byte offset "
-                        f"{start + e.start} of the file (byte {e.start + 1} of the line): {e.reason}") from None
+                        f"{start + e.start} of the file (byte {e.start + 1} of the line): {e.reason}"
+                    ) from None
                 yield number, text
     except OSError as e:  # e.g. permission denied; a missing file was caught by _check_readable
         raise DataError(f"{path}: cannot read: {e.strerror or e}") from e
@@ -186,7 +191,8 @@ def read_parallel(src_path: str | os.PathLike, tgt_path: str | os.PathLike, *, o
             longer, shorter = (src, tgt) if n_src > n_tgt else (tgt, src)
             raise DataError(
                 f"{src} has {n_src} lines but {tgt} has {n_tgt}: {shorter} ends after line {min(n_src, n_tgt)}, "
-                f"so line {min(n_src, n_tgt) + 1} of {longer} has no translation; the files must be line-aligned")
+                f"so line {min(n_src, n_tgt) + 1} of {longer} has no translation; the files must be line-aligned"
+            )
         (line, source), (_, target) = src_item, tgt_item
         if not source.strip():
             message = f"{_where(src, line)}: empty source line" + ("" if target.strip() else f" (and {tgt} too)")
@@ -207,8 +213,7 @@ def read_tsv(path: str | os.PathLike, *, on_empty: str = "skip") -> Corpus:
     for line, text in _read_lines(path):
         tabs = text.count("\t")
         if tabs != 1:
-            raise DataError(f"{_where(path, line)}: expected exactly one tab between source and target, "
-                            f"found {tabs}")
+            raise DataError(f"{_where(path, line)}: expected exactly one tab between source and target, found {tabs}")
         source, target = text.split("\t")
         side = "source (left of the tab)" if not source.strip() else "target (right of the tab)"
         builder.add(line, source, target, f"{_where(path, line)}: empty {side}")
@@ -221,7 +226,10 @@ def read_tsv(path: str | os.PathLike, *, on_empty: str = "skip") -> Corpus:
 
 # Training options that the rest of the project relies on; callers may not override them.
 _FIXED_TRAINER_OPTIONS = dict(
-    pad_id=PAD_ID, bos_id=BOS_ID, eos_id=EOS_ID, unk_id=UNK_ID,
+    pad_id=PAD_ID,
+    bos_id=BOS_ID,
+    eos_id=EOS_ID,
+    unk_id=UNK_ID,
     # Small corpora may not support the requested vocabulary; take what they support instead of failing.
     # The real size is Tokenizer.vocab_size, which the trainer copies into the model config.
     hard_vocab_limit=False,
@@ -247,15 +255,24 @@ class Tokenizer:
             raise DataError(f"{source}: not a SentencePiece model ({len(model_bytes)} bytes): {e}") from None
         ids = (processor.pad_id(), processor.bos_id(), processor.eos_id(), processor.unk_id())
         if ids != (PAD_ID, BOS_ID, EOS_ID, UNK_ID):
-            raise DataError(f"{source}: the model's pad/bos/eos/unk ids are {ids}, this project needs "
-                            f"{(PAD_ID, BOS_ID, EOS_ID, UNK_ID)}; train it with Tokenizer.train")
+            raise DataError(
+                f"{source}: the model's pad/bos/eos/unk ids are {ids}, this project needs "
+                f"{(PAD_ID, BOS_ID, EOS_ID, UNK_ID)}; train it with Tokenizer.train"
+            )
         self._processor = processor
         self._bytes = bytes(model_bytes)
 
     # --- building ----------------------------------------------------------------------------------------------
     @classmethod
-    def train(cls, texts: Iterable[str], vocab_size: int, *, model_type: str = "unigram",
-              character_coverage: float = 1.0, **sentencepiece_options) -> "Tokenizer":
+    def train(
+        cls,
+        texts: Iterable[str],
+        vocab_size: int,
+        *,
+        model_type: str = "unigram",
+        character_coverage: float = 1.0,
+        **sentencepiece_options,
+    ) -> Tokenizer:
         """Trains a model in memory on `texts` (pass source and target sentences together: one joint vocab).
 
         `vocab_size` is an upper bound: a small corpus may yield fewer pieces (see `vocab_size`). model_type is
@@ -281,17 +298,24 @@ class Tokenizer:
 
         writer = io.BytesIO()
         try:
-            spm.SentencePieceTrainer.train(sentence_iterator=sentences(), model_writer=writer,
-                                           vocab_size=vocab_size, model_type=model_type,
-                                           character_coverage=character_coverage,
-                                           **_FIXED_TRAINER_OPTIONS, **sentencepiece_options)
+            spm.SentencePieceTrainer.train(
+                sentence_iterator=sentences(),
+                model_writer=writer,
+                vocab_size=vocab_size,
+                model_type=model_type,
+                character_coverage=character_coverage,
+                **_FIXED_TRAINER_OPTIONS,
+                **sentencepiece_options,
+            )
         except RuntimeError as e:
-            raise ValueError(f"Tokenizer.train: SentencePiece failed on {count} texts "
-                             f"(vocab_size={vocab_size}, model_type={model_type!r}): {e}") from None
+            raise ValueError(
+                f"Tokenizer.train: SentencePiece failed on {count} texts "
+                f"(vocab_size={vocab_size}, model_type={model_type!r}): {e}"
+            ) from None
         return cls(writer.getvalue(), source="freshly trained tokenizer")
 
     @classmethod
-    def from_bytes(cls, model_bytes: bytes) -> "Tokenizer":
+    def from_bytes(cls, model_bytes: bytes) -> Tokenizer:
         """The inverse of `to_bytes`."""
         return cls(model_bytes)
 
@@ -300,7 +324,7 @@ class Tokenizer:
         return self._bytes
 
     @classmethod
-    def load(cls, path: str | os.PathLike) -> "Tokenizer":
+    def load(cls, path: str | os.PathLike) -> Tokenizer:
         """Reads a `.model` file written by `save` (or by SentencePiece itself, if its special ids match)."""
         path = Path(path)
         try:
@@ -379,8 +403,9 @@ class EncodedCorpus:
 
     def __post_init__(self) -> None:
         if not len(self.src) == len(self.tgt) == len(self.line_numbers) == len(self.corpus_index):
-            raise ValueError(f"{self.origin}: EncodedCorpus fields src, tgt, line_numbers and corpus_index "
-                             f"must have the same length")
+            raise ValueError(
+                f"{self.origin}: EncodedCorpus fields src, tgt, line_numbers and corpus_index must have the same length"
+            )
 
     def __len__(self) -> int:
         return len(self.src)
@@ -415,9 +440,11 @@ def encode_corpus(corpus: Corpus, tokenizer: Tokenizer, max_len: int, *, on_too_
     for index, (s, t, line) in enumerate(zip(src_ids, tgt_ids, corpus.line_numbers)):
         if len(s) + 1 > max_len or len(t) + 1 > max_len:
             if on_too_long == "error":
-                raise DataError(f"{_where(corpus.origin, line)}: pair too long for max_len={max_len}: the source "
-                                f"has {len(s)} tokens (+1 for EOS), the target {len(t)} (+1 for BOS/EOS); "
-                                f'pass on_too_long="skip" to skip such pairs, or raise max_len')
+                raise DataError(
+                    f"{_where(corpus.origin, line)}: pair too long for max_len={max_len}: the source "
+                    f"has {len(s)} tokens (+1 for EOS), the target {len(t)} (+1 for BOS/EOS); "
+                    f'pass on_too_long="skip" to skip such pairs, or raise max_len'
+                )
             out.skipped_too_long += 1
             if len(out.skipped_too_long_lines) < MAX_REPORTED_LINES:
                 out.skipped_too_long_lines.append(line)
@@ -471,8 +498,10 @@ class _Buckets:
         too_long = np.flatnonzero(needed > encoded.max_len)
         if too_long.size:  # possible only for an EncodedCorpus built by hand, not by encode_corpus
             i = int(too_long[0])
-            raise DataError(f"{_where(encoded.origin, encoded.line_numbers[i])}: pair needs {needed[i]} positions, "
-                            f"more than max_len={encoded.max_len}")
+            raise DataError(
+                f"{_where(encoded.origin, encoded.line_numbers[i])}: pair needs {needed[i]} positions, "
+                f"more than max_len={encoded.max_len}"
+            )
         # Each pair goes to the smallest bucket that holds it.
         bucket_of_pair = np.searchsorted(self.lengths, needed, side="left")
         self.members = [np.flatnonzero(bucket_of_pair == b) for b in range(len(self.lengths))]
@@ -492,8 +521,8 @@ class _Buckets:
             rows = self.rows[b]
             for start in range(0, len(members), rows):
                 chunk = np.full(rows, -1, dtype=np.int64)  # -1: an all-padding row, keeping the batch shape
-                part = members[start:start + rows]
-                chunk[:len(part)] = part
+                part = members[start : start + rows]
+                chunk[: len(part)] = part
                 batches.append((b, chunk))
         if rng is not None:
             batches = [batches[i] for i in rng.permutation(len(batches))]
@@ -507,10 +536,10 @@ class _Buckets:
             if i < 0:
                 continue
             s, t = self.encoded.src[i], self.encoded.tgt[i]
-            src[row, :len(s)] = s
+            src[row, : len(s)] = s
             tgt_in[row, 0] = BOS_ID
-            tgt_in[row, 1:len(t) + 1] = t
-            tgt_out[row, :len(t)] = t
+            tgt_in[row, 1 : len(t) + 1] = t
+            tgt_out[row, : len(t)] = t
             tgt_out[row, len(t)] = EOS_ID
         return {"src": src, "tgt_in": tgt_in, "tgt_out": tgt_out}
 
@@ -524,8 +553,7 @@ class _Buckets:
     def padding_efficiency(self) -> float:
         """Real tokens / token slots over one epoch, src and tgt_out together (see padding_efficiency())."""
         real = sum(len(s) + len(t) + 1 for s, t in zip(self.encoded.src, self.encoded.tgt))
-        slots = sum(2 * self.rows[b] * self.lengths[b] * -(-len(m) // self.rows[b])
-                    for b, m in enumerate(self.members))
+        slots = sum(2 * self.rows[b] * self.lengths[b] * -(-len(m) // self.rows[b]) for b, m in enumerate(self.members))
         return real / slots
 
 
@@ -560,8 +588,15 @@ class BatchStream:
     uninterrupted one.
     """
 
-    def __init__(self, encoded: EncodedCorpus, max_tokens: int, *, row_multiple: int = 1, seed: int = 0,
-                 state: Mapping[str, int] | None = None) -> None:
+    def __init__(
+        self,
+        encoded: EncodedCorpus,
+        max_tokens: int,
+        *,
+        row_multiple: int = 1,
+        seed: int = 0,
+        state: Mapping[str, int] | None = None,
+    ) -> None:
         if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
             raise ValueError(f"BatchStream: seed must be an int >= 0, got {seed!r}")
         self._buckets = _Buckets(encoded, max_tokens, row_multiple)
@@ -572,7 +607,7 @@ class BatchStream:
         if state is not None:
             self.restore(state)
 
-    def __iter__(self) -> "BatchStream":
+    def __iter__(self) -> BatchStream:
         return self
 
     def __next__(self) -> dict[str, np.ndarray]:
@@ -607,9 +642,11 @@ class BatchStream:
                 raise ValueError(f"BatchStream.restore: {name} must be an int >= 0, got {value!r}")
         saved = state.get("batches_per_epoch", self.batches_per_epoch)
         if saved != self.batches_per_epoch or index >= self.batches_per_epoch:
-            raise ValueError(f"BatchStream.restore: the state (index {index} of {saved} batches per epoch) does "
-                             f"not fit this stream ({self.batches_per_epoch} batches per epoch); was it saved with "
-                             f"other data, max_tokens or row_multiple?")
+            raise ValueError(
+                f"BatchStream.restore: the state (index {index} of {saved} batches per epoch) does "
+                f"not fit this stream ({self.batches_per_epoch} batches per epoch); was it saved with "
+                f"other data, max_tokens or row_multiple?"
+            )
         self._epoch, self._index, self._plan = epoch, index, None
 
     @property
@@ -623,8 +660,9 @@ class BatchStream:
         return self._buckets.padding_efficiency()
 
 
-def eval_batches(encoded: EncodedCorpus, max_tokens: int, *,
-                 row_multiple: int = 1) -> list[tuple[dict[str, np.ndarray], np.ndarray]]:
+def eval_batches(
+    encoded: EncodedCorpus, max_tokens: int, *, row_multiple: int = 1
+) -> list[tuple[dict[str, np.ndarray], np.ndarray]]:
     """One deterministic pass over `encoded` for evaluation, bucketed like BatchStream but not shuffled.
 
     Returns (batch, index) pairs: index[r] is the position in `encoded` of row r's pair, or -1 for a padding
@@ -654,14 +692,20 @@ class DataConfig:
     vocab_size: int = setting(8000, "joint SentencePiece vocabulary size, an upper bound")
     tokenizer_type: str = setting("unigram", "SentencePiece model type", choices=("unigram", "bpe"))
     max_tokens: int = setting(4096, "token slots per batch (rows x padded length), all devices together")
-    on_empty: str = setting("skip", "a pair with an empty side: skip and count it, or stop with an error naming "
-                                    "the line", choices=_ON_EMPTY)
-    on_too_long: str = setting("skip", "a pair longer than max_len tokens: skip and count it, or stop with an error "
-                                       "naming the line", choices=_ON_TOO_LONG)
+    on_empty: str = setting(
+        "skip", "a pair with an empty side: skip and count it, or stop with an error naming the line", choices=_ON_EMPTY
+    )
+    on_too_long: str = setting(
+        "skip",
+        "a pair longer than max_len tokens: skip and count it, or stop with an error naming the line",
+        choices=_ON_TOO_LONG,
+    )
 
     def __post_init__(self) -> None:
-        for split, (src, tgt, tsv) in (("training", (self.src, self.tgt, self.tsv)),
-                                       ("validation", (self.valid_src, self.valid_tgt, self.valid_tsv))):
+        for split, (src, tgt, tsv) in (
+            ("training", (self.src, self.tgt, self.tsv)),
+            ("validation", (self.valid_src, self.valid_tgt, self.valid_tsv)),
+        ):
             if tsv is not None and (src is not None or tgt is not None):
                 raise DataError(f"{split} data: give either a TSV file or a source and a target file, not both")
             if (src is None) != (tgt is None):
@@ -670,11 +714,16 @@ class DataConfig:
         if self.uses_default_task and (self.valid_src or self.valid_tsv):
             raise DataError("validation files were given without training files (the built-in task has its own)")
         if isinstance(self.vocab_size, bool) or not isinstance(self.vocab_size, int) or self.vocab_size < 4:
-            raise DataError(f"data field 'vocab_size' must be an int >= 4 (pad, bos, eos, unk), got {self.vocab_size!r}")
+            raise DataError(
+                f"data field 'vocab_size' must be an int >= 4 (pad, bos, eos, unk), got {self.vocab_size!r}"
+            )
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise DataError(f"data field 'max_tokens' must be an int >= 1, got {self.max_tokens!r}")
-        for name, allowed in (("tokenizer_type", ("unigram", "bpe")), ("on_empty", _ON_EMPTY),
-                              ("on_too_long", _ON_TOO_LONG)):
+        for name, allowed in (
+            ("tokenizer_type", ("unigram", "bpe")),
+            ("on_empty", _ON_EMPTY),
+            ("on_too_long", _ON_TOO_LONG),
+        ):
             if getattr(self, name) not in allowed:
                 raise DataError(f"data field {name!r} must be one of {allowed}, got {getattr(self, name)!r}")
 
@@ -686,17 +735,18 @@ class DataConfig:
     def has_validation(self) -> bool:
         return self.uses_default_task or self.valid_src is not None or self.valid_tsv is not None
 
-    def absolute(self) -> "DataConfig":
+    def absolute(self) -> DataConfig:
         """The same settings with every file path made absolute."""
-        paths = {name: str(Path(getattr(self, name)).absolute()) for name in _PATH_FIELDS
-                 if getattr(self, name) is not None}
+        paths = {
+            name: str(Path(getattr(self, name)).absolute()) for name in _PATH_FIELDS if getattr(self, name) is not None
+        }
         return dataclasses.replace(self, **paths)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, values: Mapping[str, Any], source: str = "data settings") -> "DataConfig":
+    def from_dict(cls, values: Mapping[str, Any], source: str = "data settings") -> DataConfig:
         return settings_from_dict(cls, values, source)
 
 

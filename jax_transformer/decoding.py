@@ -39,11 +39,13 @@ compiles once per (config, batch size, source width, L, beam size) and caches it
 few shapes (batch sizes: powers of two up to `batch_size`; source widths: `data.bucket_lengths(max_len)`) so a
 whole test set compiles a handful of times.
 """
+
 from __future__ import annotations
 
 import functools
 import math
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import flax.struct
 import jax
@@ -77,15 +79,16 @@ def check_source(src: Any, config: TransformerConfig) -> np.ndarray:
     bad = np.argwhere((src < 0) | (src >= config.src_vocab_size))
     if bad.size:
         r, c = bad[0]
-        raise ValueError(f"src[{r}, {c}] = {src[r, c]} is outside the source vocabulary "
-                         f"[0, {config.src_vocab_size})")
+        raise ValueError(f"src[{r}, {c}] = {src[r, c]} is outside the source vocabulary [0, {config.src_vocab_size})")
     real = src != config.pad_id
     # Right padding: once a row has a PAD, every later entry is PAD (the length is the count of real tokens).
     after_pad = real & (np.cumsum(~real, axis=1) > 0)
     if after_pad.any():
         r, c = np.argwhere(after_pad)[0]
-        raise ValueError(f"src row {r} has token {src[r, c]} at position {c} after padding; "
-                         f"rows must be right-padded with pad_id={config.pad_id}")
+        raise ValueError(
+            f"src row {r} has token {src[r, c]} at position {c} after padding; "
+            f"rows must be right-padded with pad_id={config.pad_id}"
+        )
     return src.astype(np.int32)
 
 
@@ -100,16 +103,26 @@ def _length_limit(n: int, config: TransformerConfig, max_len_a: float, max_len_b
     return min(config.max_len, max(1, math.floor(max_len_a * n + max_len_b)))
 
 
-def max_new_tokens(src: np.ndarray, config: TransformerConfig, max_len_a: float = DEFAULT_MAX_LEN_A,
-                   max_len_b: float = DEFAULT_MAX_LEN_B) -> np.ndarray:
+def max_new_tokens(
+    src: np.ndarray,
+    config: TransformerConfig,
+    max_len_a: float = DEFAULT_MAX_LEN_A,
+    max_len_b: float = DEFAULT_MAX_LEN_B,
+) -> np.ndarray:
     """(B,) int32: how many tokens (EOS included) each row may produce, from its source length n:
     min(config.max_len, max(1, floor(max_len_a * n + max_len_b))), and 1 for an all-PAD row (n = 0)."""
-    return np.array([_length_limit(int(n), config, max_len_a, max_len_b)
-                     for n in source_lengths(src, config.pad_id)], dtype=np.int32)
+    return np.array(
+        [_length_limit(int(n), config, max_len_a, max_len_b) for n in source_lengths(src, config.pad_id)],
+        dtype=np.int32,
+    )
 
 
-def output_length(src_width: int, config: TransformerConfig, max_len_a: float = DEFAULT_MAX_LEN_A,
-                  max_len_b: float = DEFAULT_MAX_LEN_B) -> int:
+def output_length(
+    src_width: int,
+    config: TransformerConfig,
+    max_len_a: float = DEFAULT_MAX_LEN_A,
+    max_len_b: float = DEFAULT_MAX_LEN_B,
+) -> int:
     """Width L of the returned tokens: the limit of a row that fills all `src_width` positions."""
     return _length_limit(src_width, config, max_len_a, max_len_b)
 
@@ -128,12 +141,13 @@ def _check_options(config: TransformerConfig, max_len_a, max_len_b, min_len, bea
     if isinstance(beam_size, bool) or not isinstance(beam_size, (int, np.integer)) or beam_size < 1:
         raise ValueError(f"beam_size must be an int >= 1, got {beam_size!r}")
     if 2 * beam_size + 3 > config.tgt_vocab_size:
-        raise ValueError(f"beam_size={beam_size} needs tgt_vocab_size >= 2 * beam_size + 3, got "
-                         f"{config.tgt_vocab_size}: the first step takes the 2 * beam_size best extensions of one "
-                         f"beam, and PAD, BOS and EOS may be banned")
+        raise ValueError(
+            f"beam_size={beam_size} needs tgt_vocab_size >= 2 * beam_size + 3, got "
+            f"{config.tgt_vocab_size}: the first step takes the 2 * beam_size best extensions of one "
+            f"beam, and PAD, BOS and EOS may be banned"
+        )
     if not alpha >= 0:
-        raise ValueError(f"alpha must be >= 0 (the early stop relies on the penalty growing with length), "
-                         f"got {alpha}")
+        raise ValueError(f"alpha must be >= 0 (the early stop relies on the penalty growing with length), got {alpha}")
 
 
 # =============================================================================================================
@@ -149,15 +163,23 @@ def _create_cache(model: Transformer, params, memory, src, length: int):
     """The decoding cache for `length` target positions: one decode call on a dummy (B, length) target creates
     empty self-attention keys/values and projects the cross-attention keys/values from `memory`."""
     dummy = jnp.zeros((src.shape[0], length), dtype=jnp.int32)
-    _, variables = model.apply({"params": params}, memory, src, dummy, decode=True, mutable=["cache"],
-                               method=Transformer.decode)
+    _, variables = model.apply(
+        {"params": params}, memory, src, dummy, decode=True, mutable=["cache"], method=Transformer.decode
+    )
     return variables["cache"]
 
 
 def _decode_step(model: Transformer, params, cache, memory, src, tokens):
     """One decoder step: tokens (B,) at the cache's position -> logits (B, V) of the next token, new cache."""
-    logits, variables = model.apply({"params": params, "cache": cache}, memory, src, tokens[:, None],
-                                    decode=True, mutable=["cache"], method=Transformer.decode)
+    logits, variables = model.apply(
+        {"params": params, "cache": cache},
+        memory,
+        src,
+        tokens[:, None],
+        decode=True,
+        mutable=["cache"],
+        method=Transformer.decode,
+    )
     return logits[:, 0], variables["cache"]  # (B, V)
 
 
@@ -203,8 +225,7 @@ def _greedy_core(params, src, max_new, min_len, *, config: TransformerConfig, le
 
     def advance(state):
         step, last, tokens, scores, done, cache = state
-        log_probs, cache = _next_log_probs(model, params, cache, memory, src, last, step, min_len,
-                                           config)  # (B, V)
+        log_probs, cache = _next_log_probs(model, params, cache, memory, src, last, step, min_len, config)  # (B, V)
         # Greedy: take the most probable next token; finished rows emit PAD and add nothing to their score.
         token = jnp.where(done, config.pad_id, _first_argmax(log_probs))  # (B,)
         gained = jnp.take_along_axis(log_probs, token[:, None], axis=-1)[:, 0]
@@ -213,15 +234,27 @@ def _greedy_core(params, src, max_new, min_len, *, config: TransformerConfig, le
         done = done | (token == config.eos_id) | (step + 1 >= max_new)
         return step + 1, token, tokens, scores, done, cache
 
-    state = (jnp.array(0, jnp.int32), jnp.full((B,), config.bos_id, jnp.int32),
-             jnp.full((B, length), config.pad_id, jnp.int32), jnp.zeros((B,), jnp.float32),
-             jnp.zeros((B,), bool), cache)
+    state = (
+        jnp.array(0, jnp.int32),
+        jnp.full((B,), config.bos_id, jnp.int32),
+        jnp.full((B, length), config.pad_id, jnp.int32),
+        jnp.zeros((B,), jnp.float32),
+        jnp.zeros((B,), bool),
+        cache,
+    )
     _, _, tokens, scores, _, _ = lax.while_loop(not_finished, advance, state)
     return tokens, scores
 
 
-def greedy_search(params, config: TransformerConfig, src, *, max_len_a: float = DEFAULT_MAX_LEN_A,
-                  max_len_b: float = DEFAULT_MAX_LEN_B, min_len: int = 0) -> tuple[np.ndarray, np.ndarray]:
+def greedy_search(
+    params,
+    config: TransformerConfig,
+    src,
+    *,
+    max_len_a: float = DEFAULT_MAX_LEN_A,
+    max_len_b: float = DEFAULT_MAX_LEN_B,
+    min_len: int = 0,
+) -> tuple[np.ndarray, np.ndarray]:
     """Greedy decoding of a batch of right-padded sources (B, S).
 
     Returns tokens (B, L) int32 (no BOS; EOS where emitted; PAD after) and scores (B,) float32, the sum of the
@@ -230,9 +263,14 @@ def greedy_search(params, config: TransformerConfig, src, *, max_len_a: float = 
     src = check_source(src, config)
     _check_options(config, max_len_a, max_len_b, min_len)
     length = output_length(src.shape[1], config, max_len_a, max_len_b)
-    tokens, scores = _greedy_core(params, jnp.asarray(src), jnp.asarray(max_new_tokens(src, config, max_len_a,
-                                                                                        max_len_b)),
-                                  jnp.asarray(min_len, jnp.int32), config=config, length=length)
+    tokens, scores = _greedy_core(
+        params,
+        jnp.asarray(src),
+        jnp.asarray(max_new_tokens(src, config, max_len_a, max_len_b)),
+        jnp.asarray(min_len, jnp.int32),
+        config=config,
+        length=length,
+    )
     return np.asarray(tokens), np.asarray(scores)
 
 
@@ -269,8 +307,7 @@ def _gather_cache(cache, parents, beam_size: int):
 
 
 @functools.partial(jax.jit, static_argnames=("config", "length", "beam_size"))
-def _beam_core(params, src, max_new, min_len, penalties, *, config: TransformerConfig, length: int,
-               beam_size: int):
+def _beam_core(params, src, max_new, min_len, penalties, *, config: TransformerConfig, length: int, beam_size: int):
     """src (B, S), max_new (B,), penalties (length + 1,) -> tokens (B, length), scores (B,)."""
     model = Transformer(config)
     B, K = src.shape[0], beam_size
@@ -286,8 +323,9 @@ def _beam_core(params, src, max_new, min_len, penalties, *, config: TransformerC
     def advance(s: BeamState) -> BeamState:
         t = s.step
         last = jnp.where(t == 0, config.bos_id, s.live_tokens[:, :, jnp.maximum(t - 1, 0)])  # (B, K)
-        log_probs, cache = _next_log_probs(model, params, s.cache, memory_k, src_k, last.reshape(-1), t, min_len,
-                                           config)  # (B * K, V)
+        log_probs, cache = _next_log_probs(
+            model, params, s.cache, memory_k, src_k, last.reshape(-1), t, min_len, config
+        )  # (B * K, V)
         V = log_probs.shape[-1]
         log_probs = log_probs.reshape(B, K, V)
 
@@ -333,15 +371,24 @@ def _beam_core(params, src, max_new, min_len, penalties, *, config: TransformerC
         finished_scores=jnp.full((B, K), -jnp.inf, jnp.float32),
         finished_flags=jnp.zeros((B, K), bool),
         done=jnp.zeros((B,), bool),
-        cache=cache)
+        cache=cache,
+    )
     final = lax.while_loop(not_finished, advance, state)
     # Every row ends done with at least one finished hypothesis (at the latest, its length limit finishes K).
     return final.finished_tokens[:, 0], final.finished_scores[:, 0]
 
 
-def beam_search(params, config: TransformerConfig, src, *, beam_size: int = 4, alpha: float = 0.6,
-                max_len_a: float = DEFAULT_MAX_LEN_A, max_len_b: float = DEFAULT_MAX_LEN_B,
-                min_len: int = 0) -> tuple[np.ndarray, np.ndarray]:
+def beam_search(
+    params,
+    config: TransformerConfig,
+    src,
+    *,
+    beam_size: int = 4,
+    alpha: float = 0.6,
+    max_len_a: float = DEFAULT_MAX_LEN_A,
+    max_len_b: float = DEFAULT_MAX_LEN_B,
+    min_len: int = 0,
+) -> tuple[np.ndarray, np.ndarray]:
     """Beam search over a batch of right-padded sources (B, S) with the GNMT length penalty.
 
     Returns the best hypothesis of each row, tokens (B, L) int32 (no BOS; EOS where emitted; PAD after), and
@@ -352,9 +399,15 @@ def beam_search(params, config: TransformerConfig, src, *, beam_size: int = 4, a
     _check_options(config, max_len_a, max_len_b, min_len, beam_size, alpha)
     length = output_length(src.shape[1], config, max_len_a, max_len_b)
     tokens, scores = _beam_core(
-        params, jnp.asarray(src), jnp.asarray(max_new_tokens(src, config, max_len_a, max_len_b)),
-        jnp.asarray(min_len, jnp.int32), jnp.asarray(length_penalties(length, alpha)),
-        config=config, length=length, beam_size=int(beam_size))
+        params,
+        jnp.asarray(src),
+        jnp.asarray(max_new_tokens(src, config, max_len_a, max_len_b)),
+        jnp.asarray(min_len, jnp.int32),
+        jnp.asarray(length_penalties(length, alpha)),
+        config=config,
+        length=length,
+        beam_size=int(beam_size),
+    )
     return np.asarray(tokens), np.asarray(scores)
 
 
@@ -382,15 +435,27 @@ def encode_sources(tokenizer, sentences: Sequence[str], config: TransformerConfi
     encoded = []
     for i, ids in enumerate(tokenizer.encode_batch(list(sentences))):
         if len(ids) + 1 > config.max_len:
-            raise ValueError(f"sentence {i} has {len(ids)} tokens + EOS, more than config.max_len="
-                             f"{config.max_len}: {sentences[i][:60]!r}")
+            raise ValueError(
+                f"sentence {i} has {len(ids)} tokens + EOS, more than config.max_len="
+                f"{config.max_len}: {sentences[i][:60]!r}"
+            )
         encoded.append(np.array(list(ids) + [config.eos_id], dtype=np.int32))
     return encoded
 
 
-def translate(params, config: TransformerConfig, tokenizer, sentences: Sequence[str], *, beam_size: int = 4,
-              alpha: float = 0.6, batch_size: int = 64, max_len_a: float = DEFAULT_MAX_LEN_A,
-              max_len_b: float = DEFAULT_MAX_LEN_B, progress: bool = True) -> list[str]:
+def translate(
+    params,
+    config: TransformerConfig,
+    tokenizer,
+    sentences: Sequence[str],
+    *,
+    beam_size: int = 4,
+    alpha: float = 0.6,
+    batch_size: int = 64,
+    max_len_a: float = DEFAULT_MAX_LEN_A,
+    max_len_b: float = DEFAULT_MAX_LEN_B,
+    progress: bool = True,
+) -> list[str]:
     """Translates sentences (strings) and returns the translations in the same order.
 
     beam_size=1 uses greedy search, larger values beam search with length penalty `alpha`. Sentences are
@@ -403,17 +468,18 @@ def translate(params, config: TransformerConfig, tokenizer, sentences: Sequence[
     order = np.argsort([len(s) for s in sources], kind="stable")  # similar lengths share a batch
     row_sizes, widths = batch_buckets(batch_size), bucket_lengths(config.max_len)
     out: list[str] = [""] * len(sources)
-    chunks = [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
+    chunks = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
     for chunk in tqdm(chunks, desc="translate", unit="batch", disable=not progress or len(chunks) < 2):
         rows, width = _bucket(len(chunk), row_sizes), _bucket(max(len(sources[i]) for i in chunk), widths)
         src = np.full((rows, width), config.pad_id, dtype=np.int32)  # filler rows stay all-PAD
         for row, i in enumerate(chunk):
-            src[row, :len(sources[i])] = sources[i]
+            src[row, : len(sources[i])] = sources[i]
         if beam_size == 1:
             tokens, _ = greedy_search(params, config, src, max_len_a=max_len_a, max_len_b=max_len_b)
         else:
-            tokens, _ = beam_search(params, config, src, beam_size=beam_size, alpha=alpha, max_len_a=max_len_a,
-                                    max_len_b=max_len_b)
+            tokens, _ = beam_search(
+                params, config, src, beam_size=beam_size, alpha=alpha, max_len_a=max_len_a, max_len_b=max_len_b
+            )
         for row, i in enumerate(chunk):
             out[i] = tokenizer.decode(tokens[row])
     return out

@@ -19,6 +19,7 @@ Choices, made so that `python train.py` learns it on 2 CPU cores in about two mi
 * Validation numbers come from a reserved block that training never draws from, so held-out numbers never
   appear in training whatever the two sizes are.
 """
+
 from __future__ import annotations
 
 import functools
@@ -80,9 +81,11 @@ def default_numbers(split: str = "train", n: int | None = None, seed: int = 0) -
         n = DEFAULT_TRAIN_SIZE if n is None else n
         most = LEXICON + order.size - VALID_RESERVE
         if not LEXICON <= n <= most:
-            raise ValueError(f"default task: train size must be in [{LEXICON}, {most}] (the {LEXICON} numbers "
-                             f"0..{LEXICON - 1} are always included), got {n}")
-        chosen = np.concatenate([np.arange(LEXICON), order[VALID_RESERVE:VALID_RESERVE + n - LEXICON]])
+            raise ValueError(
+                f"default task: train size must be in [{LEXICON}, {most}] (the {LEXICON} numbers "
+                f"0..{LEXICON - 1} are always included), got {n}"
+            )
+        chosen = np.concatenate([np.arange(LEXICON), order[VALID_RESERVE : VALID_RESERVE + n - LEXICON]])
     else:
         raise ValueError(f"default task: split must be 'train' or 'valid', got {split!r}")
     return np.sort(chosen)
@@ -96,12 +99,17 @@ def default_pairs(split: str = "train", n: int | None = None, seed: int = 0) -> 
     """
     numbers = default_numbers(split, n, seed)
     pairs = [number_pair(int(x)) for x in numbers]
-    return Corpus(sources=[en for en, _ in pairs], targets=[fr for _, fr in pairs],
-                  line_numbers=list(range(1, len(pairs) + 1)), origin=ORIGIN)
+    return Corpus(
+        sources=[en for en, _ in pairs],
+        targets=[fr for _, fr in pairs],
+        line_numbers=list(range(1, len(pairs) + 1)),
+        origin=ORIGIN,
+    )
 
 
-def write_default_task(directory: str | os.PathLike, *, n_train: int | None = None, n_valid: int | None = None,
-                       seed: int = 0) -> tuple[Path, Path]:
+def write_default_task(
+    directory: str | os.PathLike, *, n_train: int | None = None, n_valid: int | None = None, seed: int = 0
+) -> tuple[Path, Path]:
     """Writes train.tsv and valid.tsv (`english<TAB>french` lines) into `directory`; returns their paths."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)

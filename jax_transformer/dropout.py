@@ -13,6 +13,7 @@ The key still comes from flax's `make_rng("dropout")` (fold_in of the step's key
 masks differ between sites and steps and depend only on the step's key: a resumed run draws the same masks.
 The whole mask is one elementwise fusion: ~20x faster than threefry on CPU and as cheap on GPU/TPU.
 """
+
 from __future__ import annotations
 
 import flax.linen as nn
@@ -41,7 +42,7 @@ def hashed_bits(key, shape) -> jax.Array:
 
 def keep_mask(key, rate: float, shape) -> jax.Array:
     """Boolean mask, True with probability 1 - rate (rounded to a multiple of 2^-32)."""
-    threshold = min(int(round(rate * 2.0 ** 32)), 2 ** 32 - 1)
+    threshold = min(int(round(rate * 2.0**32)), 2**32 - 1)
     return hashed_bits(key, shape) >= jnp.uint32(threshold)
 
 

@@ -4,9 +4,10 @@ BLEU and chrF are sacreBLEU's defaults (13a tokenization, cased) on detokenized 
 as "sacreBLEU"; the signature sacreBLEU prints (e.g. `nrefs:1|case:mixed|eff:no|tok:13a|smooth:exp|version:2.6.0`)
 is returned with them so that a figure can always be traced to how it was computed.
 """
+
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -28,15 +29,28 @@ def score_translations(hypotheses: Sequence[str], references: Sequence[str]) -> 
         raise ValueError(f"{len(hypotheses)} hypotheses for {len(references)} references")
     bleu, chrf = BLEU(), CHRF()
     hypotheses, refs = list(hypotheses), [list(references)]
-    return {"bleu": bleu.corpus_score(hypotheses, refs).score, "chrf": chrf.corpus_score(hypotheses, refs).score,
-            "bleu_signature": str(bleu.get_signature()), "chrf_signature": str(chrf.get_signature())}
+    return {
+        "bleu": bleu.corpus_score(hypotheses, refs).score,
+        "chrf": chrf.corpus_score(hypotheses, refs).score,
+        "bleu_signature": str(bleu.get_signature()),
+        "chrf_signature": str(chrf.get_signature()),
+    }
 
 
-def evaluate_translations(params, config: TransformerConfig, tokenizer, sources: Sequence[str],
-                          references: Sequence[str], *, beam_size: int = 4, alpha: float = 0.6,
-                          progress: bool = True) -> tuple[dict[str, float | str], list[str]]:
+def evaluate_translations(
+    params,
+    config: TransformerConfig,
+    tokenizer,
+    sources: Sequence[str],
+    references: Sequence[str],
+    *,
+    beam_size: int = 4,
+    alpha: float = 0.6,
+    progress: bool = True,
+) -> tuple[dict[str, float | str], list[str]]:
     """Translates `sources` (beam search; beam_size=1 is greedy) and scores them against `references`:
     (scores as `score_translations` gives them, hypotheses)."""
-    hypotheses = translate(params, config, tokenizer, list(sources), beam_size=beam_size, alpha=alpha,
-                           progress=progress)
+    hypotheses = translate(
+        params, config, tokenizer, list(sources), beam_size=beam_size, alpha=alpha, progress=progress
+    )
     return score_translations(hypotheses, references), hypotheses

@@ -15,6 +15,7 @@ little-endian arrays: reading it runs no code from the file, and writing or read
 (`safetensors.numpy`). torch is imported only for the torch format (and to convert bfloat16 when asked), so
 importing this module does not import torch.
 """
+
 from __future__ import annotations
 
 import base64
@@ -23,8 +24,9 @@ import io
 import json
 import os
 import struct
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import jax
 import numpy as np
@@ -43,8 +45,15 @@ _SAFETENSORS_MAX_HEADER = 100 * 1024 * 1024  # the limit the safetensors library
 
 # --- writing ---------------------------------------------------------------------------------------------
 
-def export_weights(path: str | os.PathLike, params, config: TransformerConfig, tokenizer: Tokenizer | None = None,
-                   *, format: str | None = None) -> Path:
+
+def export_weights(
+    path: str | os.PathLike,
+    params,
+    config: TransformerConfig,
+    tokenizer: Tokenizer | None = None,
+    *,
+    format: str | None = None,
+) -> Path:
     """Writes Flax params as a torch_reference state_dict file with the config (and tokenizer) inside.
 
     `format`: "torch" (torch.save) or "safetensors"; None picks by suffix: `.safetensors` -> safetensors, anything
@@ -59,8 +68,10 @@ def export_weights(path: str | os.PathLike, params, config: TransformerConfig, t
     if format not in FORMATS:
         raise ValueError(f"export format must be one of {FORMATS}, got {format!r}")
     # name -> contiguous float32 (out, in) arrays: the state_dict torch_reference loads.
-    state = {name: np.ascontiguousarray(value, dtype=np.float32)
-             for name, value in flax_to_torch(jax.device_get(params)).items()}
+    state = {
+        name: np.ascontiguousarray(value, dtype=np.float32)
+        for name, value in flax_to_torch(jax.device_get(params)).items()
+    }
     path.parent.mkdir(parents=True, exist_ok=True)
     if format == "safetensors":
         import safetensors.numpy
@@ -72,17 +83,20 @@ def export_weights(path: str | os.PathLike, params, config: TransformerConfig, t
     else:
         import torch
 
-        payload = {"format": TORCH_FORMAT, "config": config.to_json(),
-                   "state_dict": {name: torch.from_numpy(array) for name, array in state.items()},
-                   "tokenizer": None if tokenizer is None else tokenizer.to_bytes()}
+        payload = {
+            "format": TORCH_FORMAT,
+            "config": config.to_json(),
+            "state_dict": {name: torch.from_numpy(array) for name, array in state.items()},
+            "tokenizer": None if tokenizer is None else tokenizer.to_bytes(),
+        }
         torch.save(payload, path)
     return path
 
 
 # --- reading ---------------------------------------------------------------------------------------------
 
-def import_weights(path: str | os.PathLike, config: TransformerConfig | None = None, *,
-                   convert_dtypes: bool = False):
+
+def import_weights(path: str | os.PathLike, config: TransformerConfig | None = None, *, convert_dtypes: bool = False):
     """Reads a weight file -> (Flax params, config, tokenizer or None).
 
     The format comes from the content, not the suffix: a torch.save file (a zip, b"PK...", or the legacy pickle
@@ -107,8 +121,9 @@ def import_weights(path: str | os.PathLike, config: TransformerConfig | None = N
             check_config(saved, config, where=f"weight file {path}")
         config = saved
     elif config is None:
-        raise CheckpointError(f"{path}: a bare state_dict has no config; give the model's config "
-                              f"(train.py: --preset and size flags)")
+        raise CheckpointError(
+            f"{path}: a bare state_dict has no config; give the model's config (train.py: --preset and size flags)"
+        )
     try:
         params = torch_to_flax(state_dict, config, convert_dtypes=convert_dtypes)
     except PortError as e:
@@ -117,7 +132,7 @@ def import_weights(path: str | os.PathLike, config: TransformerConfig | None = N
 
 
 def detect_format(data: bytes) -> str | None:
-    """"torch", "safetensors" or None (neither) from a file's first bytes. A torch.save file is a zip (b"PK") or,
+    """ "torch", "safetensors" or None (neither) from a file's first bytes. A torch.save file is a zip (b"PK") or,
     written by old versions, a pickle (protocol opcode 0x80); a safetensors file is an 8-byte little-endian header
     length within the library's limit, then a JSON object. The safetensors test comes first: a header length's
     low byte may well be 0x80, while a legacy torch.save file starts with a fixed magic number that fails it."""
@@ -139,10 +154,12 @@ def _read_safetensors(path: Path, data: bytes, convert_dtypes: bool):
 
     (n,) = struct.unpack("<Q", data[:8])
     if 8 + n > len(data):
-        raise CheckpointError(f"{path}: truncated safetensors file: the header alone is {n} bytes, the file has "
-                              f"{len(data) - 8} after the length")
+        raise CheckpointError(
+            f"{path}: truncated safetensors file: the header alone is {n} bytes, the file has "
+            f"{len(data) - 8} after the length"
+        )
     try:
-        header = json.loads(data[8:8 + n])
+        header = json.loads(data[8 : 8 + n])
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{path}: corrupt safetensors header: {e}") from None
     if not isinstance(header, dict):
@@ -151,14 +168,18 @@ def _read_safetensors(path: Path, data: bytes, convert_dtypes: bool):
     dtypes = {name: info.get("dtype") if isinstance(info, dict) else None for name, info in header.items()}
     not_float32 = sorted(f"{name} ({dtype})" for name, dtype in dtypes.items() if dtype != "F32")
     if not_float32 and not convert_dtypes:
-        raise PortError(f"{path}: tensors that are not float32: {', '.join(not_float32)} "
-                        f"(pass convert_dtypes=True to convert floating-point weights)")
+        raise PortError(
+            f"{path}: tensors that are not float32: {', '.join(not_float32)} "
+            f"(pass convert_dtypes=True to convert floating-point weights)"
+        )
     try:
         if not_float32:  # bfloat16 has no numpy dtype: read through torch, converted by the port
             import safetensors.torch
+
             state_dict: Mapping[str, Any] = safetensors.torch.load(data)
         else:
             import safetensors.numpy
+
             state_dict = safetensors.numpy.load(data)
     except (safetensors.SafetensorError, ValueError, TypeError) as e:
         raise CheckpointError(f"{path}: cannot read as a safetensors file: {e}") from None
@@ -185,8 +206,11 @@ def _read_torch(path: Path, data: bytes, recognised: bool = True):
     try:
         payload = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except Exception as e:
-        what = "cannot read as a PyTorch (torch.save) file" if recognised else \
-            "neither a safetensors file nor a PyTorch (torch.save) file"
+        what = (
+            "cannot read as a PyTorch (torch.save) file"
+            if recognised
+            else "neither a safetensors file nor a PyTorch (torch.save) file"
+        )
         raise CheckpointError(f"{path}: {what}: {e}") from None
     if not isinstance(payload, Mapping):
         raise CheckpointError(f"{path}: expected a dict (a state_dict or an export), got {type(payload).__name__}")

@@ -6,6 +6,7 @@ Smoothing follows optax/torch: the target distribution is (1 - eps) * one_hot + 
 Functions return *sums* and token counts rather than means, so data-parallel steps can add them over devices
 (`lax.psum`) and divide once: a pmap step then equals the single-device step on the whole batch.
 """
+
 import jax
 import jax.numpy as jnp
 
@@ -21,13 +22,20 @@ def loss_sums(logits, targets, pad_id: int, label_smoothing: float = 0.1) -> dic
     lse = jax.nn.logsumexp(logits, axis=-1)  # (B, T)
     target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]  # (B, T)
     nll = lse - target_logit
-    loss = nll if not label_smoothing else (1.0 - label_smoothing) * nll + label_smoothing * (
-        lse - jnp.mean(logits, axis=-1))
+    loss = (
+        nll
+        if not label_smoothing
+        else (1.0 - label_smoothing) * nll + label_smoothing * (lse - jnp.mean(logits, axis=-1))
+    )
     # A hit is a target logit equal to the row's maximum: the max logsumexp takes anyway, where an argmax would
     # be a second, costlier (value, index) reduction over V. (Exact ties, which argmax breaks by index, count.)
     correct = (target_logit >= jnp.max(logits, axis=-1)).astype(logits.dtype)
-    return {"loss": jnp.sum(loss * weights), "nll": jnp.sum(nll * weights),
-            "tokens": jnp.sum(weights), "correct": jnp.sum(correct * weights)}
+    return {
+        "loss": jnp.sum(loss * weights),
+        "nll": jnp.sum(nll * weights),
+        "tokens": jnp.sum(weights),
+        "correct": jnp.sum(correct * weights),
+    }
 
 
 def mean_loss(logits, targets, pad_id: int, label_smoothing: float = 0.1) -> jnp.ndarray:

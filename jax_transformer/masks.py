@@ -8,6 +8,7 @@ Shapes broadcast against attention scores (B, H, T_query, T_key):
 A packed row holds several sentence pairs one after the other (as in Flax's WMT example); segment ids number
 them 1, 2, ... along the row and 0 marks padding, so attention never crosses from one pair into another.
 """
+
 import jax.numpy as jnp
 
 

@@ -19,6 +19,7 @@ Packed batches (several sentence pairs per row, as in Flax's WMT example) pass s
 Attention then stays within each pair (`masks.segment_mask`) and positions restart at each pair, so every pair
 gets the logits it would get alone. Without them a row is one pair, right-padded.
 """
+
 from __future__ import annotations
 
 import math
@@ -146,11 +147,17 @@ class EncoderLayer(nn.Module):
     def __call__(self, x, src_mask, deterministic: bool = True):
         cfg = self.config
         attention = MultiHeadAttention(cfg, name="self_attention")
-        x = _residual(cfg, x, lambda h: attention(h, h, src_mask, deterministic),
-                      _layer_norm(cfg, "self_attention_norm"), deterministic)
+        x = _residual(
+            cfg,
+            x,
+            lambda h: attention(h, h, src_mask, deterministic),
+            _layer_norm(cfg, "self_attention_norm"),
+            deterministic,
+        )
         feed_forward = FeedForward(cfg, name="feed_forward")
-        return _residual(cfg, x, lambda h: feed_forward(h, deterministic),
-                         _layer_norm(cfg, "feed_forward_norm"), deterministic)
+        return _residual(
+            cfg, x, lambda h: feed_forward(h, deterministic), _layer_norm(cfg, "feed_forward_norm"), deterministic
+        )
 
 
 class DecoderLayer(nn.Module):
@@ -162,14 +169,25 @@ class DecoderLayer(nn.Module):
     def __call__(self, x, memory, self_mask, cross_mask, deterministic: bool = True, decode: bool = False):
         cfg = self.config
         self_attention = MultiHeadAttention(cfg, name="self_attention")
-        x = _residual(cfg, x, lambda h: self_attention(h, h, self_mask, deterministic, decode),
-                      _layer_norm(cfg, "self_attention_norm"), deterministic)
+        x = _residual(
+            cfg,
+            x,
+            lambda h: self_attention(h, h, self_mask, deterministic, decode),
+            _layer_norm(cfg, "self_attention_norm"),
+            deterministic,
+        )
         cross_attention = MultiHeadAttention(cfg, cross=True, name="cross_attention")
-        x = _residual(cfg, x, lambda h: cross_attention(h, memory, cross_mask, deterministic, decode),
-                      _layer_norm(cfg, "cross_attention_norm"), deterministic)
+        x = _residual(
+            cfg,
+            x,
+            lambda h: cross_attention(h, memory, cross_mask, deterministic, decode),
+            _layer_norm(cfg, "cross_attention_norm"),
+            deterministic,
+        )
         feed_forward = FeedForward(cfg, name="feed_forward")
-        return _residual(cfg, x, lambda h: feed_forward(h, deterministic),
-                         _layer_norm(cfg, "feed_forward_norm"), deterministic)
+        return _residual(
+            cfg, x, lambda h: feed_forward(h, deterministic), _layer_norm(cfg, "feed_forward_norm"), deterministic
+        )
 
 
 class Positions(nn.Module):
@@ -216,8 +234,9 @@ class Decoder(nn.Module):
     config: TransformerConfig
 
     @nn.compact
-    def __call__(self, x, memory, self_mask, cross_mask, deterministic: bool = True, decode: bool = False,
-                 positions=None):
+    def __call__(
+        self, x, memory, self_mask, cross_mask, deterministic: bool = True, decode: bool = False, positions=None
+    ):
         """x (B, T, D) embedded decoder inputs; memory (B, S, D). Returns hidden states (B, T, D)."""
         cfg = self.config
         offset = 0
@@ -269,12 +288,23 @@ class Transformer(nn.Module):
         mask = encoder_mask(src, self.config.pad_id, src_segments)
         return self.encoder(self._embed("source", src), mask, deterministic, src_positions)
 
-    def decoder_hidden(self, memory, src, tgt_in, deterministic: bool = True, decode: bool = False, *,
-                       src_segments=None, tgt_segments=None, tgt_positions=None):
+    def decoder_hidden(
+        self,
+        memory,
+        src,
+        tgt_in,
+        deterministic: bool = True,
+        decode: bool = False,
+        *,
+        src_segments=None,
+        tgt_segments=None,
+        tgt_positions=None,
+    ):
         """Decoder output before the vocabulary projection: (B, T, D). `src` (B, S) gives the padding mask."""
         self_mask, cross_mask = decoder_masks(src, tgt_in, self.config.pad_id, src_segments, tgt_segments)
-        return self.decoder(self._embed("target", tgt_in), memory, self_mask, cross_mask, deterministic, decode,
-                            tgt_positions)
+        return self.decoder(
+            self._embed("target", tgt_in), memory, self_mask, cross_mask, deterministic, decode, tgt_positions
+        )
 
     def logits(self, hidden):
         """(B, T, D) -> (B, T, V). Tied: the target embedding matrix, transposed, is the projection (paper 3.4)."""
@@ -286,13 +316,29 @@ class Transformer(nn.Module):
         """memory (B, S, D), src (B, S), tgt_in (B, T) -> logits (B, T, V); `packing` as for `decoder_hidden`."""
         return self.logits(self.decoder_hidden(memory, src, tgt_in, deterministic, decode, **packing))
 
-    def __call__(self, src, tgt_in, deterministic: bool = True, *, src_segments=None, tgt_segments=None,
-                 src_positions=None, tgt_positions=None):
+    def __call__(
+        self,
+        src,
+        tgt_in,
+        deterministic: bool = True,
+        *,
+        src_segments=None,
+        tgt_segments=None,
+        src_positions=None,
+        tgt_positions=None,
+    ):
         """Teacher forcing: src (B, S), tgt_in (B, T) -> logits (B, T, V). Packed rows: segment ids and positions
         of both sides, (B, S) and (B, T)."""
         memory = self.encode(src, deterministic, src_segments=src_segments, src_positions=src_positions)
-        return self.decode(memory, src, tgt_in, deterministic, src_segments=src_segments,
-                           tgt_segments=tgt_segments, tgt_positions=tgt_positions)
+        return self.decode(
+            memory,
+            src,
+            tgt_in,
+            deterministic,
+            src_segments=src_segments,
+            tgt_segments=tgt_segments,
+            tgt_positions=tgt_positions,
+        )
 
 
 def attention_maps(intermediates) -> dict[str, jnp.ndarray]:

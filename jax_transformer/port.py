@@ -13,10 +13,12 @@ The twin models use the same names, so the whole map between a Flax path and a P
 The sinusoidal table is a constant in both models and is not a weight. `from_nn_transformer` imports
 PyTorch's own `torch.nn.Transformer` (fused `in_proj_weight`, `linear1/2`, `norm1..3`, final norms).
 """
+
 from __future__ import annotations
 
 import re
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 
@@ -75,26 +77,32 @@ def expected_param_shapes(config: TransformerConfig) -> dict[tuple[str, ...], tu
 
 # --- arrays and dtypes -----------------------------------------------------------------------------------
 
+
 def _to_numpy(name: str, value: Any, convert_dtypes: bool) -> np.ndarray:
     """A torch tensor or array-like -> float32 numpy. Other float dtypes are converted only when asked."""
     if hasattr(value, "detach"):  # a torch.Tensor, handled without importing torch
         value = value.detach().cpu()
         if str(value.dtype) != "torch.float32":
             if not convert_dtypes or not value.is_floating_point():
-                raise PortError(f"{name}: dtype {value.dtype}, expected torch.float32 "
-                                f"(pass convert_dtypes=True to convert floating-point weights)")
+                raise PortError(
+                    f"{name}: dtype {value.dtype}, expected torch.float32 "
+                    f"(pass convert_dtypes=True to convert floating-point weights)"
+                )
             value = value.float()
         value = value.numpy()
     array = np.asarray(value)
     if array.dtype != np.float32:
         if not convert_dtypes or not np.issubdtype(array.dtype, np.floating):
-            raise PortError(f"{name}: dtype {array.dtype}, expected float32 "
-                            f"(pass convert_dtypes=True to convert floating-point weights)")
+            raise PortError(
+                f"{name}: dtype {array.dtype}, expected float32 "
+                f"(pass convert_dtypes=True to convert floating-point weights)"
+            )
         array = array.astype(np.float32)
     return array
 
 
 # --- Flax <-> torch_reference ------------------------------------------------------------------------------
+
 
 def flax_to_torch(params: Mapping[str, Any]) -> dict[str, np.ndarray]:
     """Flax params (nested dict of arrays) -> a torch_reference state_dict of numpy float32 arrays.
@@ -106,8 +114,9 @@ def flax_to_torch(params: Mapping[str, Any]) -> dict[str, np.ndarray]:
     return state
 
 
-def torch_to_flax(state_dict: Mapping[str, Any], config: TransformerConfig, *,
-                  convert_dtypes: bool = False) -> dict[str, Any]:
+def torch_to_flax(
+    state_dict: Mapping[str, Any], config: TransformerConfig, *, convert_dtypes: bool = False
+) -> dict[str, Any]:
     """A torch_reference state_dict (torch tensors or numpy arrays) -> Flax params for `config`, strictly:
     missing keys, unexpected keys and shape mismatches are reported together in one PortError."""
     expected = expected_param_shapes(config)
@@ -128,8 +137,9 @@ def torch_to_flax(state_dict: Mapping[str, Any], config: TransformerConfig, *,
             continue
         flat[path] = np.ascontiguousarray(array.T if _is_transposed(path) else array)
     if problems:
-        raise PortError(f"{len(problems)} problem(s) porting a PyTorch state_dict to the Flax model:\n  "
-                        + "\n  ".join(problems))
+        raise PortError(
+            f"{len(problems)} problem(s) porting a PyTorch state_dict to the Flax model:\n  " + "\n  ".join(problems)
+        )
     return _unflatten(flat)
 
 
@@ -141,16 +151,27 @@ def _torch_shape(path, expected) -> tuple[int, ...]:
 # --- torch.nn.Transformer -> Flax ------------------------------------------------------------------------
 
 # nn.Transformer's names inside a layer -> this project's names.
-_NN_ENCODER_LAYER = {"self_attn": "self_attention", "linear1": "feed_forward.linear1",
-                     "linear2": "feed_forward.linear2", "norm1": "self_attention_norm",
-                     "norm2": "feed_forward_norm"}
-_NN_DECODER_LAYER = {"self_attn": "self_attention", "multihead_attn": "cross_attention",
-                     "linear1": "feed_forward.linear1", "linear2": "feed_forward.linear2",
-                     "norm1": "self_attention_norm", "norm2": "cross_attention_norm", "norm3": "feed_forward_norm"}
+_NN_ENCODER_LAYER = {
+    "self_attn": "self_attention",
+    "linear1": "feed_forward.linear1",
+    "linear2": "feed_forward.linear2",
+    "norm1": "self_attention_norm",
+    "norm2": "feed_forward_norm",
+}
+_NN_DECODER_LAYER = {
+    "self_attn": "self_attention",
+    "multihead_attn": "cross_attention",
+    "linear1": "feed_forward.linear1",
+    "linear2": "feed_forward.linear2",
+    "norm1": "self_attention_norm",
+    "norm2": "cross_attention_norm",
+    "norm3": "feed_forward_norm",
+}
 
 
-def nn_transformer_to_twin(transformer_state: Mapping[str, Any], *, convert_dtypes: bool = False
-                           ) -> dict[str, np.ndarray]:
+def nn_transformer_to_twin(
+    transformer_state: Mapping[str, Any], *, convert_dtypes: bool = False
+) -> dict[str, np.ndarray]:
     """Renames a `torch.nn.Transformer` state_dict to torch_reference names (numpy), splitting each fused
     `in_proj_weight` (3D, D) / `in_proj_bias` (3D,) into query, key and value. Unknown keys are an error.
     Only the keys present are renamed: a model built with `bias=False` has no bias keys, and gives none."""
@@ -187,10 +208,18 @@ def nn_transformer_to_twin(transformer_state: Mapping[str, Any], *, convert_dtyp
     return out
 
 
-def from_nn_transformer(transformer_state: Mapping[str, Any], config: TransformerConfig, *,
-                        source_embedding: Any, target_embedding: Any = None, output_weight: Any = None,
-                        output_bias: Any = None, source_positions: Any = None, target_positions: Any = None,
-                        convert_dtypes: bool = False) -> dict[str, Any]:
+def from_nn_transformer(
+    transformer_state: Mapping[str, Any],
+    config: TransformerConfig,
+    *,
+    source_embedding: Any,
+    target_embedding: Any = None,
+    output_weight: Any = None,
+    output_bias: Any = None,
+    source_positions: Any = None,
+    target_positions: Any = None,
+    convert_dtypes: bool = False,
+) -> dict[str, Any]:
     """Flax params from a `torch.nn.Transformer` state_dict plus the embeddings and output projection that
     surround it in a user's model (nn.Transformer has none of its own).
 
@@ -203,9 +232,14 @@ def from_nn_transformer(transformer_state: Mapping[str, Any], config: Transforme
     `source_positions`/`target_positions` of shape (max_len, d_model).
     """
     state = nn_transformer_to_twin(transformer_state, convert_dtypes=convert_dtypes)
-    extras = {"source_embed.weight": source_embedding, "target_embed.weight": target_embedding,
-              "output_proj.weight": output_weight, "output_proj.bias": output_bias,
-              "encoder.positions.weight": source_positions, "decoder.positions.weight": target_positions}
+    extras = {
+        "source_embed.weight": source_embedding,
+        "target_embed.weight": target_embedding,
+        "output_proj.weight": output_weight,
+        "output_proj.bias": output_bias,
+        "encoder.positions.weight": source_positions,
+        "decoder.positions.weight": target_positions,
+    }
     if config.share_embeddings:
         if target_embedding is not None:
             raise PortError("config.share_embeddings is true: pass only source_embedding")
@@ -213,4 +247,3 @@ def from_nn_transformer(transformer_state: Mapping[str, Any], config: Transforme
         extras.pop("target_embed.weight")
     state.update({k: v for k, v in extras.items() if v is not None})
     return torch_to_flax(state, config, convert_dtypes=convert_dtypes)
-

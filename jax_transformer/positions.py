@@ -6,6 +6,7 @@
 Even feature columns hold sines and odd columns cosines (the paper's interleaved layout, as in the Annotated
 Transformer), not the [sin..., cos...] halves some implementations use.
 """
+
 import numpy as np
 
 

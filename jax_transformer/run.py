@@ -17,13 +17,15 @@ or import from PyTorch) the model config and weights -> encode and batch -> a `T
 checks that nothing an exact continuation depends on has changed (data, tokenizer, optimiser, seed, model) and
 names the setting that did.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import os
 import time
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import jax
 
@@ -92,15 +94,25 @@ def train(*, print_fn: Callable[[str], None] = print, **settings: Any) -> RunRes
         result = prepared.trainer.run()
     finally:
         prepared.checkpoints.close()
-    return dataclasses.replace(result, checkpoint_dir=prepared.checkpoints.directory,
-                               best_step=prepared.checkpoints.best_step())
+    return dataclasses.replace(
+        result, checkpoint_dir=prepared.checkpoints.directory, best_step=prepared.checkpoints.best_step()
+    )
 
 
-def prepare(*, run_dir: str | os.PathLike | None = None, resume: str | os.PathLike | None = None,
-            init_from_torch: str | os.PathLike | None = None, preset_name: str | None = None, seed: int | None = None,
-            model: Mapping[str, Any] | None = None, data: Mapping[str, Any] | None = None,
-            optim: Mapping[str, Any] | None = None, loop: Mapping[str, Any] | None = None,
-            start_time: float | None = None, print_fn: Callable[[str], None] = print) -> PreparedRun:
+def prepare(
+    *,
+    run_dir: str | os.PathLike | None = None,
+    resume: str | os.PathLike | None = None,
+    init_from_torch: str | os.PathLike | None = None,
+    preset_name: str | None = None,
+    seed: int | None = None,
+    model: Mapping[str, Any] | None = None,
+    data: Mapping[str, Any] | None = None,
+    optim: Mapping[str, Any] | None = None,
+    loop: Mapping[str, Any] | None = None,
+    start_time: float | None = None,
+    print_fn: Callable[[str], None] = print,
+) -> PreparedRun:
     """Sets up a training run and returns it ready to run.
 
     run_dir: where checkpoints, metrics.jsonl, loss_curve.png, tokenizer.model and config.json go (default
@@ -111,8 +123,7 @@ def prepare(*, run_dir: str | os.PathLike | None = None, resume: str | os.PathLi
     model / data / optim / loop: partial dicts of TransformerConfig / DataConfig / OptimConfig / LoopConfig fields.
     """
     start_time = time.time() if start_time is None else start_time
-    given = {"model": dict(model or {}), "data": dict(data or {}), "optim": dict(optim or {}),
-             "loop": dict(loop or {})}
+    given = {"model": dict(model or {}), "data": dict(data or {}), "optim": dict(optim or {}), "loop": dict(loop or {})}
     if resume is not None and init_from_torch is not None:
         raise UsageError("--resume and --init-from-torch exclude each other: a resume already has weights")
     if resume is not None and run_dir is not None and Path(run_dir).absolute() != Path(resume).absolute():
@@ -123,8 +134,10 @@ def prepare(*, run_dir: str | os.PathLike | None = None, resume: str | os.PathLi
     if resume is not None:
         run_dir = Path(resume)
         if not (run_dir / ckpt_lib.CHECKPOINT_SUBDIR).is_dir():
-            raise ckpt_lib.CheckpointError(f"--resume {run_dir}: no {ckpt_lib.CHECKPOINT_SUBDIR}/ folder there; "
-                                           f"give the run directory of an earlier `train.py train`")
+            raise ckpt_lib.CheckpointError(
+                f"--resume {run_dir}: no {ckpt_lib.CHECKPOINT_SUBDIR}/ folder there; "
+                f"give the run directory of an earlier `train.py train`"
+            )
         restored = ckpt_lib.load(run_dir, "latest")
         stored = stored_settings(restored)
         print_fn(f"resuming {run_dir} from step {restored.step}")
@@ -132,8 +145,9 @@ def prepare(*, run_dir: str | os.PathLike | None = None, resume: str | os.PathLi
         run_dir = Path(run_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
         folder = run_dir / ckpt_lib.CHECKPOINT_SUBDIR
         if folder.is_dir() and any(folder.iterdir()):
-            raise UsageError(f"{run_dir} already holds checkpoints: continue it with --resume {run_dir}, "
-                             f"or choose another --run-dir")
+            raise UsageError(
+                f"{run_dir} already holds checkpoints: continue it with --resume {run_dir}, or choose another --run-dir"
+            )
 
     # --- settings: given, else stored, else the task's defaults -------------------------------------------------
     data_config = _resolve_data(given["data"], stored)
@@ -144,24 +158,29 @@ def prepare(*, run_dir: str | os.PathLike | None = None, resume: str | os.PathLi
         for name, value in given["optim"].items():
             _check_frozen(name, value, stored["optim"].get(name))
     seed = stored["seed"] if stored is not None else (0 if seed is None else seed)
-    optim_config = OptimConfig.from_dict({**task_defaults["optim"], **(stored or {}).get("optim", {}),
-                                          **given["optim"]}, source="optimiser settings")
-    loop_config = LoopConfig.from_dict({**task_defaults["loop"], **(stored or {}).get("loop", {}), **given["loop"]},
-                                       source="loop settings")
+    optim_config = OptimConfig.from_dict(
+        {**task_defaults["optim"], **(stored or {}).get("optim", {}), **given["optim"]}, source="optimiser settings"
+    )
+    loop_config = LoopConfig.from_dict(
+        {**task_defaults["loop"], **(stored or {}).get("loop", {}), **given["loop"]}, source="loop settings"
+    )
 
     # --- data ---------------------------------------------------------------------------------------------------
     train_corpus = load_corpus(data_config, "train")
     print_fn(f"training data: {train_corpus.describe()}")
     fingerprint = corpus_fingerprint(train_corpus)
     if stored is not None and stored.get("train_fingerprint") not in (None, fingerprint):
-        raise UsageError(f"--resume: the training data changed since the checkpoint was written "
-                         f"({_describe_files(data_config)}); an exact resume needs the same data")
+        raise UsageError(
+            f"--resume: the training data changed since the checkpoint was written "
+            f"({_describe_files(data_config)}); an exact resume needs the same data"
+        )
     valid_corpus = load_corpus(data_config, "valid")
     if valid_corpus is not None:
         print_fn(f"validation data: {valid_corpus.describe()}")
     else:
-        print_fn("no validation data (--valid-src/--valid-tgt or --valid-tsv): no BLEU, the best checkpoint is "
-                 "the last")
+        print_fn(
+            "no validation data (--valid-src/--valid-tgt or --valid-tsv): no BLEU, the best checkpoint is the last"
+        )
 
     # --- tokenizer, model config and initial weights --------------------------------------------------------------
     explicit_preset = preset_name
@@ -178,8 +197,15 @@ def prepare(*, run_dir: str | os.PathLike | None = None, resume: str | os.PathLi
         ckpt_lib.check_config(restored.config, requested, where=f"checkpoint in {run_dir}")
         config = restored.config
     elif init_from_torch is not None:
-        params, config, tokenizer = _init_from_torch(init_from_torch, train_corpus, data_config, preset_name,
-                                                     model_fields, explicit=bool(given["model"]), print_fn=print_fn)
+        params, config, tokenizer = _init_from_torch(
+            init_from_torch,
+            train_corpus,
+            data_config,
+            preset_name,
+            model_fields,
+            explicit=bool(given["model"]),
+            print_fn=print_fn,
+        )
     else:
         tokenizer = train_tokenizer(train_corpus, data_config, print_fn)
         config = model_config(preset_name, tokenizer.vocab_size, model_fields)
@@ -187,12 +213,19 @@ def prepare(*, run_dir: str | os.PathLike | None = None, resume: str | os.PathLi
     # --- batches ----------------------------------------------------------------------------------------------
     n_devices = jax.local_device_count()
     if stored is not None and stored.get("devices", n_devices) != n_devices:
-        raise UsageError(f"--resume: the checkpoint was trained on {stored['devices']} device(s), this machine has "
-                         f"{n_devices}; batches are split per device, so an exact resume needs the same count")
+        raise UsageError(
+            f"--resume: the checkpoint was trained on {stored['devices']} device(s), this machine has "
+            f"{n_devices}; batches are split per device, so an exact resume needs the same count"
+        )
     encoded = encode_corpus(train_corpus, tokenizer, config.max_len, on_too_long=data_config.on_too_long)
     print_fn(f"training data: {encoded.describe()}")
-    stream = BatchStream(encoded, data_config.max_tokens, row_multiple=n_devices, seed=seed,
-                         state=None if restored is None else restored.data_state)
+    stream = BatchStream(
+        encoded,
+        data_config.max_tokens,
+        row_multiple=n_devices,
+        seed=seed,
+        state=None if restored is None else restored.data_state,
+    )
     valid = None
     if valid_corpus is not None:
         valid_encoded = encode_corpus(valid_corpus, tokenizer, config.max_len, on_too_long=data_config.on_too_long)
@@ -201,8 +234,14 @@ def prepare(*, run_dir: str | os.PathLike | None = None, resume: str | os.PathLi
 
     # --- state ------------------------------------------------------------------------------------------------
     state = _initial_state(restored, config, optim_config, seed, params)
-    settings = {"preset": preset_name, "seed": seed, "data": data_config.absolute().to_dict(),
-                "loop": loop_config.to_dict(), "train_fingerprint": fingerprint, "devices": n_devices}
+    settings = {
+        "preset": preset_name,
+        "seed": seed,
+        "data": data_config.absolute().to_dict(),
+        "loop": loop_config.to_dict(),
+        "train_fingerprint": fingerprint,
+        "devices": n_devices,
+    }
     manager = ckpt_lib.CheckpointManager(run_dir / ckpt_lib.CHECKPOINT_SUBDIR, keep=loop_config.keep)
     run_dir.mkdir(parents=True, exist_ok=True)
     tokenizer.save(run_dir / "tokenizer.model")
@@ -210,13 +249,27 @@ def prepare(*, run_dir: str | os.PathLike | None = None, resume: str | os.PathLi
     if restored is not None:
         truncate_metrics(run_dir / "metrics.jsonl", restored.step)
     n_params = sum(x.size for x in jax.tree_util.tree_leaves(state.params))
-    print_fn(f"model: {n_params:,} parameters, d_model {config.d_model}, {config.num_encoder_layers}+"
-             f"{config.num_decoder_layers} layers, vocabulary {config.src_vocab_size}; {n_devices} device(s) "
-             f"({jax.devices()[0].platform}); batches of ~{data_config.max_tokens} token slots, "
-             f"{stream.batches_per_epoch} per epoch; run directory {run_dir}")
-    trainer = Trainer(config=config, optim=optim_config, tokenizer=tokenizer, stream=stream, state=state,
-                      loop=loop_config, run_dir=run_dir, checkpoints=manager, valid=valid, run_settings=settings,
-                      n_devices=n_devices, start_time=start_time, print_fn=print_fn)
+    print_fn(
+        f"model: {n_params:,} parameters, d_model {config.d_model}, {config.num_encoder_layers}+"
+        f"{config.num_decoder_layers} layers, vocabulary {config.src_vocab_size}; {n_devices} device(s) "
+        f"({jax.devices()[0].platform}); batches of ~{data_config.max_tokens} token slots, "
+        f"{stream.batches_per_epoch} per epoch; run directory {run_dir}"
+    )
+    trainer = Trainer(
+        config=config,
+        optim=optim_config,
+        tokenizer=tokenizer,
+        stream=stream,
+        state=state,
+        loop=loop_config,
+        run_dir=run_dir,
+        checkpoints=manager,
+        valid=valid,
+        run_settings=settings,
+        n_devices=n_devices,
+        start_time=start_time,
+        print_fn=print_fn,
+    )
     return PreparedRun(trainer, manager, config, tokenizer, run_dir, settings)
 
 
@@ -234,8 +287,10 @@ def model_config(preset_name: str, vocab_size: int, fields: Mapping[str, Any]) -
 
 def train_tokenizer(corpus: Corpus, data: DataConfig, print_fn: Callable[[str], None] = print) -> Tokenizer:
     """The joint SentencePiece model of a run, trained on both sides of the training corpus."""
-    print_fn(f"training a joint {data.tokenizer_type} SentencePiece tokenizer (vocabulary up to {data.vocab_size}) "
-             f"on {len(corpus)} pairs ...")
+    print_fn(
+        f"training a joint {data.tokenizer_type} SentencePiece tokenizer (vocabulary up to {data.vocab_size}) "
+        f"on {len(corpus)} pairs ..."
+    )
     return Tokenizer.train(corpus.sources + corpus.targets, data.vocab_size, model_type=data.tokenizer_type)
 
 
@@ -248,8 +303,16 @@ def _initial_state(restored, config: TransformerConfig, optim: OptimConfig, seed
         raise ckpt_lib.CheckpointError(f"{restored.directory} step {restored.step}: {e}") from None
 
 
-def _init_from_torch(path, corpus: Corpus, data: DataConfig, preset_name: str, model_fields: Mapping[str, Any], *,
-                     explicit: bool, print_fn) -> tuple[Any, TransformerConfig, Tokenizer]:
+def _init_from_torch(
+    path,
+    corpus: Corpus,
+    data: DataConfig,
+    preset_name: str,
+    model_fields: Mapping[str, Any],
+    *,
+    explicit: bool,
+    print_fn,
+) -> tuple[Any, TransformerConfig, Tokenizer]:
     """Weights, config and tokenizer for --init-from-torch. Model settings given explicitly describe (or must
     agree with) the model in the file; the file's own tokenizer wins over a freshly trained one."""
     from jax_transformer.export import import_weights
@@ -267,7 +330,8 @@ def _init_from_torch(path, corpus: Corpus, data: DataConfig, preset_name: str, m
         raise ckpt_lib.CheckpointError(
             f"--init-from-torch {path}: the model's vocabulary (src_vocab_size {config.src_vocab_size}, "
             f"tgt_vocab_size {config.tgt_vocab_size}) does not match the tokenizer's {tokenizer.vocab_size} pieces; "
-            f"the file carries no tokenizer, so pass --vocab-size to match")
+            f"the file carries no tokenizer, so pass --vocab-size to match"
+        )
     print_fn(f"initialised from PyTorch weights {path}")
     return params, config, tokenizer
 
@@ -287,8 +351,10 @@ def _resolve_data(given: Mapping[str, Any], stored: Mapping[str, Any] | None) ->
 
 def _check_frozen(name: str, given: Any, stored: Any) -> None:
     if given is not None and given != stored:
-        raise UsageError(f"--resume: the checkpoint was trained with {name}={stored!r}, but {name}={given!r} was "
-                         f"given; an exact resume needs the same value (leave the flag out)")
+        raise UsageError(
+            f"--resume: the checkpoint was trained with {name}={stored!r}, but {name}={given!r} was "
+            f"given; an exact resume needs the same value (leave the flag out)"
+        )
 
 
 def _describe_files(data: DataConfig) -> str:
@@ -297,8 +363,18 @@ def _describe_files(data: DataConfig) -> str:
 
 
 # A format-1 checkpoint (before settings were grouped) stored its run settings flat; this maps them.
-_FORMAT1_LOOP = ("steps", "eval_every", "save_every", "max_minutes", "keep", "eval_beam_size", "beam_size", "alpha",
-                 "eval_sentences", "samples")
+_FORMAT1_LOOP = (
+    "steps",
+    "eval_every",
+    "save_every",
+    "max_minutes",
+    "keep",
+    "eval_beam_size",
+    "beam_size",
+    "alpha",
+    "eval_sentences",
+    "samples",
+)
 
 
 def stored_settings(restored: ckpt_lib.Checkpoint) -> dict[str, Any]:
@@ -306,8 +382,9 @@ def stored_settings(restored: ckpt_lib.Checkpoint) -> dict[str, Any]:
     run = dict(restored.run)
     if restored.format >= 2:
         return {**run, "optim": dict(restored.optim)}
-    data: dict[str, Any] = {k: run[k] for k in ("vocab_size", "tokenizer_type", "max_tokens", "on_empty",
-                                                "on_too_long") if k in run}
+    data: dict[str, Any] = {
+        k: run[k] for k in ("vocab_size", "tokenizer_type", "max_tokens", "on_empty", "on_too_long") if k in run
+    }
     for prefix, spec in (("", run.get("train_data")), ("valid_", run.get("valid_data"))):
         if spec and spec.get("kind") == "parallel":
             data.update({prefix + "src": spec["src"], prefix + "tgt": spec["tgt"]})
@@ -316,9 +393,16 @@ def stored_settings(restored: ckpt_lib.Checkpoint) -> dict[str, Any]:
     try:
         data_config = DataConfig.from_dict(data, source=f"{restored.directory} (format 1) data settings")
     except (DataError, ConfigError) as e:
-        raise ckpt_lib.CheckpointError(f"{restored.directory}: cannot read the run settings of this format-1 "
-                                       f"checkpoint to resume it ({e}); evaluate, translate and export still work") \
-            from None
-    return {"preset": run.get("preset"), "seed": run.get("seed", 0), "data": data_config.to_dict(),
-            "optim": dict(restored.optim), "loop": {k: run[k] for k in _FORMAT1_LOOP if k in run},
-            "train_fingerprint": run.get("train_fingerprint"), "devices": run.get("devices")}
+        raise ckpt_lib.CheckpointError(
+            f"{restored.directory}: cannot read the run settings of this format-1 "
+            f"checkpoint to resume it ({e}); evaluate, translate and export still work"
+        ) from None
+    return {
+        "preset": run.get("preset"),
+        "seed": run.get("seed", 0),
+        "data": data_config.to_dict(),
+        "optim": dict(restored.optim),
+        "loop": {k: run[k] for k in _FORMAT1_LOOP if k in run},
+        "train_fingerprint": run.get("train_fingerprint"),
+        "devices": run.get("devices"),
+    }

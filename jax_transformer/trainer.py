@@ -9,6 +9,7 @@ checkpoint stays the last one). Each step and evaluation is a line of `<run>/met
 
 Setting up a run (data, tokenizer, config, initial or restored state) is `jax_transformer.run`.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -17,8 +18,9 @@ import math
 import os
 import signal
 import time
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import jax
 import numpy as np
@@ -26,8 +28,18 @@ import numpy as np
 from jax_transformer.config import ConfigError, OptimConfig, TransformerConfig, setting, settings_from_dict
 from jax_transformer.data import Corpus, EncodedCorpus, eval_batches
 from jax_transformer.evaluation import evaluate_translations, spread_indices
-from jax_transformer.training import (TrainState, evaluate_loss, make_eval_step, make_train_step, noam_rate,
-                                      replicate, shard_batch, state_for_saving, summarize, unreplicate)
+from jax_transformer.training import (
+    TrainState,
+    evaluate_loss,
+    make_eval_step,
+    make_train_step,
+    noam_rate,
+    replicate,
+    shard_batch,
+    state_for_saving,
+    summarize,
+    unreplicate,
+)
 from jax_transformer.visualize import plot_metrics
 
 
@@ -40,15 +52,19 @@ class LoopConfig:
     """When the loop evaluates, saves and stops, and what it prints."""
 
     steps: int = setting(20000, "total optimiser steps (a resumed run counts the steps before the resume)")
-    max_minutes: float | None = setting(None, "stop after this many minutes of wall time since the command "
-                                              "started, then evaluate and save")
+    max_minutes: float | None = setting(
+        None, "stop after this many minutes of wall time since the command started, then evaluate and save"
+    )
     eval_every: int = setting(2000, "validate (loss, BLEU, chrF) every this many steps and keep the best checkpoint")
     save_every: int = setting(1000, "checkpoint every this many steps (and at evaluations and at the end)")
     keep: int = setting(3, "keep the last this many checkpoints, plus the best")
     eval_beam_size: int = setting(1, "beam width of the BLEU evaluations during training (1: greedy, fast)")
-    eval_sentences: int | None = setting(None, "BLEU/chrF of the evaluations during training on the first this "
-                                               "many validation sentences; the final evaluation uses all (default: "
-                                               "all; 0: no BLEU at all, loss only)")
+    eval_sentences: int | None = setting(
+        None,
+        "BLEU/chrF of the evaluations during training on the first this "
+        "many validation sentences; the final evaluation uses all (default: "
+        "all; 0: no BLEU at all, loss only)",
+    )
     beam_size: int = setting(4, "beam width of the final evaluation; 1 is greedy search")
     alpha: float = setting(0.6, "length penalty exponent of beam search, ((5+len)/6)^alpha (GNMT)")
     samples: int = setting(5, "sample translations printed by the final evaluation")
@@ -72,7 +88,7 @@ class LoopConfig:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, values: Mapping[str, Any], source: str = "loop settings") -> "LoopConfig":
+    def from_dict(cls, values: Mapping[str, Any], source: str = "loop settings") -> LoopConfig:
         return settings_from_dict(cls, values, source)
 
 
@@ -85,11 +101,14 @@ class ValidationSet:
     references: list[str]
 
     @classmethod
-    def from_encoded(cls, encoded: EncodedCorpus, corpus: Corpus, max_tokens: int) -> "ValidationSet":
+    def from_encoded(cls, encoded: EncodedCorpus, corpus: Corpus, max_tokens: int) -> ValidationSet:
         """`encoded` = encode_corpus(corpus, ...); pairs skipped as too long are left out of both forms."""
         batches = [batch for batch, _ in eval_batches(encoded, max_tokens)]
-        return cls(batches, [corpus.sources[i] for i in encoded.corpus_index],
-                   [corpus.targets[i] for i in encoded.corpus_index])
+        return cls(
+            batches,
+            [corpus.sources[i] for i in encoded.corpus_index],
+            [corpus.targets[i] for i in encoded.corpus_index],
+        )
 
 
 class MetricsLog:
@@ -114,10 +133,12 @@ def truncate_metrics(path: str | os.PathLike, after_step: int) -> None:
     path = Path(path)
     if not path.exists():
         return
-    kept = [line for line in path.read_text(encoding="utf-8").splitlines()
-            if line.strip() and json.loads(line).get("step", 0) <= after_step]
+    kept = [
+        line
+        for line in path.read_text(encoding="utf-8").splitlines()
+        if line.strip() and json.loads(line).get("step", 0) <= after_step
+    ]
     path.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
-
 
 
 class StopSignals:
@@ -128,7 +149,7 @@ class StopSignals:
         self.received: int | None = None
         self._previous = {}
 
-    def __enter__(self) -> "StopSignals":
+    def __enter__(self) -> StopSignals:
         import threading
 
         if threading.current_thread() is threading.main_thread():  # signal handlers only work there
@@ -163,10 +184,23 @@ class Trainer:
     """Runs training steps from a BatchStream, evaluates, checkpoints and logs, until the step budget, the wall
     time budget or a stop signal. `state` may be fresh or restored; `stream` must be positioned to match it."""
 
-    def __init__(self, *, config: TransformerConfig, optim: OptimConfig, tokenizer, stream, state: TrainState,
-                 loop: LoopConfig, run_dir: str | os.PathLike, checkpoints, valid: ValidationSet | None = None,
-                 run_settings: Mapping[str, Any] | None = None, n_devices: int = 1, start_time: float | None = None,
-                 print_fn: Callable[[str], None] = print) -> None:
+    def __init__(
+        self,
+        *,
+        config: TransformerConfig,
+        optim: OptimConfig,
+        tokenizer,
+        stream,
+        state: TrainState,
+        loop: LoopConfig,
+        run_dir: str | os.PathLike,
+        checkpoints,
+        valid: ValidationSet | None = None,
+        run_settings: Mapping[str, Any] | None = None,
+        n_devices: int = 1,
+        start_time: float | None = None,
+        print_fn: Callable[[str], None] = print,
+    ) -> None:
         self.config, self.optim, self.tokenizer, self.stream = config, optim, tokenizer, stream
         self.loop, self.valid, self.checkpoints = loop, valid, checkpoints
         self.run_dir = Path(run_dir)
@@ -190,9 +224,16 @@ class Trainer:
         if self.last_saved_step == self.step:
             return
         state = state_for_saving(unreplicate(self.state, self.n_devices))
-        self.checkpoints.save(self.step, state, config=self.config,
-                              optim=self.optim.to_dict(), tokenizer=self.tokenizer, data_state=self.stream.state(),
-                              run=self.run_settings, metrics=metrics)
+        self.checkpoints.save(
+            self.step,
+            state,
+            config=self.config,
+            optim=self.optim.to_dict(),
+            tokenizer=self.tokenizer,
+            data_state=self.stream.state(),
+            run=self.run_settings,
+            metrics=metrics,
+        )
         self.last_saved_step = self.step
 
     def evaluate(self, *, beam_size: int, final: bool = False) -> tuple[dict[str, float], list]:
@@ -209,29 +250,50 @@ class Trainer:
         if n > 0:
             sources, references = self.valid.sources[:n], self.valid.references[:n]
             try:
-                scores, hypotheses = evaluate_translations(params, self.config, self.tokenizer, sources,
-                                                           references, beam_size=beam_size, alpha=self.loop.alpha,
-                                                           progress=self.loop.progress)
+                scores, hypotheses = evaluate_translations(
+                    params,
+                    self.config,
+                    self.tokenizer,
+                    sources,
+                    references,
+                    beam_size=beam_size,
+                    alpha=self.loop.alpha,
+                    progress=self.loop.progress,
+                )
             except Exception as e:  # a decoding failure must not end a long training run: warn, go on
-                self.print(f"warning: step {self.step}: BLEU evaluation failed ({type(e).__name__}: {e}); "
-                           f"continuing with the validation loss only")
+                self.print(
+                    f"warning: step {self.step}: BLEU evaluation failed ({type(e).__name__}: {e}); "
+                    f"continuing with the validation loss only"
+                )
                 result["decode_error"] = f"{type(e).__name__}: {e}"
             else:
                 result.update(scores, beam_size=beam_size, sentences=len(sources))
-                samples = [(sources[i], references[i], hypotheses[i])
-                           for i in spread_indices(len(sources), self.loop.samples)]
+                samples = [
+                    (sources[i], references[i], hypotheses[i]) for i in spread_indices(len(sources), self.loop.samples)
+                ]
         # The best checkpoint is chosen by BLEU when there is one, else by (minus) the validation loss.
         result["score"] = result.get("bleu", -result["valid_loss"])
-        self.metrics.write({"kind": "eval", "step": self.step, "final": final,
-                            "elapsed_s": round(time.time() - self.start_time, 1), **result})
+        self.metrics.write(
+            {
+                "kind": "eval",
+                "step": self.step,
+                "final": final,
+                "elapsed_s": round(time.time() - self.start_time, 1),
+                **result,
+            }
+        )
         return result, samples
 
     def report(self, result: Mapping[str, float], samples) -> None:
-        line = (f"step {self.step}: valid loss {result['valid_loss']:.3f}, ppl {result['valid_ppl']:.2f}, "
-                f"token accuracy {100 * result['valid_accuracy']:.1f}%")
+        line = (
+            f"step {self.step}: valid loss {result['valid_loss']:.3f}, ppl {result['valid_ppl']:.2f}, "
+            f"token accuracy {100 * result['valid_accuracy']:.1f}%"
+        )
         if "bleu" in result:
-            line += (f", BLEU {result['bleu']:.2f}, chrF {result['chrf']:.2f} "
-                     f"(sacrebleu, {result['sentences']} sentences, beam {result['beam_size']})")
+            line += (
+                f", BLEU {result['bleu']:.2f}, chrF {result['chrf']:.2f} "
+                f"(sacrebleu, {result['sentences']} sentences, beam {result['beam_size']})"
+            )
         elif "decode_error" in result:
             line += " (no BLEU: decoding failed)"
         else:
@@ -261,19 +323,29 @@ class Trainer:
         if not math.isfinite(stats["loss"]):
             # The update just applied came from a non-finite gradient, so the state is ruined. Stop without
             # saving it: the last checkpoint on disk stays the last good one.
-            self.metrics.write({"kind": "train", "step": self.step + 1, "lr": lr, "loss": stats["loss"],
-                                "error": "non-finite loss"})
+            self.metrics.write(
+                {"kind": "train", "step": self.step + 1, "lr": lr, "loss": stats["loss"], "error": "non-finite loss"}
+            )
             raise TrainingError(
                 f"step {self.step + 1}: the training loss is {stats['loss']} (not finite); stopped without "
                 f"saving. The last good checkpoint is step {self.checkpoints.latest_step()} in "
-                f"{self.checkpoints.directory}. Try a lower --lr-scale, a longer --warmup-steps or --clip-norm.")
+                f"{self.checkpoints.directory}. Try a lower --lr-scale, a longer --warmup-steps or --clip-norm."
+            )
         self.step += 1
         tokens, start = self._window
         tokens, now = tokens + stats["tokens"], time.time()
         tokens_per_s = tokens / max(now - start, 1e-9)
         self._window = (0.0, now) if now - start > 10.0 else (tokens, start)  # a ~10 second window
-        self.metrics.write({"kind": "train", "step": self.step, "lr": lr, "tokens_per_s": round(tokens_per_s, 1),
-                            "elapsed_s": round(now - self.start_time, 1), **stats})
+        self.metrics.write(
+            {
+                "kind": "train",
+                "step": self.step,
+                "lr": lr,
+                "tokens_per_s": round(tokens_per_s, 1),
+                "elapsed_s": round(now - self.start_time, 1),
+                **stats,
+            }
+        )
         bar.update(1)
         bar.set_postfix(loss=f"{stats['loss']:.3f}", lr=f"{lr:.2e}", tok_s=f"{tokens_per_s:.0f}", refresh=False)
 
@@ -282,8 +354,14 @@ class Trainer:
         from tqdm.auto import tqdm
 
         loop = self.loop
-        bar = tqdm(total=loop.steps, initial=self.step, unit="step", disable=not loop.progress,
-                   dynamic_ncols=True, mininterval=1.0)
+        bar = tqdm(
+            total=loop.steps,
+            initial=self.step,
+            unit="step",
+            disable=not loop.progress,
+            dynamic_ncols=True,
+            mininterval=1.0,
+        )
         self._window = (0.0, time.time())  # tokens and start time of the tokens/s window
         try:
             with StopSignals() as signals:
@@ -301,8 +379,10 @@ class Trainer:
             bar.close()
             if stopped_by.startswith("SIG"):  # asked to stop: save quickly, no final evaluation
                 self.save()
-                self.print(f"stopped by {stopped_by} at step {self.step}; checkpoint saved in "
-                           f"{self.checkpoints.directory} (resume with --resume {self.run_dir})")
+                self.print(
+                    f"stopped by {stopped_by} at step {self.step}; checkpoint saved in "
+                    f"{self.checkpoints.directory} (resume with --resume {self.run_dir})"
+                )
                 return RunResult(self.step, stopped_by, None, [], self._plot())
             if stopped_by == "time":
                 self.print(f"stopping at step {self.step}: --max-minutes {loop.max_minutes} reached")
@@ -330,4 +410,3 @@ class Trainer:
 # =============================================================================================================
 # 6. Setting up a run: data specs and corpus fingerprints
 # =============================================================================================================
-

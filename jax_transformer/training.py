@@ -16,11 +16,13 @@ Randomness: the dropout key of step s is fold_in(base_key, s) (and, under pmap, 
 index), so it depends only on the step number: a run resumed from a checkpoint draws exactly the same masks.
 Keys are typed (`jax.random.key`); a checkpoint stores their raw words (`jax.random.key_data`).
 """
+
 from __future__ import annotations
 
 import functools
 import math
-from typing import Any, Iterable, Mapping
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 import flax.struct
 import jax
@@ -34,8 +36,18 @@ from jax_transformer.config import OptimConfig, TransformerConfig
 from jax_transformer.losses import loss_sums
 from jax_transformer.model import Transformer, init_params
 
-__all__ = ["OptimConfig", "TrainState", "create_train_state", "restore_train_state", "make_optimizer",
-           "make_train_step", "make_eval_step", "evaluate_loss", "noam_rate", "summarize"]
+__all__ = [
+    "OptimConfig",
+    "TrainState",
+    "create_train_state",
+    "restore_train_state",
+    "make_optimizer",
+    "make_train_step",
+    "make_eval_step",
+    "evaluate_loss",
+    "noam_rate",
+    "summarize",
+]
 
 AXIS = "devices"  # pmap axis name used by the data-parallel step
 # A batch is a dict of (B, L) int32 arrays: src, tgt_in, tgt_out, and for packed rows these as well.
@@ -52,7 +64,7 @@ def noam_rate(step, d_model: int, warmup_steps: int, scale: float = 1.0):
     lrate = scale * d_model^-0.5 * min(step^-0.5, step * warmup^-1.5). Works on Python numbers and jnp arrays."""
     xp = jnp if isinstance(step, jax.Array) else np
     step = xp.maximum(xp.asarray(step, dtype=xp.float32), 1.0)
-    return scale * d_model ** -0.5 * xp.minimum(step ** -0.5, step * warmup_steps ** -1.5)
+    return scale * d_model**-0.5 * xp.minimum(step**-0.5, step * warmup_steps**-1.5)
 
 
 def learning_rate_schedule(d_model: int, opt: OptimConfig) -> optax.Schedule:
@@ -70,8 +82,7 @@ def make_optimizer(config: TransformerConfig, opt: OptimConfig) -> optax.Gradien
     """Adam(b1, b2, eps) on the paper's schedule; clip_by_global_norm first if asked; AdamW if weight_decay > 0."""
     schedule = learning_rate_schedule(config.d_model, opt)
     if opt.weight_decay:
-        adam = optax.adamw(schedule, b1=opt.b1, b2=opt.b2, eps=opt.eps, weight_decay=opt.weight_decay,
-                           mask=_decay_mask)
+        adam = optax.adamw(schedule, b1=opt.b1, b2=opt.b2, eps=opt.eps, weight_decay=opt.weight_decay, mask=_decay_mask)
     else:
         adam = optax.adam(schedule, b1=opt.b1, b2=opt.b2, eps=opt.eps)
     if opt.clip_norm is not None:
@@ -103,8 +114,7 @@ def create_train_state(config: TransformerConfig, opt: OptimConfig, *, seed: int
     tx = make_optimizer(config, opt)
     # The dropout key is derived from the seed but kept apart from the init key (fold_in 1).
     dropout_key = jax.random.fold_in(jax.random.key(seed), 1)
-    return TrainState(step=jnp.array(0, jnp.int32), params=params, opt_state=tx.init(params),
-                      dropout_key=dropout_key)
+    return TrainState(step=jnp.array(0, jnp.int32), params=params, opt_state=tx.init(params), dropout_key=dropout_key)
 
 
 def abstract_train_state(config: TransformerConfig, opt: OptimConfig) -> TrainState:
@@ -123,8 +133,11 @@ def restore_train_state(saved: Mapping[str, Any], config: TransformerConfig, opt
         raise ValueError(f"the saved train state does not fit the model/optimiser config: {e}") from None
     expected = jax.tree_util.tree_flatten_with_path(template.replace(dropout_key=None))[0]
     found = jax.tree_util.tree_leaves(state.replace(dropout_key=None))
-    wrong = [f"{jax.tree_util.keystr(path)} saved {np.shape(have)}, expected {want.shape}"
-             for (path, want), have in zip(expected, found) if tuple(want.shape) != np.shape(have)]
+    wrong = [
+        f"{jax.tree_util.keystr(path)} saved {np.shape(have)}, expected {want.shape}"
+        for (path, want), have in zip(expected, found)
+        if tuple(want.shape) != np.shape(have)
+    ]
     if wrong:
         raise ValueError(f"the saved train state does not fit the model/optimiser config: {'; '.join(wrong[:5])}")
     return state.replace(dropout_key=jax.random.wrap_key_data(jnp.asarray(state.dropout_key, jnp.uint32)))
@@ -141,20 +154,30 @@ def state_for_saving(state: TrainState) -> dict[str, Any]:
 # =============================================================================================================
 
 
-def batch_loss_sums(params, batch: Mapping[str, jax.Array], config: TransformerConfig, label_smoothing: float,
-                    dropout_key=None) -> dict[str, jax.Array]:
+def batch_loss_sums(
+    params, batch: Mapping[str, jax.Array], config: TransformerConfig, label_smoothing: float, dropout_key=None
+) -> dict[str, jax.Array]:
     """Teacher-forced forward pass -> summed loss statistics over the batch's real target tokens (src, tgt_in,
     tgt_out, and `PACKING_KEYS` for packed rows). Dropout is on when a key is given (training), off otherwise."""
     deterministic = dropout_key is None
     rngs = None if deterministic else {"dropout": dropout_key}
     packing = {key: batch[key] for key in PACKING_KEYS if key in batch}  # packed rows: segment ids, positions
-    logits = Transformer(config).apply({"params": params}, batch["src"], batch["tgt_in"],
-                                       deterministic=deterministic, rngs=rngs, **packing)  # (B, T, V)
+    logits = Transformer(config).apply(
+        {"params": params}, batch["src"], batch["tgt_in"], deterministic=deterministic, rngs=rngs, **packing
+    )  # (B, T, V)
     return loss_sums(logits, batch["tgt_out"], config.pad_id, label_smoothing)
 
 
-def train_step(state: TrainState, batch, *, config: TransformerConfig, tx: optax.GradientTransformation,
-               label_smoothing: float, dropout: bool = True, axis_name: str | None = None):
+def train_step(
+    state: TrainState,
+    batch,
+    *,
+    config: TransformerConfig,
+    tx: optax.GradientTransformation,
+    label_smoothing: float,
+    dropout: bool = True,
+    axis_name: str | None = None,
+):
     """One optimiser update. Returns (new state, the batch's loss sums before the update).
 
     Data parallel (axis_name given, inside pmap): each device differentiates the *sum* of its tokens' losses,
@@ -192,11 +215,24 @@ def make_train_step(config: TransformerConfig, opt: OptimConfig, *, n_devices: i
 def _compiled_train_step(config: TransformerConfig, opt: OptimConfig, n_devices: int, dropout: bool):
     tx = make_optimizer(config, opt)
     if n_devices == 1:
-        fn = lambda state, batch: train_step(state, batch, config=config, tx=tx,  # noqa: E731
-                                              label_smoothing=opt.label_smoothing, dropout=dropout)
+        fn = lambda state, batch: train_step(
+            state,
+            batch,
+            config=config,
+            tx=tx,  # noqa: E731
+            label_smoothing=opt.label_smoothing,
+            dropout=dropout,
+        )
         return jax.jit(fn, donate_argnums=0)
-    fn = lambda state, batch: train_step(state, batch, config=config, tx=tx,  # noqa: E731
-                                          label_smoothing=opt.label_smoothing, dropout=dropout, axis_name=AXIS)
+    fn = lambda state, batch: train_step(
+        state,
+        batch,
+        config=config,
+        tx=tx,  # noqa: E731
+        label_smoothing=opt.label_smoothing,
+        dropout=dropout,
+        axis_name=AXIS,
+    )
     return jax.pmap(fn, axis_name=AXIS, donate_argnums=0)
 
 
@@ -213,8 +249,10 @@ def shard_batch(batch: Mapping[str, np.ndarray], n_devices: int) -> dict[str, np
     out = {}
     for key, value in batch.items():
         if value.shape[0] % n_devices:
-            raise ValueError(f"batch[{key!r}] has {value.shape[0]} rows, not divisible by {n_devices} devices; "
-                             f"build the BatchStream with row_multiple={n_devices}")
+            raise ValueError(
+                f"batch[{key!r}] has {value.shape[0]} rows, not divisible by {n_devices} devices; "
+                f"build the BatchStream with row_multiple={n_devices}"
+            )
         out[key] = value.reshape(n_devices, value.shape[0] // n_devices, *value.shape[1:])
     return out
 
@@ -244,8 +282,13 @@ def summarize(sums: Mapping[str, Any]) -> dict[str, float]:
     tokens = float(sums["tokens"])
     denom = max(tokens, 1.0)
     nll = float(sums["nll"]) / denom
-    return {"loss": float(sums["loss"]) / denom, "nll": nll, "ppl": math.exp(min(nll, 700.0)),
-            "accuracy": float(sums["correct"]) / denom, "tokens": tokens}
+    return {
+        "loss": float(sums["loss"]) / denom,
+        "nll": nll,
+        "ppl": math.exp(min(nll, 700.0)),
+        "accuracy": float(sums["correct"]) / denom,
+        "tokens": tokens,
+    }
 
 
 # =============================================================================================================

@@ -16,14 +16,15 @@ per layer and one column per head, with the subword tokens on the axes, as the A
 Rows of the grid are ordered by kind (in the order asked), then layer. Dark = 0, bright = 1 (each row of a map
 is a probability distribution over the x tokens).
 """
+
 from __future__ import annotations
 
 import dataclasses
 import functools
 import json
 import os
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import matplotlib
 
@@ -37,8 +38,11 @@ from jax_transformer.config import TransformerConfig  # noqa: E402
 from jax_transformer.decoding import encode_sources, greedy_search  # noqa: E402
 from jax_transformer.model import Transformer, attention_maps  # noqa: E402
 
-KINDS = {"cross": "decoder/layer_{}/cross_attention", "self": "decoder/layer_{}/self_attention",
-         "encoder": "encoder/layer_{}/self_attention"}
+KINDS = {
+    "cross": "decoder/layer_{}/cross_attention",
+    "self": "decoder/layer_{}/self_attention",
+    "encoder": "encoder/layer_{}/self_attention",
+}
 
 
 def token_labels(tokenizer, ids: Sequence[int], config: TransformerConfig) -> list[str]:
@@ -53,25 +57,34 @@ def _attention_pass(params, src, tgt_in, *, config: TransformerConfig):
     return attention_maps(state["intermediates"])
 
 
-def collect_attention(params, config: TransformerConfig, src: np.ndarray, tgt_in: np.ndarray
-                      ) -> dict[str, np.ndarray]:
+def collect_attention(params, config: TransformerConfig, src: np.ndarray, tgt_in: np.ndarray) -> dict[str, np.ndarray]:
     """One teacher-forced forward pass -> {"decoder/layer_0/cross_attention": (B, H, T, S), ...}."""
     maps = _attention_pass(params, jnp.asarray(src, jnp.int32), jnp.asarray(tgt_in, jnp.int32), config=config)
     return {name: np.asarray(value) for name, value in maps.items()}
 
 
-def attention_figure(maps: dict[str, np.ndarray], config: TransformerConfig, kinds: Sequence[str],
-                     labels: dict[str, list[str]], title: str = "") -> plt.Figure:
+def attention_figure(
+    maps: dict[str, np.ndarray],
+    config: TransformerConfig,
+    kinds: Sequence[str],
+    labels: dict[str, list[str]],
+    title: str = "",
+) -> plt.Figure:
     """The heatmap grid for one sentence (row 0 of each map). `labels` has "source", "decoder_in" and
     "produced" token labels. One grid row per (kind, layer), one column per head."""
     for kind in kinds:
         if kind not in KINDS:
             raise ValueError(f"unknown attention kind {kind!r}; choose from {sorted(KINDS)}")
-    axes_labels = {"cross": (labels["source"], labels["produced"]),
-                   "self": (labels["decoder_in"], labels["produced"]),
-                   "encoder": (labels["source"], labels["source"])}
-    rows = [(kind, layer) for kind in kinds
-            for layer in range(config.num_encoder_layers if kind == "encoder" else config.num_decoder_layers)]
+    axes_labels = {
+        "cross": (labels["source"], labels["produced"]),
+        "self": (labels["decoder_in"], labels["produced"]),
+        "encoder": (labels["source"], labels["source"]),
+    }
+    rows = [
+        (kind, layer)
+        for kind in kinds
+        for layer in range(config.num_encoder_layers if kind == "encoder" else config.num_decoder_layers)
+    ]
     if not rows:
         raise ValueError(f"the model has no layers of kinds {list(kinds)}")
     H = config.num_heads
@@ -79,8 +92,9 @@ def attention_figure(maps: dict[str, np.ndarray], config: TransformerConfig, kin
     n_y = max(len(axes_labels[k][1]) for k in kinds)
     cell_w, cell_h = max(2.2, 0.28 * n_x + 0.9), max(2.0, 0.28 * n_y + 0.9)  # inches; room for the labels
     # "constrained" layout makes room for the tick labels when the figure is drawn (saved), not before.
-    fig, axes = plt.subplots(len(rows), H, figsize=(cell_w * H, cell_h * len(rows)), squeeze=False,
-                             layout="constrained")
+    fig, axes = plt.subplots(
+        len(rows), H, figsize=(cell_w * H, cell_h * len(rows)), squeeze=False, layout="constrained"
+    )
     for r, (kind, layer) in enumerate(rows):
         x_labels, y_labels = axes_labels[kind]
         probs = maps[KINDS[kind].format(layer)][0]  # (H, T_query, T_key)
@@ -104,22 +118,34 @@ class SentenceAttention:
     labels: dict[str, list[str]]  # token labels: "source", "decoder_in", "produced"
 
 
-def sentence_attention(params, config: TransformerConfig, tokenizer, sentence: str, *, max_len_a: float = 1.5,
-                       max_len_b: float = 10) -> SentenceAttention:
+def sentence_attention(
+    params, config: TransformerConfig, tokenizer, sentence: str, *, max_len_a: float = 1.5, max_len_b: float = 10
+) -> SentenceAttention:
     """Translates `sentence` greedily, then re-runs the model over (source, produced target) to collect the maps."""
     src = encode_sources(tokenizer, [sentence], config)[0][None]  # (1, S): tokens + EOS
     tokens, _ = greedy_search(params, config, src, max_len_a=max_len_a, max_len_b=max_len_b)
     produced = [int(t) for t in tokens[0] if t != config.pad_id]  # y1 .. ym, EOS included if emitted
     decoder_in = np.array([[config.bos_id] + produced[:-1]], dtype=np.int32)  # (1, m): row i predicts yi
-    labels = {"source": token_labels(tokenizer, src[0], config),
-              "decoder_in": token_labels(tokenizer, decoder_in[0], config),
-              "produced": token_labels(tokenizer, produced, config)}
+    labels = {
+        "source": token_labels(tokenizer, src[0], config),
+        "decoder_in": token_labels(tokenizer, decoder_in[0], config),
+        "produced": token_labels(tokenizer, produced, config),
+    }
     return SentenceAttention(tokenizer.decode(produced), collect_attention(params, config, src, decoder_in), labels)
 
 
-def plot_attention(params, config: TransformerConfig, tokenizer, sentence: str, path: str | os.PathLike, *,
-                   kinds: Sequence[str] = ("cross",), max_len_a: float = 1.5, max_len_b: float = 10,
-                   dpi: int = 120) -> Path:
+def plot_attention(
+    params,
+    config: TransformerConfig,
+    tokenizer,
+    sentence: str,
+    path: str | os.PathLike,
+    *,
+    kinds: Sequence[str] = ("cross",),
+    max_len_a: float = 1.5,
+    max_len_b: float = 10,
+    dpi: int = 120,
+) -> Path:
     """Translates `sentence` greedily and writes a PNG of the attention maps of `kinds` ("cross", "self",
     "encoder"; see the module docstring) to `path`. Returns the path."""
     result = sentence_attention(params, config, tokenizer, sentence, max_len_a=max_len_a, max_len_b=max_len_b)
@@ -147,10 +173,15 @@ def plot_metrics(metrics_path: str | os.PathLike, png_path: str | os.PathLike) -
     ax_loss.plot(steps, loss, color="tab:blue", alpha=0.25, linewidth=0.8)
     window = max(1, len(loss) // 50)  # a moving average over ~2% of the run
     smooth = np.convolve(loss, np.ones(window) / window, mode="valid")
-    ax_loss.plot(steps[window - 1:], smooth, color="tab:blue", label="train (label-smoothed)")
+    ax_loss.plot(steps[window - 1 :], smooth, color="tab:blue", label="train (label-smoothed)")
     if evals:
-        ax_loss.plot([r["step"] for r in evals], [r["valid_loss"] for r in evals], "o-", color="tab:orange",
-                     label="validation (label-smoothed)")
+        ax_loss.plot(
+            [r["step"] for r in evals],
+            [r["valid_loss"] for r in evals],
+            "o-",
+            color="tab:orange",
+            label="validation (label-smoothed)",
+        )
     ax_loss.set(xlabel="step", ylabel="loss per target token", title="Loss")
     ax_loss.legend()
     scored = [r for r in evals if "bleu" in r]

@@ -10,6 +10,7 @@ run (also without -s), so parity is shown as numbers and not only as a pass.
 The configurations, batches and twin models themselves come from tests/fixtures.py (shared with tests/ and
 benchmarks/); this file holds the pytest side: precision settings, the report, the `config_case` fixture.
 """
+
 from __future__ import annotations
 
 import os
@@ -51,6 +52,7 @@ def pytest_terminal_summary(terminalreporter):
 
 
 # --- the configurations every check runs over (tests/fixtures.py holds them, and the batches and twins) ----
+
 
 @pytest.fixture(params=list(PARITY_CONFIGS), ids=list(PARITY_CONFIGS))
 def config_case(request):

@@ -18,6 +18,7 @@ halfway between two rows' step-0 margins, so no row is near a tie), which also m
 steps. The batch holds a source filling all max_len positions, an empty source (EOS only) and padded rows.
 Finally, a tiny model trained briefly on the default task (peaked, realistic distributions) is compared too.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -74,10 +75,12 @@ def explain_mismatch(model, src, flax_tokens, torch_tokens) -> str:
     """Where the two outputs first differ, and how far apart the two frameworks' choices were (torch log-probs
     after the shared prefix)."""
     row, t = map(int, np.argwhere(flax_tokens != torch_tokens)[0])
-    lp = teacher_forced_log_probs(model, src[row:row + 1], torch_tokens[row:row + 1])[0, t]
+    lp = teacher_forced_log_probs(model, src[row : row + 1], torch_tokens[row : row + 1])[0, t]
     a, b = int(flax_tokens[row, t]), int(torch_tokens[row, t])
-    return (f"row {row} step {t}: flax chose {a} (log-prob {lp[a]:.7f}), torch chose {b} (log-prob {lp[b]:.7f}), "
-            f"gap {abs(lp[a] - lp[b]):.2e}\nflax  {flax_tokens[row].tolist()}\ntorch {torch_tokens[row].tolist()}")
+    return (
+        f"row {row} step {t}: flax chose {a} (log-prob {lp[a]:.7f}), torch chose {b} (log-prob {lp[b]:.7f}), "
+        f"gap {abs(lp[a] - lp[b]):.2e}\nflax  {flax_tokens[row].tolist()}\ntorch {torch_tokens[row].tolist()}"
+    )
 
 
 def with_eos_bias(config, params, src):
@@ -88,8 +91,10 @@ def with_eos_bias(config, params, src):
     return eos_biased(config, params, first)
 
 
-@pytest.fixture(params=[(name, seed) for name in CONFIGS for seed in SEEDS],
-                ids=[f"{name}-seed{seed}" for name in CONFIGS for seed in SEEDS])
+@pytest.fixture(
+    params=[(name, seed) for name in CONFIGS for seed in SEEDS],
+    ids=[f"{name}-seed{seed}" for name in CONFIGS for seed in SEEDS],
+)
 def random_case(request):
     name, seed = request.param
     config = CONFIGS[name]
@@ -111,14 +116,16 @@ def check_same(name, what, model, src, flax_out, torch_out, parity_report):
 
 # --- random models ------------------------------------------------------------------------------------------
 
+
 def test_length_rules_agree():
     """The two implementations' length limits, output widths and length penalties are the same numbers."""
     config = CONFIGS["pre_learned_shared"]
     src = make_src(config, LENGTHS, seed=0)
     src[-1] = config.pad_id  # an all-PAD filler row
     for a, b in ((1.5, 10), (0.0, 6), (1.2, 0.5), (0.7, 3)):
-        assert (decoding.max_new_tokens(src, config, a, b).tolist()
-                == torch_decoding.max_new_tokens(t(src), config, a, b))
+        assert decoding.max_new_tokens(src, config, a, b).tolist() == torch_decoding.max_new_tokens(
+            t(src), config, a, b
+        )
         assert decoding.output_length(MAX_LEN, config, a, b) == torch_decoding.output_length(MAX_LEN, config, a, b)
     for alpha in (0.0, 0.6, 1.0):
         table = decoding.length_penalties(MAX_LEN, alpha)
@@ -132,8 +139,7 @@ def test_greedy_tokens_identical(random_case, parity_report):
         margin = greedy_margin(model, src, flax_out[0], min_len)
         assert margin > MIN_MARGIN, f"near-tie on the greedy path (margin {margin:.1e}): choose another seed"
         for use_cache in (False, True):
-            torch_out = torch_decoding.greedy_search(model, t(src), min_len=min_len,
-                                                     use_cache=use_cache)
+            torch_out = torch_decoding.greedy_search(model, t(src), min_len=min_len, use_cache=use_cache)
             what = f"greedy{' min_len=4' if min_len else ''} vs torch {'cached' if use_cache else 'uncached'}"
             check_same(name, what, model, src, flax_out, torch_out, parity_report)
         if min_len == 0 and not config.tie_output:  # the premise of the EOS bias: some rows end at once
@@ -146,8 +152,9 @@ def test_beam_search_identical(random_case, parity_report):
     for alpha, min_len in ((0.6, 0), (0.0, 3)):
         flax_out = decoding.beam_search(params, config, src, beam_size=4, alpha=alpha, min_len=min_len)
         for use_cache in (False, True):
-            torch_out = torch_decoding.beam_search(model, t(src), beam_size=4, alpha=alpha,
-                                                   min_len=min_len, use_cache=use_cache)
+            torch_out = torch_decoding.beam_search(
+                model, t(src), beam_size=4, alpha=alpha, min_len=min_len, use_cache=use_cache
+            )
             what = f"beam 4 alpha={alpha} min_len={min_len} vs torch {'cached' if use_cache else 'uncached'}"
             check_same(name, what, model, src, flax_out, torch_out, parity_report)
 
@@ -171,6 +178,7 @@ def test_torch_cached_decoder_equals_prefix_decoder(parity_report):
 
 
 # --- a trained model ----------------------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="session")
 def trained():
@@ -204,8 +212,22 @@ def test_trained_model_greedy_and_beam_identical(trained, parity_report):
     assert ended.mean() >= 0.5, f"only {ended.sum()} of {len(ended)} outputs end with EOS: is the model trained?"
     margin = greedy_margin(model, src, greedy[0])
     assert margin > MIN_MARGIN, f"near-tie on the greedy path (margin {margin:.1e})"
-    check_same("trained tiny", "greedy vs torch uncached", model, src, greedy,
-               torch_decoding.greedy_search(model, t(src)), parity_report)
+    check_same(
+        "trained tiny",
+        "greedy vs torch uncached",
+        model,
+        src,
+        greedy,
+        torch_decoding.greedy_search(model, t(src)),
+        parity_report,
+    )
     beam = decoding.beam_search(params, config, src, beam_size=4, alpha=0.6)
-    check_same("trained tiny", "beam 4 alpha=0.6 vs torch uncached", model, src, beam,
-               torch_decoding.beam_search(model, t(src), beam_size=4, alpha=0.6), parity_report)
+    check_same(
+        "trained tiny",
+        "beam 4 alpha=0.6 vs torch uncached",
+        model,
+        src,
+        beam,
+        torch_decoding.beam_search(model, t(src), beam_size=4, alpha=0.6),
+        parity_report,
+    )

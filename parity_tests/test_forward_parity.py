@@ -7,6 +7,7 @@ are LayerNorm-ed to order 1 and logits stay below ~10, so a few layers of such n
 formula, transposed weight, misplaced mask or norm gives differences of order 1e-2 to 1 (see test_port.py's
 deliberate-error test), so 1e-5 separates the two by more than two orders of magnitude in both directions.
 """
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -31,10 +32,15 @@ def test_attention_probabilities_every_layer_and_head(config_case, parity_report
     flax_maps = attention_maps(state["intermediates"])
     with torch.no_grad(), torch_model.record_attention() as torch_maps:
         torch_model(t(src), t(tgt_in))
-    expected = {f"{stack}/layer_{i}/{kind}"
-                for stack, n, kinds in (("encoder", cfg.num_encoder_layers, ["self_attention"]),
-                                        ("decoder", cfg.num_decoder_layers, ["self_attention", "cross_attention"]))
-                for i in range(n) for kind in kinds}
+    expected = {
+        f"{stack}/layer_{i}/{kind}"
+        for stack, n, kinds in (
+            ("encoder", cfg.num_encoder_layers, ["self_attention"]),
+            ("decoder", cfg.num_decoder_layers, ["self_attention", "cross_attention"]),
+        )
+        for i in range(n)
+        for kind in kinds
+    }
     assert set(flax_maps) == expected and set(torch_maps) == expected
     worst = 0.0
     for key in sorted(expected):
@@ -77,9 +83,12 @@ def _forward_both(model, params, torch_model, src, tgt_in):
         t_memory = torch_model.encode(t(src))
         t_hidden = torch_model.decoder_hidden(t_memory, t(src), t(tgt_in))
         t_logits = torch_model.logits(t_hidden)
-    return {"encoder output": (memory, t_memory), "decoder output": (hidden, t_hidden),
-            "logits": (logits, t_logits),
-            "log-probabilities": (jax.nn.log_softmax(logits, -1), torch.log_softmax(t_logits, -1))}
+    return {
+        "encoder output": (memory, t_memory),
+        "decoder output": (hidden, t_hidden),
+        "logits": (logits, t_logits),
+        "log-probabilities": (jax.nn.log_softmax(logits, -1), torch.log_softmax(t_logits, -1)),
+    }
 
 
 @pytest.mark.parametrize("seed", [0, 1])
@@ -123,6 +132,7 @@ def test_base_model_logits(parity_report):
 
 # --- masks: the masks themselves and their effect --------------------------------------------------------
 
+
 def test_masks_identical_in_both_frameworks(parity_report):
     cfg = CONFIGS["post_sinusoidal_tied_relu"]
     batch = make_batch(cfg)
@@ -130,8 +140,10 @@ def test_masks_identical_in_both_frameworks(parity_report):
     pairs = {
         "padding": (masks.padding_mask(jnp.asarray(src), 0), torch_reference.padding_mask(t(src), 0)),
         "causal": (masks.causal_mask(6), torch_reference.causal_mask(6)),
-        "decoder self": (masks.decoder_self_mask(jnp.asarray(tgt_in), 0),
-                         torch_reference.decoder_self_mask(t(tgt_in), 0)),
+        "decoder self": (
+            masks.decoder_self_mask(jnp.asarray(tgt_in), 0),
+            torch_reference.decoder_self_mask(t(tgt_in), 0),
+        ),
     }
     for name, (ours, theirs) in pairs.items():
         assert np.asarray(ours).dtype == np.bool_ and theirs.dtype == torch.bool
@@ -169,8 +181,9 @@ def test_padding_and_future_tokens_have_no_effect(config_case, parity_report):
     changed = np.asarray(model.apply({"params": params}, src, future))
     with torch.no_grad():
         t_changed = torch_model(t(src), t(future)).numpy()
-    diff_future = max(np.abs(changed[rows, :5] - logits[rows, :5]).max(),
-                      np.abs(t_changed[rows, :5] - t_logits[rows, :5]).max())
+    diff_future = max(
+        np.abs(changed[rows, :5] - logits[rows, :5]).max(), np.abs(t_changed[rows, :5] - t_logits[rows, :5]).max()
+    )
     parity_report("mask effect: extra padding", name, diff_pad, ATOL)
     parity_report("mask effect: future target tokens", name, diff_future, ATOL)
     assert diff_pad <= ATOL and diff_future <= ATOL

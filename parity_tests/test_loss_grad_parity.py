@@ -14,6 +14,7 @@ initialisation (about 7e-5 relative): attention there is almost uniform, so thei
 is a difference of nearly equal terms in the softmax backward (p * (g - sum p g)); the absolute disagreement is
 ~5e-9, the same float32 noise as everywhere else.
 """
+
 import jax
 import numpy as np
 import pytest

@@ -7,6 +7,7 @@ Why the match is (nearly) exact: a key of another pair gets the score finfo.min,
 summation order (a longer row sums more exact zeros in another order), so logits agree to ~1e-6 as in
 test_forward_parity.py, and the tolerance is that file's 1e-5 absolute.
 """
+
 from __future__ import annotations
 
 import jax
@@ -16,11 +17,11 @@ import pytest
 import torch
 
 import torch_reference
-from torch_reference.losses import loss_sums as torch_loss_sums
 from jax_transformer.losses import loss_sums
 from jax_transformer.model import Transformer, init_params
 from jax_transformer.port import flax_to_torch
 from tests.fixtures import PARITY_CONFIGS as CONFIGS
+from torch_reference.losses import loss_sums as torch_loss_sums
 
 LOGIT_TOL = 1e-5  # float32 summation order only (see the module docstring)
 GRAD_TOL = 1e-4  # relative to the largest gradient, as test_loss_grad_parity.py
@@ -34,27 +35,32 @@ WIDTH = 16
 def _alone(pair):
     """A one-row, right-padded batch holding only `pair`."""
     src, tgt = pair
-    return {"src": np.array([src], np.int32), "tgt_in": np.array([[1] + tgt], np.int32),
-            "tgt_out": np.array([tgt + [2]], np.int32)}
+    return {
+        "src": np.array([src], np.int32),
+        "tgt_in": np.array([[1] + tgt], np.int32),
+        "tgt_out": np.array([tgt + [2]], np.int32),
+    }
 
 
 def _packed():
     """The pairs packed by ROWS, and for every pair (row, source slice, target slice)."""
-    batch = {k: np.zeros((len(ROWS), WIDTH), np.int32) for k in
-             ("src", "tgt_in", "tgt_out", "src_segments", "tgt_segments", "src_positions", "tgt_positions")}
+    batch = {
+        k: np.zeros((len(ROWS), WIDTH), np.int32)
+        for k in ("src", "tgt_in", "tgt_out", "src_segments", "tgt_segments", "src_positions", "tgt_positions")
+    }
     where = {}
     for r, members in enumerate(ROWS):
         s_at = t_at = 0
         for segment, i in enumerate(members, start=1):
             src, tgt = PAIRS[i]
             ns, nt = len(src), len(tgt) + 1
-            batch["src"][r, s_at:s_at + ns] = src
-            batch["tgt_in"][r, t_at:t_at + nt] = [1] + tgt
-            batch["tgt_out"][r, t_at:t_at + nt] = tgt + [2]
-            batch["src_segments"][r, s_at:s_at + ns] = segment
-            batch["tgt_segments"][r, t_at:t_at + nt] = segment
-            batch["src_positions"][r, s_at:s_at + ns] = np.arange(ns)
-            batch["tgt_positions"][r, t_at:t_at + nt] = np.arange(nt)
+            batch["src"][r, s_at : s_at + ns] = src
+            batch["tgt_in"][r, t_at : t_at + nt] = [1] + tgt
+            batch["tgt_out"][r, t_at : t_at + nt] = tgt + [2]
+            batch["src_segments"][r, s_at : s_at + ns] = segment
+            batch["tgt_segments"][r, t_at : t_at + nt] = segment
+            batch["src_positions"][r, s_at : s_at + ns] = np.arange(ns)
+            batch["tgt_positions"][r, t_at : t_at + nt] = np.arange(nt)
             where[i] = (r, slice(s_at, s_at + ns), slice(t_at, t_at + nt))
             s_at, t_at = s_at + ns, t_at + nt
     return batch, where
@@ -62,8 +68,9 @@ def _packed():
 
 def _flax_logits(model, params, batch):
     packing = {k: jnp.asarray(v) for k, v in batch.items() if k.endswith(("segments", "positions"))}
-    return np.asarray(model.apply({"params": params}, jnp.asarray(batch["src"]), jnp.asarray(batch["tgt_in"]),
-                                  **packing))
+    return np.asarray(
+        model.apply({"params": params}, jnp.asarray(batch["src"]), jnp.asarray(batch["tgt_in"]), **packing)
+    )
 
 
 def _torch_logits(model, batch):
@@ -90,10 +97,12 @@ def test_each_packed_pair_gets_its_own_logits_in_both_frameworks(twins, parity_r
         r, _, t = where[i]
         alone = _alone(pair)
         flax_alone, torch_alone = _flax_logits(model, params, alone)[0], _torch_logits(torch_model, alone)[0]
-        worst["flax packed vs alone"] = max(worst["flax packed vs alone"],
-                                           float(np.abs(flax_packed[r, t] - flax_alone).max()))
-        worst["torch packed vs alone"] = max(worst["torch packed vs alone"],
-                                            float(np.abs(torch_packed[r, t] - torch_alone).max()))
+        worst["flax packed vs alone"] = max(
+            worst["flax packed vs alone"], float(np.abs(flax_packed[r, t] - flax_alone).max())
+        )
+        worst["torch packed vs alone"] = max(
+            worst["torch packed vs alone"], float(np.abs(torch_packed[r, t] - torch_alone).max())
+        )
     real = packed["tgt_segments"] != 0
     worst["flax vs torch, packed"] = float(np.abs(flax_packed - torch_packed)[real].max())
     for check, value in worst.items():
@@ -127,8 +136,13 @@ def test_packed_loss_and_gradients_equal_the_pairs_alone(twins, parity_report):
     assert float(packed_sums["tokens"]) == alone_tokens == sum(len(t) + 1 for _, t in PAIRS)
     loss_diff = abs(float(packed_sums["loss"]) - alone_loss) / alone_loss
     scale = max(float(jnp.abs(g).max()) for g in jax.tree_util.tree_leaves(alone_grads))
-    grad_diff = max(float(jnp.abs(a - b).max()) for a, b in zip(jax.tree_util.tree_leaves(packed_grads),
-                                                                  jax.tree_util.tree_leaves(alone_grads))) / scale
+    grad_diff = (
+        max(
+            float(jnp.abs(a - b).max())
+            for a, b in zip(jax.tree_util.tree_leaves(packed_grads), jax.tree_util.tree_leaves(alone_grads))
+        )
+        / scale
+    )
 
     # The twin on the same packed batch (train mode for autograd, dropout 0 in these configs' eval sense).
     torch_model.train()
@@ -136,8 +150,9 @@ def test_packed_loss_and_gradients_equal_the_pairs_alone(twins, parity_report):
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
     tensors = {k: torch.from_numpy(v.astype(np.int64)) for k, v in packed.items()}
-    logits = torch_model(tensors["src"], tensors["tgt_in"], **{k: v for k, v in tensors.items()
-                                                               if k.endswith(("segments", "positions"))})
+    logits = torch_model(
+        tensors["src"], tensors["tgt_in"], **{k: v for k, v in tensors.items() if k.endswith(("segments", "positions"))}
+    )
     torch_loss_sums(logits, tensors["tgt_out"], config.pad_id, 0.1)["loss"].backward()
     torch_grads = {k: p.grad.numpy() for k, p in torch_model.named_parameters()}
     flax_as_torch = flax_to_torch(jax.device_get(packed_grads))

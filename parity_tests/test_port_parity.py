@@ -1,5 +1,6 @@
 """The weight map both ways: bit-exact round trips, strict errors, explicit dtype handling, a deliberately wrong
 port that the parity checks catch, and check 5: `torch.nn.Transformer` weights give the same logits in Flax."""
+
 import math
 import re
 
@@ -10,8 +11,14 @@ from torch import nn
 
 import torch_reference
 from jax_transformer.model import Transformer
-from jax_transformer.port import (PortError, expected_param_shapes, flax_to_torch, from_nn_transformer, torch_name,
-                                  torch_to_flax)
+from jax_transformer.port import (
+    PortError,
+    expected_param_shapes,
+    flax_to_torch,
+    from_nn_transformer,
+    torch_name,
+    torch_to_flax,
+)
 from tests.fixtures import PARITY_CONFIGS as CONFIGS
 from tests.fixtures import flat, make_batch, max_abs_diff, t, twin_models
 
@@ -40,8 +47,12 @@ def test_bias_switches_remove_exactly_their_parameters():
     cfg = CONFIGS["post_sinusoidal_tied_relu"].replace(tie_output=False, final_norm=True)
     names = lambda c: {torch_name(path) for path in expected_param_shapes(c)}  # noqa: E731
     everything = names(cfg)
-    owners = {"qkv_bias": r"_attention\.(query|key|value|out)\.bias", "ffn_bias": r"feed_forward\.linear[12]\.bias",
-              "norm_bias": r"_norm\.bias", "output_bias": r"output_proj\.bias"}
+    owners = {
+        "qkv_bias": r"_attention\.(query|key|value|out)\.bias",
+        "ffn_bias": r"feed_forward\.linear[12]\.bias",
+        "norm_bias": r"_norm\.bias",
+        "output_bias": r"output_proj\.bias",
+    }
     for field, pattern in owners.items():
         off = cfg.replace(**{field: False})
         flax_names = names(off)
@@ -67,8 +78,7 @@ def test_strict_errors_list_every_offending_name():
     assert "missing encoder.layers.0.self_attention.query.weight: expected shape (64, 64)" in message
     assert "missing decoder.layers.1.feed_forward_norm.bias: expected shape (64,)" in message
     assert "unexpected encoder.layers.9.self_attention.query.weight: shape (64, 64)" in message
-    assert ("shape mismatch decoder.layers.0.feed_forward.linear1.weight: expected (128, 64), got (64, 128)"
-            in message)
+    assert "shape mismatch decoder.layers.0.feed_forward.linear1.weight: expected (128, 64), got (64, 128)" in message
 
 
 def test_dtypes_are_refused_or_converted_explicitly():
@@ -100,8 +110,9 @@ def test_a_wrong_port_is_caught(parity_report):
     wrong = torch_to_flax(state, cfg)
     with torch.no_grad():
         reference = torch_model(t(src), t(tgt_in))
-    right_diff = max_abs_diff(model.apply({"params": torch_to_flax(torch_model.state_dict(), cfg)}, src, tgt_in),
-                              reference)
+    right_diff = max_abs_diff(
+        model.apply({"params": torch_to_flax(torch_model.state_dict(), cfg)}, src, tgt_in), reference
+    )
     wrong_diff = max_abs_diff(model.apply({"params": wrong}, src, tgt_in), reference)
     parity_report("deliberately transposed kernel (must fail)", "post_sinusoidal_tied_relu", wrong_diff, ATOL)
     assert right_diff <= ATOL
@@ -110,18 +121,30 @@ def test_a_wrong_port_is_caught(parity_report):
 
 # --- torch.nn.Transformer ---------------------------------------------------------------------------------
 
+
 class NNTransformerSeq2Seq(nn.Module):
     """How people build a translation model around torch.nn.Transformer: embeddings scaled by sqrt(d), sinusoidal
     positions, nn.Transformer (batch_first), a linear output layer."""
 
-    def __init__(self, vocab, d_model=64, nhead=4, layers=2, d_ff=128, norm_first=False, activation="relu",
-                 bias=True, max_len=32):
+    def __init__(
+        self, vocab, d_model=64, nhead=4, layers=2, d_ff=128, norm_first=False, activation="relu", bias=True, max_len=32
+    ):
         super().__init__()
         self.d_model = d_model
         self.src_embed = nn.Embedding(vocab, d_model)
         self.tgt_embed = nn.Embedding(vocab, d_model)
-        self.transformer = nn.Transformer(d_model, nhead, layers, layers, d_ff, dropout=0.0, batch_first=True,
-                                          norm_first=norm_first, activation=activation, bias=bias)
+        self.transformer = nn.Transformer(
+            d_model,
+            nhead,
+            layers,
+            layers,
+            d_ff,
+            dropout=0.0,
+            batch_first=True,
+            norm_first=norm_first,
+            activation=activation,
+            bias=bias,
+        )
         self.generator = nn.Linear(d_model, vocab, bias=bias)
         position = torch.arange(max_len)[:, None]
         div = torch.exp(torch.arange(0, d_model, 2) * (-math.log(10000.0) / d_model))
@@ -135,15 +158,22 @@ class NNTransformerSeq2Seq(nn.Module):
     def forward(self, src, tgt, pad_id=0):
         embed = lambda e, x: e(x) * math.sqrt(self.d_model) + self.pe[: x.shape[1]]
         causal = torch.triu(torch.ones(tgt.shape[1], tgt.shape[1], dtype=torch.bool), 1)  # True = blocked
-        out = self.transformer(embed(self.src_embed, src), embed(self.tgt_embed, tgt), tgt_mask=causal,
-                               src_key_padding_mask=src == pad_id, tgt_key_padding_mask=tgt == pad_id,
-                               memory_key_padding_mask=src == pad_id)
+        out = self.transformer(
+            embed(self.src_embed, src),
+            embed(self.tgt_embed, tgt),
+            tgt_mask=causal,
+            src_key_padding_mask=src == pad_id,
+            tgt_key_padding_mask=tgt == pad_id,
+            memory_key_padding_mask=src == pad_id,
+        )
         return self.generator(out)
 
 
 # Each bias setting with both norm placements and both activations; bias=False also drops the output layer's bias.
-@pytest.mark.parametrize("norm_first,activation,bias", [(False, "relu", True), (True, "gelu", True),
-                                                        (False, "gelu", False), (True, "relu", False)])
+@pytest.mark.parametrize(
+    "norm_first,activation,bias",
+    [(False, "relu", True), (True, "gelu", True), (False, "gelu", False), (True, "relu", False)],
+)
 def test_nn_transformer_import_gives_same_logits(norm_first, activation, bias, parity_report):
     torch.manual_seed(0)
     vocab = 53
@@ -157,14 +187,26 @@ def test_nn_transformer_import_gives_same_logits(norm_first, activation, bias, p
     # Train mode with dropout 0 keeps torch on its plain math path (its eval-mode "fast path" packs padded
     # sequences into nested tensors and zeroes padded encoder outputs, a different but equivalent computation).
     theirs.train()
-    cfg = torch_reference.config_from_nn_transformer(theirs.transformer, src_vocab_size=vocab, tgt_vocab_size=vocab,
-                                                     max_len=32, tie_output=False, output_bias=bias, dropout=0.0,
-                                                     embedding_dropout=0.0)
+    cfg = torch_reference.config_from_nn_transformer(
+        theirs.transformer,
+        src_vocab_size=vocab,
+        tgt_vocab_size=vocab,
+        max_len=32,
+        tie_output=False,
+        output_bias=bias,
+        dropout=0.0,
+        embedding_dropout=0.0,
+    )
     assert cfg.final_norm and cfg.norm_first == norm_first and cfg.activation == activation
     assert cfg.qkv_bias == cfg.ffn_bias == cfg.norm_bias == bias
-    params = from_nn_transformer(theirs.transformer.state_dict(), cfg,
-                                 source_embedding=theirs.src_embed.weight, target_embedding=theirs.tgt_embed.weight,
-                                 output_weight=theirs.generator.weight, output_bias=theirs.generator.bias)
+    params = from_nn_transformer(
+        theirs.transformer.state_dict(),
+        cfg,
+        source_embedding=theirs.src_embed.weight,
+        target_embedding=theirs.tgt_embed.weight,
+        output_weight=theirs.generator.weight,
+        output_bias=theirs.generator.bias,
+    )
     batch = make_batch(cfg, seed=9)
     src, tgt_in = batch["src"], batch["tgt_in"]
     # torch.nn.MultiheadAttention gives NaN for a query whose keys are all masked (softmax over -inf), so the
@@ -174,20 +216,31 @@ def test_nn_transformer_import_gives_same_logits(norm_first, activation, bias, p
     with torch.no_grad():
         reference = theirs(t(src[:-1]), t(tgt_in[:-1]))
     diff = max_abs_diff(ours[:-1], reference)
-    parity_report("logits vs torch.nn.Transformer", f"{'pre' if norm_first else 'post'} {activation} bias={bias}",
-                  diff, ATOL)
+    parity_report(
+        "logits vs torch.nn.Transformer", f"{'pre' if norm_first else 'post'} {activation} bias={bias}", diff, ATOL
+    )
     assert diff <= ATOL
 
 
 def test_nn_transformer_import_is_strict():
     cfg = torch_reference.config_from_nn_transformer(
-        nn.Transformer(64, 4, 2, 2, 128, batch_first=True), src_vocab_size=53, tgt_vocab_size=53, max_len=32,
-        tie_output=False)
+        nn.Transformer(64, 4, 2, 2, 128, batch_first=True),
+        src_vocab_size=53,
+        tgt_vocab_size=53,
+        max_len=32,
+        tie_output=False,
+    )
     model = nn.Transformer(64, 4, 1, 2, 128, batch_first=True)  # one encoder layer fewer than the config says
     embed = np.zeros((53, 64), np.float32)
     with pytest.raises(PortError, match=r"missing encoder\.layers\.1\.self_attention\.query\.weight"):
-        from_nn_transformer(model.state_dict(), cfg, source_embedding=embed, target_embedding=embed,
-                            output_weight=embed, output_bias=np.zeros(53, np.float32))
+        from_nn_transformer(
+            model.state_dict(),
+            cfg,
+            source_embedding=embed,
+            target_embedding=embed,
+            output_weight=embed,
+            output_bias=np.zeros(53, np.float32),
+        )
 
 
 def test_nn_transformer_config_refuses_what_one_switch_cannot_say():

@@ -23,6 +23,7 @@ What is compared, and the tolerance of each:
    (softmax is unchanged by adding q.b_k to every score of a row), both frameworks update them from rounding noise
    alone, and no output depends on them. Check 4 asserts that their gradient is indeed at noise level.
 """
+
 import jax
 import numpy as np
 import pytest
@@ -95,15 +96,18 @@ def test_three_optimizer_steps_match(case, optim_name, parity_report):
         lr_errors.append(abs(scheduler.get_last_lr()[0] - lr) / lr)
         grads = gradient(state.params, batch)  # the gradient jax_step is about to use (state not donated here)
         grads_np = _as_torch_names(grads)
-        key_bias_grad = max([key_bias_grad] + [float(np.max(np.abs(g))) for k, g in grads_np.items()
-                                               if k.endswith("key.bias")])
+        key_bias_grad = max(
+            [key_bias_grad] + [float(np.max(np.abs(g))) for k, g in grads_np.items() if k.endswith("key.bias")]
+        )
 
         state, sums = jax_step(state, batch)
         torch_sums = torch_training.train_step(torch_model, optimizer, scheduler, batch, optim)
         losses.append((float(sums["loss"] / sums["tokens"]), torch_sums["loss"] / torch_sums["tokens"], lr))
         if optim.clip_norm is None:  # torch's .grad is this step's gradient (clipping would have scaled it)
-            grad_diff = max(grad_diff, max(float(np.max(np.abs(p.grad.numpy() - grads_np[k])))
-                                           for k, p in torch_model.named_parameters()))
+            grad_diff = max(
+                grad_diff,
+                max(float(np.max(np.abs(p.grad.numpy() - grads_np[k]))) for k, p in torch_model.named_parameters()),
+            )
 
         # the rule alone, on identical gradients
         updates, rule_opt_state = tx.update(grads, rule_opt_state, rule_params)
@@ -123,16 +127,21 @@ def test_three_optimizer_steps_match(case, optim_name, parity_report):
 
     worst_loss = max(abs(a - b) / abs(b) for a, b, _ in losses)
     worst_rule = max(float(np.max(np.abs(rule_jax[k] - rule_torch[k]))) for k in initial)
-    relative = {k: float(np.linalg.norm(final_jax[k] - final_torch[k]) / np.linalg.norm(final_jax[k] - initial[k]))
-                for k in initial if not k.endswith("key.bias")}
+    relative = {
+        k: float(np.linalg.norm(final_jax[k] - final_torch[k]) / np.linalg.norm(final_jax[k] - initial[k]))
+        for k in initial
+        if not k.endswith("key.bias")
+    }
     worst_tensor = max(relative, key=relative.get)
     moved = min(float(np.max(np.abs(final_jax[k] - initial[k]))) for k in relative)
-    print(f"\n[{case} / {optim_name}] loss per step jax vs torch (lr): "
-          + ", ".join(f"{a:.7f} vs {b:.7f} ({lr:.2e})" for a, b, lr in losses)
-          + f"\n  gradients differ by <= {grad_diff:.2e}; key-bias gradients <= {key_bias_grad:.2e}"
-          + f"\n  same gradients, optimiser rule: params differ by <= {worst_rule:.2e}"
-          + f"\n  end to end: worst tensor {worst_tensor} differs by {relative[worst_tensor]:.2e} of its movement;"
-          + f" every tensor moved by >= {moved:.2e}")
+    print(
+        f"\n[{case} / {optim_name}] loss per step jax vs torch (lr): "
+        + ", ".join(f"{a:.7f} vs {b:.7f} ({lr:.2e})" for a, b, lr in losses)
+        + f"\n  gradients differ by <= {grad_diff:.2e}; key-bias gradients <= {key_bias_grad:.2e}"
+        + f"\n  same gradients, optimiser rule: params differ by <= {worst_rule:.2e}"
+        + f"\n  end to end: worst tensor {worst_tensor} differs by {relative[worst_tensor]:.2e} of its movement;"
+        + f" every tensor moved by >= {moved:.2e}"
+    )
     parity_report(f"train loss, {STEPS} steps ({optim_name}), rel", case, worst_loss, LOSS_RTOL)
     parity_report(f"optimiser rule, same grads ({optim_name})", case, worst_rule, RULE_ATOL)
     parity_report(f"params end to end ({optim_name}), rel/tensor", case, relative[worst_tensor], TENSOR_RTOL)

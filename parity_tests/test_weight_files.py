@@ -1,6 +1,7 @@
 """Weight files (`jax_transformer.export`): torch.save and safetensors exports round-trip bit-exactly, a safetensors
 export loads into torch_reference without pickle and gives the Flax logits, the format is read off the content, and
 broken files fail with errors naming the file."""
+
 import base64
 
 import jax
@@ -117,9 +118,10 @@ def test_broken_files_give_errors_naming_the_file(tmp_path):
     header_end = 8 + int.from_bytes(good["safetensors"][:8], "little")
     cases = {  # file -> what the error says
         write("cut_data.safetensors", good["safetensors"][:-100]): "cannot read as a safetensors file",
-        write("cut_header.safetensors", good["safetensors"][:header_end - 10]): "truncated safetensors file",
-        write("bad_json.safetensors", good["safetensors"][:9] + b"!" + good["safetensors"][10:]):
-            "corrupt safetensors header",
+        write("cut_header.safetensors", good["safetensors"][: header_end - 10]): "truncated safetensors file",
+        write(
+            "bad_json.safetensors", good["safetensors"][:9] + b"!" + good["safetensors"][10:]
+        ): "corrupt safetensors header",
         write("cut.pt", good["torch"][: len(good["torch"]) // 2]): "cannot read as a PyTorch (torch.save) file",
         write("noise.bin", bytes(range(256)) * 4): "neither a safetensors file nor",
     }
@@ -137,8 +139,9 @@ def test_broken_files_give_errors_naming_the_file(tmp_path):
     with pytest.raises(PortError, match=r"half\.safetensors: tensors that are not float32: .*\(BF16\)"):
         import_weights(half, cfg)
     converted, _, _ = import_weights(half, cfg, convert_dtypes=True)
-    _assert_same_params(torch_to_flax({k: v.to(torch.bfloat16) for k, v in state.items()}, cfg,
-                                      convert_dtypes=True), converted)
+    _assert_same_params(
+        torch_to_flax({k: v.to(torch.bfloat16) for k, v in state.items()}, cfg, convert_dtypes=True), converted
+    )
 
     # wrong and missing names: the port's list, with the file named
     wrong = {k.replace("encoder.layers.1.", "encoder.layers.7."): v for k, v in state.items()}

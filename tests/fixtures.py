@@ -14,9 +14,11 @@ Conventions, everywhere below:
 Nothing here imports jax or torch at module level: the benchmark imports this module before it has set up the
 compilation caches that jax and torch read when they are first imported (benchmarks/run.py, isolate_caches).
 """
+
 from __future__ import annotations
 
-from typing import Any, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -26,8 +28,16 @@ from jax_transformer.config import TransformerConfig, preset
 # Configurations
 # =============================================================================================================
 
-_SMALL = dict(d_model=64, num_heads=4, d_ff=128, num_encoder_layers=2, num_decoder_layers=2, max_len=32,
-              src_vocab_size=97, tgt_vocab_size=89)
+_SMALL = dict(
+    d_model=64,
+    num_heads=4,
+    d_ff=128,
+    num_encoder_layers=2,
+    num_decoder_layers=2,
+    max_len=32,
+    src_vocab_size=97,
+    tgt_vocab_size=89,
+)
 
 # The configurations every parity check runs over (parity_tests/conftest.py's `config_case` fixture).
 PARITY_CONFIGS: dict[str, TransformerConfig] = {
@@ -35,13 +45,22 @@ PARITY_CONFIGS: dict[str, TransformerConfig] = {
     "post_sinusoidal_tied_relu": TransformerConfig(**_SMALL),
     # the Annotated Transformer's layout: pre-norm with final norms; plus learned positions, untied, gelu, no bias
     # (and no bias anywhere: attention, feed-forward, LayerNorms, the output head, as nn.Transformer(bias=False))
-    "pre_learned_untied_gelu_nobias": TransformerConfig(**_SMALL, norm_first=True, final_norm=True,
-                                                        positions="learned", tie_output=False,
-                                                        activation="gelu", qkv_bias=False, ffn_bias=False,
-                                                        norm_bias=False, output_bias=False),
+    "pre_learned_untied_gelu_nobias": TransformerConfig(
+        **_SMALL,
+        norm_first=True,
+        final_norm=True,
+        positions="learned",
+        tie_output=False,
+        activation="gelu",
+        qkv_bias=False,
+        ffn_bias=False,
+        norm_bias=False,
+        output_bias=False,
+    ),
     # one shared source/target table, unscaled embeddings, post-norm with final norms
-    "post_shared_unscaled_final": TransformerConfig(**{**_SMALL, "tgt_vocab_size": 97}, share_embeddings=True,
-                                                    scale_embeddings=False, final_norm=True),
+    "post_shared_unscaled_final": TransformerConfig(
+        **{**_SMALL, "tgt_vocab_size": 97}, share_embeddings=True, scale_embeddings=False, final_norm=True
+    ),
 }
 
 # The paper's base model (512, 8 heads, 2048, 6+6, post-norm, sinusoidal, ReLU) with a small vocabulary: the
@@ -54,17 +73,27 @@ DECODING_VOCAB = 40
 DECODING_MAX_LEN = 16
 DECODING_CONFIGS: dict[str, TransformerConfig] = {
     # the paper: post-norm, sinusoidal; untied output, whose bias lets a test move EOS up (see eos_biased)
-    "post_sinusoidal_untied": preset("tiny", src_vocab_size=DECODING_VOCAB, tgt_vocab_size=DECODING_VOCAB,
-                                     max_len=DECODING_MAX_LEN, tie_output=False),
+    "post_sinusoidal_untied": preset(
+        "tiny", src_vocab_size=DECODING_VOCAB, tgt_vocab_size=DECODING_VOCAB, max_len=DECODING_MAX_LEN, tie_output=False
+    ),
     # pre-norm with final norms, learned positions, one shared (tied) embedding table, gelu
-    "pre_learned_shared": preset("tiny", src_vocab_size=DECODING_VOCAB, tgt_vocab_size=DECODING_VOCAB,
-                                 max_len=DECODING_MAX_LEN, norm_first=True, final_norm=True, positions="learned",
-                                 share_embeddings=True, activation="gelu"),
+    "pre_learned_shared": preset(
+        "tiny",
+        src_vocab_size=DECODING_VOCAB,
+        tgt_vocab_size=DECODING_VOCAB,
+        max_len=DECODING_MAX_LEN,
+        norm_first=True,
+        final_norm=True,
+        positions="learned",
+        share_embeddings=True,
+        activation="gelu",
+    ),
 }
 
 
 # The unit-test model: one config, optimiser and batch shape (`unit_batch`) for the in-process training tests,
 # so that the compiled train step (cached by make_train_step) is built once per pytest process.
+
 
 def unit_config() -> TransformerConfig:
     """The tiny preset with a 50-token vocabulary and 16 positions (dropout 0.1, label smoothing 0.1)."""
@@ -95,15 +124,16 @@ def _first_word(config: TransformerConfig) -> int:
     return max(config.pad_id, config.bos_id, config.eos_id) + 2
 
 
-def make_src(config: TransformerConfig, lengths: Sequence[int], *, seed: int = 0, width: int | None = None
-             ) -> np.ndarray:
+def make_src(
+    config: TransformerConfig, lengths: Sequence[int], *, seed: int = 0, width: int | None = None
+) -> np.ndarray:
     """Right-padded sources (len(lengths), width) int32: row i holds lengths[i] - 1 random ids >= 3 (no PAD, BOS
     or EOS), then EOS, then PAD. A length of 1 is an empty sentence (EOS only); a length equal to `width` (default
     config.max_len) fills the row."""
     rng = np.random.default_rng(seed)
     src = np.full((len(lengths), width or config.max_len), config.pad_id, np.int32)
     for row, n in enumerate(lengths):
-        src[row, :n - 1] = rng.integers(3, config.src_vocab_size, n - 1)
+        src[row, : n - 1] = rng.integers(3, config.src_vocab_size, n - 1)
         src[row, n - 1] = config.eos_id
     return src
 
@@ -112,8 +142,17 @@ def make_src(config: TransformerConfig, lengths: Sequence[int], *, seed: int = 0
 LAYOUTS = ("staircase", "drawn", "noise")
 
 
-def make_batch(config: TransformerConfig, seed: int = 0, rows: int = 4, src_len: int = 11, tgt_len: int = 9, *,
-               layout: str = "staircase", padding_row: bool = True, src_eos: bool = True) -> dict[str, np.ndarray]:
+def make_batch(
+    config: TransformerConfig,
+    seed: int = 0,
+    rows: int = 4,
+    src_len: int = 11,
+    tgt_len: int = 9,
+    *,
+    layout: str = "staircase",
+    padding_row: bool = True,
+    src_eos: bool = True,
+) -> dict[str, np.ndarray]:
     """A teacher-forcing batch with ragged right padding: {"src": (rows, src_len), "tgt_in": (rows, tgt_len),
     "tgt_out": (rows, tgt_len)}, int32. With `padding_row` the last row is all padding (it must count zero
     target tokens and stay finite).
@@ -185,12 +224,13 @@ def pad_rows(rows: Sequence[Sequence[int]], width: int | None = None, pad_id: in
     """Id lists as one right-padded int32 array (len(rows), width); width defaults to the longest row."""
     out = np.full((len(rows), width or max(map(len, rows))), pad_id, np.int32)
     for row, ids in enumerate(rows):
-        out[row, :len(ids)] = ids
+        out[row, : len(ids)] = ids
     return out
 
 
-def corpus_batches(encoded, config: TransformerConfig, rows: int, width: int | None = None, seed: int = 0
-                   ) -> Iterator[dict[str, np.ndarray]]:
+def corpus_batches(
+    encoded, config: TransformerConfig, rows: int, width: int | None = None, seed: int = 0
+) -> Iterator[dict[str, np.ndarray]]:
     """Endless batches of `rows` random pairs of an EncodedCorpus (jax_transformer.data), all of one shape
     (rows, width; width defaults to config.max_len), so a train step compiles once. The data.py convention:
     src = tokens + EOS (as encoded), tgt_in = BOS + tokens, tgt_out = tokens + EOS, PAD after. Pairs are drawn
@@ -201,9 +241,9 @@ def corpus_batches(encoded, config: TransformerConfig, rows: int, width: int | N
         batch = {key: np.full((rows, width), config.pad_id, np.int32) for key in ("src", "tgt_in", "tgt_out")}
         for row, i in enumerate(rng.choice(len(encoded), rows, replace=False)):
             source, target = encoded.src[i], encoded.tgt[i]
-            batch["src"][row, :len(source)] = source
-            batch["tgt_in"][row, :len(target) + 1] = np.concatenate([[config.bos_id], target])
-            batch["tgt_out"][row, :len(target) + 1] = np.concatenate([target, [config.eos_id]])
+            batch["src"][row, : len(source)] = source
+            batch["tgt_in"][row, : len(target) + 1] = np.concatenate([[config.bos_id], target])
+            batch["tgt_out"][row, : len(target) + 1] = np.concatenate([target, [config.eos_id]])
         yield batch
 
 

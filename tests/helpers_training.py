@@ -2,6 +2,7 @@
 
 The in-process unit-test model, optimiser and batch (unit_config, unit_optim, unit_batch) and `flat` are in
 tests/fixtures.py."""
+
 from __future__ import annotations
 
 import contextlib
@@ -35,15 +36,53 @@ def write_corpus(directory: Path, *, empty_line: bool = False, long_line: bool =
     return path
 
 
-def tiny_train_args(run_dir: Path, train: Path, *, steps: int, save_every: int = 1000, valid: Path | None = None,
-                    extra: tuple[str, ...] = ()) -> list[str]:
+def tiny_train_args(
+    run_dir: Path,
+    train: Path,
+    *,
+    steps: int,
+    save_every: int = 1000,
+    valid: Path | None = None,
+    extra: tuple[str, ...] = (),
+) -> list[str]:
     """train.py flags for a one-layer tiny model that trains in seconds: short sentences and max_len 16 keep it
     to two batch shapes (two compilations, fewer with layers 1); without `valid` nothing is evaluated."""
-    args = ["train", "--tsv", str(train), "--preset", "tiny", "--num-encoder-layers", "1", "--num-decoder-layers", "1",
-            "--vocab-size", "100", "--tokenizer-type", "bpe", "--max-len", "16", "--max-tokens", "512",
-            "--warmup-steps", "20", "--lr-scale", "2",
-            "--steps", str(steps), "--eval-every", "1000", "--save-every", str(save_every), "--eval-sentences", "0",
-            "--samples", "0", "--no-progress", "--run-dir", str(run_dir)]
+    args = [
+        "train",
+        "--tsv",
+        str(train),
+        "--preset",
+        "tiny",
+        "--num-encoder-layers",
+        "1",
+        "--num-decoder-layers",
+        "1",
+        "--vocab-size",
+        "100",
+        "--tokenizer-type",
+        "bpe",
+        "--max-len",
+        "16",
+        "--max-tokens",
+        "512",
+        "--warmup-steps",
+        "20",
+        "--lr-scale",
+        "2",
+        "--steps",
+        str(steps),
+        "--eval-every",
+        "1000",
+        "--save-every",
+        str(save_every),
+        "--eval-sentences",
+        "0",
+        "--samples",
+        "0",
+        "--no-progress",
+        "--run-dir",
+        str(run_dir),
+    ]
     if valid is not None:
         args += ["--valid-tsv", str(valid)]
     return args + list(extra)
@@ -69,8 +108,9 @@ def start_train_process(argv: list[str], log: Path, compile_cache: Path | None =
     if compile_cache is not None:
         env.update(JAX_COMPILATION_CACHE_DIR=str(compile_cache), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
     with open(log, "wb") as f:
-        return subprocess.Popen([sys.executable, str(REPO / "train.py"), *argv], stdout=f, stderr=subprocess.STDOUT,
-                                env=env, cwd=str(REPO))
+        return subprocess.Popen(
+            [sys.executable, str(REPO / "train.py"), *argv], stdout=f, stderr=subprocess.STDOUT, env=env, cwd=str(REPO)
+        )
 
 
 def wait_for(condition, process: subprocess.Popen, log: Path, timeout: float = 180.0) -> None:

@@ -4,6 +4,7 @@ The harness runs in a subprocess on the tiny preset for one repetition of its ch
 the JSON it writes must have the promised structure. Nothing here asserts a speed: timings belong to the
 benchmark's output, not to tests.
 """
+
 import json
 import math
 import subprocess
@@ -28,13 +29,39 @@ def _positive(x) -> bool:
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory):
     out = tmp_path_factory.mktemp("benchmark")
-    cmd = [sys.executable, str(RUN), "--presets", "tiny", "--sections", "train,flops", "--repeats", "1",
-           "--warmup", "1", "--torch-variants", "default,fused", "--vocab", "64", "--batch-size", "8",
-           "--length", "8", "--peak-size", "128", "--json", str(out / "b.json"), "--markdown", str(out / "b.md")]
+    cmd = [
+        sys.executable,
+        str(RUN),
+        "--presets",
+        "tiny",
+        "--sections",
+        "train,flops",
+        "--repeats",
+        "1",
+        "--warmup",
+        "1",
+        "--torch-variants",
+        "default,fused",
+        "--vocab",
+        "64",
+        "--batch-size",
+        "8",
+        "--length",
+        "8",
+        "--peak-size",
+        "128",
+        "--json",
+        str(out / "b.json"),
+        "--markdown",
+        str(out / "b.md"),
+    ]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"benchmark failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
-    return {"json": json.loads((out / "b.json").read_text()), "markdown": (out / "b.md").read_text(),
-            "stdout": proc.stdout}
+    return {
+        "json": json.loads((out / "b.json").read_text()),
+        "markdown": (out / "b.md").read_text(),
+        "stdout": proc.stdout,
+    }
 
 
 def test_json_describes_the_machine(smoke):
@@ -96,15 +123,18 @@ def test_markdown_and_stdout_hold_the_table(smoke):
     assert smoke["json"]["machine"]["cpu_model"] in smoke["stdout"]
 
 
-@pytest.mark.parametrize("overrides", [
-    {},
-    dict(num_encoder_layers=1, num_decoder_layers=3, d_ff=48, tie_output=False),
-    dict(norm_first=True, final_norm=True, tgt_vocab_size=50),
-])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {},
+        dict(num_encoder_layers=1, num_decoder_layers=3, d_ff=48, tie_output=False),
+        dict(norm_first=True, final_norm=True, tgt_vocab_size=50),
+    ],
+)
 def test_flop_formula_matches_the_traced_step(overrides):
     """train_step_matmul_flops (from the shapes) against the dot_general ops jax traces for one step, with
     source and target lengths that differ so that S and T cannot be swapped unnoticed."""
-    from benchmarks.flops import train_step_matmul_flops, traced_train_step_matmul_flops
+    from benchmarks.flops import traced_train_step_matmul_flops, train_step_matmul_flops
 
     config = preset("tiny", **{"src_vocab_size": 60, "tgt_vocab_size": 60, **overrides})
     B, S, T = 3, 7, 5

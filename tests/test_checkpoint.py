@@ -1,4 +1,5 @@
 """Checkpoints: exact round trip, which steps are kept, config mismatches, and exact resume through train.py."""
+
 from __future__ import annotations
 
 import json
@@ -37,8 +38,15 @@ def test_save_restore_round_trip_is_exact(tmp_path, tokenizer):
     state = _trained_state()
     manager = ckpt_lib.CheckpointManager(tmp_path / "ckpt")
     data_state = {"epoch": 3, "index": 7, "batches_per_epoch": 11}
-    manager.save(2, training.state_for_saving(state), config=CONFIG, optim=OPTIM.to_dict(), tokenizer=tokenizer, data_state=data_state,
-                 run={"seed": 5})
+    manager.save(
+        2,
+        training.state_for_saving(state),
+        config=CONFIG,
+        optim=OPTIM.to_dict(),
+        tokenizer=tokenizer,
+        data_state=data_state,
+        run={"seed": 5},
+    )
     manager.close()
 
     restored = ckpt_lib.load(tmp_path / "ckpt", "latest")
@@ -59,7 +67,14 @@ def test_keeps_the_last_k_and_the_best(tmp_path, tokenizer):
     scores = {2: 10.0, 4: 30.0, 6: 20.0}  # step 4 is the best; steps 1, 3, 5, 7, 8 carry no score
     for step in range(1, 9):
         metrics = {"score": scores[step]} if step in scores else None
-        manager.save(step, training.state_for_saving(state), config=CONFIG, optim=OPTIM.to_dict(), tokenizer=tokenizer, metrics=metrics)
+        manager.save(
+            step,
+            training.state_for_saving(state),
+            config=CONFIG,
+            optim=OPTIM.to_dict(),
+            tokenizer=tokenizer,
+            metrics=metrics,
+        )
     manager.wait()
     assert manager.steps() == [4, 7, 8]
     assert manager.best_step() == 4 and manager.latest_step() == 8
@@ -69,7 +84,9 @@ def test_keeps_the_last_k_and_the_best(tmp_path, tokenizer):
 
 def test_restoring_into_a_different_config_names_the_field(tmp_path, tokenizer):
     manager = ckpt_lib.CheckpointManager(tmp_path / "ckpt")
-    manager.save(1, training.state_for_saving(_trained_state(0)), config=CONFIG, optim=OPTIM.to_dict(), tokenizer=tokenizer)
+    manager.save(
+        1, training.state_for_saving(_trained_state(0)), config=CONFIG, optim=OPTIM.to_dict(), tokenizer=tokenizer
+    )
     manager.close()
     with pytest.raises(ConfigError, match=r"'d_model': checkpoint .* has 32, requested 64"):
         ckpt_lib.load(tmp_path / "ckpt", "latest", expected_config=CONFIG.replace(d_model=64))

@@ -1,11 +1,12 @@
 """The shared config (validation, JSON round trip) and the torch-free promise of `jax_transformer`."""
+
 import json
 import subprocess
 import sys
 
 import pytest
 
-from jax_transformer.config import OptimConfig, ConfigError, TransformerConfig, preset
+from jax_transformer.config import ConfigError, OptimConfig, TransformerConfig, preset
 
 
 def test_default_is_the_papers_base_model():
@@ -15,8 +16,18 @@ def test_default_is_the_papers_base_model():
 
 
 def test_json_round_trip():
-    c = preset("small", src_vocab_size=123, tgt_vocab_size=123, norm_first=True, positions="learned",
-               share_embeddings=True, activation="gelu", ffn_bias=False, norm_bias=False, output_bias=False)
+    c = preset(
+        "small",
+        src_vocab_size=123,
+        tgt_vocab_size=123,
+        norm_first=True,
+        positions="learned",
+        share_embeddings=True,
+        activation="gelu",
+        ffn_bias=False,
+        norm_bias=False,
+        output_bias=False,
+    )
     assert TransformerConfig.from_json(c.to_json()) == c
     assert hash(c) == hash(TransformerConfig.from_json(c.to_json()))  # usable as a static jit argument
 
@@ -29,19 +40,22 @@ def test_json_written_before_the_bias_switches_loads_with_every_bias():
     assert c.qkv_bias and c.ffn_bias and c.norm_bias and c.output_bias
 
 
-@pytest.mark.parametrize("changes,field", [
-    (dict(d_model=100, num_heads=8), "'d_model' (100) must be divisible by 'num_heads' (8)"),
-    (dict(positions="rotary"), "'positions' must be one of"),
-    (dict(activation="swish"), "'activation' must be one of"),
-    (dict(dropout=1.0), "'dropout' must be in [0, 1)"),
-    (dict(share_embeddings=True, src_vocab_size=10, tgt_vocab_size=11), "'share_embeddings' needs"),
-    (dict(d_model="512"), "'d_model' must be an int"),
-    (dict(norm_first=1), "'norm_first' must be true or false"),
-    (dict(ffn_bias="no"), "'ffn_bias' must be true or false"),
-    (dict(norm_bias=0), "'norm_bias' must be true or false"),
-    (dict(output_bias=None), "'output_bias' must be true or false"),
-    (dict(eos_id=0), "pad_id, bos_id, eos_id must differ"),
-])
+@pytest.mark.parametrize(
+    "changes,field",
+    [
+        (dict(d_model=100, num_heads=8), "'d_model' (100) must be divisible by 'num_heads' (8)"),
+        (dict(positions="rotary"), "'positions' must be one of"),
+        (dict(activation="swish"), "'activation' must be one of"),
+        (dict(dropout=1.0), "'dropout' must be in [0, 1)"),
+        (dict(share_embeddings=True, src_vocab_size=10, tgt_vocab_size=11), "'share_embeddings' needs"),
+        (dict(d_model="512"), "'d_model' must be an int"),
+        (dict(norm_first=1), "'norm_first' must be true or false"),
+        (dict(ffn_bias="no"), "'ffn_bias' must be true or false"),
+        (dict(norm_bias=0), "'norm_bias' must be true or false"),
+        (dict(output_bias=None), "'output_bias' must be true or false"),
+        (dict(eos_id=0), "pad_id, bos_id, eos_id must differ"),
+    ],
+)
 def test_invalid_values_name_the_field(changes, field):
     with pytest.raises(ConfigError) as info:
         TransformerConfig(**changes)
@@ -65,8 +79,10 @@ def test_diff_names_changed_fields():
 
 
 def test_importing_the_flax_package_never_imports_torch():
-    code = ("import sys, jax_transformer, jax_transformer.model, jax_transformer.port, jax_transformer.losses, "
-            "jax_transformer.data; assert 'torch' not in sys.modules, 'torch was imported'")
+    code = (
+        "import sys, jax_transformer, jax_transformer.model, jax_transformer.port, jax_transformer.losses, "
+        "jax_transformer.data; assert 'torch' not in sys.modules, 'torch was imported'"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -81,8 +97,10 @@ def test_port_without_torch_is_exact_and_shapes_are_checked():
     params = init_params(cfg, 3)
     state = flax_to_torch(params)
     assert state["encoder.layers.0.self_attention.query.weight"].shape == (cfg.d_model, cfg.d_model)
-    np.testing.assert_array_equal(state["decoder.layers.1.feed_forward.linear1.weight"],
-                                  np.asarray(params["decoder"]["layer_1"]["feed_forward"]["linear1"]["kernel"]).T)
+    np.testing.assert_array_equal(
+        state["decoder.layers.1.feed_forward.linear1.weight"],
+        np.asarray(params["decoder"]["layer_1"]["feed_forward"]["linear1"]["kernel"]).T,
+    )
     back = torch_to_flax(state, cfg)
     for a, b in zip(jax.tree_util.tree_leaves(params), jax.tree_util.tree_leaves(back)):
         np.testing.assert_array_equal(np.asarray(a), b)

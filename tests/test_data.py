@@ -1,4 +1,5 @@
 """Tests of the data pipeline (jax_transformer/data.py) and the built-in task (jax_transformer/default_task.py)."""
+
 from __future__ import annotations
 
 import json
@@ -10,15 +11,38 @@ import pytest
 
 from jax_transformer import default_task
 from jax_transformer.config import TransformerConfig
-from jax_transformer.data import (BOS_ID, EOS_ID, PAD_ID, UNK_ID, BatchStream, Corpus, DataError, EncodedCorpus,
-                                  Tokenizer, bucket_lengths, encode_corpus, eval_batches, padding_efficiency,
-                                  read_parallel, read_tsv, rows_per_batch)
+from jax_transformer.data import (
+    BOS_ID,
+    EOS_ID,
+    PAD_ID,
+    UNK_ID,
+    BatchStream,
+    Corpus,
+    DataError,
+    EncodedCorpus,
+    Tokenizer,
+    bucket_lengths,
+    encode_corpus,
+    eval_batches,
+    padding_efficiency,
+    read_parallel,
+    read_tsv,
+    rows_per_batch,
+)
 
 SENTENCES = [
-    "the cat sat on the mat", "a dog barked at the postman", "she reads books every evening",
-    "we walked along the river", "the weather is nice today", "he plays the piano quite well",
-    "le chat est assis sur le tapis", "un chien a aboyé sur le facteur", "elle lit des livres chaque soir",
-    "nous avons marché le long de la rivière", "il fait beau aujourd'hui", "il joue plutôt bien du piano",
+    "the cat sat on the mat",
+    "a dog barked at the postman",
+    "she reads books every evening",
+    "we walked along the river",
+    "the weather is nice today",
+    "he plays the piano quite well",
+    "le chat est assis sur le tapis",
+    "un chien a aboyé sur le facteur",
+    "elle lit des livres chaque soir",
+    "nous avons marché le long de la rivière",
+    "il fait beau aujourd'hui",
+    "il joue plutôt bien du piano",
 ]
 
 
@@ -125,8 +149,11 @@ def test_missing_files_are_named(tmp_path):
 
 
 def test_tokenizer_round_trip_and_special_ids(tokenizer):
-    assert (PAD_ID, BOS_ID, EOS_ID) == (TransformerConfig().pad_id, TransformerConfig().bos_id,
-                                        TransformerConfig().eos_id)
+    assert (PAD_ID, BOS_ID, EOS_ID) == (
+        TransformerConfig().pad_id,
+        TransformerConfig().bos_id,
+        TransformerConfig().eos_id,
+    )
     for text in SENTENCES:
         ids = tokenizer.encode(text)
         assert ids and min(ids) > UNK_ID  # no specials in plain text, and every character is known
@@ -177,11 +204,11 @@ def test_encode_corpus_conventions_and_too_long(tokenizer, tmp_path):
     assert len(encode_corpus(corpus, tokenizer, max_len=n + 1)) == 1
     assert len(encode_corpus(corpus, tokenizer, max_len=n)) == 0
 
-    (batch, index), = eval_batches(encoded, max_tokens=64)
+    ((batch, index),) = eval_batches(encoded, max_tokens=64)
     t = encoded.tgt[0].tolist()
-    assert batch["tgt_in"][0, :n + 2].tolist() == [BOS_ID] + t + [PAD_ID]
-    assert batch["tgt_out"][0, :n + 2].tolist() == t + [EOS_ID, PAD_ID]
-    assert batch["src"][0, :len(encoded.src[0])].tolist() == encoded.src[0].tolist()
+    assert batch["tgt_in"][0, : n + 2].tolist() == [BOS_ID] + t + [PAD_ID]
+    assert batch["tgt_out"][0, : n + 2].tolist() == t + [EOS_ID, PAD_ID]
+    assert batch["src"][0, : len(encoded.src[0])].tolist() == encoded.src[0].tolist()
     assert index[0] == 0 and set(index[1:].tolist()) <= {-1}
 
 
@@ -267,13 +294,16 @@ def test_eval_batches_restore_corpus_order():
                 assert translations[i] is None
                 translations[i] = int(batch["tgt_out"][row, 0])  # stands in for the model's output
     assert translations == [10 + i for i in range(len(encoded))]
-    assert [index.tolist() for _, index in eval_batches(encoded, 700, row_multiple=4)] == \
-           [index.tolist() for _, index in results]  # deterministic
+    assert [index.tolist() for _, index in eval_batches(encoded, 700, row_multiple=4)] == [
+        index.tolist() for _, index in results
+    ]  # deterministic
 
 
 def test_modules_do_not_import_jax_or_torch():
-    code = ("import sys, jax_transformer.data, jax_transformer.default_task; "
-            "print(sorted(m for m in ('jax', 'torch', 'flax') if m in sys.modules))")
+    code = (
+        "import sys, jax_transformer.data, jax_transformer.default_task; "
+        "print(sorted(m for m in ('jax', 'torch', 'flax') if m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
 
@@ -285,9 +315,18 @@ def test_num2words_french_is_correct():
     # Written from French grammar, not from num2words: "et" only in 21..71, "quatre-vingts" and "cents" take
     # an s only at the end of a number, "mille" never does, one thousand is "mille" not "un mille".
     expected = {
-        0: "zéro", 21: "vingt et un", 71: "soixante et onze", 80: "quatre-vingts", 81: "quatre-vingt-un",
-        99: "quatre-vingt-dix-neuf", 200: "deux cents", 201: "deux cent un", 1000: "mille", 2000: "deux mille",
-        80_000: "quatre-vingt mille", 200_000: "deux cent mille",
+        0: "zéro",
+        21: "vingt et un",
+        71: "soixante et onze",
+        80: "quatre-vingts",
+        81: "quatre-vingt-un",
+        99: "quatre-vingt-dix-neuf",
+        200: "deux cents",
+        201: "deux cent un",
+        1000: "mille",
+        2000: "deux mille",
+        80_000: "quatre-vingt mille",
+        200_000: "deux cent mille",
         999_999: "neuf cent quatre-vingt-dix-neuf mille neuf cent quatre-vingt-dix-neuf",
     }
     for n, french in expected.items():

@@ -4,6 +4,7 @@ edge cases, translate and the attention plot. Cross-framework checks are in pari
 The oracle everywhere is the model's own teacher-forced forward pass (`Transformer.__call__`) re-run over the
 whole prefix at each step: no cache, no while_loop, nothing shared with the code under test but the model.
 """
+
 from __future__ import annotations
 
 import functools
@@ -59,13 +60,14 @@ def step_log_probs(params, config, src, tokens, t):
     B = tokens.shape[0]
     tgt_in = np.full((B, config.max_len), config.pad_id, np.int32)
     tgt_in[:, 0] = config.bos_id
-    tgt_in[:, 1:t + 1] = tokens[:, :t]
+    tgt_in[:, 1 : t + 1] = tokens[:, :t]
     logits = full_forward(config)(params, src, tgt_in)[:, t]
     return np.array(jax.nn.log_softmax(logits, axis=-1))  # a writable copy
 
 
-def oracle_greedy(params, config, src, max_len_a=decoding.DEFAULT_MAX_LEN_A,
-                  max_len_b=decoding.DEFAULT_MAX_LEN_B, min_len=0):
+def oracle_greedy(
+    params, config, src, max_len_a=decoding.DEFAULT_MAX_LEN_A, max_len_b=decoding.DEFAULT_MAX_LEN_B, min_len=0
+):
     """Greedy decoding by full forward passes, written from the documented semantics. Also returns, per row,
     the smallest margin between the chosen token's log-prob and the runner-up's (to rule out near-ties)."""
     limits = decoding.max_new_tokens(src, config, max_len_a, max_len_b)
@@ -113,6 +115,7 @@ def model_b():
 
 # --- 1. the cache ------------------------------------------------------------------------------------------
 
+
 @functools.partial(jax.jit, static_argnames=("config", "cache_len"))
 def cached_and_full_logits(params, src, tgt_in, *, config, cache_len):
     """Logits (B, T, V) of one full teacher-forced pass, and of the cached decoder fed tgt_in one token a step."""
@@ -132,8 +135,15 @@ def cached_and_full_logits(params, src, tgt_in, *, config, cache_len):
 @pytest.mark.parametrize("norm_first", [False, True], ids=["post-norm", "pre-norm"])
 @pytest.mark.parametrize("positions", ["sinusoidal", "learned"])
 def test_cached_steps_equal_full_forward(norm_first, positions):
-    config = preset("tiny", src_vocab_size=VOCAB, tgt_vocab_size=VOCAB, max_len=MAX_LEN, norm_first=norm_first,
-                    final_norm=norm_first, positions=positions)
+    config = preset(
+        "tiny",
+        src_vocab_size=VOCAB,
+        tgt_vocab_size=VOCAB,
+        max_len=MAX_LEN,
+        norm_first=norm_first,
+        final_norm=norm_first,
+        positions=positions,
+    )
     params, src = init_params(config, 3), make_src(config, LENGTHS, seed=3)
     tgt_in = np.random.default_rng(4).integers(3, VOCAB, (len(src), 10)).astype(np.int32)
     tgt_in[:, 0] = config.bos_id
@@ -145,6 +155,7 @@ def test_cached_steps_equal_full_forward(norm_first, positions):
 
 
 # --- 2. greedy search --------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("which", ["a", "b"])
 def test_greedy_equals_full_forward_oracle(which, model_a, model_b):
@@ -161,7 +172,7 @@ def test_greedy_equals_full_forward_oracle(which, model_a, model_b):
     for row, limit in zip(tokens, limits):
         produced = row[row != config.pad_id]
         assert config.bos_id not in produced
-        assert np.all(row[len(produced):] == config.pad_id)
+        assert np.all(row[len(produced) :] == config.pad_id)
         assert (produced[-1] == config.eos_id and len(produced) <= limit) or len(produced) == limit
 
 
@@ -184,7 +195,7 @@ def test_batch_of_one_empty_source_equals_its_row_in_the_batch(model_a):
     config, params, src = model_a
     row = LENGTHS.index(1)
     batch_tokens, batch_scores = decoding.greedy_search(params, config, src)
-    tokens, scores = decoding.greedy_search(params, config, src[row:row + 1, :1])  # (1, 1): just EOS
+    tokens, scores = decoding.greedy_search(params, config, src[row : row + 1, :1])  # (1, 1): just EOS
     L = tokens.shape[1]
     np.testing.assert_array_equal(tokens[0], batch_tokens[row, :L])
     assert np.all(batch_tokens[row, L:] == config.pad_id)
@@ -214,6 +225,7 @@ def test_length_limits_and_min_len(model_a):
 
 # --- 3. beam search ----------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("which", ["a", "b"])
 def test_beam_size_one_without_penalty_is_greedy(which, model_a, model_b):
     """With alpha = 0 a single beam is greedy search: the EOS it finishes cannot be beaten by the runner-up that
@@ -234,7 +246,7 @@ def test_beam_scores_are_penalised_log_probs(alpha, model_a):
     limits = decoding.max_new_tokens(src, config)
     for row, n, limit in zip(tokens, lengths, limits):  # ends with EOS, or runs to its limit without one
         assert np.all(row[n:] == config.pad_id)
-        assert (row[n - 1] == config.eos_id and config.eos_id not in row[:n - 1]) or n == limit
+        assert (row[n - 1] == config.eos_id and config.eos_id not in row[: n - 1]) or n == limit
     assert np.any(tokens == config.eos_id), "the EOS bias should make some hypotheses end with EOS"
     # The score is log P(hypothesis) (recomputed by one teacher-forced pass) over ((5 + length) / 6) ** alpha.
     log_p = sequence_log_prob(params, config, src, tokens)
@@ -243,6 +255,7 @@ def test_beam_scores_are_penalised_log_probs(alpha, model_a):
 
 
 # --- 4. inputs that must be refused ------------------------------------------------------------------------
+
 
 def test_bad_inputs_are_refused_with_clear_errors(model_a):
     config, params, src = model_a
@@ -274,11 +287,11 @@ def test_length_rule():
     assert decoding.max_new_tokens(src, config).tolist() == [16, 14, 1]
     assert decoding.max_new_tokens(src, config, 0.5, 1).tolist() == [5, 2, 1]
     assert decoding.output_length(8, config, 0.5, 1) == 5
-    np.testing.assert_allclose(decoding.length_penalties(3, 0.6), [((5 + i) / 6) ** 0.6 for i in range(4)],
-                               rtol=1e-7)
+    np.testing.assert_allclose(decoding.length_penalties(3, 0.6), [((5 + i) / 6) ** 0.6 for i in range(4)], rtol=1e-7)
 
 
 # --- translate and the attention plot ----------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def tiny_translator():
@@ -287,8 +300,7 @@ def tiny_translator():
 
     pairs = default_pairs("train", n=300)
     tokenizer = Tokenizer.train(pairs.sources + pairs.targets, vocab_size=200, model_type=TOKENIZER_MODEL_TYPE)
-    config = preset("tiny", src_vocab_size=tokenizer.vocab_size, tgt_vocab_size=tokenizer.vocab_size,
-                    max_len=24)
+    config = preset("tiny", src_vocab_size=tokenizer.vocab_size, tgt_vocab_size=tokenizer.vocab_size, max_len=24)
     return config, init_params(config, 7), tokenizer, pairs.sources
 
 
@@ -301,8 +313,12 @@ def test_translate_keeps_order_and_reuses_compilations(tiny_translator):
     out = decoding.translate(params, config, tokenizer, chosen, beam_size=1, batch_size=4, progress=False)
     # Each translation equals the decoding of that sentence as a row of a padded batch of the same shape.
     sources = decoding.encode_sources(tokenizer, chosen, config)
-    tokens = np.concatenate([decoding.greedy_search(params, config, pad_rows(sources[:4], 8))[0],
-                             decoding.greedy_search(params, config, pad_rows(sources[4:] + [[]], 8))[0]])
+    tokens = np.concatenate(
+        [
+            decoding.greedy_search(params, config, pad_rows(sources[:4], 8))[0],
+            decoding.greedy_search(params, config, pad_rows(sources[4:] + [[]], 8))[0],
+        ]
+    )
     assert out == [tokenizer.decode(row) for row in tokens[:7]]
     # Other sentences of the same shapes: nothing new is compiled.
     compiled = decoding._greedy_core._cache_size()

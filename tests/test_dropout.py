@@ -4,6 +4,7 @@ Bounds are statistical: each is at least 6 standard deviations of the quantity u
 independent and uniform), so a correct implementation fails with probability < 1e-8, while a mask that ignores
 the key, repeats along an axis or is biased by a few percent fails outright.
 """
+
 from __future__ import annotations
 
 import flax.linen as nn
@@ -46,8 +47,9 @@ def test_masks_depend_on_the_key_only():
         assert _within(np.mean(a == b), 0.5, N, 0.5)  # unrelated keys agree as often as coin flips
     # A raw uint32[2] key (jax.random.PRNGKey) gives the same bits as the typed key with the same data.
     raw = jax.random.PRNGKey(2)
-    assert np.array_equal(np.asarray(hashed_bits(raw, (64,))),
-                          np.asarray(hashed_bits(jax.random.wrap_key_data(raw), (64,))))
+    assert np.array_equal(
+        np.asarray(hashed_bits(raw, (64,))), np.asarray(hashed_bits(jax.random.wrap_key_data(raw), (64,)))
+    )
 
 
 class _TwoSites(nn.Module):

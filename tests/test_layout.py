@@ -5,6 +5,7 @@ go one way, downwards: the checkpoint module never imports the loop, the step ne
 decoder never imports training. A new module must be placed in `LAYERS` (the test fails until it is), which is
 where a reader learns what it may use.
 """
+
 from __future__ import annotations
 
 import ast

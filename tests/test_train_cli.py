@@ -1,4 +1,5 @@
 """train.py as people use it: bad input, help, stopping on NaN, signals, and the PyTorch round trip."""
+
 from __future__ import annotations
 
 import signal
@@ -12,9 +13,16 @@ from jax_transformer import checkpoint as ckpt_lib
 from jax_transformer import trainer as trainer_lib
 from jax_transformer import training
 from tests.fixtures import flat
-from tests.helpers_training import (REPO, completed_steps, logged_steps, run_main, start_train_process,
-                                    tiny_train_args, wait_for, write_corpus)
-
+from tests.helpers_training import (
+    REPO,
+    completed_steps,
+    logged_steps,
+    run_main,
+    start_train_process,
+    tiny_train_args,
+    wait_for,
+    write_corpus,
+)
 
 # --- bad input: a clean message naming the file and line, exit code 1, no traceback ----------------------------
 
@@ -27,26 +35,47 @@ def _write(path, text: str | bytes):
 BAD_INPUTS = {
     # name: (files to write {name: content}, extra flags, expected pieces of the message)
     "missing file": ({}, ["--src", "{d}/nope.de", "--tgt", "{d}/nope.en"], ["nope.de", "file not found"]),
-    "line counts differ": ({"a.de": "eins\nzwei\ndrei\n", "a.en": "one\ntwo\n"}, ["--src", "{d}/a.de", "--tgt", "{d}/a.en"],
-                           ["a.de has 3 lines", "a.en has 2", "line 3"]),
-    "empty line as error": ({"a.de": "eins\n\ndrei\n", "a.en": "one\ntwo\nthree\n"},
-                            ["--src", "{d}/a.de", "--tgt", "{d}/a.en", "--on-empty", "error"],
-                            ["a.de, line 2", "empty source line"]),
-    "too long as error": ({"a.tsv": "eins\tone\n" + "zwei " * 40 + "\ttwo\n"},
-                          ["--tsv", "{d}/a.tsv", "--on-too-long", "error", "--max-len", "16", "--vocab-size", "30"],
-                          ["a.tsv, line 2", "too long for max_len=16"]),
-    "tsv without tab": ({"a.tsv": "eins\tone\nzwei two\n"}, ["--tsv", "{d}/a.tsv"],
-                        ["a.tsv, line 2", "expected exactly one tab"]),
-    "invalid utf-8": ({"a.de": b"eins\nzw\xffei\n", "a.en": b"one\ntwo\n"}, ["--src", "{d}/a.de", "--tgt", "{d}/a.en"],
-                      ["a.de, line 2", "not valid UTF-8"]),
+    "line counts differ": (
+        {"a.de": "eins\nzwei\ndrei\n", "a.en": "one\ntwo\n"},
+        ["--src", "{d}/a.de", "--tgt", "{d}/a.en"],
+        ["a.de has 3 lines", "a.en has 2", "line 3"],
+    ),
+    "empty line as error": (
+        {"a.de": "eins\n\ndrei\n", "a.en": "one\ntwo\nthree\n"},
+        ["--src", "{d}/a.de", "--tgt", "{d}/a.en", "--on-empty", "error"],
+        ["a.de, line 2", "empty source line"],
+    ),
+    "too long as error": (
+        {"a.tsv": "eins\tone\n" + "zwei " * 40 + "\ttwo\n"},
+        ["--tsv", "{d}/a.tsv", "--on-too-long", "error", "--max-len", "16", "--vocab-size", "30"],
+        ["a.tsv, line 2", "too long for max_len=16"],
+    ),
+    "tsv without tab": (
+        {"a.tsv": "eins\tone\nzwei two\n"},
+        ["--tsv", "{d}/a.tsv"],
+        ["a.tsv, line 2", "expected exactly one tab"],
+    ),
+    "invalid utf-8": (
+        {"a.de": b"eins\nzw\xffei\n", "a.en": b"one\ntwo\n"},
+        ["--src", "{d}/a.de", "--tgt", "{d}/a.en"],
+        ["a.de, line 2", "not valid UTF-8"],
+    ),
     "source without target": ({"a.de": "eins\n"}, ["--src", "{d}/a.de"], ["source file was given without its target"]),
-    "bad validation file": ({"a.tsv": "eins\tone\n", "v.tsv": "no tab here\n"}, ["--tsv", "{d}/a.tsv", "--valid-tsv", "{d}/v.tsv"],
-                            ["v.tsv, line 1", "expected exactly one tab"]),
-    "bad model field value": ({"a.tsv": "eins\tone\nzwei\ttwo\n"},
-                              ["--tsv", "{d}/a.tsv", "--d-model", "30", "--num-heads", "4", "--vocab-size", "30"],
-                              ["'d_model' (30) must be divisible by 'num_heads' (4)"]),
-    "bad loop value": ({"a.tsv": "eins\tone\nzwei\ttwo\n"}, ["--tsv", "{d}/a.tsv", "--eval-every", "0"],
-                       ["loop field 'eval_every' must be an int >= 1, got 0"]),
+    "bad validation file": (
+        {"a.tsv": "eins\tone\n", "v.tsv": "no tab here\n"},
+        ["--tsv", "{d}/a.tsv", "--valid-tsv", "{d}/v.tsv"],
+        ["v.tsv, line 1", "expected exactly one tab"],
+    ),
+    "bad model field value": (
+        {"a.tsv": "eins\tone\nzwei\ttwo\n"},
+        ["--tsv", "{d}/a.tsv", "--d-model", "30", "--num-heads", "4", "--vocab-size", "30"],
+        ["'d_model' (30) must be divisible by 'num_heads' (4)"],
+    ),
+    "bad loop value": (
+        {"a.tsv": "eins\tone\nzwei\ttwo\n"},
+        ["--tsv", "{d}/a.tsv", "--eval-every", "0"],
+        ["loop field 'eval_every' must be an int >= 1, got 0"],
+    ),
 }
 
 
@@ -77,10 +106,30 @@ def test_help_explains_every_flag():
             if action.option_strings and action.dest != "help":
                 assert action.help and len(action.help) > 10, f"{name} {action.option_strings} has no help"
     train_flags = {s for a in commands["train"]._actions for s in a.option_strings}
-    for flag in ("--src", "--tgt", "--tsv", "--valid-src", "--valid-tgt", "--valid-tsv", "--on-empty", "--on-too-long",
-                 "--preset", "--d-model", "--num-encoder-layers", "--norm-first", "--label-smoothing", "--lr-scale",
-                 "--warmup-steps", "--warmup",
-                 "--clip-norm", "--weight-decay", "--resume", "--init-from-torch", "--max-minutes", "--steps"):
+    for flag in (
+        "--src",
+        "--tgt",
+        "--tsv",
+        "--valid-src",
+        "--valid-tgt",
+        "--valid-tsv",
+        "--on-empty",
+        "--on-too-long",
+        "--preset",
+        "--d-model",
+        "--num-encoder-layers",
+        "--norm-first",
+        "--label-smoothing",
+        "--lr-scale",
+        "--warmup-steps",
+        "--warmup",
+        "--clip-norm",
+        "--weight-decay",
+        "--resume",
+        "--init-from-torch",
+        "--max-minutes",
+        "--steps",
+    ):
         assert flag in train_flags
 
 
@@ -107,10 +156,17 @@ def test_nan_loss_stops_without_overwriting_the_last_good_checkpoint(tmp_path):
     tokenizer = Tokenizer.train([f"w{i} v{i % 7}" for i in range(200)], 40, model_type="bpe")
     config, optim = unit_config(), unit_optim()
     manager = ckpt_lib.CheckpointManager(tmp_path / "run" / "checkpoints")
-    trainer = trainer_lib.Trainer(config=config, optim=optim, tokenizer=tokenizer, stream=Batches(),
-                                  state=training.create_train_state(config, optim), loop=trainer_lib.LoopConfig(
-                                      steps=10, save_every=2, progress=False),
-                                  run_dir=tmp_path / "run", checkpoints=manager, print_fn=lambda s: None)
+    trainer = trainer_lib.Trainer(
+        config=config,
+        optim=optim,
+        tokenizer=tokenizer,
+        stream=Batches(),
+        state=training.create_train_state(config, optim),
+        loop=trainer_lib.LoopConfig(steps=10, save_every=2, progress=False),
+        run_dir=tmp_path / "run",
+        checkpoints=manager,
+        print_fn=lambda s: None,
+    )
     real_step, calls, saved = trainer.train_step, [], {}
 
     def diverging_step(state, batch):
@@ -124,8 +180,11 @@ def test_nan_loss_stops_without_overwriting_the_last_good_checkpoint(tmp_path):
         return state, sums
 
     trainer.train_step = diverging_step
-    with pytest.raises(trainer_lib.TrainingError, match=r"step 5: the training loss is nan .* last good checkpoint "
-                                                     r"is step 4"):
+    with pytest.raises(
+        trainer_lib.TrainingError,
+        match=r"step 5: the training loss is nan .* last good checkpoint "
+        r"is step 4",
+    ):
         trainer.run()
     manager.close()
     assert len(calls) == 5 and completed_steps(tmp_path / "run") == [2, 4]
@@ -171,8 +230,9 @@ def test_kill_9_leaves_the_last_checkpoint_loadable_and_sigterm_saves(tmp_path):
     assert loaded.data_state["index"] == loaded.step % loaded.data_state["batches_per_epoch"]
 
     log = tmp_path / "second.log"
-    process = start_train_process(["train", "--resume", str(run), "--steps", "100000", "--save-every", "100000",
-                                   "--no-progress"], log, cache)
+    process = start_train_process(
+        ["train", "--resume", str(run), "--steps", "100000", "--save-every", "100000", "--no-progress"], log, cache
+    )
     try:
         wait_for(lambda: logged_steps(run) >= loaded.step + 3, process, log)
         process.send_signal(signal.SIGTERM)
@@ -202,8 +262,9 @@ def _logits_both(params, config, torch_state, batch):
     model = torch_reference.Transformer(config).eval()
     model.load_state_dict(torch_state, strict=True)
     with torch.no_grad():
-        torch_logits = model(torch.from_numpy(batch["src"].astype(np.int64)),
-                             torch.from_numpy(batch["tgt_in"].astype(np.int64))).numpy()
+        torch_logits = model(
+            torch.from_numpy(batch["src"].astype(np.int64)), torch.from_numpy(batch["tgt_in"].astype(np.int64))
+        ).numpy()
     return flax_logits, torch_logits
 
 
@@ -233,8 +294,22 @@ def test_export_and_import_round_trip(tmp_path):
     assert np.max(np.abs(flax_logits - torch_logits)) <= 1e-5
 
     # Back: a run started from the exported file holds exactly those weights (step 0 is saved as is).
-    code, out, err = run_main(["train", "--tsv", str(train), "--init-from-torch", str(exported), "--steps", "0",
-                               "--run-dir", str(tmp_path / "from_torch"), "--no-progress", "--max-tokens", "512"])
+    code, out, err = run_main(
+        [
+            "train",
+            "--tsv",
+            str(train),
+            "--init-from-torch",
+            str(exported),
+            "--steps",
+            "0",
+            "--run-dir",
+            str(tmp_path / "from_torch"),
+            "--no-progress",
+            "--max-tokens",
+            "512",
+        ]
+    )
     assert code == 0, out + err
     started = ckpt_lib.load(tmp_path / "from_torch", "latest")
     assert started.step == 0 and started.config == loaded.config
@@ -246,13 +321,28 @@ def test_export_and_import_round_trip(tmp_path):
     import safetensors.torch
 
     safe = tmp_path / "model.weights"
-    code, out, err = run_main(["export", "--checkpoint", str(tmp_path / "run"), "--output", str(safe),
-                               "--format", "safetensors"])
+    code, out, err = run_main(
+        ["export", "--checkpoint", str(tmp_path / "run"), "--output", str(safe), "--format", "safetensors"]
+    )
     assert code == 0, out + err
     flax_logits, torch_logits = _logits_both(loaded.params, loaded.config, safetensors.torch.load_file(safe), batch)
     assert np.max(np.abs(flax_logits - torch_logits)) <= 1e-5
-    code, out, err = run_main(["train", "--tsv", str(train), "--init-from-torch", str(safe), "--steps", "0",
-                               "--run-dir", str(tmp_path / "from_safe"), "--no-progress", "--max-tokens", "512"])
+    code, out, err = run_main(
+        [
+            "train",
+            "--tsv",
+            str(train),
+            "--init-from-torch",
+            str(safe),
+            "--steps",
+            "0",
+            "--run-dir",
+            str(tmp_path / "from_safe"),
+            "--no-progress",
+            "--max-tokens",
+            "512",
+        ]
+    )
     assert code == 0, out + err
     after = flat(ckpt_lib.load(tmp_path / "from_safe", "latest").params)
     assert before.keys() == after.keys() and all(np.array_equal(before[k], after[k]) for k in before)
@@ -262,14 +352,16 @@ def test_export_and_import_round_trip(tmp_path):
     model = torch_reference.Transformer(loaded.config)
     bare = tmp_path / "bare.pt"
     torch.save(model.state_dict(), bare)
-    code, out, err = run_main(tiny_train_args(tmp_path / "from_bare", train, steps=0,
-                                              extra=("--init-from-torch", str(bare))))
+    code, out, err = run_main(
+        tiny_train_args(tmp_path / "from_bare", train, steps=0, extra=("--init-from-torch", str(bare)))
+    )
     assert code == 0, out + err
     started = ckpt_lib.load(tmp_path / "from_bare", "latest")
     flax_logits, torch_logits = _logits_both(started.params, started.config, model.state_dict(), batch)
     assert np.max(np.abs(flax_logits - torch_logits)) <= 1e-5
 
     # A file whose model does not fit the flags: the mismatching field is named.
-    code, out, err = run_main(tiny_train_args(tmp_path / "bad", train, steps=0,
-                                              extra=("--init-from-torch", str(exported), "--d-model", "64")))
+    code, out, err = run_main(
+        tiny_train_args(tmp_path / "bad", train, steps=0, extra=("--init-from-torch", str(exported), "--d-model", "64"))
+    )
     assert code == 1 and "'d_model'" in err and "Traceback" not in err

@@ -1,4 +1,5 @@
 """The training step: schedule, dropout keys, data parallelism (pmap == jit) and that the default task learns."""
+
 from __future__ import annotations
 
 import json
@@ -21,8 +22,8 @@ _batch = unit_batch
 
 def test_schedule_is_the_papers():
     d, warmup = 512, 4000
-    assert training.noam_rate(1, d, warmup) == pytest.approx(d ** -0.5 * warmup ** -1.5)
-    assert training.noam_rate(warmup, d, warmup) == pytest.approx(d ** -0.5 * warmup ** -0.5)  # the peak
+    assert training.noam_rate(1, d, warmup) == pytest.approx(d**-0.5 * warmup**-1.5)
+    assert training.noam_rate(warmup, d, warmup) == pytest.approx(d**-0.5 * warmup**-0.5)  # the peak
     assert training.noam_rate(4 * warmup, d, warmup) == pytest.approx(0.5 * training.noam_rate(warmup, d, warmup))
     steps = np.arange(1, 3 * warmup)
     rates = training.noam_rate(steps, d, warmup)
@@ -38,8 +39,12 @@ def test_first_update_is_adam_with_the_step_one_rate():
     before = jax.tree_util.tree_map(np.asarray, state.params)
     # (dropout changes the gradient, not the size of Adam's first step)
     state, _ = training.make_train_step(CONFIG, OPTIM)(state, _batch(0))
-    steps = np.concatenate([np.abs(np.asarray(a) - b).ravel()
-                            for a, b in zip(jax.tree_util.tree_leaves(state.params), jax.tree_util.tree_leaves(before))])
+    steps = np.concatenate(
+        [
+            np.abs(np.asarray(a) - b).ravel()
+            for a, b in zip(jax.tree_util.tree_leaves(state.params), jax.tree_util.tree_leaves(before))
+        ]
+    )
     lr = training.noam_rate(1, CONFIG.d_model, OPTIM.warmup_steps, OPTIM.lr_scale)
     assert int(state.step) == 1
     assert steps.max() <= lr * (1 + 1e-5)
@@ -57,8 +62,11 @@ def test_dropout_masks_depend_on_the_step_number_only():
         _, sums = step(state, batch)
         return float(sums["loss"])
 
-    deterministic = float(training.batch_loss_sums(training.create_train_state(CONFIG, optim).params, batch,
-                                                   CONFIG, optim.label_smoothing)["loss"])
+    deterministic = float(
+        training.batch_loss_sums(
+            training.create_train_state(CONFIG, optim).params, batch, CONFIG, optim.label_smoothing
+        )["loss"]
+    )
     assert loss_at(3) == loss_at(3)  # same step, same masks: reproducible, so a resume replays it
     assert loss_at(3) != loss_at(4)  # another step, other masks
     assert loss_at(3) != deterministic  # dropout really is on
@@ -73,7 +81,8 @@ import jax, numpy as np
 jax.config.update("jax_default_matmul_precision", "highest")
 from jax_transformer import training
 from tests.fixtures import flat, unit_batch as _batch, unit_config
-CONFIG = unit_config().replace(num_encoder_layers=1, num_decoder_layers=1)  # depth does not matter here; compile time does
+# depth does not matter here; compile time does
+CONFIG = unit_config().replace(num_encoder_layers=1, num_decoder_layers=1)
 
 assert jax.local_device_count() == 4
 optim = training.OptimConfig(warmup_steps=5)
@@ -121,8 +130,9 @@ def test_pmap_step_equals_jit_step_on_the_global_batch():
     """
     env = dict(os.environ, PYTHONPATH=str(REPO))
     env.pop("XLA_FLAGS", None)
-    result = subprocess.run([sys.executable, "-c", PMAP_SCRIPT], capture_output=True, text=True, env=env,
-                            cwd=str(REPO), timeout=600)
+    result = subprocess.run(
+        [sys.executable, "-c", PMAP_SCRIPT], capture_output=True, text=True, env=env, cwd=str(REPO), timeout=600
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout.split("REPORT ", 1)[1])
     assert report["replicas_equal"]  # psum gives every device the same gradient: replicas never drift apart
@@ -133,9 +143,11 @@ def test_pmap_step_equals_jit_step_on_the_global_batch():
         assert pmap_loss == pytest.approx(jit_loss, rel=1e-6)
     tensors = {k: v for k, v in report["tensors"].items() if "'key']['bias'" not in k}
     worst = max(tensors, key=lambda k: tensors[k]["relative"])
-    print(f"pmap vs jit after 5 steps: losses {[(round(a, 6), round(b, 6)) for a, b, *_ in report['losses']]}; "
-          f"worst tensor {worst}: {tensors[worst]['relative']:.2e} of its movement "
-          f"(max abs {max(v['max_abs'] for v in tensors.values()):.2e})")
+    print(
+        f"pmap vs jit after 5 steps: losses {[(round(a, 6), round(b, 6)) for a, b, *_ in report['losses']]}; "
+        f"worst tensor {worst}: {tensors[worst]['relative']:.2e} of its movement "
+        f"(max abs {max(v['max_abs'] for v in tensors.values()):.2e})"
+    )
     assert tensors[worst]["relative"] <= 1e-4
     assert min(v["moved"] for v in tensors.values()) > 1e-4  # the steps really changed every tensor
 
@@ -152,10 +164,12 @@ def test_default_task_learns():
     from jax_transformer.data import Tokenizer, encode_corpus, eval_batches
 
     train, valid = default_task.default_pairs("train", n=3000), default_task.default_pairs("valid", n=100)
-    tokenizer = Tokenizer.train(train.sources + train.targets, default_task.TOKENIZER_VOCAB_SIZE,
-                                model_type=default_task.TOKENIZER_MODEL_TYPE)
-    config = unit_config().replace(src_vocab_size=tokenizer.vocab_size, tgt_vocab_size=tokenizer.vocab_size,
-                                   max_len=24, share_embeddings=True)
+    tokenizer = Tokenizer.train(
+        train.sources + train.targets, default_task.TOKENIZER_VOCAB_SIZE, model_type=default_task.TOKENIZER_MODEL_TYPE
+    )
+    config = unit_config().replace(
+        src_vocab_size=tokenizer.vocab_size, tgt_vocab_size=tokenizer.vocab_size, max_len=24, share_embeddings=True
+    )
     optim = training.OptimConfig(warmup_steps=400, lr_scale=2.0)  # train.py's defaults for this task
     batches = corpus_batches(encode_corpus(train, tokenizer, 24), config, 128)  # 128 random pairs x 24 tokens
 
@@ -167,8 +181,10 @@ def test_default_task_learns():
     for _ in range(200):
         state, _ = step(state, next(batches))
     after = training.evaluate_loss(state.params, eval_step, valid_batches)
-    print(f"default task, 200 steps: valid loss {before['loss']:.3f} -> {after['loss']:.3f}, "
-          f"token accuracy {before['accuracy']:.3f} -> {after['accuracy']:.3f}")
+    print(
+        f"default task, 200 steps: valid loss {before['loss']:.3f} -> {after['loss']:.3f}, "
+        f"token accuracy {before['accuracy']:.3f} -> {after['accuracy']:.3f}"
+    )
     assert before["loss"] > 5.0
     assert after["loss"] < 2.0
     assert after["accuracy"] > 0.6

@@ -13,10 +13,10 @@ does: the simplest correct decoder, with no cache to get wrong. `use_cache=True`
 `IncrementalDecoder`, a key/value cache written here on top of the twin's modules (the twin itself has none),
 which benchmarks compare with the Flax cache. Beam search handles one sentence at a time.
 """
+
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 import numpy as np
 import torch
@@ -30,6 +30,7 @@ DEFAULT_MAX_LEN_B = 10
 
 
 # --- lengths and length penalty (the same formulas as jax_transformer.decoding) -------------------------------
+
 
 def max_new_tokens(src: torch.Tensor, cfg: TransformerConfig, max_len_a: float, max_len_b: float) -> list[int]:
     """Per row: min(max_len, max(1, floor(a * n + b))) for n non-PAD source tokens; 1 for an all-PAD row."""
@@ -50,6 +51,7 @@ def length_penalty(length: int, alpha: float) -> float:
 
 
 # --- the decoder: whole prefix each step, or a key/value cache ----------------------------------------------
+
 
 class PrefixDecoder:
     """Next-token log-probs by re-running the decoder over the whole prefix (BOS + tokens so far) each step."""
@@ -81,8 +83,10 @@ class IncrementalDecoder:
         cfg = model.cfg
         self.cross_mask = padding_mask(src, cfg.pad_id)  # (B, 1, 1, S)
         B = src.shape[0]
-        self.cross = [(self._heads(layer.cross_attention.key(memory)), self._heads(layer.cross_attention.value(memory)))
-                      for layer in model.decoder.layers]  # per layer: (B, S, H, K) twice
+        self.cross = [
+            (self._heads(layer.cross_attention.key(memory)), self._heads(layer.cross_attention.value(memory)))
+            for layer in model.decoder.layers
+        ]  # per layer: (B, S, H, K) twice
         self.keys = [torch.zeros(B, 0, cfg.num_heads, cfg.head_dim) for _ in model.decoder.layers]
         self.values = [torch.zeros(B, 0, cfg.num_heads, cfg.head_dim) for _ in model.decoder.layers]
         self.last = torch.full((B,), cfg.bos_id, dtype=torch.long)
@@ -91,7 +95,7 @@ class IncrementalDecoder:
     def _heads(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, D) -> (B, T, H, K)
         return x.view(x.shape[0], x.shape[1], self.model.cfg.num_heads, self.model.cfg.head_dim)
 
-    def _attend(self, module: MultiHeadAttention, h: torch.Tensor, k, v, mask: Optional[torch.Tensor]):
+    def _attend(self, module: MultiHeadAttention, h: torch.Tensor, k, v, mask: torch.Tensor | None):
         """`module`'s attention for queries h (B, 1, D) over given keys/values (B, T, H, K)."""
         q = self._heads(module.query(h))  # (B, 1, H, K)
         scores = torch.einsum("bqhk,bshk->bhqs", q, k) / math.sqrt(self.model.cfg.head_dim)  # (B, H, 1, T)
@@ -110,11 +114,11 @@ class IncrementalDecoder:
         model = self.model
         x = model.decoder.positions(model._embed("target", self.last[:, None]), self.position)  # (B, 1, D)
         for i, layer in enumerate(model.decoder.layers):
-            x = layer.residual(x, lambda h: self._self_attention(i, layer.self_attention, h),
-                               layer.self_attention_norm)
+            x = layer.residual(x, lambda h: self._self_attention(i, layer.self_attention, h), layer.self_attention_norm)
             k, v = self.cross[i]
-            x = layer.residual(x, lambda h: self._attend(layer.cross_attention, h, k, v, self.cross_mask),
-                               layer.cross_attention_norm)
+            x = layer.residual(
+                x, lambda h: self._attend(layer.cross_attention, h, k, v, self.cross_mask), layer.cross_attention_norm
+            )
             x = layer.residual(x, layer.feed_forward, layer.feed_forward_norm)
         if model.decoder.final_norm is not None:
             x = model.decoder.final_norm(x)
@@ -139,8 +143,9 @@ def _check(model: Transformer, src: torch.Tensor, beam_size: int = 1) -> None:
     if src.dim() != 2:
         raise ValueError(f"src must have shape (batch, length), got {tuple(src.shape)}")
     if 2 * beam_size + 3 > model.cfg.tgt_vocab_size:
-        raise ValueError(f"beam_size={beam_size} needs tgt_vocab_size >= 2 * beam_size + 3, got "
-                         f"{model.cfg.tgt_vocab_size}")
+        raise ValueError(
+            f"beam_size={beam_size} needs tgt_vocab_size >= 2 * beam_size + 3, got {model.cfg.tgt_vocab_size}"
+        )
 
 
 def _restrict(log_probs: torch.Tensor, step: int, min_len: int, cfg: TransformerConfig) -> torch.Tensor:
@@ -155,10 +160,17 @@ def _restrict(log_probs: torch.Tensor, step: int, min_len: int, cfg: Transformer
 
 # --- greedy search ----------------------------------------------------------------------------------------
 
+
 @torch.no_grad()
-def greedy_search(model: Transformer, src: torch.Tensor, *, max_len_a: float = DEFAULT_MAX_LEN_A,
-                  max_len_b: float = DEFAULT_MAX_LEN_B, min_len: int = 0,
-                  use_cache: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def greedy_search(
+    model: Transformer,
+    src: torch.Tensor,
+    *,
+    max_len_a: float = DEFAULT_MAX_LEN_A,
+    max_len_b: float = DEFAULT_MAX_LEN_B,
+    min_len: int = 0,
+    use_cache: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Greedy decoding of right-padded sources (B, S) -> tokens (B, L) long, scores (B,) float32 (sum of
     log-probs). The loop stops when every row has emitted EOS or reached its length limit."""
     _check(model, src)
@@ -185,6 +197,7 @@ def greedy_search(model: Transformer, src: torch.Tensor, *, max_len_a: float = D
 
 # --- beam search ------------------------------------------------------------------------------------------
 
+
 def _top(values: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The k largest values and their indices, equal values in index order (as lax.top_k)."""
     sorted_values, index = torch.sort(values, descending=True, stable=True)
@@ -192,9 +205,17 @@ def _top(values: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @torch.no_grad()
-def beam_search(model: Transformer, src: torch.Tensor, *, beam_size: int = 4, alpha: float = 0.6,
-                max_len_a: float = DEFAULT_MAX_LEN_A, max_len_b: float = DEFAULT_MAX_LEN_B, min_len: int = 0,
-                use_cache: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def beam_search(
+    model: Transformer,
+    src: torch.Tensor,
+    *,
+    beam_size: int = 4,
+    alpha: float = 0.6,
+    max_len_a: float = DEFAULT_MAX_LEN_A,
+    max_len_b: float = DEFAULT_MAX_LEN_B,
+    min_len: int = 0,
+    use_cache: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Beam search with the GNMT length penalty, one sentence at a time -> the best hypothesis of each row,
     tokens (B, L) long and score (B,) float32 = log P / ((5 + length) / 6) ** alpha."""
     _check(model, src, beam_size)
@@ -207,13 +228,15 @@ def beam_search(model: Transformer, src: torch.Tensor, *, beam_size: int = 4, al
     tokens = torch.full((src.shape[0], length), cfg.pad_id, dtype=torch.long)
     scores = torch.zeros(src.shape[0])
     for b in range(src.shape[0]):
-        tokens[b], scores[b] = _beam_search_one(model, memory[b:b + 1], src[b:b + 1], beam_size, alpha,
-                                                limits[b], length, min_len, use_cache)
+        tokens[b], scores[b] = _beam_search_one(
+            model, memory[b : b + 1], src[b : b + 1], beam_size, alpha, limits[b], length, min_len, use_cache
+        )
     return tokens, scores
 
 
-def _beam_search_one(model, memory, src, K: int, alpha: float, limit: int, length: int, min_len: int,
-                     use_cache: bool) -> tuple[torch.Tensor, float]:
+def _beam_search_one(
+    model, memory, src, K: int, alpha: float, limit: int, length: int, min_len: int, use_cache: bool
+) -> tuple[torch.Tensor, float]:
     """Beam search for one sentence: memory (1, S, D), src (1, S) -> (tokens (length,), score)."""
     cfg = model.cfg
     decoder = _decoder(model, memory.expand(K, -1, -1), src.expand(K, -1), use_cache)

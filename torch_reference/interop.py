@@ -1,7 +1,9 @@
 """Glue between torch modules and the numpy weight map of `jax_transformer.port`."""
+
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 import torch
@@ -22,7 +24,7 @@ def numpy_state_dict(model: nn.Module) -> dict[str, np.ndarray]:
 
 
 def _activation_name(layer: nn.Module) -> str:
-    """"relu" or "gelu" (exact) for an nn.Transformer layer's activation (a function or a module); else ValueError."""
+    """ "relu" or "gelu" (exact) for an nn.Transformer layer's activation (a function or a module); else ValueError."""
     activation = layer.activation
     name = getattr(activation, "__name__", type(activation).__name__).lower()
     if name not in ("relu", "gelu"):
@@ -41,23 +43,28 @@ def config_from_nn_transformer(transformer: nn.Transformer, **fields: Any) -> Tr
     layers = list(transformer.encoder.layers) + list(transformer.decoder.layers)
     if not layers:
         raise ValueError("nn.Transformer has no encoder or decoder layers to read the config from")
-    attentions = [a for layer in layers for a in (layer.self_attn, getattr(layer, "multihead_attn", None))
-                  if a is not None]
+    attentions = [
+        a for layer in layers for a in (layer.self_attn, getattr(layer, "multihead_attn", None)) if a is not None
+    ]
     final_norms = [transformer.encoder.norm, transformer.decoder.norm]
-    norms = [n for layer in layers for n in (layer.norm1, layer.norm2, getattr(layer, "norm3", None))
-             if n is not None]
+    norms = [n for layer in layers for n in (layer.norm1, layer.norm2, getattr(layer, "norm3", None)) if n is not None]
     norms += [n for n in final_norms if n is not None]
-    if any(a.bias_k is not None or a.add_zero_attn or a.kdim != a.embed_dim or a.vdim != a.embed_dim
-           for a in attentions):
-        raise ValueError("nn.Transformer attention uses add_bias_kv, add_zero_attn or kdim/vdim, which the model "
-                         "does not have")
+    if any(
+        a.bias_k is not None or a.add_zero_attn or a.kdim != a.embed_dim or a.vdim != a.embed_dim for a in attentions
+    ):
+        raise ValueError(
+            "nn.Transformer attention uses add_bias_kv, add_zero_attn or kdim/vdim, which the model does not have"
+        )
     if any(not n.elementwise_affine for n in norms):
         raise ValueError("nn.Transformer has a LayerNorm without elementwise_affine, which the model does not have")
     # Every value of each setting over all layers (and both final norms); each must be one value.
     seen = {
-        "d_model": {a.embed_dim for a in attentions}, "num_heads": {a.num_heads for a in attentions},
-        "d_ff": {layer.linear1.out_features for layer in layers}, "norm_first": {layer.norm_first for layer in layers},
-        "final_norm": {n is not None for n in final_norms}, "layer_norm_eps": {n.eps for n in norms},
+        "d_model": {a.embed_dim for a in attentions},
+        "num_heads": {a.num_heads for a in attentions},
+        "d_ff": {layer.linear1.out_features for layer in layers},
+        "norm_first": {layer.norm_first for layer in layers},
+        "final_norm": {n is not None for n in final_norms},
+        "layer_norm_eps": {n.eps for n in norms},
         "activation": {_activation_name(layer) for layer in layers},
         "qkv_bias": {p is not None for a in attentions for p in (a.in_proj_bias, a.out_proj.bias)},
         "ffn_bias": {m.bias is not None for layer in layers for m in (layer.linear1, layer.linear2)},
@@ -67,6 +74,7 @@ def config_from_nn_transformer(transformer: nn.Transformer, **fields: Any) -> Tr
     if mixed:
         raise ValueError(f"nn.Transformer layers disagree on {mixed}; the config has one value for each")
     derived = {name: next(iter(values)) for name, values in seen.items()}
-    derived.update(num_encoder_layers=len(transformer.encoder.layers),
-                   num_decoder_layers=len(transformer.decoder.layers))
+    derived.update(
+        num_encoder_layers=len(transformer.encoder.layers), num_decoder_layers=len(transformer.decoder.layers)
+    )
     return TransformerConfig.from_dict({**derived, **fields}, source="config_from_nn_transformer")

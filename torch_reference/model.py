@@ -6,11 +6,12 @@ A Flax parameter `encoder/layer_0/self_attention/query/kernel` is the PyTorch pa
 Shapes: B batch, S source length, T target length, D d_model, H heads, K head_dim, V vocabulary.
 Masks: True means "may attend" (the same polarity as `jax_transformer.masks`).
 """
+
 from __future__ import annotations
 
 import contextlib
 import math
-from typing import Iterator, Optional
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -19,8 +20,8 @@ from torch import nn
 from jax_transformer.config import TransformerConfig
 from jax_transformer.positions import sinusoidal_table
 
-
 # --- masks (True = may attend) -----------------------------------------------------------------------
+
 
 def padding_mask(tokens: torch.Tensor, pad_id: int) -> torch.Tensor:
     """(B, T) token ids -> (B, 1, 1, T) bool, True where the key is a real token."""
@@ -58,6 +59,7 @@ def decoder_masks(src, tgt_in, pad_id: int, src_segments=None, tgt_segments=None
 
 # --- modules -----------------------------------------------------------------------------------------
 
+
 def _layer_norm(cfg: TransformerConfig) -> nn.LayerNorm:
     """A LayerNorm over d_model; its bias (beta) only with `norm_bias`, as in the Flax model."""
     return nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps, bias=cfg.norm_bias)
@@ -74,7 +76,7 @@ class MultiHeadAttention(nn.Module):
         self.value = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.qkv_bias)
         self.out = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.qkv_bias)
         self.dropout = nn.Dropout(cfg.attention_dropout)
-        self.recorder: Optional[tuple[dict, str]] = None  # set by Transformer.record_attention
+        self.recorder: tuple[dict, str] | None = None  # set by Transformer.record_attention
 
     def forward(self, x: torch.Tensor, memory: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """x (B, Tq, D) queries' input; memory (B, Tk, D) keys' input (pass x for self-attention)."""
@@ -163,15 +165,16 @@ class Positions(nn.Module):
         if cfg.positions == "learned":
             self.weight = nn.Parameter(torch.empty(cfg.max_len, cfg.d_model))
         else:
-            self.register_buffer("table", torch.from_numpy(sinusoidal_table(cfg.max_len, cfg.d_model)),
-                                 persistent=False)
+            self.register_buffer(
+                "table", torch.from_numpy(sinusoidal_table(cfg.max_len, cfg.d_model)), persistent=False
+            )
 
-    def forward(self, x: torch.Tensor, offset: int = 0, positions: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, offset: int = 0, positions: torch.Tensor | None = None) -> torch.Tensor:
         """positions (B, T): each token's position within its pair (packed rows); else offset, offset + 1, ..."""
         table = self.weight if hasattr(self, "weight") else self.table
         if positions is not None:
             return x + table[positions]
-        return x + table[offset: offset + x.shape[1]][None]
+        return x + table[offset : offset + x.shape[1]][None]
 
 
 class Encoder(nn.Module):
@@ -246,8 +249,9 @@ class Transformer(nn.Module):
         mask = encoder_mask(src, self.cfg.pad_id, src_segments)
         return self.encoder(self._embed("source", src), mask, src_positions)
 
-    def decoder_hidden(self, memory, src, tgt_in, *, src_segments=None, tgt_segments=None,
-                       tgt_positions=None) -> torch.Tensor:
+    def decoder_hidden(
+        self, memory, src, tgt_in, *, src_segments=None, tgt_segments=None, tgt_positions=None
+    ) -> torch.Tensor:
         """(B, T, D) decoder output before the vocabulary projection."""
         self_mask, cross_mask = decoder_masks(src, tgt_in, self.cfg.pad_id, src_segments, tgt_segments)
         return self.decoder(self._embed("target", tgt_in), memory, self_mask, cross_mask, tgt_positions)
@@ -261,12 +265,21 @@ class Transformer(nn.Module):
         """memory (B, S, D), src (B, S), tgt_in (B, T) -> logits (B, T, V)."""
         return self.logits(self.decoder_hidden(memory, src, tgt_in, **packing))
 
-    def forward(self, src: torch.Tensor, tgt_in: torch.Tensor, *, src_segments=None, tgt_segments=None,
-                src_positions=None, tgt_positions=None) -> torch.Tensor:
+    def forward(
+        self,
+        src: torch.Tensor,
+        tgt_in: torch.Tensor,
+        *,
+        src_segments=None,
+        tgt_segments=None,
+        src_positions=None,
+        tgt_positions=None,
+    ) -> torch.Tensor:
         """Teacher forcing; packed rows pass segment ids and positions of both sides (see the Flax model)."""
         memory = self.encode(src, src_segments=src_segments, src_positions=src_positions)
-        return self.decode(memory, src, tgt_in, src_segments=src_segments, tgt_segments=tgt_segments,
-                           tgt_positions=tgt_positions)
+        return self.decode(
+            memory, src, tgt_in, src_segments=src_segments, tgt_segments=tgt_segments, tgt_positions=tgt_positions
+        )
 
     @contextlib.contextmanager
     def record_attention(self) -> Iterator[dict[str, torch.Tensor]]:

@@ -6,9 +6,10 @@ the same `OptimConfig`, so that a run can be compared with the Flax one step by 
     for batch in batches:
         sums = train_step(model, optimizer, scheduler, batch, opt)
 """
+
 from __future__ import annotations
 
-from typing import Callable, Mapping
+from collections.abc import Callable, Mapping
 
 import numpy as np
 import torch
@@ -25,7 +26,7 @@ def noam_rate(step: int, d_model: int, warmup_steps: int, scale: float = 1.0) ->
     """The paper's learning rate (section 5.3) for update number `step` (1, 2, ...):
     scale * d_model^-0.5 * min(step^-0.5, step * warmup^-1.5)."""
     step = max(step, 1)
-    return scale * d_model ** -0.5 * min(step ** -0.5, step * warmup_steps ** -1.5)
+    return scale * d_model**-0.5 * min(step**-0.5, step * warmup_steps**-1.5)
 
 
 def noam_lambda(d_model: int, warmup_steps: int, scale: float = 1.0) -> Callable[[int], float]:
@@ -54,8 +55,9 @@ def _as_tensor(x) -> torch.Tensor:
     return x if isinstance(x, torch.Tensor) else torch.from_numpy(np.asarray(x, dtype=np.int64))
 
 
-def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, batch: Mapping[str, object],
-               opt: OptimConfig) -> dict[str, float]:
+def train_step(
+    model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, batch: Mapping[str, object], opt: OptimConfig
+) -> dict[str, float]:
     """One update on a batch of src / tgt_in / tgt_out ids (numpy or torch; packed rows with PACKING_KEYS too):
     label-smoothed cross-entropy averaged over real target tokens, backward, optional gradient-norm clipping, Adam
     step, schedule step. Returns the batch's loss sums (before the update) as floats. Dropout follows
