@@ -40,6 +40,8 @@ import numpy as np
 from jax_transformer.config import TransformerConfig
 
 SIDES = {"src": "source", "tgt_in": "target", "tgt_out": "target"}
+# The packed-row keys, as `jax_transformer.training.PACKING_KEYS` names them (that module is above this one).
+PACKING_KEYS = ("src_segments", "tgt_segments", "src_positions", "tgt_positions")
 _VOCAB_FIELD = {"source": "src_vocab_size", "target": "tgt_vocab_size"}
 
 
@@ -154,7 +156,8 @@ def check_batch(batch: Mapping[str, Any], config: TransformerConfig, where: str 
     if missing:
         raise TokenError(f"{where} has no {missing} (it needs src, tgt_in and tgt_out)")
     name = lambda key: f"{where}[{key!r}]"  # noqa: E731
-    arrays = {key: _integer_matrix(name(key), value) for key, value in batch.items()}
+    # Only the model's inputs: a batch may carry other arrays (weights, indices) that are not token ids.
+    arrays = {key: _integer_matrix(name(key), value) for key, value in batch.items() if key in (*SIDES, *PACKING_KEYS)}
     rows = {key: a.shape[0] for key, a in arrays.items()}
     if len(set(rows.values())) != 1:
         raise TokenError(f"{where}: the arrays have different numbers of rows: {rows}")

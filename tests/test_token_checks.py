@@ -235,6 +235,11 @@ def test_packed_batches_are_checked(fault):
         checks.check_batch(bad, CONFIG)
 
 
+def test_batch_checks_know_the_packing_keys_and_leave_other_arrays_alone():
+    assert checks.PACKING_KEYS == training.PACKING_KEYS
+    checks.check_batch(dict(PACKED, weights=np.ones((3, 12), np.float32)), CONFIG)
+
+
 def test_model_checks_packed_positions(params):
     packing = {key: PACKED[key] for key in training.PACKING_KEYS}
     logits = _apply(params, PACKED["src"], PACKED["tgt_in"], **packing)
