@@ -82,7 +82,17 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="DIR",
         help="where checkpoints, metrics.jsonl, loss_curve.png and tokenizer.model go (default runs/<date-time>)",
     )
-    g.add_argument("--resume", metavar="DIR", help="continue the run in DIR from its latest checkpoint, exactly")
+    g.add_argument(
+        "--resume",
+        metavar="DIR",
+        help="continue the run in DIR from its newest intact checkpoint, exactly (damaged newer ones are moved to "
+        "DIR/checkpoints-damaged with a warning)",
+    )
+    g.add_argument(
+        "--strict-resume",
+        action="store_true",
+        help="with --resume: stop with an error if the newest checkpoint is damaged, instead of falling back",
+    )
     g.add_argument(
         "--init-from-torch",
         metavar="FILE",
@@ -123,10 +133,28 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--output", metavar="FILE", help="also write the translations to FILE, one per line")
     e.set_defaults(func=cmd_evaluate)
 
-    tr = sub.add_parser("translate", help="translate lines of text (stdin or --input) to stdout")
+    tr = sub.add_parser(
+        "translate",
+        help="translate lines of text (stdin or --input) to stdout",
+        description="Translate UTF-8 text, one sentence per line, to stdout: exactly one output line per input "
+        "line (an empty line stays empty), read and translated in chunks, so input of any size streams through.",
+    )
     _add_checkpoint_flags(tr)
     tr.add_argument("--input", metavar="FILE", help="UTF-8 file with one sentence per line (default: stdin)")
     _add_decoding_flags(tr)
+    tr.add_argument(
+        "--on-too-long",
+        choices=("error", "truncate"),
+        default="error",
+        help="a line longer than the model's max_len tokens: stop with an error naming the line (after writing "
+        "the lines before it), or translate its first max_len - 1 tokens and report the line (default error)",
+    )
+    tr.add_argument(
+        "--progress",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="progress bar on stderr (default: when stderr is a terminal)",
+    )
     tr.set_defaults(func=cmd_translate)
 
     x = sub.add_parser("export", help="write a checkpoint's weights as a PyTorch file for torch_reference")
@@ -210,6 +238,7 @@ def cmd_train(args, start_time: float) -> int:
     result = run.train(
         run_dir=args.run_dir,
         resume=args.resume,
+        strict_resume=args.strict_resume,
         init_from_torch=args.init_from_torch,
         preset_name=args.preset,
         seed=args.seed,
@@ -233,13 +262,15 @@ def cmd_train(args, start_time: float) -> int:
 def _load(args):
     from jax_transformer import checkpoint
 
-    loaded = checkpoint.load(args.checkpoint, args.step)
-    print(f"loaded {loaded.directory} step {loaded.step}", file=sys.stderr)
+    loaded = checkpoint.load(args.checkpoint, args.step)  # verified: a damaged step is a CheckpointError
+    note = "" if loaded.verified else f" (format {loaded.format}, written before checksums: not verified)"
+    print(f"loaded {loaded.directory} step {loaded.step}{note}", file=sys.stderr)
     return loaded
 
 
 def cmd_evaluate(args, start_time: float) -> int:
     from jax_transformer import data, evaluation, run, training
+    from jax_transformer.checks import check_batch
     from jax_transformer.trainer import ValidationSet
 
     loaded = _load(args)
@@ -253,6 +284,8 @@ def cmd_evaluate(args, start_time: float) -> int:
     encoded = data.encode_corpus(corpus, loaded.tokenizer, loaded.config.max_len, on_too_long="skip")
     print(f"evaluation data: {corpus.describe()}; {encoded.describe()}", file=sys.stderr)
     valid = ValidationSet.from_encoded(encoded, corpus, args.max_tokens)
+    for i, batch in enumerate(valid.batches):
+        check_batch(batch, loaded.config, f"evaluation batch {i}")
     eval_step = training.make_eval_step(loaded.config, loaded.optim.get("label_smoothing", 0.1))
     result = {"step": loaded.step, **training.evaluate_loss(loaded.params, eval_step, valid.batches)}
     scores, hypotheses = evaluation.evaluate_translations(
@@ -274,32 +307,34 @@ def cmd_evaluate(args, start_time: float) -> int:
 
 
 def cmd_translate(args, start_time: float) -> int:
-    from jax_transformer.data import DataError
-    from jax_transformer.decoding import translate
+    from jax_transformer.data import count_lines, read_lines
+    from jax_transformer.decoding import translate_lines
 
     loaded = _load(args)
+    # Read, translated and written a chunk of lines at a time: memory does not grow with the input.
+    if args.input:
+        origin, lines, total = args.input, read_lines(args.input), count_lines(args.input)
+    else:
+        origin, lines, total = "stdin", read_lines(sys.stdin.buffer, origin="stdin"), None
+    out = getattr(sys.stdout, "buffer", None)  # UTF-8 whatever the locale says
+    write = (lambda text: out.write(text.encode("utf-8") + b"\n")) if out else (lambda text: print(text))
     try:
-        text = Path(args.input).read_text(encoding="utf-8") if args.input else sys.stdin.read()
-    except (OSError, UnicodeDecodeError) as e:
-        raise DataError(f"{args.input or 'stdin'}: cannot read: {e}") from None
-    lines = text.splitlines()
-    todo = [i for i, line in enumerate(lines) if line.strip()]  # empty lines stay empty
-    outputs = [""] * len(lines)
-    translations = (
-        translate(
+        report = translate_lines(
             loaded.params,
             loaded.config,
             loaded.tokenizer,
-            [lines[i] for i in todo],
+            (text for _, text in lines),
+            write,
+            origin=origin,
+            on_too_long=args.on_too_long,
+            total=total,
+            progress=args.progress,
             beam_size=args.beam_size,
             alpha=args.alpha,
         )
-        if todo
-        else []
-    )
-    for i, translation in zip(todo, translations):
-        outputs[i] = translation
-    sys.stdout.write("".join(line + "\n" for line in outputs))
+    finally:
+        sys.stdout.flush()
+    print(report.describe(), file=sys.stderr)
     return 0
 
 
@@ -323,14 +358,46 @@ def cmd_attention(args, start_time: float) -> int:
     return 0
 
 
+def _quiet_closed_loop_callbacks() -> None:
+    """When orbax fails to read or write a checkpoint, it closes its asyncio loop while tensorstore still has
+    operations in flight; their completions then print "RuntimeError: Event loop is closed" tracebacks (through
+    sys.unraisablehook or sys.excepthook) after the CheckpointError was reported. Exactly those are dropped."""
+    if getattr(sys.unraisablehook, "quiets_closed_loop_callbacks", False):
+        return
+
+    def closed_loop_callback(kind, value, tb) -> bool:
+        if kind is not RuntimeError or str(value) != "Event loop is closed":
+            return False
+        frames = []
+        while tb is not None:
+            frames.append(tb.tb_frame.f_code.co_name)
+            tb = tb.tb_next
+        return "call_soon_threadsafe" in frames
+
+    previous_excepthook, previous_unraisablehook = sys.excepthook, sys.unraisablehook
+
+    def excepthook(kind, value, tb):
+        if not closed_loop_callback(kind, value, tb):
+            previous_excepthook(kind, value, tb)
+
+    def unraisablehook(unraisable):
+        if not closed_loop_callback(unraisable.exc_type, unraisable.exc_value, unraisable.exc_traceback):
+            previous_unraisablehook(unraisable)
+
+    unraisablehook.quiets_closed_loop_callbacks = True
+    sys.excepthook, sys.unraisablehook = excepthook, unraisablehook
+
+
 def main(argv: list[str] | None = None) -> int:
     start_time = time.time()
+    _quiet_closed_loop_callbacks()
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or (argv[0] not in COMMANDS and argv[0] not in ("-h", "--help")):
         argv = ["train"] + argv  # `train` is the default sub-command
     args = build_parser().parse_args(argv)
 
     from jax_transformer.checkpoint import CheckpointError
+    from jax_transformer.checks import TokenError
     from jax_transformer.config import ConfigError
     from jax_transformer.data import DataError
     from jax_transformer.port import PortError
@@ -342,7 +409,10 @@ def main(argv: list[str] | None = None) -> int:
     except TrainingError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_DIVERGED
-    except (DataError, ConfigError, CheckpointError, PortError, UsageError) as e:
+    except (DataError, ConfigError, CheckpointError, PortError, UsageError, TokenError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_ERROR
+    except OSError as e:  # the machine's, not the program's: a full disk, a missing permission
         print(f"error: {e}", file=sys.stderr)
         return EXIT_ERROR
     except KeyboardInterrupt:  # before or after the training loop, which handles Ctrl-C itself

@@ -70,6 +70,8 @@ class Corpus:
     `line_numbers[i]` is the 1-based line of pair i in the original file(s); skipped lines leave gaps.
     `origin` names the file(s) in messages. Empty lines that were skipped are counted in `skipped_empty`, and
     the first few of their line numbers are kept in `skipped_empty_lines` so a log can show where they were.
+    `stripped_boms` counts the files that began with a UTF-8 byte-order mark and `crlf_lines` the lines that
+    ended in CRLF: both are removed while reading (see `read_lines`) and reported by `describe`.
     """
 
     sources: list[str]
@@ -78,6 +80,8 @@ class Corpus:
     origin: str
     skipped_empty: int = 0
     skipped_empty_lines: list[int] = dataclasses.field(default_factory=list)
+    stripped_boms: int = 0
+    crlf_lines: int = 0
 
     def __post_init__(self) -> None:
         if not len(self.sources) == len(self.targets) == len(self.line_numbers):
@@ -90,10 +94,15 @@ class Corpus:
         return len(self.sources)
 
     def describe(self) -> str:
-        """One line for a log: how many pairs were kept, how many empty lines skipped, and where."""
+        """One line for a log: how many pairs were kept, how many empty lines skipped, and where; what the
+        reader removed (byte-order marks, CRLF line ends)."""
         text = f"{self.origin}: {len(self)} pairs"
         if self.skipped_empty:
             text += f", skipped {self.skipped_empty} with an empty side{_lines_hint(self.skipped_empty_lines)}"
+        if self.stripped_boms:
+            text += f", removed a UTF-8 byte-order mark ({self.stripped_boms} file{'s' * (self.stripped_boms > 1)})"
+        if self.crlf_lines:
+            text += f", removed CR from {self.crlf_lines} CRLF line end{'s' * (self.crlf_lines > 1)}"
         return text
 
 
@@ -106,48 +115,100 @@ def _where(origin: str | os.PathLike, line: int) -> str:
     return f"{origin}, line {line}"
 
 
-def _check_readable(path: Path) -> None:
+def _check_readable(path: Path, *, allow_empty: bool = False) -> None:
     # Checked up front so that a missing second file is reported before any line of the first is read.
     if not path.exists():
         raise DataError(f"{path}: file not found")
+    if path.is_dir():
+        raise DataError(f"{path}: is a directory, not a text file")
     if not path.is_file():
         raise DataError(f"{path}: not a regular file")
+    if not allow_empty and path.stat().st_size == 0:
+        raise DataError(f"{path}: the file is empty")
 
 
-def _read_lines(path: Path) -> Iterator[tuple[int, str]]:
-    """Yields (1-based line number, text) for each line of a UTF-8 file, with only the line ending removed.
+@dataclasses.dataclass
+class ReadStats:
+    """What `read_lines` removed while reading: a UTF-8 byte-order mark (0 or 1) and CRs of CRLF line ends."""
 
-    The file is read as bytes and each line decoded on its own, so an undecodable byte is reported with its line
-    and byte offset. Lines are split on b"\\n" only: str.splitlines() would also split on characters such as
-    U+2028 that can occur inside a sentence, and break the line alignment of a parallel corpus.
+    stripped_boms: int = 0
+    crlf_lines: int = 0
+
+
+_UTF16_BOMS = (codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)
+
+
+def read_lines(
+    source: str | os.PathLike | io.BufferedIOBase, *, origin: str | None = None, stats: ReadStats | None = None
+) -> Iterator[tuple[int, str]]:
+    """Yields (1-based line number, text) for each line of UTF-8 text, a file path or a binary stream (stdin's
+    `sys.stdin.buffer`), one line at a time (memory: one line), with only the line ending removed.
+
+    Lines are split on b"\\n" only: str.splitlines() would also split on characters such as U+2028 that can occur
+    inside a sentence, and break the line alignment of a parallel corpus. Each line is decoded on its own, so
+    bad input is reported with its line and byte offset:
+    * a UTF-8 byte-order mark at the start (Windows editors write one) and the CR of CRLF line ends are removed
+      and counted in `stats`;
+    * invalid UTF-8 and NUL bytes (a binary or UTF-16 file) are a DataError naming the line and byte offset;
+      a UTF-16 byte-order mark gets its own message.
+    A line is read whole, however long (a line of megabytes is read, then counted as too long by
+    `encode_corpus`, or refused or truncated by `translate`).
     """
+    if isinstance(source, (str, os.PathLike)):
+        path = Path(source)
+        _check_readable(path, allow_empty=True)
+        try:
+            with open(path, "rb") as f:
+                yield from read_lines(f, origin=origin or str(path), stats=stats)
+        except OSError as e:  # e.g. permission denied; a missing file was caught by _check_readable
+            raise DataError(f"{path}: cannot read: {e.strerror or e}") from e
+        return
+    origin = origin or getattr(source, "name", "input")
+    stats = stats if stats is not None else ReadStats()
     offset = 0  # byte offset of the current line's start in the file
-    try:
-        with open(path, "rb") as f:
-            for number, raw in enumerate(f, start=1):
-                start, offset = offset, offset + len(raw)
-                if raw.endswith(b"\r\n"):
-                    raw = raw[:-2]
-                elif raw.endswith(b"\n"):
-                    raw = raw[:-1]
-                if number == 1 and raw.startswith(codecs.BOM_UTF8):
-                    # Editors on Windows often start UTF-8 files with a byte-order mark; it is not text.
-                    raw, start = raw[len(codecs.BOM_UTF8) :], start + len(codecs.BOM_UTF8)
-                try:
-                    text = raw.decode("utf-8")
-                except UnicodeDecodeError as e:
-                    raise DataError(
-                        f"{_where(path, number)}: not valid UTF-8: byte 0x{raw[e.start]:02x} at byte offset "
-                        f"{start + e.start} of the file (byte {e.start + 1} of the line): {e.reason}"
-                    ) from None
-                yield number, text
-    except OSError as e:  # e.g. permission denied; a missing file was caught by _check_readable
-        raise DataError(f"{path}: cannot read: {e.strerror or e}") from e
+    for number, raw in enumerate(source, start=1):
+        start, offset = offset, offset + len(raw)
+        if raw.endswith(b"\r\n"):
+            raw = raw[:-2]
+            stats.crlf_lines += 1
+        elif raw.endswith(b"\n"):
+            raw = raw[:-1]
+        if number == 1:
+            if raw.startswith(codecs.BOM_UTF8):
+                # Editors on Windows often start UTF-8 files with a byte-order mark; it is not text.
+                raw, start = raw[len(codecs.BOM_UTF8) :], start + len(codecs.BOM_UTF8)
+                stats.stripped_boms += 1
+            elif raw.startswith(_UTF16_BOMS):
+                raise DataError(
+                    f"{_where(origin, 1)}: starts with a UTF-16 byte-order mark: the text is UTF-16, not UTF-8; "
+                    f"convert it, e.g. iconv -f UTF-16 -t UTF-8"
+                )
+        nul = raw.find(b"\0")
+        if nul >= 0:
+            raise DataError(
+                f"{_where(origin, number)}: NUL byte at byte offset {start + nul} (byte {nul + 1} of the line): "
+                f"not UTF-8 text (a binary file, or UTF-16 without a byte-order mark?)"
+            )
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise DataError(
+                f"{_where(origin, number)}: not valid UTF-8: byte 0x{raw[e.start]:02x} at byte offset "
+                f"{start + e.start} of the file (byte {e.start + 1} of the line): {e.reason}"
+            ) from None
+        yield number, text
 
 
-def _count_lines(path: Path) -> int:
+def count_lines(path: str | os.PathLike, block: int = 1 << 20) -> int:
+    """The number of lines `read_lines` yields for a file (a last line without "\\n" counts), read in blocks:
+    for a progress bar's total, without holding the file."""
+    _check_readable(Path(path), allow_empty=True)
+    lines, last = 0, b"\n"
     with open(path, "rb") as f:
-        return sum(1 for _ in f)
+        while chunk := f.read(block):
+            lines += chunk.count(b"\n")
+            last = chunk[-1:]
+    return lines + (last != b"\n")
 
 
 class _CorpusBuilder:
@@ -158,6 +219,7 @@ class _CorpusBuilder:
             raise ValueError(f"on_empty must be one of {_ON_EMPTY}, got {on_empty!r}")
         self.corpus = Corpus([], [], [], origin)
         self.on_empty = on_empty
+        self.stats = ReadStats()  # shared by the readers of every file of this corpus
 
     def add(self, line: int, source: str, target: str, empty_error: str) -> None:
         """Adds one pair; `empty_error` is the message to raise if a side is empty and on_empty is "error"."""
@@ -172,22 +234,34 @@ class _CorpusBuilder:
             if len(self.corpus.skipped_empty_lines) < MAX_REPORTED_LINES:
                 self.corpus.skipped_empty_lines.append(line)
 
+    def finish(self, lines: int) -> Corpus:
+        """The corpus; a DataError if no pair is left (nothing could be trained or evaluated on)."""
+        corpus = self.corpus
+        corpus.stripped_boms, corpus.crlf_lines = self.stats.stripped_boms, self.stats.crlf_lines
+        if not len(corpus):
+            raise DataError(f"{corpus.origin}: no sentence pairs: all {lines} lines have an empty side")
+        return corpus
+
 
 def read_parallel(src_path: str | os.PathLike, tgt_path: str | os.PathLike, *, on_empty: str = "skip") -> Corpus:
     """Reads two line-aligned UTF-8 files: line i of `src_path` translates to line i of `tgt_path`.
 
-    Only the line ending ("\\n" or "\\r\\n") is removed; other whitespace is kept. A pair with a side that is
-    empty (after strip()) is skipped and counted (on_empty="skip") or is a DataError (on_empty="error").
-    Files with different line counts are a DataError naming both counts: the alignment is broken somewhere,
-    and guessing where would train on mistranslations.
+    Only the line ending ("\\n" or "\\r\\n") is removed; other whitespace is kept (see `read_lines` for BOMs,
+    NUL bytes and invalid UTF-8). A pair with a side that is empty (after strip()) is skipped and counted
+    (on_empty="skip") or is a DataError (on_empty="error"). Files with different line counts are a DataError
+    naming both counts: the alignment is broken somewhere, and guessing where would train on mistranslations.
+    An empty file, or files without a single complete pair, are a DataError.
     """
     src, tgt = Path(src_path), Path(tgt_path)
     _check_readable(src)
     _check_readable(tgt)
     builder = _CorpusBuilder(f"{src} + {tgt}", on_empty)
-    for src_item, tgt_item in itertools.zip_longest(_read_lines(src), _read_lines(tgt)):
+    line = 0
+    for src_item, tgt_item in itertools.zip_longest(
+        read_lines(src, stats=builder.stats), read_lines(tgt, stats=builder.stats)
+    ):
         if src_item is None or tgt_item is None:
-            n_src, n_tgt = _count_lines(src), _count_lines(tgt)
+            n_src, n_tgt = count_lines(src), count_lines(tgt)
             longer, shorter = (src, tgt) if n_src > n_tgt else (tgt, src)
             raise DataError(
                 f"{src} has {n_src} lines but {tgt} has {n_tgt}: {shorter} ends after line {min(n_src, n_tgt)}, "
@@ -199,25 +273,26 @@ def read_parallel(src_path: str | os.PathLike, tgt_path: str | os.PathLike, *, o
         else:
             message = f"{_where(tgt, line)}: empty target line"
         builder.add(line, source, target, message)
-    return builder.corpus
+    return builder.finish(line)
 
 
 def read_tsv(path: str | os.PathLike, *, on_empty: str = "skip") -> Corpus:
     """Reads `source<TAB>target` lines from one UTF-8 file; each line must hold exactly one tab.
 
-    Empty sides are handled as in `read_parallel`.
+    Empty sides, empty files and bad bytes are handled as in `read_parallel`.
     """
     path = Path(path)
     _check_readable(path)
     builder = _CorpusBuilder(str(path), on_empty)
-    for line, text in _read_lines(path):
+    line = 0
+    for line, text in read_lines(path, stats=builder.stats):
         tabs = text.count("\t")
         if tabs != 1:
             raise DataError(f"{_where(path, line)}: expected exactly one tab between source and target, found {tabs}")
         source, target = text.split("\t")
         side = "source (left of the tab)" if not source.strip() else "target (right of the tab)"
         builder.add(line, source, target, f"{_where(path, line)}: empty {side}")
-    return builder.corpus
+    return builder.finish(line)
 
 
 # =============================================================================================================
@@ -307,8 +382,8 @@ class Tokenizer:
                 **_FIXED_TRAINER_OPTIONS,
                 **sentencepiece_options,
             )
-        except RuntimeError as e:
-            raise ValueError(
+        except RuntimeError as e:  # a DataError (a ValueError): the command line reports it without a traceback
+            raise DataError(
                 f"Tokenizer.train: SentencePiece failed on {count} texts "
                 f"(vocab_size={vocab_size}, model_type={model_type!r}): {e}"
             ) from None

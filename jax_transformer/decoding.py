@@ -42,9 +42,11 @@ whole test set compiles a handful of times.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import flax.struct
@@ -54,8 +56,10 @@ import numpy as np
 from jax import lax
 from tqdm.auto import tqdm
 
+from jax_transformer import checks
+from jax_transformer.checks import TokenError
 from jax_transformer.config import TransformerConfig
-from jax_transformer.data import bucket_lengths
+from jax_transformer.data import DataError, bucket_lengths
 from jax_transformer.model import Transformer
 
 DEFAULT_MAX_LEN_A = 1.5
@@ -68,24 +72,18 @@ DEFAULT_MAX_LEN_B = 10
 
 
 def check_source(src: Any, config: TransformerConfig) -> np.ndarray:
-    """`src` as an (B, S) int32 numpy array after checking it is a right-padded batch of valid source ids."""
+    """`src` as an (B, S) int32 numpy array after checking it is a right-padded batch of valid source ids
+    (`checks.TokenError`, a ValueError, naming the row and position otherwise)."""
     src = np.asarray(src)
     if src.ndim != 2 or src.shape[0] < 1 or src.shape[1] < 1:
-        raise ValueError(f"src must have shape (batch, length) with both >= 1, got shape {src.shape}")
-    if not np.issubdtype(src.dtype, np.integer):
-        raise ValueError(f"src must hold integer token ids, got dtype {src.dtype}")
-    if src.shape[1] > config.max_len:
-        raise ValueError(f"src has length {src.shape[1]}, more than config.max_len={config.max_len} positions")
-    bad = np.argwhere((src < 0) | (src >= config.src_vocab_size))
-    if bad.size:
-        r, c = bad[0]
-        raise ValueError(f"src[{r}, {c}] = {src[r, c]} is outside the source vocabulary [0, {config.src_vocab_size})")
+        raise TokenError(f"src must have shape (batch, length) with both >= 1, got shape {src.shape}")
+    checks.check_tokens("src", src, config, "source")
     real = src != config.pad_id
     # Right padding: once a row has a PAD, every later entry is PAD (the length is the count of real tokens).
     after_pad = real & (np.cumsum(~real, axis=1) > 0)
     if after_pad.any():
         r, c = np.argwhere(after_pad)[0]
-        raise ValueError(
+        raise TokenError(
             f"src row {r} has token {src[r, c]} at position {c} after padding; "
             f"rows must be right-padded with pad_id={config.pad_id}"
         )
@@ -429,13 +427,14 @@ def _bucket(n: int, sizes: Sequence[int]) -> int:
 
 
 def encode_sources(tokenizer, sentences: Sequence[str], config: TransformerConfig) -> list[np.ndarray]:
-    """Subword ids + [EOS] of each sentence (the encoder-input convention of `jax_transformer.data`)."""
+    """Subword ids + [EOS] of each sentence (the encoder-input convention of `jax_transformer.data`); a sentence
+    longer than the model allows is a TokenError naming it (`translate_lines` has the rule for files)."""
     if isinstance(sentences, str):
         raise TypeError("translate takes a list of sentences, got one str")
     encoded = []
     for i, ids in enumerate(tokenizer.encode_batch(list(sentences))):
         if len(ids) + 1 > config.max_len:
-            raise ValueError(
+            raise TokenError(
                 f"sentence {i} has {len(ids)} tokens + EOS, more than config.max_len="
                 f"{config.max_len}: {sentences[i][:60]!r}"
             )
@@ -461,10 +460,29 @@ def translate(
     beam_size=1 uses greedy search, larger values beam search with length penalty `alpha`. Sentences are
     sorted by length and decoded `batch_size` at a time; each batch is padded to a bucket shape (rows: a power
     of two up to batch_size; width: `data.bucket_lengths(config.max_len)`), so compilations are few and reused.
+    For a file or stream of any size, `translate_lines` does this chunk by chunk.
     """
+    sources = encode_sources(tokenizer, sentences, config)
+    options = dict(beam_size=beam_size, alpha=alpha, batch_size=batch_size, max_len_a=max_len_a, max_len_b=max_len_b)
+    return _translate_sources(params, config, tokenizer, sources, progress=progress, **options)
+
+
+def _translate_sources(
+    params,
+    config: TransformerConfig,
+    tokenizer,
+    sources: list[np.ndarray],
+    *,
+    beam_size: int,
+    alpha: float,
+    batch_size: int,
+    max_len_a: float,
+    max_len_b: float,
+    progress: bool,
+) -> list[str]:
+    """Decoded text of encoded sources (ids + EOS), in their order; see `translate`."""
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
-    sources = encode_sources(tokenizer, sentences, config)
     order = np.argsort([len(s) for s in sources], kind="stable")  # similar lengths share a batch
     row_sizes, widths = batch_buckets(batch_size), bucket_lengths(config.max_len)
     out: list[str] = [""] * len(sources)
@@ -474,12 +492,121 @@ def translate(
         src = np.full((rows, width), config.pad_id, dtype=np.int32)  # filler rows stay all-PAD
         for row, i in enumerate(chunk):
             src[row, : len(sources[i])] = sources[i]
+        limits = dict(max_len_a=max_len_a, max_len_b=max_len_b)
         if beam_size == 1:
-            tokens, _ = greedy_search(params, config, src, max_len_a=max_len_a, max_len_b=max_len_b)
+            tokens, _ = greedy_search(params, config, src, **limits)
         else:
-            tokens, _ = beam_search(
-                params, config, src, beam_size=beam_size, alpha=alpha, max_len_a=max_len_a, max_len_b=max_len_b
-            )
+            tokens, _ = beam_search(params, config, src, beam_size=beam_size, alpha=alpha, **limits)
         for row, i in enumerate(chunk):
             out[i] = tokenizer.decode(tokens[row])
     return out
+
+
+# =============================================================================================================
+# Translating a file or stream of any size
+# =============================================================================================================
+
+ON_TOO_LONG = ("error", "truncate")
+
+
+@dataclasses.dataclass
+class TranslationReport:
+    """What `translate_lines` did: lines read, of which empty (passed through) and truncated (first few kept)."""
+
+    lines: int = 0
+    empty: int = 0
+    truncated: int = 0
+    truncated_lines: list[int] = dataclasses.field(default_factory=list)
+
+    def describe(self) -> str:
+        text = f"translated {self.lines - self.empty} lines ({self.lines} read, {self.empty} empty)"
+        if self.truncated:
+            shown = ", ".join(map(str, self.truncated_lines)) + (", ..." if self.truncated > 10 else "")
+            text += f"; {self.truncated} truncated to the model's max_len (lines {shown})"
+        return text
+
+
+def translate_lines(
+    params,
+    config: TransformerConfig,
+    tokenizer,
+    lines: Iterable[str],
+    write: Callable[[str], None],
+    *,
+    origin: str = "input",
+    on_too_long: str = "error",
+    chunk_size: int = 1024,
+    total: int | None = None,
+    progress: bool | None = True,
+    beam_size: int = 4,
+    alpha: float = 0.6,
+    batch_size: int = 64,
+    max_len_a: float = DEFAULT_MAX_LEN_A,
+    max_len_b: float = DEFAULT_MAX_LEN_B,
+) -> TranslationReport:
+    """Translates `lines` (any iterable of strings, e.g. a file read lazily) and calls `write(translation)` once
+    per input line, in order: exactly one output per input, an empty (or blank) line gives an empty output, and
+    line breaks inside a translation become spaces. Memory is bounded by `chunk_size` lines: each chunk is read,
+    decoded (sorted by length into batches, as `translate` does) and written before the next is read.
+
+    The too-long rule: a line of n tokens needs n + 1 <= config.max_len positions (EOS). With on_too_long="error"
+    a longer line is a DataError naming `origin` and the line (the lines before it are already written); with
+    "truncate" its first max_len - 1 tokens are translated, and the report counts and names the lines.
+    beam_size, alpha, batch_size, max_len_a, max_len_b: as for `translate`. `progress`: a tqdm bar on stderr
+    counting lines (`total` lines if known; None: only when stderr is a terminal).
+    """
+    if on_too_long not in ON_TOO_LONG:
+        raise ValueError(f"on_too_long must be one of {ON_TOO_LONG}, got {on_too_long!r}")
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be an int >= 1, got {chunk_size!r}")
+    options = dict(beam_size=beam_size, alpha=alpha, batch_size=batch_size, max_len_a=max_len_a, max_len_b=max_len_b)
+    report = TranslationReport()
+    bar = tqdm(
+        total=total,
+        desc="translate",
+        unit="line",
+        disable=None if progress is None else not progress,
+        dynamic_ncols=True,
+    )
+    try:
+        iterator = iter(lines)
+        while chunk := list(itertools.islice(iterator, chunk_size)):
+            first = report.lines + 1  # the 1-based number of the chunk's first line
+            # Token ids of the non-empty lines, by index in the chunk; empty (or blank) lines stay empty.
+            todo = [i for i, line in enumerate(chunk) if line.strip()]
+            ids = dict(zip(todo, tokenizer.encode_batch([chunk[i] for i in todo])))
+            too_long = None
+            if on_too_long == "error":  # translate and write the lines before the first too-long one, then stop
+                too_long = next((i for i in todo if len(ids[i]) > config.max_len - 1), None)
+                if too_long is not None:
+                    n_tokens = len(ids[too_long])
+                    chunk, ids = chunk[:too_long], {i: v for i, v in ids.items() if i < too_long}
+            sources = [_apply_length_rule(ids[i], config, report, first + i) for i in sorted(ids)]
+            translations = iter(_translate_sources(params, config, tokenizer, sources, progress=False, **options))
+            for i in range(len(chunk)):
+                # One output line per input line: line breaks inside a translation become spaces.
+                write(next(translations).replace("\r", " ").replace("\n", " ") if i in ids else "")
+            report.lines += len(chunk)
+            report.empty += len(chunk) - len(ids)
+            bar.update(len(chunk))
+            if too_long is not None:
+                limit = config.max_len - 1
+                raise DataError(
+                    f"{origin}, line {first + too_long}: {n_tokens} tokens, more than the model takes ({limit}: "
+                    f"max_len={config.max_len} positions, one for EOS); the {report.lines} lines before it are "
+                    f"translated; pass --on-too-long truncate to translate the first {limit} tokens of such lines"
+                )
+    finally:
+        bar.close()
+    return report
+
+
+def _apply_length_rule(ids, config: TransformerConfig, report: TranslationReport, line: int) -> np.ndarray:
+    """ids + EOS of one line, its first max_len - 1 tokens when longer (counted in the report)."""
+    limit = config.max_len - 1  # positions for tokens; one is left for EOS
+    if len(ids) > limit:
+        report.truncated += 1
+        if len(report.truncated_lines) < 10:
+            report.truncated_lines.append(line)
+        ids = ids[:limit]
+    return np.array(list(ids) + [config.eos_id], dtype=np.int32)

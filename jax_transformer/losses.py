@@ -10,10 +10,14 @@ Functions return *sums* and token counts rather than means, so data-parallel ste
 import jax
 import jax.numpy as jnp
 
+from jax_transformer import checks
+
 
 def loss_sums(logits, targets, pad_id: int, label_smoothing: float = 0.1) -> dict[str, jnp.ndarray]:
     """logits (B, T, V), targets (B, T) -> {"loss": smoothed CE summed over real tokens, "nll": unsmoothed
-    negative log-likelihood sum (for perplexity), "tokens": real-token count, "correct": argmax hits}."""
+    negative log-likelihood sum (for perplexity), "tokens": real-token count, "correct": argmax hits}.
+    A target id outside [0, V) is a TokenError (concrete arrays) or a checkify debug check (traced ones)."""
+    _check_targets(logits, targets)
     weights = (targets != pad_id).astype(logits.dtype)  # (B, T)
     # With q = (1 - eps) one_hot(y) + eps / V, the cross-entropy -sum_c q_c log p_c equals
     #   (1 - eps) * (lse - logit_y) + eps * (lse - mean_c logit_c),   lse = logsumexp(logits),
@@ -36,6 +40,19 @@ def loss_sums(logits, targets, pad_id: int, label_smoothing: float = 0.1) -> dic
         "tokens": jnp.sum(weights),
         "correct": jnp.sum(correct * weights),
     }
+
+
+def _check_targets(logits, targets) -> None:
+    if logits.ndim != targets.ndim + 1 or tuple(logits.shape[:-1]) != tuple(targets.shape):
+        raise checks.TokenError(
+            f"targets have shape {targets.shape}, logits {logits.shape}: expected (B, T) and (B, T, V)"
+        )
+    if targets.ndim != 2:
+        return  # the token checks name (row, column) positions; other layouts are the caller's to check
+    if checks.is_traced(targets):
+        checks.debug_check_ids("targets", targets, logits.shape[-1])
+    else:
+        checks.check_ids("targets", targets, logits.shape[-1])
 
 
 def mean_loss(logits, targets, pad_id: int, label_smoothing: float = 0.1) -> jnp.ndarray:

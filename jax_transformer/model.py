@@ -14,6 +14,11 @@ Attention probabilities of every layer and head are sown into the `intermediates
 `mutable=["intermediates"]` and read them with `attention_maps`. When the collection is not mutable `sow` does
 nothing, so the main path is unchanged.
 
+Token ids and lengths are checked where they enter (`encode`, `decoder_hidden`; `jax_transformer.checks`): on
+concrete arrays an id outside the vocabulary or a length beyond `max_len` is a `TokenError` naming the array,
+the position and the limit; under `jit` the length is checked while tracing and the ids by `checkify` debug
+checks, which cost nothing unless the caller checkifies (`checks.checkified`).
+
 Packed batches (several sentence pairs per row, as in Flax's WMT example) pass segment ids and positions:
 `model(src, tgt_in, src_segments=..., tgt_segments=..., src_positions=..., tgt_positions=...)`, all (B, L) ints.
 Attention then stays within each pair (`masks.segment_mask`) and positions restart at each pair, so every pair
@@ -29,6 +34,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jax_transformer import checks
 from jax_transformer.config import TransformerConfig
 from jax_transformer.dropout import Dropout
 from jax_transformer.masks import decoder_masks, encoder_mask
@@ -228,6 +234,21 @@ class Encoder(nn.Module):
         return x
 
 
+def _check_decoding_position(offset, length: int, max_len: int) -> None:
+    """Step-by-step decoding must stay within the positions table (beyond it `dynamic_slice` would silently
+    clamp and reuse the last position)."""
+    if checks.is_traced(offset):
+        from jax.experimental import checkify
+
+        checkify.debug_check(
+            offset + length <= max_len,
+            f"decoding position {{position}} + {length} is beyond config.max_len={max_len} positions",
+            position=offset,
+        )
+    else:
+        checks.check_length("tgt_in (decoding step)", length, max_len, int(offset))
+
+
 class Decoder(nn.Module):
     """Positions, embedding dropout, N decoder layers, optional final LayerNorm."""
 
@@ -246,6 +267,7 @@ class Decoder(nn.Module):
             if created:
                 offset = position.value
                 position.value = offset + x.shape[1]
+                _check_decoding_position(offset, x.shape[1], cfg.max_len)
         x = Positions(cfg, name="positions")(x, offset, positions)
         x = Dropout(cfg.embedding_dropout)(x, deterministic=deterministic)
         for i in range(cfg.num_decoder_layers):
@@ -285,6 +307,7 @@ class Transformer(nn.Module):
 
     def encode(self, src, deterministic: bool = True, *, src_segments=None, src_positions=None):
         """src (B, S) token ids -> memory (B, S, D). Packed rows: segment ids and positions (B, S)."""
+        checks.check_model_input("src", src, self.config, "source", positions=src_positions, segments=src_segments)
         mask = encoder_mask(src, self.config.pad_id, src_segments)
         return self.encoder(self._embed("source", src), mask, deterministic, src_positions)
 
@@ -301,6 +324,13 @@ class Transformer(nn.Module):
         tgt_positions=None,
     ):
         """Decoder output before the vocabulary projection: (B, T, D). `src` (B, S) gives the padding mask."""
+        checks.check_model_input(
+            "tgt_in", tgt_in, self.config, "target", positions=tgt_positions, segments=tgt_segments
+        )
+        if tuple(memory.shape[:2]) != tuple(src.shape):
+            raise checks.TokenError(
+                f"memory has shape {memory.shape} but src {src.shape}: memory must be the encoding of src, (B, S, D)"
+            )
         self_mask, cross_mask = decoder_masks(src, tgt_in, self.config.pad_id, src_segments, tgt_segments)
         return self.decoder(
             self._embed("target", tgt_in), memory, self_mask, cross_mask, deterministic, decode, tgt_positions

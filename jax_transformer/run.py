@@ -16,12 +16,19 @@ has its own small defaults in `NUMBERS_TASK_DEFAULTS`); the dataclass defaults.
 or import from PyTorch) the model config and weights -> encode and batch -> a `Trainer` ready to run. A resume
 checks that nothing an exact continuation depends on has changed (data, tokenizer, optimiser, seed, model) and
 names the setting that did.
+
+Faults: a run holds a lock on its directory (`lock_run_dir`), so a second training there refuses to start; a
+resume restores the newest checkpoint that verifies (`checkpoint.newest_intact`), moving damaged newer ones
+aside with a warning (or refusing, with strict_resume), and removes half-written saves left by a kill.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
+import socket
+import sys
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -85,6 +92,15 @@ class PreparedRun:
     tokenizer: Tokenizer
     run_dir: Path
     settings: dict[str, Any]  # what the checkpoints store as the run's settings (see `_stored_settings`)
+    lock: RunLock | None = None  # the run directory's lock, released by `train` at the end
+
+    def close(self) -> None:
+        """Waits for the last save and releases the run directory."""
+        try:
+            self.checkpoints.close()
+        finally:
+            if self.lock is not None:
+                self.lock.release()
 
 
 def train(*, print_fn: Callable[[str], None] = print, **settings: Any) -> RunResult:
@@ -93,7 +109,7 @@ def train(*, print_fn: Callable[[str], None] = print, **settings: Any) -> RunRes
     try:
         result = prepared.trainer.run()
     finally:
-        prepared.checkpoints.close()
+        prepared.close()
     return dataclasses.replace(
         result, checkpoint_dir=prepared.checkpoints.directory, best_step=prepared.checkpoints.best_step()
     )
@@ -103,6 +119,46 @@ def prepare(
     *,
     run_dir: str | os.PathLike | None = None,
     resume: str | os.PathLike | None = None,
+    strict_resume: bool = False,
+    lock: bool = True,
+    print_fn: Callable[[str], None] = print,
+    **settings: Any,
+) -> PreparedRun:
+    """Sets up a training run and returns it ready to run.
+
+    run_dir: where checkpoints, metrics.jsonl, loss_curve.png, tokenizer.model and config.json go (default
+      runs/<date-time>); resume: continue the run in this directory from its newest intact checkpoint (no
+      run_dir); strict_resume: refuse to resume when the newest checkpoint is damaged, instead of falling back;
+    lock: hold the run directory's lock (`lock_run_dir`) until the run ends; in a multi-process run only
+      process 0 takes it (the others pass False, and leave the checkpoint folder's housekeeping to it);
+    init_from_torch: start from the weights of a PyTorch file (`jax_transformer.export`);
+    preset_name: "tiny", "small" or "base" (default: tiny for the numbers task, small for files);
+    seed: of initialisation, dropout and data order (default 0);
+    model / data / optim / loop: partial dicts of TransformerConfig / DataConfig / OptimConfig / LoopConfig fields.
+    """
+    if resume is None:
+        run_dir = Path(run_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
+    held = None
+    if lock and (resume is None or Path(resume).is_dir()):  # a missing --resume folder is reported below
+        held = lock_run_dir(run_dir if resume is None else resume, print_fn)
+    try:
+        prepared = _prepare(
+            run_dir=run_dir, resume=resume, strict_resume=strict_resume, owner=lock, print_fn=print_fn, **settings
+        )
+    except BaseException:
+        if held is not None:
+            held.release()
+        raise
+    prepared.lock = held
+    return prepared
+
+
+def _prepare(
+    *,
+    run_dir: str | os.PathLike | None = None,
+    resume: str | os.PathLike | None = None,
+    strict_resume: bool = False,
+    owner: bool = True,
     init_from_torch: str | os.PathLike | None = None,
     preset_name: str | None = None,
     seed: int | None = None,
@@ -113,15 +169,7 @@ def prepare(
     start_time: float | None = None,
     print_fn: Callable[[str], None] = print,
 ) -> PreparedRun:
-    """Sets up a training run and returns it ready to run.
-
-    run_dir: where checkpoints, metrics.jsonl, loss_curve.png, tokenizer.model and config.json go (default
-      runs/<date-time>); resume: continue the run in this directory from its latest checkpoint (no run_dir);
-    init_from_torch: start from the weights of a PyTorch file (`jax_transformer.export`);
-    preset_name: "tiny", "small" or "base" (default: tiny for the numbers task, small for files);
-    seed: of initialisation, dropout and data order (default 0);
-    model / data / optim / loop: partial dicts of TransformerConfig / DataConfig / OptimConfig / LoopConfig fields.
-    """
+    """`prepare` once the run directory is locked; `owner`: this process holds the lock."""
     start_time = time.time() if start_time is None else start_time
     given = {"model": dict(model or {}), "data": dict(data or {}), "optim": dict(optim or {}), "loop": dict(loop or {})}
     if resume is not None and init_from_torch is not None:
@@ -138,7 +186,7 @@ def prepare(
                 f"--resume {run_dir}: no {ckpt_lib.CHECKPOINT_SUBDIR}/ folder there; "
                 f"give the run directory of an earlier `train.py train`"
             )
-        restored = ckpt_lib.load(run_dir, "latest")
+        restored = restore_for_resume(run_dir, strict=strict_resume, owner=owner, print_fn=print_fn)
         stored = stored_settings(restored)
         print_fn(f"resuming {run_dir} from step {restored.step}")
     else:
@@ -271,6 +319,116 @@ def prepare(
         print_fn=print_fn,
     )
     return PreparedRun(trainer, manager, config, tokenizer, run_dir, settings)
+
+
+# =============================================================================================================
+# The run directory: its lock, and what a resume restores
+# =============================================================================================================
+
+LOCK_FILE = "train.lock"
+
+
+@dataclasses.dataclass
+class RunLock:
+    """A held run-directory lock: an exclusive `fcntl.flock` on `<run>/train.lock`, which the operating system
+    releases when the process ends in any way (kill -9 included), so a lock can never be left stale. The file
+    holds the holder's pid, host, start time and command, for the message another run gets."""
+
+    path: Path
+    file: Any
+    created_dir: bool  # the run directory was made for this run (removed again if nothing else was written)
+
+    def release(self) -> None:
+        if self.file is None:
+            return
+        self.file.seek(0)
+        self.file.truncate()  # empty: released cleanly, so the next run has no stale holder to report
+        import fcntl
+
+        fcntl.flock(self.file, fcntl.LOCK_UN)
+        self.file.close()
+        self.file = None
+        run_dir = self.path.parent
+        if self.created_dir and [p.name for p in run_dir.iterdir()] == [LOCK_FILE]:
+            self.path.unlink()
+            run_dir.rmdir()
+
+
+def _describe_holder(text: str) -> str:
+    try:
+        holder = json.loads(text)
+        return f"pid {holder['pid']} on {holder['host']}, started {holder['started']}: {holder['command']}"
+    except (ValueError, KeyError, TypeError):
+        return f"lock file content {text[:200]!r}"
+
+
+def lock_run_dir(run_dir: str | os.PathLike, print_fn: Callable[[str], None] = print) -> RunLock:
+    """Takes the lock of a run directory (created if needed) or raises UsageError naming the training that
+    holds it. A lock file left by a killed training is taken over, with a warning naming it.
+
+    Written by hand because no library here does it: `fcntl.flock` is the OS primitive (per open file, gone
+    with its process); pid files alone would need a liveness guess. On network file systems whose flock is
+    local to each machine, a training on another machine is not seen.
+    """
+    import fcntl
+
+    run_dir = Path(run_dir)
+    created = not run_dir.exists()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / LOCK_FILE
+    file = open(path, "a+", encoding="utf-8")  # noqa: SIM115 (held open for the run: the lock lives with it)
+    try:
+        fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        file.seek(0)
+        holder = _describe_holder(file.read().strip())
+        file.close()
+        raise UsageError(
+            f"{run_dir} is in use by another training ({holder}); two trainings writing one run directory "
+            f"would mix their checkpoints. Wait for it to end or stop it, or choose another --run-dir"
+        ) from None
+    file.seek(0)
+    previous = file.read().strip()
+    if previous:  # the last holder did not release it: it was killed (or crashed)
+        print_fn(f"warning: {run_dir}: taking over the lock left by {_describe_holder(previous)}, which has ended")
+    file.seek(0)
+    file.truncate()
+    holder = {
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+        "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "command": " ".join(sys.argv),
+    }
+    file.write(json.dumps(holder) + "\n")
+    file.flush()
+    return RunLock(path, file, created)
+
+
+def restore_for_resume(
+    run_dir: Path, *, strict: bool = False, owner: bool = True, print_fn: Callable[[str], None] = print
+) -> ckpt_lib.Checkpoint:
+    """The checkpoint a resume continues from: the newest one that verifies. Half-written saves (a kill or a
+    failed save) are removed and damaged newer steps moved to `checkpoints-damaged/`, each with a warning
+    (only by the lock's `owner`); with `strict`, a damaged newest step is a CheckpointError instead."""
+    folder = run_dir / ckpt_lib.CHECKPOINT_SUBDIR
+    partial = ckpt_lib.discard_partial_saves(folder) if owner else []
+    for path in partial:
+        print_fn(f"warning: removed {path}: a save interrupted before it completed (never a checkpoint)")
+    restored, damaged = ckpt_lib.newest_intact(run_dir, strict=strict)
+    for step, error in damaged:
+        where = ckpt_lib.quarantine(folder, step) if owner else None
+        print_fn(f"warning: {error}" + (f"; moved to {where}" if where else ""))
+    if damaged:
+        print_fn(
+            f"warning: resuming from step {restored.step}, the newest intact checkpoint (pass --strict-resume to "
+            f"refuse instead); the steps after it are trained again"
+        )
+    if not restored.verified:
+        print_fn(
+            f"note: step {restored.step} is a format-{restored.format} checkpoint, written before checksums: "
+            f"loaded without verifying its arrays"
+        )
+    return restored
 
 
 # =============================================================================================================

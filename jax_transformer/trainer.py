@@ -7,6 +7,10 @@ the wall-time budget, a SIGINT/SIGTERM (after saving) or a non-finite loss (with
 checkpoint stays the last one). Each step and evaluation is a line of `<run>/metrics.jsonl`, drawn as
 `<run>/loss_curve.png` at the end.
 
+Faults: every batch is checked on the host before it goes to the compiled step (`checks.check_batch`: ids in
+the vocabulary, lengths within max_len, packing consistent), and a failed save stops the run with a
+CheckpointError naming the newest intact checkpoint.
+
 Setting up a run (data, tokenizer, config, initial or restored state) is `jax_transformer.run`.
 """
 
@@ -25,8 +29,10 @@ from typing import Any
 import jax
 import numpy as np
 
+from jax_transformer.checkpoint import CheckpointError
+from jax_transformer.checks import TokenError, check_batch
 from jax_transformer.config import ConfigError, OptimConfig, TransformerConfig, setting, settings_from_dict
-from jax_transformer.data import Corpus, EncodedCorpus, eval_batches
+from jax_transformer.data import Corpus, DataError, EncodedCorpus, eval_batches
 from jax_transformer.evaluation import evaluate_translations, spread_indices
 from jax_transformer.training import (
     TrainState,
@@ -212,6 +218,9 @@ class Trainer:
         self.state = replicate(state, n_devices)
         self.train_step = make_train_step(config, optim, n_devices=n_devices)
         self.eval_step = make_eval_step(config, optim.label_smoothing)
+        if valid is not None:  # checked once here; training batches are checked as they come (`_one_step`)
+            for i, batch in enumerate(valid.batches):
+                self._check(batch, f"validation batch {i}")
         self.metrics = MetricsLog(self.run_dir / "metrics.jsonl")
         # A resumed state is already on disk under its step; orbax cannot save a step twice.
         self.last_saved_step: int | None = self.step if self.step in checkpoints.steps() else None
@@ -220,21 +229,36 @@ class Trainer:
     def host_params(self):
         return unreplicate(self.state, self.n_devices).params
 
+    def _check(self, batch, where: str):
+        """The batch boundary: a bad batch is a DataError before it reaches the compiled step (and its donated
+        state), never NaN logits or a silently wrong embedding row."""
+        try:
+            check_batch(batch, self.config, where)
+        except TokenError as e:
+            raise DataError(f"{e} (the batches do not fit the model; is the tokenizer the model's?)") from None
+        return batch
+
     def save(self, metrics: Mapping[str, float] | None = None) -> None:
         if self.last_saved_step == self.step:
             return
         state = state_for_saving(unreplicate(self.state, self.n_devices))
-        self.checkpoints.save(
-            self.step,
-            state,
-            config=self.config,
-            optim=self.optim.to_dict(),
-            tokenizer=self.tokenizer,
-            data_state=self.stream.state(),
-            run=self.run_settings,
-            metrics=metrics,
-        )
+        try:
+            self.checkpoints.save(
+                self.step,
+                state,
+                config=self.config,
+                optim=self.optim.to_dict(),
+                tokenizer=self.tokenizer,
+                data_state=self.stream.state(),
+                run=self.run_settings,
+                metrics=metrics,
+            )
+        except CheckpointError as e:
+            raise self._save_failed(e) from None
         self.last_saved_step = self.step
+
+    def _save_failed(self, error: CheckpointError) -> CheckpointError:
+        return CheckpointError(f"training stopped at step {self.step}: {error}. Resume with --resume {self.run_dir}")
 
     def evaluate(self, *, beam_size: int, final: bool = False) -> tuple[dict[str, float], list]:
         """Validation loss/perplexity/accuracy, and BLEU/chrF of the translations (see `eval_sentences`)."""
@@ -314,7 +338,7 @@ class Trainer:
     def _one_step(self, bar) -> None:
         """One update on the next batch; logs it; raises TrainingError on a non-finite loss."""
         lr = float(noam_rate(self.step + 1, self.config.d_model, self.optim.warmup_steps, self.optim.lr_scale))
-        batch = shard_batch(next(self.stream), self.n_devices)
+        batch = shard_batch(self._check(next(self.stream), f"training batch {self.step + 1}"), self.n_devices)
         self.state, sums = self.train_step(self.state, batch)
         sums = jax.device_get(sums)
         if self.n_devices > 1:
@@ -396,8 +420,12 @@ class Trainer:
             return RunResult(self.step, stopped_by, final, samples, self._plot())
         finally:
             bar.close()
-            self.checkpoints.wait()  # never leave with a save half-written
-            self.metrics.close()
+            try:
+                self.checkpoints.wait()  # never leave with a save half-written
+            except CheckpointError as e:
+                raise self._save_failed(e) from None
+            finally:
+                self.metrics.close()
 
     def _plot(self) -> Path | None:
         try:

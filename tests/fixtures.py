@@ -328,3 +328,49 @@ def flat(tree) -> dict[str, np.ndarray]:
         return np.asarray(leaf)
 
     return {jax.tree_util.keystr(path): as_array(leaf) for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+# =============================================================================================================
+# Property-based tests
+# =============================================================================================================
+
+
+def fuzz(max_examples: int = 30):
+    """The hypothesis settings of every property test: derandomized (the same examples on every run and machine,
+    no example database), no deadline (hypothesis' 200 ms default would be a timing test), a few dozen examples
+    (the suite's time budget), fixtures allowed (they are read, never changed, by the examples)."""
+    from hypothesis import HealthCheck, settings
+
+    return settings(
+        max_examples=max_examples,
+        deadline=None,
+        derandomize=True,
+        database=None,
+        suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow, HealthCheck.data_too_large],
+    )
+
+
+def packed_batch(config: TransformerConfig, pairs: Sequence[Sequence[tuple[int, int]]], width: int, seed: int = 0):
+    """A packed batch by hand: row r holds the pairs pairs[r] = [(source words, target words), ...] one after the
+    other (source + EOS; BOS + target / target + EOS), with segment ids 1, 2, ... and positions restarting at 0,
+    PAD (segment 0, position 0) after them; every array (rows, width) int32."""
+    rng = np.random.default_rng(seed)
+    first = _first_word(config)
+    keys = ("src", "tgt_in", "tgt_out", "src_segments", "tgt_segments", "src_positions", "tgt_positions")
+    batch = {key: np.zeros((len(pairs), width), np.int32) for key in keys}
+    batch["src"][:] = batch["tgt_in"][:] = batch["tgt_out"][:] = config.pad_id
+    for r, row in enumerate(pairs):
+        s = t = 0
+        for segment, (n_src, n_tgt) in enumerate(row, start=1):
+            words = rng.integers(first, config.tgt_vocab_size, n_tgt)
+            batch["src"][r, s : s + n_src + 1] = np.append(
+                rng.integers(first, config.src_vocab_size, n_src), config.eos_id
+            )
+            batch["tgt_in"][r, t : t + n_tgt + 1] = np.append(config.bos_id, words)
+            batch["tgt_out"][r, t : t + n_tgt + 1] = np.append(words, config.eos_id)
+            batch["src_segments"][r, s : s + n_src + 1] = segment
+            batch["tgt_segments"][r, t : t + n_tgt + 1] = segment
+            batch["src_positions"][r, s : s + n_src + 1] = np.arange(n_src + 1)
+            batch["tgt_positions"][r, t : t + n_tgt + 1] = np.arange(n_tgt + 1)
+            s, t = s + n_src + 1, t + n_tgt + 1
+    return batch

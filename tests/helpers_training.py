@@ -101,16 +101,22 @@ def run_main(argv: list[str]) -> tuple[int, str, str]:
     return code, out.getvalue(), err.getvalue()
 
 
-def start_train_process(argv: list[str], log: Path, compile_cache: Path | None = None) -> subprocess.Popen:
+def start_train_process(
+    argv: list[str], log: Path, compile_cache: Path | None = None, pause: tuple[Path, str, int] | None = None
+) -> subprocess.Popen:
     """train.py in a child process (its own jax), output to `log`. Processes given the same `compile_cache`
-    folder share compiled XLA programs (jax's persistent compilation cache), so the second one starts fast."""
+    folder share compiled XLA programs (jax's persistent compilation cache), so the second one starts fast.
+    pause=(marker, "step" | "save", k): the process blocks after step k, or inside the save of step k, once
+    it has written `marker` (tests/pause_at.py), for a SIGKILL at exactly that point."""
     env = dict(os.environ, PYTHONPATH=str(REPO))
     if compile_cache is not None:
         env.update(JAX_COMPILATION_CACHE_DIR=str(compile_cache), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+    command = [sys.executable, str(REPO / "train.py")]
+    if pause is not None:
+        marker, kind, point = pause
+        command = [sys.executable, "-m", "tests.pause_at", str(marker), kind, str(point)]
     with open(log, "wb") as f:
-        return subprocess.Popen(
-            [sys.executable, str(REPO / "train.py"), *argv], stdout=f, stderr=subprocess.STDOUT, env=env, cwd=str(REPO)
-        )
+        return subprocess.Popen([*command, *argv], stdout=f, stderr=subprocess.STDOUT, env=env, cwd=str(REPO))
 
 
 def wait_for(condition, process: subprocess.Popen, log: Path, timeout: float = 180.0) -> None:
@@ -123,6 +129,26 @@ def wait_for(condition, process: subprocess.Popen, log: Path, timeout: float = 1
             process.kill()
             raise AssertionError(f"timed out waiting; log:\n{log.read_text()[-3000:]}")
         time.sleep(0.2)
+
+
+def kill_at_pause(
+    process: subprocess.Popen, marker: Path, log: Path, *, condition=None, before_kill=None, timeout: float = 180.0
+) -> str:
+    """Waits (polling) until a process started with `pause=` reaches its pause (and `condition()` holds, e.g. a
+    background save has completed), calls `before_kill()`, SIGKILLs it there and returns what the marker says
+    (its pid and where it paused)."""
+    import signal
+
+    try:
+        wait_for(lambda: marker.exists() and (condition is None or condition()), process, log, timeout)
+        if before_kill is not None:
+            before_kill()
+        process.send_signal(signal.SIGKILL)
+        process.wait(timeout=60)
+    finally:
+        process.kill()
+    assert process.returncode == -signal.SIGKILL, log.read_text()[-3000:]
+    return marker.read_text().strip()
 
 
 def completed_steps(run_dir: Path) -> list[int]:

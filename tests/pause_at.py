@@ -1,0 +1,61 @@
+"""train.py with a pause at a chosen point, for tests that SIGKILL a training exactly there (the kill sweep).
+
+    python -m tests.pause_at MARKER step K   train.py-args...   # pauses after training step K is done
+    python -m tests.pause_at MARKER save S   train.py-args...   # pauses inside the save of step S
+
+At the pause the process writes MARKER (its pid and where it is) and then blocks forever; the test polls for the
+marker and kills the process, so the kill lands at that exact point instead of wherever a timer happens to fall.
+"inside the save" is orbax's commit: every file of step S is written into `S.orbax-checkpoint-tmp` and only the
+rename to `S` is left, the last moment a kill can interrupt a save. Nothing here changes what training computes.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from pathlib import Path
+
+
+def _block(marker: Path, where: str) -> None:
+    marker.write_text(f"{os.getpid()} {where}\n")
+    threading.Event().wait()  # until the test's SIGKILL
+
+
+def pause_after_step(marker: Path, step: int) -> None:
+    from jax_transformer.trainer import Trainer
+
+    original = Trainer._one_step
+
+    def one_step(self, bar):
+        original(self, bar)
+        if self.step == step:
+            _block(marker, f"after step {step}")
+
+    Trainer._one_step = one_step
+
+
+def pause_in_save(marker: Path, step: int) -> None:
+    from orbax.checkpoint._src.path import atomicity
+
+    original = atomicity.AtomicRenameTemporaryPath.finalize
+
+    async def finalize(self):
+        if self.get_final().name == str(step):  # the step folder itself, after its items are complete
+            _block(marker, f"in the save of step {step}, before {self.get()} is renamed")
+        return await original(self)
+
+    atomicity.AtomicRenameTemporaryPath.finalize = finalize
+
+
+def main(argv: list[str]) -> int:
+    marker, kind, point, *train_args = argv
+    {"step": pause_after_step, "save": pause_in_save}[kind](Path(marker), int(point))
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    import train
+
+    return train.main(train_args)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,108 @@
+"""`train.py translate` on input of any size: read and decoded a chunk at a time, exactly one output line per input
+line (empty stays empty), a progress bar on stderr, the too-long rule, and bad bytes named by line."""
+
+from __future__ import annotations
+
+import codecs
+import io
+import sys
+
+import pytest
+
+from jax_transformer import checkpoint as ckpt_lib
+from jax_transformer.decoding import translate, translate_lines
+from tests.helpers_training import run_main, tiny_train_args, write_corpus
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    root = tmp_path_factory.mktemp("translate")
+    run = root / "run"
+    code, out, err = run_main(tiny_train_args(run, write_corpus(root), steps=2))
+    assert code == 0, out + err
+    return run, ckpt_lib.load(run, "latest")
+
+
+LONG = " ".join(["seven hundred and seventy-seven thousand"] * 6)  # far beyond max_len=16 tokens
+
+
+def test_translate_a_file_one_line_per_line_with_progress(trained, tmp_path):
+    run, loaded = trained
+    lines = ["one", "", "two hundred", "   ", "twelve\u2028thirteen", "three"]  # U+2028 is not a line break here
+    path = tmp_path / "input.txt"
+    path.write_bytes(codecs.BOM_UTF8 + "\r\n".join(lines[:-1]).encode() + b"\r\n" + lines[-1].encode())  # no final \n
+    code, out, err = run_main(
+        ["translate", "--checkpoint", str(run), "--input", str(path), "--beam-size", "1", "--progress"]
+    )
+    assert code == 0, out + err
+    output = out.split("\n")
+    assert output[-1] == "" and len(output) - 1 == len(lines)  # one line out per line in, each ended by "\n"
+    expected = translate(loaded.params, loaded.config, loaded.tokenizer, [x for x in lines if x.strip()], beam_size=1)
+    assert [x for x, line in zip(output, lines) if line.strip()] == expected  # in order, each its own translation
+    assert [x for x, line in zip(output, lines) if not line.strip()] == ["", ""]
+    assert "translate: 100%" in err and "6/6" in err  # tqdm's bar on stderr, counting lines
+    assert "translated 4 lines (6 read, 2 empty)" in err
+
+
+def test_translate_streams_in_chunks(trained):
+    """Memory is bounded by the chunk: every output is written before more than `chunk_size` further input
+    lines have been read (here 2,500 lines, mostly empty so that the test decodes little)."""
+    _, loaded = trained
+    read, written_after = 0, []
+
+    def lines():
+        nonlocal read
+        for i in range(2500):
+            read += 1
+            yield "one" if i % 500 == 0 else ""
+
+    translate_lines(
+        loaded.params,
+        loaded.config,
+        loaded.tokenizer,
+        lines(),
+        lambda _: written_after.append(read),
+        chunk_size=100,
+        progress=False,
+        beam_size=1,
+    )
+    assert len(written_after) == 2500
+    assert all(reads - written <= 100 for written, reads in enumerate(written_after))
+
+
+def test_translate_from_stdin(trained, monkeypatch):
+    run, _ = trained
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"one\n\ntwo\n")))
+    code, out, err = run_main(["translate", "--checkpoint", str(run), "--beam-size", "1"])
+    assert code == 0, out + err
+    assert len(out.split("\n")) == 4 and out.split("\n")[1] == "" and "translated 2 lines (3 read, 1 empty)" in err
+
+
+def test_translate_too_long_lines_error_or_truncate(trained, tmp_path):
+    run, loaded = trained
+    path = tmp_path / "input.txt"
+    path.write_text(f"one\ntwo\n{LONG}\nthree\n")
+    n = len(loaded.tokenizer.encode(LONG))
+    code, out, err = run_main(["translate", "--checkpoint", str(run), "--input", str(path), "--beam-size", "1"])
+    assert code == 1 and "Traceback" not in err
+    assert f"error: {path}, line 3: {n} tokens, more than the model takes (15: max_len=16 positions" in err
+    assert "the 2 lines before it are translated" in err and len(out.splitlines()) == 2  # and written
+
+    code, out, err = run_main(
+        ["translate", "--checkpoint", str(run), "--input", str(path), "--beam-size", "1", "--on-too-long", "truncate"]
+    )
+    assert code == 0 and len(out.splitlines()) == 4, out + err
+    assert "translated 4 lines (4 read, 0 empty); 1 truncated to the model's max_len (lines 3)" in err
+
+
+def test_translate_names_bad_bytes_by_line(trained, tmp_path):
+    run, _ = trained
+    path = tmp_path / "input.txt"
+    path.write_bytes(b"one\ntw\xffo\n")
+    code, out, err = run_main(["translate", "--checkpoint", str(run), "--input", str(path)])
+    assert code == 1 and f"error: {path}, line 2: not valid UTF-8: byte 0xff" in err and "Traceback" not in err
+    path.write_bytes("one\n".encode("utf-16"))
+    code, out, err = run_main(["translate", "--checkpoint", str(run), "--input", str(path)])
+    assert code == 1 and "starts with a UTF-16 byte-order mark" in err
+    code, out, err = run_main(["translate", "--checkpoint", str(run), "--input", str(tmp_path)])
+    assert code == 1 and f"error: {tmp_path}: is a directory, not a text file" in err
