@@ -55,7 +55,8 @@ _GLOBAL_ROWS: contextvars.ContextVar = contextvars.ContextVar("dropout_global_ro
 @contextlib.contextmanager
 def global_rows(row_ids):
     """Within this context, row r of every dropout site's input is row `row_ids[r]` of the global batch ((B,)
-    integers, traced or not). Used by the training step around the model call; None means rows 0..B-1."""
+    integers, traced or not). Used by the training step around the model call; None means rows 0..B-1. Enter it
+    inside the function being traced (as `training.train_step` does): a jit cache does not know about it."""
     token = _GLOBAL_ROWS.set(row_ids)
     try:
         yield

@@ -329,24 +329,20 @@ def make_eval_step(config: TransformerConfig, label_smoothing: float):
 
 
 def shard_batch(batch: Mapping[str, np.ndarray], n_devices: int) -> dict[str, np.ndarray]:
-    """(B, L) arrays -> (n_devices, B / n_devices, L): each device gets a contiguous block of rows."""
-    if n_devices == 1:
-        return dict(batch)
+    """(B, L) arrays -> (n_devices, B / n_devices, L) for pmap: each device gets a contiguous block of rows."""
     out = {}
     for key, value in batch.items():
         if value.shape[0] % n_devices:
             raise ValueError(
                 f"batch[{key!r}] has {value.shape[0]} rows, not divisible by {n_devices} devices; "
-                f"build the BatchStream with row_multiple={n_devices}"
+                f"build the BatchStream with a row_multiple divisible by {n_devices}"
             )
         out[key] = value.reshape(n_devices, value.shape[0] // n_devices, *value.shape[1:])
     return out
 
 
 def replicate(tree, n_devices: int):
-    """A pytree copied onto each of the first n local devices (leading axis n) for pmap; unchanged for n=1."""
-    if n_devices == 1:
-        return tree
+    """A pytree copied onto each of the first n local devices (leading axis n) for pmap."""
     import flax.jax_utils
 
     devices = jax.local_devices()[:n_devices]
@@ -357,9 +353,7 @@ def replicate(tree, n_devices: int):
 
 
 def unreplicate(tree, n_devices: int):
-    """The first device's copy of a replicated pytree (they are equal); unchanged for n=1."""
-    if n_devices == 1:
-        return tree
+    """The first device's copy of a pmap-replicated pytree (they are equal)."""
     return jax.tree_util.tree_map(lambda x: x[0], tree)
 
 

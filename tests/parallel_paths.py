@@ -1,0 +1,90 @@
+"""Every way of running a training step on the devices this process sees, against single-device jit.
+
+    XLA_FLAGS=--xla_force_host_platform_device_count=4 python -m tests.parallel_paths   # 4 simulated CPU devices
+    python -m tests.parallel_paths                                                      # on an accelerator
+
+Five steps, dropout on, from the same state and the same global batches (rows of unequal token counts), of:
+jit on one device (the reference); pmap over all local devices; sharded jit over a mesh of all devices;
+sharded jit with 2 micro-batches (`accumulate`); jit with 4 micro-batches. With a single device (one GPU) pmap
+and sharded jit run on that one device. Prints one line "REPORT {json}": for each path its per-step losses and
+token counts, the largest parameter differences from jit, and how far each tensor moved.
+tests/test_training.py runs this with 4 simulated CPU devices and checks the report; on a GPU run it by hand
+(about a minute, most of it compilation) and read the report (the README says what to look for).
+"""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import numpy as np
+
+from jax_transformer import training
+from jax_transformer.distributed import DataParallel
+from tests.fixtures import flat, unit_batch, unit_config
+
+STEPS = 5
+ROWS = 8  # global batch rows: 2 per device on 4 devices, 4 micro-batches of 2 rows on one
+
+
+def run_path(mode: str, accumulate: int, config, optim, batches) -> dict:
+    """`STEPS` steps of one path from the seed-0 state; the losses, token counts and final parameters."""
+    devices = DataParallel(mode, accumulate)
+    state = devices.place_state(training.create_train_state(config, optim, seed=0))
+    step = devices.make_step(config, optim)
+    losses, tokens = [], []
+    for batch in batches:
+        state, sums = step(state, devices.place_batch(batch))
+        sums = jax.device_get(devices.local(sums))
+        losses.append(float(sums["loss"]) / float(sums["tokens"]))
+        tokens.append(float(sums["tokens"]))
+    return {"losses": losses, "tokens": tokens, "params": flat(devices.local(state).params), "devices": devices}
+
+
+def main() -> dict:
+    jax.config.update("jax_default_matmul_precision", "highest")
+    config = unit_config().replace(num_encoder_layers=1, num_decoder_layers=1)  # depth changes nothing here
+    optim = training.OptimConfig(warmup_steps=5)
+    batches = [unit_batch(10 + i, rows=ROWS) for i in range(STEPS)]
+    start = flat(training.create_train_state(config, optim, seed=0).params)
+    paths = {"jit": ("jit", 1), "pmap": ("pmap", 1), "sharded": ("sharded", 1), "sharded, accumulate 2": ("sharded", 2)}
+    paths["jit, accumulate 4"] = ("jit", 4)
+    results = {name: run_path(mode, k, config, optim, batches) for name, (mode, k) in paths.items()}
+    # Without dropout the loss differs: dropout really is on in the steps above.
+    no_dropout = DataParallel("jit", 1)
+    _, sums = no_dropout.make_step(config, optim, dropout=False)(
+        training.create_train_state(config, optim, seed=0), batches[0]
+    )
+    reference = results["jit"]
+    report = {
+        "devices": jax.device_count(),
+        "platform": jax.devices()[0].platform,
+        "dropout_off_first_loss": float(sums["loss"]) / float(sums["tokens"]),
+        # target tokens in each quarter of a batch's rows: a device's block on 4 devices, a micro-batch of
+        # "jit, accumulate 4". Unequal, so averaging per-device or per-micro-batch means would change the update.
+        "quarter_tokens": [[int((block != 0).sum()) for block in np.split(b["tgt_out"], 4)] for b in batches],
+        "moved": {k: float(np.max(np.abs(reference["params"][k] - start[k]))) for k in start},
+        "paths": {},
+    }
+    for name, result in results.items():
+        diff = {k: float(np.max(np.abs(result["params"][k] - reference["params"][k]))) for k in start}
+        relative = {
+            k: float(
+                np.linalg.norm(result["params"][k] - reference["params"][k])
+                / max(np.linalg.norm(reference["params"][k] - start[k]), 1e-30)
+            )
+            for k in start
+        }
+        report["paths"][name] = {
+            "mode": result["devices"].mode,
+            "n_devices": result["devices"].n_devices,
+            "losses": result["losses"],
+            "tokens": result["tokens"],
+            "max_abs": diff,
+            "relative": relative,
+        }
+    return report
+
+
+if __name__ == "__main__":
+    print("REPORT " + json.dumps(main()))
