@@ -176,24 +176,21 @@ def batch_loss_sums(
 
 
 def micro_batches(batch: Mapping[str, jax.Array], accumulate: int, blocks: int = 1) -> dict[str, jax.Array]:
-    """(B, L) arrays -> (accumulate, B / accumulate, L): micro-batch k is the k-th slice of each of the `blocks`
-    contiguous row blocks (one block per device under sharded jit), so no row moves between devices."""
-
-    def split(x):
-        rows = x.shape[0] // (blocks * accumulate)
-        x = x.reshape(blocks, accumulate, rows, *x.shape[1:])  # (blocks, K, m, L)
-        return jnp.swapaxes(x, 0, 1).reshape(accumulate, blocks * rows, *x.shape[3:])  # (K, blocks * m, L)
-
-    return {key: split(value) for key, value in batch.items()}
+    """(B, L) arrays -> (accumulate, blocks, B / (blocks * accumulate), L): micro-batch k holds the k-th slice of
+    each of the `blocks` contiguous row blocks (one block per device under sharded jit), so no row moves between
+    devices."""
+    return {
+        key: jnp.swapaxes(x.reshape(blocks, accumulate, -1, *x.shape[1:]), 0, 1)  # (K, blocks, m, L)
+        for key, x in batch.items()
+    }
 
 
 def micro_batch_rows(k, rows: int, accumulate: int, blocks: int = 1, first_row=0) -> jax.Array:
-    """The global batch row of each row of micro-batch k (`micro_batches`) of a batch of `rows` rows whose row 0
-    is global row `first_row` (nonzero for a pmap device's block): what dropout hashes (`dropout.global_rows`)."""
+    """(blocks, m): the global batch row of each row of micro-batch k (`micro_batches`) of a batch of `rows` rows
+    whose row 0 is global row `first_row` (nonzero for a pmap device's block): what dropout hashes."""
     per_block = rows // blocks
     m = per_block // accumulate
-    i = jnp.arange(blocks * m)
-    return first_row + (i // m) * per_block + k * m + i % m
+    return first_row + jnp.arange(blocks)[:, None] * per_block + k * m + jnp.arange(m)[None, :]
 
 
 def train_step(
@@ -206,20 +203,22 @@ def train_step(
     dropout: bool = True,
     axis_name: str | None = None,
     accumulate: int = 1,
-    blocks: int = 1,
-    micro_sharding=None,
+    mesh: Mesh | None = None,
 ):
     """One optimiser update. Returns (new state, the batch's loss sums before the update).
 
     The gradient is that of the *sum* of the loss over the batch's real target tokens, divided once by the number
     of those tokens. Summing first makes every way of splitting the batch compute the same update (up to the order
     of float additions); averaging per-part means would weight a token by 1 / its part's own token count:
-    - `accumulate` K > 1 (gradient accumulation): K micro-batches, one after the other in a `lax.scan`, their
-      gradient and loss sums added up; only one micro-batch's activations are alive at a time.
     - pmap (axis_name given): each device holds a block of rows; gradients and sums are added over devices
       with psum.
-    - sharded jit (the batch a global array split over devices by rows, `blocks` = devices): the compiler adds
-      the devices' partial sums itself; `micro_sharding` keeps micro-batches split the same way.
+    - sharded jit (`mesh` given: the batch is a global array split over the mesh's devices by rows): the compiler
+      adds the devices' partial sums itself.
+    - `accumulate` K > 1 (gradient accumulation): K micro-batches, one after the other in a `lax.scan`, their
+      gradient and loss sums added up; only one micro-batch's activations are alive at a time. Under sharded
+      jit each device adds up its own rows' partial sums over the micro-batches (a per-device block axis, under
+      `vmap`) and the devices' sums are added once after the scan: one all-reduce per step, not one per
+      micro-batch.
     Dropout masks are a function of each element's global batch row (`dropout.global_rows`), so they do not
     depend on any of these splits either: every path takes the same step as one device on the whole batch.
     """
@@ -227,10 +226,10 @@ def train_step(
     rows = batch["tgt_out"].shape[0]  # rows this program sees: the global batch, or a pmap device's block
     first_row = 0 if axis_name is None else lax.axis_index(axis_name) * rows
 
-    def grads_and_sums(micro, row_ids):
+    def grads_and_sums(part, row_ids):
         def summed_loss(params):
             with global_rows(row_ids):
-                sums = batch_loss_sums(params, micro, config, label_smoothing, key if dropout else None)
+                sums = batch_loss_sums(params, part, config, label_smoothing, key if dropout else None)
             return sums["loss"], sums
 
         return jax.grad(summed_loss, has_aux=True)(state.params)
@@ -238,21 +237,20 @@ def train_step(
     if accumulate == 1:
         grads, sums = grads_and_sums(batch, first_row + jnp.arange(rows))
     else:
-        micro = micro_batches(batch, accumulate, blocks)
-        if micro_sharding is not None:
-            micro = lax.with_sharding_constraint(micro, micro_sharding)
+        blocks = 1 if mesh is None else mesh.size  # the devices' row blocks, each summed on its own device
+        per_block = jax.vmap(grads_and_sums)  # (blocks, m, L) rows -> (blocks, ...) partial sums
+        micro = _laid_out(micro_batches(batch, accumulate, blocks), mesh, P(None, DATA_AXIS))  # (K, blocks, m, L)
 
         def add_micro_batch(total, k_and_micro):
-            k, one = k_and_micro
-            part = grads_and_sums(one, micro_batch_rows(k, rows, accumulate, blocks, first_row))
-            return jax.tree_util.tree_map(jnp.add, total, part), None
+            k, part = k_and_micro
+            partial_sums = per_block(part, micro_batch_rows(k, rows, accumulate, blocks, first_row))
+            return _laid_out(jax.tree_util.tree_map(jnp.add, total, partial_sums), mesh, P(DATA_AXIS)), None
 
         first = jax.tree_util.tree_map(lambda x: x[0], micro)
-        zeros = jax.tree_util.tree_map(
-            lambda x: jnp.zeros(x.shape, x.dtype),
-            jax.eval_shape(grads_and_sums, first, jnp.arange(len(first["tgt_out"]))),
-        )
+        shapes = jax.eval_shape(per_block, first, micro_batch_rows(0, rows, accumulate, blocks, first_row))
+        zeros = _laid_out(jax.tree_util.tree_map(lambda x: jnp.zeros(x.shape, x.dtype), shapes), mesh, P(DATA_AXIS))
         (grads, sums), _ = lax.scan(add_micro_batch, zeros, (jnp.arange(accumulate), micro))
+        grads, sums = jax.tree_util.tree_map(lambda x: x.sum(axis=0), (grads, sums))  # over the blocks
     if axis_name is not None:
         grads, sums = lax.psum((grads, sums), axis_name)
     tokens = jnp.maximum(sums["tokens"], 1.0)  # an all-padding batch has no tokens: avoid 0 / 0
@@ -260,6 +258,12 @@ def train_step(
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     return state.replace(step=state.step + 1, params=params, opt_state=opt_state), sums
+
+
+def _laid_out(tree, mesh: Mesh | None, spec: P):
+    """`tree` laid out over `mesh` as `spec` says (a constraint for the compiler inside jit); unchanged without
+    a mesh."""
+    return tree if mesh is None else lax.with_sharding_constraint(tree, NamedSharding(mesh, spec))
 
 
 PARALLEL_MODES = ("jit", "pmap", "sharded")
@@ -307,9 +311,7 @@ def _compiled_train_step(
         return jax.pmap(fn, axis_name=AXIS, donate_argnums=0)
     mesh = data_mesh(n_devices)
     replicated, by_rows = NamedSharding(mesh, P()), NamedSharding(mesh, P(DATA_AXIS))
-    fn = functools.partial(
-        train_step, blocks=n_devices, micro_sharding=NamedSharding(mesh, P(None, DATA_AXIS)), **options
-    )
+    fn = functools.partial(train_step, mesh=mesh, **options)
     return jax.jit(fn, in_shardings=(replicated, by_rows), out_shardings=(replicated, replicated), donate_argnums=0)
 
 

@@ -5,7 +5,7 @@
 
 Five steps, dropout on, from the same state and the same global batches (rows of unequal token counts), of:
 jit on one device (the reference); pmap over all local devices; sharded jit over a mesh of all devices;
-sharded jit with 2 micro-batches (`accumulate`); jit with 4 micro-batches. With a single device (one GPU) pmap
+sharded jit and pmap with 2 micro-batches (`accumulate`); jit with 4 micro-batches. With a single device (one GPU) pmap
 and sharded jit run on that one device. Prints one line "REPORT {json}": for each path its per-step losses and
 token counts, the largest parameter differences from jit, and how far each tensor moved.
 tests/test_training.py runs this with 4 simulated CPU devices and checks the report; on a GPU run it by hand
@@ -48,7 +48,7 @@ def main() -> dict:
     batches = [unit_batch(10 + i, rows=ROWS) for i in range(STEPS)]
     start = flat(training.create_train_state(config, optim, seed=0).params)
     paths = {"jit": ("jit", 1), "pmap": ("pmap", 1), "sharded": ("sharded", 1), "sharded, accumulate 2": ("sharded", 2)}
-    paths["jit, accumulate 4"] = ("jit", 4)
+    paths.update({"pmap, accumulate 2": ("pmap", 2), "jit, accumulate 4": ("jit", 4)})
     results = {name: run_path(mode, k, config, optim, batches) for name, (mode, k) in paths.items()}
     # Without dropout the loss differs: dropout really is on in the steps above.
     no_dropout = DataParallel("jit", 1)

@@ -78,8 +78,9 @@ def test_dropout_masks_depend_on_the_step_number_only():
 
 def test_every_parallel_path_equals_the_single_device_step():
     """tests/parallel_paths.py with 4 simulated CPU devices, 5 steps, dropout on, batches of 8 rows: pmap (2 rows
-    per device), sharded jit (the same), sharded jit with 2 micro-batches, and jit with 4 micro-batches of 2 rows
-    (`--accumulate 4` == one step on the 4x batch) must all take the steps of single-device jit on the whole batch.
+    per device), sharded jit (the same), both with 2 micro-batches of 1 row per device, and jit with 4 micro-batches
+    of 2 rows (`--accumulate 4` == one step on the 4x batch) must all take the steps of single-device jit on the
+    whole batch.
 
     Tolerances come from float summation order. Losses: relative 1e-6 (a path adds the same per-token terms in
     another order, partial sums per device or micro-batch; reassociating float32 sums moves them by a few ulp,
@@ -112,6 +113,7 @@ def test_every_parallel_path_equals_the_single_device_step():
         "pmap": ("pmap", 4),
         "sharded": ("sharded", 4),
         "sharded, accumulate 2": ("sharded", 4),
+        "pmap, accumulate 2": ("pmap", 4),
         "jit, accumulate 4": ("jit", 1),
     }
     reference = paths["jit"]["losses"]
