@@ -310,3 +310,16 @@ def test_bad_parallel_flags_are_clear_errors(tmp_path):
         busy.listen()
         code, out, err = run_main(base + process_flags(busy.getsockname()[1], 2, 0))
     assert code == 1 and "process 0 runs the coordinator there but cannot listen" in err, err
+
+
+def test_a_checkpoint_from_before_row_multiple_keeps_its_batch_plan():
+    """Checkpoints written before --row-multiple existed rounded rows to their device count: a resume reads that
+    count as the row multiple, so it sees the batches the run saw; given explicitly, another value is refused."""
+    from jax_transformer.data import DataConfig
+    from jax_transformer.run import UsageError, _resolve_data
+
+    saved = {k: v for k, v in DataConfig(tsv="/data/train.tsv").to_dict().items() if k != "row_multiple"}
+    assert _resolve_data({}, {"data": saved, "devices": 4}).row_multiple == 4
+    assert _resolve_data({}, {"data": saved, "devices": None}).row_multiple == 1
+    with pytest.raises(UsageError, match="row_multiple=4"):
+        _resolve_data({"row_multiple": 8}, {"data": saved, "devices": 4})

@@ -80,20 +80,9 @@ def test_every_parallel_path_equals_the_single_device_step():
     """tests/parallel_paths.py with 4 simulated CPU devices, 5 steps, dropout on, batches of 8 rows: pmap (2 rows
     per device), sharded jit (the same), both with 2 micro-batches of 1 row per device, and jit with 4 micro-batches
     of 2 rows (`--accumulate 4` == one step on the 4x batch) must all take the steps of single-device jit on the
-    whole batch.
+    whole batch, within the tolerances of float summation order that `parallel_paths.check` states."""
+    from tests.parallel_paths import check
 
-    Tolerances come from float summation order. Losses: relative 1e-6 (a path adds the same per-token terms in
-    another order, partial sums per device or micro-batch; reassociating float32 sums moves them by a few ulp,
-    ~1e-7 relative). The loss also proves that the dropout masks are the same: one element masked differently out
-    of the ~2,600 of one dropout site moves the loss by ~1e-4 relative, and without dropout it differs by ~1%.
-    Parameters: per tensor, ||path - jit|| <= 1e-4 of how far the tensor moved in 5 steps. Gradients differ by
-    reassociation noise only, but Adam divides each gradient element by its own RMS, so an element whose gradient
-    is itself at noise level (cancellation: measured, an embedding element with gradient ~4e-8 against ~1e-3
-    typical) steps differently by up to ~lr; the tensor norm averages such elements out. The key biases, whose
-    gradient is zero analytically (softmax is invariant to them), are noise only and are left out.
-    A per-device or per-micro-batch *mean* instead of one division by the global token count would weight the
-    parts' tokens unequally (the report shows the parts hold different token counts) and change every update.
-    """
     env = dict(os.environ, PYTHONPATH=str(REPO), XLA_FLAGS="--xla_force_host_platform_device_count=4")
     result = subprocess.run(
         [sys.executable, "-m", "tests.parallel_paths"],
@@ -106,9 +95,7 @@ def test_every_parallel_path_equals_the_single_device_step():
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout.split("REPORT ", 1)[1])
     assert report["devices"] == 4
-    assert all(len(set(counts)) > 1 for counts in report["quarter_tokens"])
-    paths = report["paths"]
-    assert {name: (p["mode"], p["n_devices"]) for name, p in paths.items()} == {
+    assert {name: (p["mode"], p["n_devices"]) for name, p in report["paths"].items()} == {
         "jit": ("jit", 1),
         "pmap": ("pmap", 4),
         "sharded": ("sharded", 4),
@@ -116,22 +103,7 @@ def test_every_parallel_path_equals_the_single_device_step():
         "pmap, accumulate 2": ("pmap", 4),
         "jit, accumulate 4": ("jit", 1),
     }
-    reference = paths["jit"]["losses"]
-    assert abs(report["dropout_off_first_loss"] / reference[0] - 1) > 1e-3  # dropout really is on
-    assert min(report["moved"].values()) > 1e-4  # the steps really changed every tensor
-    lines = []
-    for name, path in paths.items():
-        assert path["tokens"] == paths["jit"]["tokens"]  # every path divides by the global token count
-        loss_rel = max(abs(a / b - 1) for a, b in zip(path["losses"], reference))
-        relative = {k: v for k, v in path["relative"].items() if "'key']['bias'" not in k}
-        worst = max(relative, key=relative.get)
-        max_abs = max(v for k, v in path["max_abs"].items() if "'key']['bias'" not in k)
-        lines.append(
-            f"{name}: losses {loss_rel:.1e} rel, worst tensor {worst} {relative[worst]:.1e}, max abs {max_abs:.1e}"
-        )
-        assert loss_rel <= 1e-6, name
-        assert relative[worst] <= 1e-4, name
-    print("parallel paths vs jit, 5 steps, dropout on:\n  " + "\n  ".join(lines))
+    print("parallel paths vs jit, 5 steps, dropout on:\n  " + "\n  ".join(check(report)))
 
 
 # --- the default task learns ---------------------------------------------------------------------------------
