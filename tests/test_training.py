@@ -93,7 +93,7 @@ def test_every_parallel_path_equals_the_single_device_step():
         timeout=600,
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    report = json.loads(result.stdout.split("REPORT ", 1)[1])
+    report = json.loads(result.stdout.split("REPORT ", 1)[1].splitlines()[0])
     assert report["devices"] == 4
     assert {name: (p["mode"], p["n_devices"]) for name, p in report["paths"].items()} == {
         "jit": ("jit", 1),
