@@ -219,7 +219,13 @@ def initialize(parallel: ParallelConfig, print_fn: Callable[[str], None] = print
     try:
         jax.distributed.initialize(**kwargs)
     except (ValueError, RuntimeError) as e:  # e.g. --distributed on a machine where nothing can be detected
-        raise ConfigError(f"jax.distributed.initialize failed: {e}") from None
+        hint = (
+            "; --distributed relies on the cluster's environment (a TPU pod, Slurm, Open MPI): elsewhere give "
+            "--coordinator HOST:PORT --num-processes N --process-id I"
+            if parallel.distributed
+            else ""
+        )
+        raise ConfigError(f"jax.distributed.initialize failed: {e}{hint}") from None
     print_fn(
         f"process {jax.process_index()} of {jax.process_count()}: {jax.local_device_count()} local device(s), "
         f"{jax.device_count()} in all (timeouts: join {timeouts['init']} s, heartbeat {timeouts['heartbeat']} s)"

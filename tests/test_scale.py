@@ -18,6 +18,7 @@ summation order, amplified by Adam on noise-level gradients; see there), with ev
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import signal
 import socket
@@ -323,3 +324,20 @@ def test_a_checkpoint_from_before_row_multiple_keeps_its_batch_plan():
     assert _resolve_data({}, {"data": saved, "devices": None}).row_multiple == 1
     with pytest.raises(UsageError, match="row_multiple=4"):
         _resolve_data({"row_multiple": 8}, {"data": saved, "devices": 4})
+
+
+@pytest.mark.skipif(
+    any(name in os.environ for name in ("SLURM_JOB_ID", "OMPI_COMM_WORLD_SIZE", "TPU_WORKER_HOSTNAMES")),
+    reason="inside a cluster jax.distributed would find one",
+)
+def test_distributed_without_a_cluster_is_a_clear_error(tmp_path):
+    """--distributed lets jax detect the cluster; on a plain machine there is none to detect (a fresh process:
+    jax.distributed must come before anything starts jax's backends)."""
+    log = tmp_path / "log"
+    process = start_train_process(
+        tiny_train_args(tmp_path / "run", write_corpus(tmp_path), steps=1, extra=("--distributed",)), log
+    )
+    code = finish([process], [log], timeout=120)[0]
+    text = log.read_text()
+    assert code == 1 and "error: jax.distributed.initialize failed" in text and "--coordinator HOST:PORT" in text
+    assert "Traceback" not in text
