@@ -3,7 +3,9 @@
     XLA_FLAGS=--xla_force_host_platform_device_count=4 python -m tests.parallel_paths   # 4 simulated CPU devices
     python -m tests.parallel_paths                                                      # on an accelerator
 
-Five steps, dropout on, from the same state and the same global batches (rows of unequal token counts), of:
+Five steps, dropout on, from the same state and the same global batches of packed rows (two sentence pairs per
+row, `training.PACKING_KEYS`; rows of unequal token counts; tests/test_scale.py runs unpacked batches through
+train.py), of:
 jit on one device (the reference); pmap over all local devices; sharded jit over a mesh of all devices;
 sharded jit and pmap with 2 micro-batches (`accumulate`); jit with 4 micro-batches. With a single device (one GPU) pmap
 and sharded jit run on that one device. Prints one line "REPORT {json}": for each path its per-step losses and
@@ -22,10 +24,31 @@ import numpy as np
 
 from jax_transformer import training
 from jax_transformer.distributed import DataParallel
-from tests.fixtures import flat, unit_batch, unit_config
+from tests.fixtures import flat, make_batch, unit_config
 
 STEPS = 5
 ROWS = 8  # global batch rows: 2 per device on 4 devices, 4 micro-batches of 2 rows on one
+WIDTH = 16  # two pairs of at most 8 tokens a side per row
+
+
+def packed_batch(config, seed: int, rows: int = ROWS) -> dict[str, np.ndarray]:
+    """Two random pairs per row (make_batch's "noise" layout, 8 tokens wide), side by side: segment ids 1 and 2,
+    positions restarting at 0 for the second pair, padding after both."""
+    keys = ("src", "tgt_in", "tgt_out", "src_segments", "tgt_segments", "src_positions", "tgt_positions")
+    batch = {key: np.zeros((rows, WIDTH), np.int32) for key in keys}
+    parts = [make_batch(config, seed + k, rows, 8, 8, layout="noise", padding_row=False) for k in (0, 1000)]
+    for r in range(rows):
+        at = {"src": 0, "tgt": 0}
+        for segment, part in enumerate(parts, start=1):
+            for side, keys_of_side in (("src", ("src",)), ("tgt", ("tgt_in", "tgt_out"))):
+                n = int(np.count_nonzero(part[keys_of_side[0]][r]))  # tgt_in's span; tgt_out is tgt_in shifted
+                span = slice(at[side], at[side] + n)
+                for key in keys_of_side:
+                    batch[key][r, span] = part[key][r, :n]
+                batch[f"{side}_segments"][r, span] = segment
+                batch[f"{side}_positions"][r, span] = np.arange(n)
+                at[side] += n
+    return batch
 
 
 def run_path(mode: str, accumulate: int, config, optim, batches) -> dict:
@@ -46,7 +69,7 @@ def main() -> dict:
     jax.config.update("jax_default_matmul_precision", "highest")
     config = unit_config().replace(num_encoder_layers=1, num_decoder_layers=1)  # depth changes nothing here
     optim = training.OptimConfig(warmup_steps=5)
-    batches = [unit_batch(10 + i, rows=ROWS) for i in range(STEPS)]
+    batches = [packed_batch(config, 10 + i) for i in range(STEPS)]
     start = flat(training.create_train_state(config, optim, seed=0).params)
     paths = {"jit": ("jit", 1), "pmap": ("pmap", 1), "sharded": ("sharded", 1), "sharded, accumulate 2": ("sharded", 2)}
     paths.update({"pmap, accumulate 2": ("pmap", 2), "jit, accumulate 4": ("jit", 4)})
@@ -96,9 +119,10 @@ def check(report: dict) -> list[str]:
     of the ~2,600 of one dropout site moves the loss by ~1e-4 relative, and without dropout it differs by ~1%.
     Parameters: per tensor, ||path - jit|| <= 1e-4 of how far the tensor moved in 5 steps. Gradients differ by
     reassociation noise only, but Adam divides each gradient element by its own RMS, so an element whose gradient
-    is itself at noise level (cancellation: measured, an embedding element with gradient ~4e-8 against ~1e-3
-    typical) steps differently by up to ~lr; the tensor norm averages such elements out. The key biases, whose
-    gradient is zero analytically (softmax is invariant to them), are noise only and are left out.
+    is itself at noise level (cancellation: seen in a run on unpacked batches, an embedding element with gradient
+    ~4e-8 against ~1e-3 typical) steps differently by up to ~lr; the tensor norm averages such elements out. The
+    key biases, whose gradient is zero analytically (softmax is invariant to them), are noise only and are left
+    out.
     A per-device or per-micro-batch *mean* instead of one division by the global token count would weight the
     parts' tokens unequally (the report shows the parts hold different token counts) and change every update.
     """

@@ -7,7 +7,7 @@ processes that share a persistent compilation cache, in two stages of concurrent
     stage 1   two-process  2 processes x 2 simulated CPU devices, 5 steps, with validation (the final evaluation)
               four         1 process, 4 devices (sharded jit), 5 steps
               one          1 process, 1 device, 8 steps, checkpoints at 5 and 8: the uninterrupted reference
-    stage 2   two-process  resumed in 1 process on 1 device, to step 8
+    stage 2   two-process  resumed in 1 process on 1 device with --accumulate 4, to step 8
               four         resumed on 2 devices, to step 8
               one's step 5 (a copy without step 8) resumed on 4 devices, to step 8
 
@@ -89,10 +89,17 @@ def runs(tmp_path_factory):
     # --- stage 2: resumes on other device counts ------------------------------------------------------------
     shutil.copytree(dirs["one"], dirs["one-on-four"])
     shutil.rmtree(dirs["one-on-four"] / "checkpoints" / "8")  # as if the 1-device run had stopped at step 5
-    resumes = {"two-process": 1, "four": 2, "one-on-four": 4}  # run -> devices of its resume
+    # run -> devices of its resume, and its flags: the two-process run goes on in 4 micro-batches (unpacked
+    # batches through --accumulate; tests/parallel_paths.py checks accumulation on packed ones)
+    resumes = {"two-process": (1, ["--accumulate", "4"]), "four": (2, []), "one-on-four": (4, [])}
     resumed = [
-        start(name, ["train", "--resume", str(dirs[name]), "--steps", "8", "--no-progress"], devices, f"{name}-resumed")
-        for name, devices in resumes.items()
+        start(
+            name,
+            ["train", "--resume", str(dirs[name]), "--steps", "8", "--no-progress", *flags],
+            devices,
+            f"{name}-resumed",
+        )
+        for name, (devices, flags) in resumes.items()
     ]
     codes = finish([p for p, _ in resumed], [log for _, log in resumed])
     for (_, log), code in zip(resumed, codes):
@@ -197,8 +204,9 @@ def test_validation_of_a_multi_process_run_is_what_one_process_reports(runs):
 
 
 def test_resumes_on_other_device_counts_continue_like_the_uninterrupted_run(runs):
-    """Step 5 checkpoints resumed to step 8 on another device count: the two-process run (4 devices) on 1, the
-    4-device run on 2, the 1-device run on 4, against the 1-device run that went from 0 to 8 without stopping.
+    """Step 5 checkpoints resumed to step 8 on another device count: the two-process run (4 devices) on 1 (with
+    --accumulate 4), the 4-device run on 2, the 1-device run on 4, against the 1-device run that went from 0 to 8
+    without stopping.
     The batch plan does not depend on the device count (--row-multiple), nor do the dropout masks, so each
     continues with the same batches and masks. Losses of steps 6-8: relative 1e-5 (the runs start from states
     that differ by the float-order noise bounded above, which moves a loss by ~1e-6 relative)."""
@@ -208,7 +216,7 @@ def test_resumes_on_other_device_counts_continue_like_the_uninterrupted_run(runs
     reference_losses = _train_losses(dirs["one"])
     lines = []
     for name, label in (
-        ("two-process", "2 processes x 2 devices -> 1 device"),
+        ("two-process", "2 processes x 2 devices -> 1 device, 4 micro-batches"),
         ("four", "4 devices -> 2 devices"),
         ("one-on-four", "1 device -> 4 devices"),
     ):
