@@ -58,6 +58,7 @@ def add_settings(parser: argparse.ArgumentParser, cls, group: str, title: str, s
 def build_parser() -> argparse.ArgumentParser:
     from jax_transformer.config import OptimConfig, TransformerConfig
     from jax_transformer.data import DataConfig
+    from jax_transformer.distributed import ParallelConfig
     from jax_transformer.trainer import LoopConfig
 
     parser = argparse.ArgumentParser(
@@ -118,6 +119,13 @@ def build_parser() -> argparse.ArgumentParser:
     )  # the tokenizer's
     add_settings(t, OptimConfig, "optim", "optimiser (Adam, the paper's schedule, label smoothing)")
     add_settings(t, LoopConfig, "loop", "run loop: steps, evaluation, checkpoints")
+    add_settings(
+        t,
+        ParallelConfig,
+        "parallel",
+        "devices and processes (README, Scaling out): every process of a multi-process run gets the same flags "
+        "except --process-id, and sees the same data files and run directory",
+    )
     t.set_defaults(func=cmd_train)
 
     e = sub.add_parser("evaluate", help="validation loss, perplexity, accuracy, BLEU and chrF of a checkpoint")
@@ -223,8 +231,9 @@ def _print(text: str = "") -> None:
 
 
 def _groups(args) -> dict[str, dict]:
-    """The given (not None) settings flags as {"model": {...}, "data": {...}, "optim": {...}, "loop": {...}}."""
-    groups = {"model": {}, "data": {}, "optim": {}, "loop": {}}
+    """The given (not None) settings flags as {"model": {...}, "data": {...}, "optim": {...}, "loop": {...},
+    "parallel": {...}}."""
+    groups = {"model": {}, "data": {}, "optim": {}, "loop": {}, "parallel": {}}
     for dest, value in vars(args).items():
         if "." in dest and value is not None:
             group, name = dest.split(".", 1)

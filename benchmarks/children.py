@@ -1,4 +1,5 @@
-"""Sections 3 and 5 of the benchmark, measured in child processes: the time to the first step, and pmap.
+"""Sections 3 and 5 of the benchmark, measured in child processes: the time to the first step, and data parallel
+steps over simulated devices.
 
 Time to the first step (section_first_step): what a user waits for before training starts, JAX's trace + compile
 + run of the first step against torch eager's first step. A process that has compiled or imported anything
@@ -7,9 +8,10 @@ persistent caches off (jax's compilation cache, a new empty Inductor cache: run.
 every process before jax or torch is imported); import and model set-up times are reported in the note, not
 counted.
 
-pmap (section_pmap): data-parallel pmap over PMAP_DEVICES simulated CPU devices against single-device jit on the
-same global batch. The devices exist only if XLA_FLAGS=--xla_force_host_platform_device_count=N is set before jax
-starts, so both run in one child process started with it (`child_pmap`), interleaved as everywhere.
+Data parallel (section_pmap): pmap and sharded jit (a Mesh over the devices, the batch split by rows) over
+PMAP_DEVICES simulated CPU devices against single-device jit on the same global batch. The devices exist only if
+XLA_FLAGS=--xla_force_host_platform_device_count=N is set before jax starts, so all three run in one child process
+started with it (`child_pmap`), interleaved as everywhere.
 
 A child is benchmarks/run.py itself with the internal --child flag; it prints its result as JSON on the last line
 of its stdout (`run_child`).
@@ -155,9 +157,12 @@ def section_first_step(s: Settings, figures: list, failures: list, state: dict) 
 # =============================================================================================================
 
 
+PARALLEL_LABELS = {"jit": "jit", "pmap": "pmap", "sharded": "sharded jit"}  # --parallel mode -> figure label
+
+
 def child_pmap(s: Settings) -> dict:
-    """In a process that sees PMAP_DEVICES CPU devices: single-device jit and pmap over all of them, on the
-    same global batch, interleaved."""
+    """In a process that sees PMAP_DEVICES CPU devices: single-device jit, pmap and sharded jit over all of them,
+    on the same global batch, interleaved."""
     import jax
 
     devices = jax.local_device_count()
@@ -170,8 +175,8 @@ def child_pmap(s: Settings) -> dict:
     params, _ = ported_params(config)
     failures: list[dict] = []
     runners, warmup_s = {}, {}
-    for label, n in (("jit", 1), ("pmap", PMAP_DEVICES)):
-        runner = JaxTrain(config, batch, params, n_devices=n)
+    for mode, label in PARALLEL_LABELS.items():
+        runner = JaxTrain(config, batch, params, parallel=mode)
         # At least two warm-up calls: pmap compiles a second time on its second call when the replicated input
         # state's sharding (from flax's replicate) differs from the sharding of the state it returns.
         warmup_s[label] = []
@@ -185,7 +190,8 @@ def child_pmap(s: Settings) -> dict:
 
 
 def section_pmap(s: Settings, figures: list, failures: list, state: dict) -> None:
-    """pmap over simulated CPU devices vs jit on one, the same global batch (rows split over devices)."""
+    """pmap and sharded jit over simulated CPU devices vs jit on one, the same global batch (rows split over
+    devices)."""
     if s.batch_size % PMAP_DEVICES:
         failures.append(
             {"name": "pmap", "error": f"--batch-size {s.batch_size} is not divisible by {PMAP_DEVICES} devices"}
@@ -193,7 +199,7 @@ def section_pmap(s: Settings, figures: list, failures: list, state: dict) -> Non
         return
     flags = (os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={PMAP_DEVICES}").strip()
     for name in s.aux_presets:
-        print(f"  [{name}] jit vs pmap over {PMAP_DEVICES} simulated devices (subprocess)", flush=True)
+        print(f"  [{name}] jit vs pmap vs sharded jit over {PMAP_DEVICES} simulated devices (subprocess)", flush=True)
         try:
             result = run_child(
                 [
@@ -230,6 +236,9 @@ def section_pmap(s: Settings, figures: list, failures: list, state: dict) -> Non
                 preset_name=name,
                 note=note,
             )
-        if "jit" in figs and "pmap" in figs:
-            add_ratio(figs["pmap"], "pmap/jit", ratio(figs["pmap"], figs["jit"]))
+        for label in ("pmap", "sharded jit"):
+            if "jit" in figs and label in figs:
+                add_ratio(figs[label], f"{label}/jit", ratio(figs[label], figs["jit"]))
+        if "pmap" in figs and "sharded jit" in figs:
+            add_ratio(figs["sharded jit"], "sharded jit/pmap", ratio(figs["sharded jit"], figs["pmap"]))
         figures.extend(figs.values())

@@ -17,14 +17,16 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 # The benchmark's sections, in the order they run and are shown (run.py's --sections chooses among them).
-SECTIONS = ("train", "flops", "first-step", "decode", "pmap")
+SECTIONS = ("train", "flops", "first-step", "decode", "pmap", "accumulate", "multihost")
 
 SECTION_TITLES = {
     "train": "1. Training step (JAX / other: ms/step < 1 and tokens/s > 1 mean JAX is faster)",
     "flops": "2. Achieved matmul GFLOP/s",
     "first-step": "3. Time to the first step (fresh process)",
     "decode": "4. Decoding",
-    "pmap": "5. pmap over simulated CPU devices vs jit",
+    "pmap": "5. Data parallel over simulated CPU devices: pmap and sharded jit vs jit",
+    "accumulate": "6. Gradient accumulation: K micro-batches in one step vs one step on the whole batch",
+    "multihost": "7. Two processes on loopback vs one (sharded jit)",
 }
 
 

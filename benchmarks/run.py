@@ -19,8 +19,13 @@ Sections (`--sections`, comma-separated; all by default):
   first-step  time to the first finished step (trace + compile + run) in a fresh process, persistent caches off.
   decode      greedy and beam 4 search, batch 16 and 1, 64 new tokens (benchmarks/decoding.py's
               benchmark_decoding): the cached Flax decoder against PyTorch loops that re-run the prefix.
-  pmap        data parallel `pmap` over 4 simulated CPU devices against single-device `jit`, same global batch,
-              both in one subprocess started with XLA_FLAGS=--xla_force_host_platform_device_count=4.
+  pmap        data parallel `pmap` and sharded `jit` (a Mesh, the batch split by rows) over 4 simulated CPU
+              devices against single-device `jit`, same global batch, all in one subprocess started with
+              XLA_FLAGS=--xla_force_host_platform_device_count=4.
+  accumulate  gradient accumulation: the global batch in K=4 micro-batches inside one step against one step on it,
+              on one device: ms/step and the compiled step's temporary memory (benchmarks/scale.py).
+  multihost   the sharded step on 4 simulated devices in one process against two processes on 127.0.0.1 joined by
+              jax.distributed (2 devices each), one after the other (benchmarks/scale.py).
 
 Fairness: the frameworks are interleaved in one loop (JAX step, torch step, ..., JAX step, ...; the order rotates
 every round) so that load from other processes on a shared machine hits all of them alike. Each figure is given
@@ -49,12 +54,13 @@ if str(REPO) not in sys.path:  # `python benchmarks/run.py` puts benchmarks/ fir
 # None of these imports jax or torch: both are imported inside the functions that use them, after
 # `isolate_caches` (they read its settings when first imported) and only in the processes that need them.
 # Each section lives in its own module: train_step.py (1), flops.py (2), children.py (3 and 5, in child
-# processes), decoding.py (4); report.py holds the figures and tables.
+# processes), decoding.py (4), scale.py (6 and 7); report.py holds the figures and tables.
 from benchmarks.children import child_first_step, child_pmap, section_first_step, section_pmap  # noqa: E402
 from benchmarks.decoding import section_decode  # noqa: E402
 from benchmarks.flops import section_flops  # noqa: E402
 from benchmarks.machine import core_count, machine_info  # noqa: E402
 from benchmarks.report import SECTION_TITLES, SECTIONS, markdown_table, text_table  # noqa: E402
+from benchmarks.scale import child_multihost, section_accumulate, section_multihost  # noqa: E402
 from benchmarks.train_step import TORCH_VARIANTS, section_train, set_torch_threads  # noqa: E402
 from jax_transformer.config import PRESETS  # noqa: E402
 
@@ -69,7 +75,7 @@ SCHEMA = "jax-transformer-benchmark/1"
 @dataclasses.dataclass(frozen=True)
 class Settings:
     presets: tuple[str, ...]  # model sizes for the train, flops and first-step sections
-    aux_presets: tuple[str, ...]  # model sizes for the decode and pmap sections
+    aux_presets: tuple[str, ...]  # model sizes for the decode, pmap, accumulate and multihost sections
     sections: tuple[str, ...]
     batch_size: int  # rows per training batch
     length: int  # source and target width of the training batch, in tokens (rows are padded to it)
@@ -115,7 +121,8 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, S
     p.add_argument(
         "--aux-presets",
         default="small",
-        help="presets for the decode and pmap sections (default small: the base model's re-run-the-"
+        help="presets for the decode, pmap, accumulate and multihost sections (multihost: the first only; "
+        "default small: the base model's re-run-the-"
         "prefix decoding alone takes many minutes on CPU)",
     )
     p.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated subset of {SECTIONS}")
@@ -141,7 +148,10 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, S
         help="tokens each decoded sentence gets (default 64, as the speed goal is stated)",
     )
     p.add_argument("--peak-size", type=int, default=2048, help="n of the n x n matmul peak (default 2048)")
-    p.add_argument("--child", choices=("first-step", "pmap"), help=argparse.SUPPRESS)  # internal: subprocesses
+    p.add_argument("--child", choices=("first-step", "pmap", "multihost"), help=argparse.SUPPRESS)  # subprocesses
+    p.add_argument("--coordinator", help=argparse.SUPPRESS)  # the multihost child's jax.distributed settings
+    p.add_argument("--num-processes", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--process-id", type=int, help=argparse.SUPPRESS)
     p.add_argument("--framework", choices=("jax", "torch"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
 
@@ -230,6 +240,8 @@ SECTION_FUNCTIONS = {
     "first-step": section_first_step,
     "decode": section_decode,
     "pmap": section_pmap,
+    "accumulate": section_accumulate,
+    "multihost": section_multihost,
 }
 
 
@@ -241,6 +253,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if args.child == "pmap":
         print(json.dumps(child_pmap(s)))
+        return 0
+    if args.child == "multihost":
+        print(json.dumps(child_multihost(s, args.coordinator, args.num_processes, args.process_id)))
         return 0
 
     machine = machine_info()

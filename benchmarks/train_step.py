@@ -1,6 +1,7 @@
 """Section 1 of the benchmark: one training step, timed in every framework on the same batch and weights.
 
-JaxTrain is the project's compiled step (jax_transformer.training.make_train_step, jit; pmap with n_devices > 1).
+JaxTrain is the project's compiled step (jax_transformer.training.make_train_step: jit, pmap or sharded jit, with or
+without gradient accumulation, placed by jax_transformer.distributed.DataParallel as a training run places it).
 TorchTrain is the PyTorch reference step (torch_reference.training.train_step) with one of Adam's implementations:
 the default (a for-loop over parameters on CPU), foreach and fused, run eagerly, or the model under torch.compile
 with the fused Adam (TORCH_VARIANTS). All start from the same weights (the Flax initialisation, ported) and use
@@ -80,23 +81,35 @@ def training_batch(config: TransformerConfig, batch_size: int, length: int) -> d
 
 
 class JaxTrain:
-    """The project's compiled step (jax_transformer.training.make_train_step), state donated from call to call."""
+    """The project's compiled step (jax_transformer.training.make_train_step), state donated from call to call.
+    `parallel` ("jit", "pmap", "sharded") and `accumulate` as in `train.py train --parallel --accumulate`."""
 
-    def __init__(self, config: TransformerConfig, batch: Mapping[str, np.ndarray], params, n_devices: int = 1):
+    def __init__(
+        self,
+        config: TransformerConfig,
+        batch: Mapping[str, np.ndarray],
+        params,
+        parallel: str = "jit",
+        accumulate: int = 1,
+    ):
         import jax
 
-        from jax_transformer.training import OptimConfig, create_train_state, make_train_step, replicate, shard_batch
+        from jax_transformer.distributed import DataParallel
+        from jax_transformer.training import OptimConfig, create_train_state
 
         opt = OptimConfig()  # the paper's Adam and schedule, label smoothing 0.1
-        self.n_devices = n_devices
-        self.state = replicate(create_train_state(config, opt, params=params), n_devices)
-        self.step_fn = make_train_step(config, opt, n_devices=n_devices)
+        devices = DataParallel(parallel, accumulate)
+        self.n_devices = devices.n_devices
+        self.state = devices.place_state(create_train_state(config, opt, params=params))
+        self.step_fn = devices.make_step(config, opt)
         # Placed on the device(s) once, as the torch batch is built once: the step is timed, not the transfer.
-        batch = shard_batch({k: np.asarray(v) for k, v in batch.items()}, n_devices)
-        if n_devices == 1:
+        batch = devices.place_batch({k: np.asarray(v) for k, v in batch.items()})
+        if parallel == "jit":
             self.batch = jax.device_put(batch)
-        else:  # an identity pmap leaves row block i on device i (jax.device_put_sharded is gone)
-            self.batch = jax.pmap(lambda x: x, devices=jax.local_devices()[:n_devices])(batch)
+        elif parallel == "pmap":  # an identity pmap leaves row block i on device i (jax.device_put_sharded is gone)
+            self.batch = jax.pmap(lambda x: x)(batch)
+        else:  # already a global array split by rows over the mesh
+            self.batch = batch
 
     def __call__(self):
         import jax
@@ -104,6 +117,10 @@ class JaxTrain:
         self.state, sums = self.step_fn(self.state, self.batch)
         jax.block_until_ready((self.state, sums))  # dispatch is asynchronous: wait for the result
         return sums
+
+    def temp_memory(self) -> int:
+        """Bytes of temporary buffers (activations, gradients) XLA allocates for one compiled step."""
+        return int(self.step_fn.lower(self.state, self.batch).compile().memory_analysis().temp_size_in_bytes)
 
     def cost_analysis(self) -> dict[str, float]:
         """XLA's own count for the compiled step (the compilation is cached by now, so this is cheap)."""

@@ -554,7 +554,7 @@ def bucket_lengths(max_len: int) -> tuple[int, ...]:
 
 def rows_per_batch(bucket_len: int, max_tokens: int, row_multiple: int = 1) -> int:
     """Rows of every batch of a bucket: max_tokens // bucket_len, rounded down to a multiple of row_multiple
-    (the device count, so each device gets the same share), but at least row_multiple."""
+    (so that a batch splits evenly over that many devices or micro-batches), but at least row_multiple."""
     rows = max(1, max_tokens // bucket_len) // row_multiple * row_multiple
     return max(rows, row_multiple)
 
@@ -767,6 +767,12 @@ class DataConfig:
     vocab_size: int = setting(8000, "joint SentencePiece vocabulary size, an upper bound")
     tokenizer_type: str = setting("unigram", "SentencePiece model type", choices=("unigram", "bpe"))
     max_tokens: int = setting(4096, "token slots per batch (rows x padded length), all devices together")
+    row_multiple: int = setting(
+        8,
+        "rows of every batch are a multiple of this (rounded down, at least this many), so a batch splits evenly "
+        "over that many devices x micro-batches; part of the batch plan, so a resume on another device count sees "
+        "the same batches (8, as fairseq's --required-batch-size-multiple)",
+    )
     on_empty: str = setting(
         "skip", "a pair with an empty side: skip and count it, or stop with an error naming the line", choices=_ON_EMPTY
     )
@@ -792,8 +798,10 @@ class DataConfig:
             raise DataError(
                 f"data field 'vocab_size' must be an int >= 4 (pad, bos, eos, unk), got {self.vocab_size!r}"
             )
-        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise DataError(f"data field 'max_tokens' must be an int >= 1, got {self.max_tokens!r}")
+        for name in ("max_tokens", "row_multiple"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise DataError(f"data field {name!r} must be an int >= 1, got {value!r}")
         for name, allowed in (
             ("tokenizer_type", ("unigram", "bpe")),
             ("on_empty", _ON_EMPTY),

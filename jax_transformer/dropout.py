@@ -12,9 +12,25 @@ avalanche) over its flat index, keyed by the two words of the site's threefry ke
 The key still comes from flax's `make_rng("dropout")` (fold_in of the step's key with the module's path), so
 masks differ between sites and steps and depend only on the step's key: a resumed run draws the same masks.
 The whole mask is one elementwise fusion: ~20x faster than threefry on CPU and as cheap on GPU/TPU.
+
+The index i is the element's place in the *global* batch, the batch of one optimiser step as the data pipeline
+built it, so a mask does not depend on how that batch is split over devices or micro-batches. Every dropout
+site's leading axis is the batch row, so i = global_row * (elements per row) + place within the row. A step that
+sees the whole batch (one device, or `jax.jit` over a sharded global array) has global_row = its own row index;
+a step that sees a block of rows (a `pmap` device, a gradient-accumulation micro-batch) says which global rows
+they are with `global_rows(row_ids)` around the model call, while it is traced (`jax_transformer.training`).
+
+Why a context and not an argument: the row numbering belongs to how one training step splits its batch, not to
+the model. Threading it as an argument would add a parameter to every layer's call (and, for parity, to the
+PyTorch twin's), for a number only the step knows. The context is read at trace time, inside the same trace that
+set it, so the ids are an ordinary traced array of the step; outside any context (evaluation, decoding, tests)
+global_row = row, the behaviour of a whole batch.
 """
 
 from __future__ import annotations
+
+import contextlib
+import contextvars
 
 import flax.linen as nn
 import jax
@@ -32,18 +48,51 @@ def _fmix32(x):
     return x ^ (x >> 16)
 
 
-def hashed_bits(key, shape) -> jax.Array:
-    """Pseudo-random uint32 bits of `shape` for a JAX PRNG key (new-style or raw uint32[2])."""
+# The global batch row of each row the model sees, set by the training step while it traces the model (see above).
+_GLOBAL_ROWS: contextvars.ContextVar = contextvars.ContextVar("dropout_global_rows", default=None)
+
+
+@contextlib.contextmanager
+def global_rows(row_ids):
+    """Within this context, row r of every dropout site's input is row `row_ids[r]` of the global batch ((B,)
+    integers, traced or not). Used by the training step around the model call; None means rows 0..B-1. Enter it
+    inside the function being traced (as `training.train_step` does): a jit cache does not know about it."""
+    token = _GLOBAL_ROWS.set(row_ids)
+    try:
+        yield
+    finally:
+        _GLOBAL_ROWS.reset(token)
+
+
+def element_index(shape, row_ids=None) -> jax.Array:
+    """uint32 index of each element of `shape` in the global batch: the flat index when row_ids is None, else
+    row_ids[r] * (elements per row) + place within the row (arithmetic modulo 2^32, like the flat index)."""
+    if row_ids is None:
+        return lax.iota(jnp.uint32, int(np.prod(shape, dtype=np.int64))).reshape(shape)
+    row_ids = jnp.asarray(row_ids)
+    if row_ids.shape != (shape[0],):
+        raise ValueError(
+            f"dropout: row ids of shape {row_ids.shape} for an input of shape {shape}; expected ({shape[0]},)"
+        )
+    per_row = int(np.prod(shape[1:], dtype=np.int64))
+    within = lax.iota(jnp.uint32, per_row).reshape(shape[1:])
+    rows = row_ids.astype(jnp.uint32).reshape((shape[0],) + (1,) * (len(shape) - 1))
+    return rows * jnp.uint32(per_row % 2**32) + within
+
+
+def hashed_bits(key, shape, row_ids=None) -> jax.Array:
+    """Pseudo-random uint32 bits of `shape` for a JAX PRNG key (new-style or raw uint32[2]), a function of each
+    element's global index (`element_index`)."""
     words = jax.random.key_data(key) if jnp.issubdtype(key.dtype, jax.dtypes.prng_key) else key
     words = words.reshape(-1).astype(jnp.uint32)
-    index = lax.iota(jnp.uint32, int(np.prod(shape, dtype=np.int64))).reshape(shape)
+    index = element_index(shape, row_ids)
     return _fmix32(_fmix32(index ^ words[0]) + words[-1])
 
 
-def keep_mask(key, rate: float, shape) -> jax.Array:
+def keep_mask(key, rate: float, shape, row_ids=None) -> jax.Array:
     """Boolean mask, True with probability 1 - rate (rounded to a multiple of 2^-32)."""
     threshold = min(int(round(rate * 2.0**32)), 2**32 - 1)
-    return hashed_bits(key, shape) >= jnp.uint32(threshold)
+    return hashed_bits(key, shape, row_ids) >= jnp.uint32(threshold)
 
 
 class Dropout(nn.Module):
@@ -55,5 +104,5 @@ class Dropout(nn.Module):
     def __call__(self, x, deterministic: bool = True):
         if deterministic or self.rate == 0.0:
             return x
-        keep = keep_mask(self.make_rng("dropout"), self.rate, x.shape)
+        keep = keep_mask(self.make_rng("dropout"), self.rate, x.shape, _GLOBAL_ROWS.get())
         return jnp.where(keep, x / (1.0 - self.rate), jnp.zeros_like(x))

@@ -6,11 +6,17 @@
                        optim={"warmup_steps": 300, "lr_scale": 0.5}, loop={"steps": 4000, "max_minutes": 50})
     result = run.train(resume="runs/de-en", loop={"steps": 8000})          # continue it, exactly
 
-Settings come in four groups, each the fields of one dataclass: `model` (`TransformerConfig`), `data`
-(`DataConfig`), `optim` (`OptimConfig`) and `loop` (`LoopConfig`); `train.py`'s flags are those field names. A
-group given as a partial dict is completed from, in this order of precedence: what is given; on a resume, what
-the checkpoint stored; the defaults of the task (the built-in numbers task when no data files are given, which
-has its own small defaults in `NUMBERS_TASK_DEFAULTS`); the dataclass defaults.
+Settings come in five groups, each the fields of one dataclass: `model` (`TransformerConfig`), `data`
+(`DataConfig`), `optim` (`OptimConfig`), `loop` (`LoopConfig`) and `parallel` (`ParallelConfig`); `train.py`'s
+flags are those field names. A group given as a partial dict is completed from, in this order of precedence:
+what is given; on a resume, what the checkpoint stored; the defaults of the task (the built-in numbers task when
+no data files are given, which has its own small defaults in `NUMBERS_TASK_DEFAULTS`); the dataclass defaults.
+`parallel` describes the machine, not the run, and is never restored: a resume may use other devices.
+
+A multi-process run (`parallel` with a coordinator, see `jax_transformer.distributed`) calls `prepare` in every
+process with the same settings: all read and encode the data, process 0 alone trains the tokenizer and writes
+the run directory's files (the others wait for the tokenizer at a barrier and read it), and the processes check
+that they agree on every setting before training.
 
 `prepare` follows the data one way: read the corpus -> train (or restore) the tokenizer -> build (or restore,
 or import from PyTorch) the model config and weights -> encode and batch -> a `Trainer` ready to run. A resume
@@ -37,6 +43,7 @@ from typing import Any
 import jax
 
 from jax_transformer import checkpoint as ckpt_lib
+from jax_transformer import distributed
 from jax_transformer.config import (
     PRESETS,
     ConfigError,
@@ -63,7 +70,7 @@ from jax_transformer.trainer import (
 )
 from jax_transformer.training import TrainState, create_train_state, restore_train_state
 
-GROUPS = ("model", "data", "optim", "loop")
+GROUPS = ("model", "data", "optim", "loop", "parallel")
 
 # The built-in numbers task: sized to reach a useful model on 2 CPU cores in about two minutes (README).
 NUMBERS_TASK_DEFAULTS: dict[str, dict[str, Any]] = {
@@ -75,7 +82,17 @@ NUMBERS_TASK_DEFAULTS: dict[str, dict[str, Any]] = {
 DEFAULT_PRESET = {"numbers": "tiny", "files": "small"}
 
 # What an exact resume needs unchanged (validation files, the loop's budgets and the decoding may change).
-FROZEN_DATA_FIELDS = ("src", "tgt", "tsv", "vocab_size", "tokenizer_type", "max_tokens", "on_empty", "on_too_long")
+FROZEN_DATA_FIELDS = (
+    "src",
+    "tgt",
+    "tsv",
+    "vocab_size",
+    "tokenizer_type",
+    "max_tokens",
+    "row_multiple",
+    "on_empty",
+    "on_too_long",
+)
 
 
 class UsageError(ValueError):
@@ -129,21 +146,36 @@ def prepare(
     run_dir: where checkpoints, metrics.jsonl, loss_curve.png, tokenizer.model and config.json go (default
       runs/<date-time>); resume: continue the run in this directory from its newest intact checkpoint (no
       run_dir); strict_resume: refuse to resume when the newest checkpoint is damaged, instead of falling back;
-    lock: hold the run directory's lock (`lock_run_dir`) until the run ends; in a multi-process run only
-      process 0 takes it (the others pass False, and leave the checkpoint folder's housekeeping to it);
+    lock: hold the run directory's lock (`lock_run_dir`) until the run ends; in a multi-process run process 0
+      alone takes it, and alone tidies the checkpoint folder on a resume;
     init_from_torch: start from the weights of a PyTorch file (`jax_transformer.export`);
     preset_name: "tiny", "small" or "base" (default: tiny for the numbers task, small for files);
     seed: of initialisation, dropout and data order (default 0);
-    model / data / optim / loop: partial dicts of TransformerConfig / DataConfig / OptimConfig / LoopConfig fields.
+    model / data / optim / loop / parallel: partial dicts of TransformerConfig / DataConfig / OptimConfig /
+      LoopConfig / ParallelConfig fields (`distributed.ParallelConfig`: how many devices and processes).
     """
+    # First the processes join (before anything starts JAX's backends); from here on only process 0 prints.
+    parallel = distributed.ParallelConfig.from_dict(dict(settings.pop("parallel", None) or {}))
+    distributed.initialize(parallel, print_fn)
+    owner = lock and distributed.is_primary()
+    if not distributed.is_primary():
+        print_fn = _silent
     if resume is None:
+        if run_dir is None and jax.process_count() > 1:
+            raise UsageError("a multi-process run needs --run-dir: every process must name the same directory")
         run_dir = Path(run_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
     held = None
-    if lock and (resume is None or Path(resume).is_dir()):  # a missing --resume folder is reported below
+    if owner and (resume is None or Path(resume).is_dir()):  # a missing --resume folder is reported below
         held = lock_run_dir(run_dir if resume is None else resume, print_fn)
     try:
         prepared = _prepare(
-            run_dir=run_dir, resume=resume, strict_resume=strict_resume, owner=lock, print_fn=print_fn, **settings
+            run_dir=run_dir,
+            resume=resume,
+            strict_resume=strict_resume,
+            owner=owner,
+            parallel=parallel.to_dict(),
+            print_fn=print_fn,
+            **settings,
         )
     except BaseException:
         if held is not None:
@@ -166,12 +198,15 @@ def _prepare(
     data: Mapping[str, Any] | None = None,
     optim: Mapping[str, Any] | None = None,
     loop: Mapping[str, Any] | None = None,
+    parallel: Mapping[str, Any] | None = None,
     start_time: float | None = None,
     print_fn: Callable[[str], None] = print,
 ) -> PreparedRun:
-    """`prepare` once the run directory is locked; `owner`: this process holds the lock."""
+    """`prepare` once the processes have joined and the run directory is locked; `owner`: this process holds the
+    lock (process 0 of a multi-process run), so it alone tidies the checkpoint folder on a resume."""
     start_time = time.time() if start_time is None else start_time
     given = {"model": dict(model or {}), "data": dict(data or {}), "optim": dict(optim or {}), "loop": dict(loop or {})}
+    parallel_config = distributed.ParallelConfig.from_dict(dict(parallel or {}))
     if resume is not None and init_from_torch is not None:
         raise UsageError("--resume and --init-from-torch exclude each other: a resume already has weights")
     if resume is not None and run_dir is not None and Path(run_dir).absolute() != Path(resume).absolute():
@@ -186,7 +221,12 @@ def _prepare(
                 f"--resume {run_dir}: no {ckpt_lib.CHECKPOINT_SUBDIR}/ folder there; "
                 f"give the run directory of an earlier `train.py train`"
             )
+        # Process 0 moves damaged or half-written steps aside before the others look (a no-op with one process).
+        if not owner:
+            distributed.barrier("resume: checkpoint folder tidied")
         restored = restore_for_resume(run_dir, strict=strict_resume, owner=owner, print_fn=print_fn)
+        if owner:
+            distributed.barrier("resume: checkpoint folder tidied")
         stored = stored_settings(restored)
         print_fn(f"resuming {run_dir} from step {restored.step}")
     else:
@@ -252,28 +292,30 @@ def _prepare(
             preset_name,
             model_fields,
             explicit=bool(given["model"]),
+            run_dir=run_dir,
             print_fn=print_fn,
         )
     else:
-        tokenizer = train_tokenizer(train_corpus, data_config, print_fn)
+        tokenizer = shared_tokenizer(train_corpus, data_config, run_dir, print_fn)
         config = model_config(preset_name, tokenizer.vocab_size, model_fields)
 
-    # --- batches ----------------------------------------------------------------------------------------------
-    n_devices = jax.local_device_count()
-    if stored is not None and stored.get("devices", n_devices) != n_devices:
-        raise UsageError(
-            f"--resume: the checkpoint was trained on {stored['devices']} device(s), this machine has "
-            f"{n_devices}; batches are split per device, so an exact resume needs the same count"
-        )
+    # --- batches: the global batch plan, the same on any number of devices ---------------------------------------
+    devices = distributed.DataParallel.from_config(parallel_config)
     encoded = encode_corpus(train_corpus, tokenizer, config.max_len, on_too_long=data_config.on_too_long)
     print_fn(f"training data: {encoded.describe()}")
     stream = BatchStream(
         encoded,
         data_config.max_tokens,
-        row_multiple=n_devices,
+        row_multiple=data_config.row_multiple,
         seed=seed,
         state=None if restored is None else restored.data_state,
     )
+    for rows, length in stream.shapes:
+        devices.check_rows(
+            rows,
+            f"a batch of length {length} (--max-tokens {data_config.max_tokens}, "
+            f"--row-multiple {data_config.row_multiple})",
+        )
     valid = None
     if valid_corpus is not None:
         valid_encoded = encode_corpus(valid_corpus, tokenizer, config.max_len, on_too_long=data_config.on_too_long)
@@ -288,19 +330,31 @@ def _prepare(
         "data": data_config.absolute().to_dict(),
         "loop": loop_config.to_dict(),
         "train_fingerprint": fingerprint,
-        "devices": n_devices,
+        "devices": devices.n_devices,  # for information: a resume may use another count
+        "processes": jax.process_count(),
     }
+    # Every process must have the same settings, data and tokenizer (this is also the barrier after which
+    # process 0 writes into the run directory that the others have checked).
+    distributed.all_same(
+        "settings, data or tokenizer",
+        json.dumps(
+            [settings, config.to_dict(), optim_config.to_dict(), {**parallel_config.to_dict(), "process_id": None}],
+            sort_keys=True,
+        ).encode()
+        + tokenizer.to_bytes(),
+    )
     manager = ckpt_lib.CheckpointManager(run_dir / ckpt_lib.CHECKPOINT_SUBDIR, keep=loop_config.keep)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    tokenizer.save(run_dir / "tokenizer.model")
-    (run_dir / "config.json").write_text(config.to_json() + "\n", encoding="utf-8")
-    if restored is not None:
-        truncate_metrics(run_dir / "metrics.jsonl", restored.step)
+    if distributed.is_primary():
+        run_dir.mkdir(parents=True, exist_ok=True)
+        tokenizer.save(run_dir / "tokenizer.model")
+        (run_dir / "config.json").write_text(config.to_json() + "\n", encoding="utf-8")
+        if restored is not None:
+            truncate_metrics(run_dir / "metrics.jsonl", restored.step)
     n_params = sum(x.size for x in jax.tree_util.tree_leaves(state.params))
     print_fn(
         f"model: {n_params:,} parameters, d_model {config.d_model}, {config.num_encoder_layers}+"
-        f"{config.num_decoder_layers} layers, vocabulary {config.src_vocab_size}; {n_devices} device(s) "
-        f"({jax.devices()[0].platform}); batches of ~{data_config.max_tokens} token slots, "
+        f"{config.num_decoder_layers} layers, vocabulary {config.src_vocab_size}; {devices.describe()}; "
+        f"batches of ~{data_config.max_tokens} token slots, "
         f"{stream.batches_per_epoch} per epoch; run directory {run_dir}"
     )
     trainer = Trainer(
@@ -314,7 +368,7 @@ def _prepare(
         checkpoints=manager,
         valid=valid,
         run_settings=settings,
-        n_devices=n_devices,
+        parallel=devices,
         start_time=start_time,
         print_fn=print_fn,
     )
@@ -452,6 +506,33 @@ def train_tokenizer(corpus: Corpus, data: DataConfig, print_fn: Callable[[str], 
     return Tokenizer.train(corpus.sources + corpus.targets, data.vocab_size, model_type=data.tokenizer_type)
 
 
+def shared_tokenizer(
+    corpus: Corpus, data: DataConfig, run_dir: Path, print_fn: Callable[[str], None] = print
+) -> Tokenizer:
+    """`train_tokenizer`, trained once: in a multi-process run process 0 trains it and writes
+    <run>/tokenizer.model, the others wait at a barrier and read that file (so the run directory must be shared)."""
+    if jax.process_count() == 1:
+        return train_tokenizer(corpus, data, print_fn)
+    path = run_dir / "tokenizer.model"
+    if distributed.is_primary():
+        tokenizer = train_tokenizer(corpus, data, print_fn)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        tokenizer.save(path)
+    distributed.barrier("tokenizer written")
+    if distributed.is_primary():
+        return tokenizer
+    if not path.is_file():
+        raise UsageError(
+            f"process {jax.process_index()} cannot see {path.absolute()}, which process 0 has written: every process "
+            f"needs the same run directory (a shared filesystem), as orbax's checkpoints do"
+        )
+    return Tokenizer.load(path)
+
+
+def _silent(text: str = "") -> None:
+    """The print function of processes other than process 0."""
+
+
 def _initial_state(restored, config: TransformerConfig, optim: OptimConfig, seed: int, params) -> TrainState:
     if restored is None:
         return create_train_state(config, optim, seed=seed, params=params)
@@ -469,6 +550,7 @@ def _init_from_torch(
     model_fields: Mapping[str, Any],
     *,
     explicit: bool,
+    run_dir: Path,
     print_fn,
 ) -> tuple[Any, TransformerConfig, Tokenizer]:
     """Weights, config and tokenizer for --init-from-torch. Model settings given explicitly describe (or must
@@ -477,13 +559,13 @@ def _init_from_torch(
 
     tokenizer = requested = None
     if explicit:
-        tokenizer = train_tokenizer(corpus, data, print_fn)
+        tokenizer = shared_tokenizer(corpus, data, run_dir, print_fn)
         requested = model_config(preset_name, tokenizer.vocab_size, model_fields)
     params, config, file_tokenizer = import_weights(path, requested)
     if file_tokenizer is not None:
         tokenizer = file_tokenizer  # the vocabulary the weights were trained with
     elif tokenizer is None:
-        tokenizer = train_tokenizer(corpus, data, print_fn)
+        tokenizer = shared_tokenizer(corpus, data, run_dir, print_fn)
     if tokenizer.vocab_size != config.src_vocab_size or tokenizer.vocab_size != config.tgt_vocab_size:
         raise ckpt_lib.CheckpointError(
             f"--init-from-torch {path}: the model's vocabulary (src_vocab_size {config.src_vocab_size}, "
@@ -499,7 +581,9 @@ def _resolve_data(given: Mapping[str, Any], stored: Mapping[str, Any] | None) ->
     if stored is None:
         defaults = NUMBERS_TASK_DEFAULTS["data"] if not (given.get("src") or given.get("tsv")) else {}
         return DataConfig.from_dict({**defaults, **given})
-    saved = stored["data"]
+    saved = dict(stored["data"])
+    # Before row_multiple was a setting, the rows of every batch were a multiple of the device count.
+    saved.setdefault("row_multiple", stored.get("devices") or 1)
     for name in FROZEN_DATA_FIELDS:
         if name in given and given[name] is not None:
             value = str(Path(given[name]).absolute()) if name in ("src", "tgt", "tsv") else given[name]

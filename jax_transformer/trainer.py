@@ -11,6 +11,12 @@ Faults: every batch is checked on the host before it goes to the compiled step (
 the vocabulary, lengths within max_len, packing consistent), and a failed save stops the run with a
 CheckpointError naming the newest intact checkpoint.
 
+On several devices or processes (`jax_transformer.distributed`) the loop is the same in every process: each
+takes the same global batches and feeds its own rows, evaluates the same replicated parameters (so every process
+computes the numbers one process would report) and takes part in every checkpoint save (orbax writes them
+together). Process 0 alone writes metrics, the plot and the progress bar and prints; the reasons to stop are
+agreed at each step boundary (`agree_on_stop`), so all processes leave the loop at the same step.
+
 Setting up a run (data, tokenizer, config, initial or restored state) is `jax_transformer.run`.
 """
 
@@ -33,18 +39,15 @@ from jax_transformer.checkpoint import CheckpointError
 from jax_transformer.checks import TokenError, check_batch
 from jax_transformer.config import ConfigError, OptimConfig, TransformerConfig, setting, settings_from_dict
 from jax_transformer.data import Corpus, DataError, EncodedCorpus, eval_batches
+from jax_transformer.distributed import DataParallel, agree_on_stop, is_primary
 from jax_transformer.evaluation import evaluate_translations, spread_indices
 from jax_transformer.training import (
     TrainState,
     evaluate_loss,
     make_eval_step,
-    make_train_step,
     noam_rate,
-    replicate,
-    shard_batch,
     state_for_saving,
     summarize,
-    unreplicate,
 )
 from jax_transformer.visualize import plot_metrics
 
@@ -133,6 +136,16 @@ class MetricsLog:
         self._file.close()
 
 
+class DiscardedMetrics:
+    """What processes other than process 0 log to: nothing (process 0 writes metrics.jsonl)."""
+
+    def write(self, record: Mapping[str, Any]) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 def truncate_metrics(path: str | os.PathLike, after_step: int) -> None:
     """Drops records of steps > after_step: a resumed run rewrites the steps the interrupted one did after its
     last checkpoint, and the curve should show each step once."""
@@ -203,7 +216,7 @@ class Trainer:
         checkpoints,
         valid: ValidationSet | None = None,
         run_settings: Mapping[str, Any] | None = None,
-        n_devices: int = 1,
+        parallel: DataParallel | None = None,
         start_time: float | None = None,
         print_fn: Callable[[str], None] = print,
     ) -> None:
@@ -211,23 +224,25 @@ class Trainer:
         self.loop, self.valid, self.checkpoints = loop, valid, checkpoints
         self.run_dir = Path(run_dir)
         self.run_settings = dict(run_settings or {})
-        self.n_devices = n_devices
+        self.parallel = DataParallel() if parallel is None else parallel
         self.start_time = time.time() if start_time is None else start_time
-        self.print = print_fn
+        self.primary = is_primary()  # process 0 (or the only process): writes files, prints
+        self.print = print_fn if self.primary else lambda text: None
         self.step = int(jax.device_get(state.step))
-        self.state = replicate(state, n_devices)
-        self.train_step = make_train_step(config, optim, n_devices=n_devices)
+        self.state = self.parallel.place_state(state)
+        self.train_step = self.parallel.make_step(config, optim)
         self.eval_step = make_eval_step(config, optim.label_smoothing)
         if valid is not None:  # checked once here; training batches are checked as they come (`_one_step`)
             for i, batch in enumerate(valid.batches):
                 self._check(batch, f"validation batch {i}")
-        self.metrics = MetricsLog(self.run_dir / "metrics.jsonl")
+        self.metrics = MetricsLog(self.run_dir / "metrics.jsonl") if self.primary else DiscardedMetrics()
+        self._decided: tuple[int, str | None] | None = None  # (step, agreed stop reason) in multi-process runs
         # A resumed state is already on disk under its step; orbax cannot save a step twice.
         self.last_saved_step: int | None = self.step if self.step in checkpoints.steps() else None
 
     # --- pieces ----------------------------------------------------------------------------------------------
     def host_params(self):
-        return unreplicate(self.state, self.n_devices).params
+        return self.parallel.local(self.state).params
 
     def _check(self, batch, where: str):
         """The batch boundary: a bad batch is a DataError before it reaches the compiled step (and its donated
@@ -241,7 +256,7 @@ class Trainer:
     def save(self, metrics: Mapping[str, float] | None = None) -> None:
         if self.last_saved_step == self.step:
             return
-        state = state_for_saving(unreplicate(self.state, self.n_devices))
+        state = state_for_saving(self.parallel.local(self.state))
         try:
             self.checkpoints.save(
                 self.step,
@@ -327,6 +342,17 @@ class Trainer:
             self.print(f"  source:    {source}\n  reference: {reference}\n  model:     {hypothesis}")
 
     def _stop_reason(self, signals: StopSignals) -> str | None:
+        """Why to stop now, or None: this process's reason (`local_stop_reason`), agreed with the other processes
+        once per step in a multi-process run (process 0's reason first, see `distributed.agree_on_stop`)."""
+        if jax.process_count() == 1:
+            return self.local_stop_reason(signals)
+        if self._decided is None or self._decided[0] != self.step:
+            self._decided = (self.step, agree_on_stop(self.local_stop_reason(signals)))
+        return self._decided[1]
+
+    def local_stop_reason(self, signals: StopSignals) -> str | None:
+        """The one place that collects this process's reasons to stop (a signal, the step budget, the time
+        budget); a new reason belongs here, and reaches every process through `_stop_reason`."""
         if signals.received is not None:
             return signal.Signals(signals.received).name
         if self.step >= self.loop.steps:
@@ -338,11 +364,9 @@ class Trainer:
     def _one_step(self, bar) -> None:
         """One update on the next batch; logs it; raises TrainingError on a non-finite loss."""
         lr = float(noam_rate(self.step + 1, self.config.d_model, self.optim.warmup_steps, self.optim.lr_scale))
-        batch = shard_batch(self._check(next(self.stream), f"training batch {self.step + 1}"), self.n_devices)
+        batch = self.parallel.place_batch(self._check(next(self.stream), f"training batch {self.step + 1}"))
         self.state, sums = self.train_step(self.state, batch)
-        sums = jax.device_get(sums)
-        if self.n_devices > 1:
-            sums = {k: v[0] for k, v in sums.items()}  # psummed: every device holds the total
+        sums = jax.device_get(self.parallel.local(sums))  # summed over devices: every device holds the total
         stats = summarize(sums)
         if not math.isfinite(stats["loss"]):
             # The update just applied came from a non-finite gradient, so the state is ruined. Stop without
@@ -382,7 +406,7 @@ class Trainer:
             total=loop.steps,
             initial=self.step,
             unit="step",
-            disable=not loop.progress,
+            disable=not (loop.progress and self.primary),
             dynamic_ncols=True,
             mininterval=1.0,
         )
@@ -428,6 +452,8 @@ class Trainer:
                 self.metrics.close()
 
     def _plot(self) -> Path | None:
+        if not self.primary:
+            return None
         try:
             return plot_metrics(self.run_dir / "metrics.jsonl", self.run_dir / "loss_curve.png")
         except Exception as e:  # a plotting problem must not lose a finished run

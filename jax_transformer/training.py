@@ -7,13 +7,16 @@ The twin of `torch_reference/training.py`; read top to bottom, this module follo
 2. `TrainState`, `create_train_state`, `restore_train_state`: everything a step changes (step, params, optimiser
    state) plus the base dropout key. One pytree, so a checkpoint saves it whole and a jitted step can donate it.
 3. `train_step` / `make_train_step`: label-smoothed cross-entropy summed over real target tokens, gradients of
-   that sum, combined over devices with `lax.psum` under pmap, divided by the *global* token count, one update.
+   that sum (added over gradient-accumulation micro-batches, and over devices: by `lax.psum` under pmap, by the
+   compiler under sharded jit), divided once by the *global* token count, one update. Every way of splitting
+   the batch (one device, pmap, a sharded global array, micro-batches) computes the same update.
 4. `make_eval_step`, `evaluate_loss`: loss / perplexity / accuracy on validation batches.
 
 The run loop around these (batches, evaluation, checkpoints, metrics) is `jax_transformer.trainer`.
 
-Randomness: the dropout key of step s is fold_in(base_key, s) (and, under pmap, fold_in of that with the device
-index), so it depends only on the step number: a run resumed from a checkpoint draws exactly the same masks.
+Randomness: the dropout key of step s is fold_in(base_key, s), so it depends only on the step number: a run
+resumed from a checkpoint draws exactly the same masks. Within a step a mask is a function of each element's row
+in the global batch (`jax_transformer.dropout`), so it does not depend on the number of devices either.
 Keys are typed (`jax.random.key`); a checkpoint stores their raw words (`jax.random.key_data`).
 """
 
@@ -31,8 +34,11 @@ import numpy as np
 import optax
 from flax import serialization
 from jax import lax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jax_transformer.config import OptimConfig, TransformerConfig
+from jax_transformer.dropout import global_rows
 from jax_transformer.losses import loss_sums
 from jax_transformer.model import Transformer, init_params
 
@@ -50,6 +56,7 @@ __all__ = [
 ]
 
 AXIS = "devices"  # pmap axis name used by the data-parallel step
+DATA_AXIS = "data"  # the mesh axis a batch's rows are split along under sharded jit
 # A batch is a dict of (B, L) int32 arrays: src, tgt_in, tgt_out, and for packed rows these as well.
 PACKING_KEYS = ("src_segments", "tgt_segments", "src_positions", "tgt_positions")
 
@@ -168,6 +175,24 @@ def batch_loss_sums(
     return loss_sums(logits, batch["tgt_out"], config.pad_id, label_smoothing)
 
 
+def micro_batches(batch: Mapping[str, jax.Array], accumulate: int, blocks: int = 1) -> dict[str, jax.Array]:
+    """(B, L) arrays -> (accumulate, blocks, B / (blocks * accumulate), L): micro-batch k holds the k-th slice of
+    each of the `blocks` contiguous row blocks (one block per device under sharded jit), so no row moves between
+    devices."""
+    return {
+        key: jnp.swapaxes(x.reshape(blocks, accumulate, -1, *x.shape[1:]), 0, 1)  # (K, blocks, m, L)
+        for key, x in batch.items()
+    }
+
+
+def micro_batch_rows(k, rows: int, accumulate: int, blocks: int = 1, first_row=0) -> jax.Array:
+    """(blocks, m): the global batch row of each row of micro-batch k (`micro_batches`) of a batch of `rows` rows
+    whose row 0 is global row `first_row` (nonzero for a pmap device's block): what dropout hashes."""
+    per_block = rows // blocks
+    m = per_block // accumulate
+    return first_row + jnp.arange(blocks)[:, None] * per_block + k * m + jnp.arange(m)[None, :]
+
+
 def train_step(
     state: TrainState,
     batch,
@@ -177,23 +202,55 @@ def train_step(
     label_smoothing: float,
     dropout: bool = True,
     axis_name: str | None = None,
+    accumulate: int = 1,
+    mesh: Mesh | None = None,
 ):
     """One optimiser update. Returns (new state, the batch's loss sums before the update).
 
-    Data parallel (axis_name given, inside pmap): each device differentiates the *sum* of its tokens' losses,
-    the sums and gradients are added over devices with psum, and only then divided by the global number of
-    real tokens. The update therefore equals the single-device update on the whole batch (up to the order of
-    float additions), whereas averaging per-device means would weight a device's tokens by 1 / its own count.
+    The gradient is that of the *sum* of the loss over the batch's real target tokens, divided once by the number
+    of those tokens. Summing first makes every way of splitting the batch compute the same update (up to the order
+    of float additions); averaging per-part means would weight a token by 1 / its part's own token count:
+    - pmap (axis_name given): each device holds a block of rows; gradients and sums are added over devices
+      with psum.
+    - sharded jit (`mesh` given: the batch is a global array split over the mesh's devices by rows): the compiler
+      adds the devices' partial sums itself.
+    - `accumulate` K > 1 (gradient accumulation): K micro-batches, one after the other in a `lax.scan`, their
+      gradient and loss sums added up; only one micro-batch's activations are alive at a time. Under sharded
+      jit each device adds up its own rows' partial sums over the micro-batches (a per-device block axis, under
+      `vmap`) and the devices' sums are added once after the scan: one all-reduce per step, not one per
+      micro-batch.
+    Dropout masks are a function of each element's global batch row (`dropout.global_rows`), so they do not
+    depend on any of these splits either: every path takes the same step as one device on the whole batch.
     """
     key = jax.random.fold_in(state.dropout_key, state.step)  # depends only on the step: resume is exact
-    if axis_name is not None:
-        key = jax.random.fold_in(key, lax.axis_index(axis_name))  # a different dropout mask on each device
+    rows = batch["tgt_out"].shape[0]  # rows this program sees: the global batch, or a pmap device's block
+    first_row = 0 if axis_name is None else lax.axis_index(axis_name) * rows
 
-    def summed_loss(params):
-        sums = batch_loss_sums(params, batch, config, label_smoothing, key if dropout else None)
-        return sums["loss"], sums
+    def grads_and_sums(part, row_ids):
+        def summed_loss(params):
+            with global_rows(row_ids):
+                sums = batch_loss_sums(params, part, config, label_smoothing, key if dropout else None)
+            return sums["loss"], sums
 
-    grads, sums = jax.grad(summed_loss, has_aux=True)(state.params)
+        return jax.grad(summed_loss, has_aux=True)(state.params)
+
+    if accumulate == 1:
+        grads, sums = grads_and_sums(batch, first_row + jnp.arange(rows))
+    else:
+        blocks = 1 if mesh is None else mesh.size  # the devices' row blocks, each summed on its own device
+        per_block = jax.vmap(grads_and_sums)  # (blocks, m, L) rows -> (blocks, ...) partial sums
+        micro = _laid_out(micro_batches(batch, accumulate, blocks), mesh, P(None, DATA_AXIS))  # (K, blocks, m, L)
+
+        def add_micro_batch(total, k_and_micro):
+            k, part = k_and_micro
+            partial_sums = per_block(part, micro_batch_rows(k, rows, accumulate, blocks, first_row))
+            return _laid_out(jax.tree_util.tree_map(jnp.add, total, partial_sums), mesh, P(DATA_AXIS)), None
+
+        first = jax.tree_util.tree_map(lambda x: x[0], micro)
+        shapes = jax.eval_shape(per_block, first, micro_batch_rows(0, rows, accumulate, blocks, first_row))
+        zeros = _laid_out(jax.tree_util.tree_map(lambda x: jnp.zeros(x.shape, x.dtype), shapes), mesh, P(DATA_AXIS))
+        (grads, sums), _ = lax.scan(add_micro_batch, zeros, (jnp.arange(accumulate), micro))
+        grads, sums = jax.tree_util.tree_map(lambda x: x.sum(axis=0), (grads, sums))  # over the blocks
     if axis_name is not None:
         grads, sums = lax.psum((grads, sums), axis_name)
     tokens = jnp.maximum(sums["tokens"], 1.0)  # an all-padding batch has no tokens: avoid 0 / 0
@@ -203,37 +260,68 @@ def train_step(
     return state.replace(step=state.step + 1, params=params, opt_state=opt_state), sums
 
 
-def make_train_step(config: TransformerConfig, opt: OptimConfig, *, n_devices: int = 1, dropout: bool = True):
-    """The compiled step: `jax.jit` on one device, `jax.pmap` over `n_devices` local devices otherwise.
-    The state argument is donated (its buffers are reused for the new state), so callers must not use the
-    state they passed in after the call. Under pmap the state is replicated and the batch has a leading
-    device axis (see `replicate`, `shard_batch`)."""
-    return _compiled_train_step(config, opt, n_devices, dropout)
+def _laid_out(tree, mesh: Mesh | None, spec: P):
+    """`tree` laid out over `mesh` as `spec` says (a constraint for the compiler inside jit); unchanged without
+    a mesh."""
+    return tree if mesh is None else lax.with_sharding_constraint(tree, NamedSharding(mesh, spec))
 
 
-@functools.lru_cache(maxsize=16)  # one compiled step per (config, optimiser, devices, dropout), reused by later runs
-def _compiled_train_step(config: TransformerConfig, opt: OptimConfig, n_devices: int, dropout: bool):
+PARALLEL_MODES = ("jit", "pmap", "sharded")
+
+
+def make_train_step(
+    config: TransformerConfig,
+    opt: OptimConfig,
+    *,
+    n_devices: int = 1,
+    dropout: bool = True,
+    parallel: str = "auto",
+    accumulate: int = 1,
+):
+    """The compiled step, with the state argument donated (its buffers are reused for the new state, so callers
+    must not use the state they passed in after the call). `parallel`:
+    - "jit": `jax.jit` on one device (n_devices must be 1);
+    - "pmap": `jax.pmap` over the first `n_devices` local devices; the state is replicated and the batch has a
+      leading device axis (`replicate`, `shard_batch`);
+    - "sharded": `jax.jit` over a `Mesh` of the first `n_devices` global devices (`data_mesh`): the state
+      replicated (`NamedSharding(mesh, P())`), the batch a global array split by rows (`P("data")`);
+    - "auto": jit on one device, sharded on more.
+    `accumulate` K splits each device's rows into K micro-batches (see `train_step`)."""
+    if parallel == "auto":
+        parallel = "jit" if n_devices == 1 else "sharded"
+    if parallel not in PARALLEL_MODES:
+        raise ValueError(f"parallel must be one of {('auto',) + PARALLEL_MODES}, got {parallel!r}")
+    if parallel == "jit" and n_devices != 1:
+        raise ValueError(f"parallel='jit' runs on one device, got n_devices={n_devices}")
+    if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
+        raise ValueError(f"accumulate must be an int >= 1, got {accumulate!r}")
+    return _compiled_train_step(config, opt, n_devices, dropout, parallel, accumulate)
+
+
+@functools.lru_cache(maxsize=16)  # one compiled step per (config, optimiser, devices, options), reused by later runs
+def _compiled_train_step(
+    config: TransformerConfig, opt: OptimConfig, n_devices: int, dropout: bool, parallel: str, accumulate: int
+):
     tx = make_optimizer(config, opt)
-    if n_devices == 1:
-        fn = lambda state, batch: train_step(
-            state,
-            batch,
-            config=config,
-            tx=tx,  # noqa: E731
-            label_smoothing=opt.label_smoothing,
-            dropout=dropout,
-        )
-        return jax.jit(fn, donate_argnums=0)
-    fn = lambda state, batch: train_step(
-        state,
-        batch,
-        config=config,
-        tx=tx,  # noqa: E731
-        label_smoothing=opt.label_smoothing,
-        dropout=dropout,
-        axis_name=AXIS,
-    )
-    return jax.pmap(fn, axis_name=AXIS, donate_argnums=0)
+    options = dict(config=config, tx=tx, label_smoothing=opt.label_smoothing, dropout=dropout, accumulate=accumulate)
+    if parallel == "jit":
+        return jax.jit(functools.partial(train_step, **options), donate_argnums=0)
+    if parallel == "pmap":
+        fn = functools.partial(train_step, axis_name=AXIS, **options)
+        return jax.pmap(fn, axis_name=AXIS, donate_argnums=0)
+    mesh = data_mesh(n_devices)
+    replicated, by_rows = NamedSharding(mesh, P()), NamedSharding(mesh, P(DATA_AXIS))
+    fn = functools.partial(train_step, mesh=mesh, **options)
+    return jax.jit(fn, in_shardings=(replicated, by_rows), out_shardings=(replicated, replicated), donate_argnums=0)
+
+
+def data_mesh(n_devices: int) -> Mesh:
+    """A one-axis ("data") mesh over the first n global devices, in `jax.devices()` order: process by process,
+    so each process's devices hold one contiguous block of a batch's rows."""
+    devices = jax.devices()
+    if n_devices > len(devices):
+        raise ValueError(f"a mesh of {n_devices} devices was asked for; jax sees {len(devices)}")
+    return Mesh(np.array(devices[:n_devices]), (DATA_AXIS,))
 
 
 @functools.lru_cache(maxsize=16)
@@ -243,24 +331,20 @@ def make_eval_step(config: TransformerConfig, label_smoothing: float):
 
 
 def shard_batch(batch: Mapping[str, np.ndarray], n_devices: int) -> dict[str, np.ndarray]:
-    """(B, L) arrays -> (n_devices, B / n_devices, L): each device gets a contiguous block of rows."""
-    if n_devices == 1:
-        return dict(batch)
+    """(B, L) arrays -> (n_devices, B / n_devices, L) for pmap: each device gets a contiguous block of rows."""
     out = {}
     for key, value in batch.items():
         if value.shape[0] % n_devices:
             raise ValueError(
                 f"batch[{key!r}] has {value.shape[0]} rows, not divisible by {n_devices} devices; "
-                f"build the BatchStream with row_multiple={n_devices}"
+                f"build the BatchStream with a row_multiple divisible by {n_devices}"
             )
         out[key] = value.reshape(n_devices, value.shape[0] // n_devices, *value.shape[1:])
     return out
 
 
 def replicate(tree, n_devices: int):
-    """A pytree copied onto each of the first n local devices (leading axis n) for pmap; unchanged for n=1."""
-    if n_devices == 1:
-        return tree
+    """A pytree copied onto each of the first n local devices (leading axis n) for pmap."""
     import flax.jax_utils
 
     devices = jax.local_devices()[:n_devices]
@@ -271,9 +355,7 @@ def replicate(tree, n_devices: int):
 
 
 def unreplicate(tree, n_devices: int):
-    """The first device's copy of a replicated pytree (they are equal); unchanged for n=1."""
-    if n_devices == 1:
-        return tree
+    """The first device's copy of a pmap-replicated pytree (they are equal)."""
     return jax.tree_util.tree_map(lambda x: x[0], tree)
 
 

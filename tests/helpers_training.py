@@ -102,13 +102,21 @@ def run_main(argv: list[str]) -> tuple[int, str, str]:
 
 
 def start_train_process(
-    argv: list[str], log: Path, compile_cache: Path | None = None, pause: tuple[Path, str, int] | None = None
+    argv: list[str],
+    log: Path,
+    compile_cache: Path | None = None,
+    pause: tuple[Path, str, int] | None = None,
+    devices: int | None = None,
 ) -> subprocess.Popen:
     """train.py in a child process (its own jax), output to `log`. Processes given the same `compile_cache`
     folder share compiled XLA programs (jax's persistent compilation cache), so the second one starts fast.
     pause=(marker, "step" | "save", k): the process blocks after step k, or inside the save of step k, once
-    it has written `marker` (tests/pause_at.py), for a SIGKILL at exactly that point."""
+    it has written `marker` (tests/pause_at.py), for a SIGKILL at exactly that point.
+    `devices`: that many simulated CPU devices (XLA_FLAGS=--xla_force_host_platform_device_count)."""
     env = dict(os.environ, PYTHONPATH=str(REPO))
+    env.pop("XLA_FLAGS", None)
+    if devices is not None:
+        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
     if compile_cache is not None:
         env.update(JAX_COMPILATION_CACHE_DIR=str(compile_cache), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
     command = [sys.executable, str(REPO / "train.py")]
@@ -149,6 +157,52 @@ def kill_at_pause(
         process.kill()
     assert process.returncode == -signal.SIGKILL, log.read_text()[-3000:]
     return marker.read_text().strip()
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on now (the system's choice), for a coordinator on 127.0.0.1."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def process_flags(port: int, count: int, index: int, heartbeat: int = 5, init: int = 60) -> list[str]:
+    """train.py flags that make a process `index` of `count` joined through a coordinator on 127.0.0.1:port.
+    Heartbeat 5 s: a dead peer stops the others within seconds. The join timeout is longer, because processes
+    started together on a loaded 2-core machine may reach it many seconds apart."""
+    return [
+        "--coordinator",
+        f"127.0.0.1:{port}",
+        "--num-processes",
+        str(count),
+        "--process-id",
+        str(index),
+        "--heartbeat-timeout",
+        str(heartbeat),
+        "--init-timeout",
+        str(init),
+    ]
+
+
+def finish(processes: list[subprocess.Popen], logs: list[Path], timeout: float = 300.0) -> list[int]:
+    """Waits for every process (killing all if one outlives the timeout); their exit codes."""
+    deadline = time.time() + timeout
+    try:
+        for process, log in zip(processes, logs):
+            try:
+                process.wait(timeout=max(1.0, deadline - time.time()))
+            except subprocess.TimeoutExpired:
+                raise AssertionError(
+                    f"train.py still running after {timeout} s; log:\n{log.read_text()[-3000:]}"
+                ) from None
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+    return [process.returncode for process in processes]
 
 
 def completed_steps(run_dir: Path) -> list[int]:

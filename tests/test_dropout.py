@@ -66,3 +66,25 @@ def test_module_scales_kept_values_and_sites_differ():
     assert _within(np.mean(first == second), 0.5, first.size, 0.5)  # two sites, two unrelated masks
     assert np.array_equal(np.asarray(Dropout(0.5).apply({}, x, deterministic=True)), np.asarray(x))
     assert np.array_equal(np.asarray(Dropout(0.0).apply({}, x, deterministic=False)), np.asarray(x))
+
+
+def test_a_block_of_rows_draws_its_rows_of_the_whole_batch_mask():
+    """A pmap device or an accumulation micro-batch sees some rows of the global batch; told which (`global_rows`),
+    it must draw exactly those rows of the mask the whole batch would get, so that masks do not depend on how a
+    batch is split. Without row ids the index is the flat index, as it always was."""
+    from jax_transformer.dropout import global_rows
+
+    key, shape = jax.random.key(5), (8, 3, 5, 7)  # (B, H, T, S), like attention probabilities
+    whole = np.asarray(keep_mask(key, 0.5, shape))
+    assert np.array_equal(np.asarray(hashed_bits(key, shape)), np.asarray(hashed_bits(key, shape, jnp.arange(8))))
+    for rows in ([0, 1, 2, 3], [4, 5, 6, 7], [2, 3, 6, 7]):  # a device's block; a micro-batch across two blocks
+        part = np.asarray(keep_mask(key, 0.5, (len(rows),) + shape[1:], jnp.array(rows)))
+        assert np.array_equal(part, whole[rows])
+    # The module reads the row ids from the context, traced or not.
+    x = jnp.ones(shape)
+    full = np.asarray(Dropout(0.5).apply({}, x, deterministic=False, rngs={"dropout": key}))
+    with global_rows(jnp.array([4, 5, 6, 7])):
+        block = jax.jit(lambda y: Dropout(0.5).apply({}, y, deterministic=False, rngs={"dropout": key}))(x[:4])
+    assert np.array_equal(np.asarray(block), full[4:])
+    with pytest.raises(ValueError, match="row ids of shape"):
+        keep_mask(key, 0.5, shape, jnp.arange(3))

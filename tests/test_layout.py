@@ -26,6 +26,7 @@ LAYERS = [
     ("evaluation", "visualize"),
     ("checkpoint",),
     ("export",),  # PyTorch / safetensors weight files
+    ("distributed",),  # devices and processes: where state and batches live, jax.distributed, agreeing to stop
     ("trainer",),  # the run loop
     ("run",),  # setting up a run
 ]

@@ -1,4 +1,5 @@
-"""The training step: schedule, dropout keys, data parallelism (pmap == jit) and that the default task learns."""
+"""The training step: schedule, dropout keys, data parallelism and accumulation (== jit), and that the default task
+learns."""
 
 from __future__ import annotations
 
@@ -72,84 +73,37 @@ def test_dropout_masks_depend_on_the_step_number_only():
     assert loss_at(3) != deterministic  # dropout really is on
 
 
-# --- pmap == jit ---------------------------------------------------------------------------------------------
-
-PMAP_SCRIPT = r"""
-import json, os
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
-import jax, numpy as np
-jax.config.update("jax_default_matmul_precision", "highest")
-from jax_transformer import training
-from tests.fixtures import flat, unit_batch as _batch, unit_config
-# depth does not matter here; compile time does
-CONFIG = unit_config().replace(num_encoder_layers=1, num_decoder_layers=1)
-
-assert jax.local_device_count() == 4
-optim = training.OptimConfig(warmup_steps=5)
-batches = [_batch(10 + i, rows=8) for i in range(5)]  # global batches of 8 rows: 2 per device
-initial = jax.tree_util.tree_map(np.asarray, training.create_train_state(CONFIG, optim, seed=0).params)
-
-single = training.create_train_state(CONFIG, optim, seed=0)
-jit_step = training.make_train_step(CONFIG, optim, dropout=False)
-replicated = training.replicate(training.create_train_state(CONFIG, optim, seed=0), 4)
-pmap_step = training.make_train_step(CONFIG, optim, n_devices=4, dropout=False)
-losses, token_counts = [], []
-for batch in batches:
-    single, s = jit_step(single, batch)
-    replicated, p = pmap_step(replicated, training.shard_batch(batch, 4))
-    per_device_tokens = (training.shard_batch(batch, 4)["tgt_out"] != 0).sum(axis=(1, 2))
-    token_counts.append(per_device_tokens.tolist())
-    losses.append((float(s["loss"] / s["tokens"]), float(p["loss"][0] / p["tokens"][0]), float(p["tokens"][0]),
-                   float(s["tokens"])))
-
-jit_params, pmap_all = flat(single.params), flat(replicated.params)
-start = flat(initial)
-replicas_equal = all(np.array_equal(v[0], v[i]) for v in pmap_all.values() for i in range(4))
-report = {"losses": losses, "token_counts": token_counts, "replicas_equal": replicas_equal, "tensors": {}}
-for k, a in jit_params.items():
-    b = pmap_all[k][0]
-    report["tensors"][k] = {"max_abs": float(np.max(np.abs(a - b))),
-                            "relative": float(np.linalg.norm(a - b) / np.linalg.norm(a - start[k])),
-                            "moved": float(np.max(np.abs(a - start[k])))}
-print("REPORT " + json.dumps(report))
-"""
+# --- sharded jit == pmap == jit, and accumulation == one big step ----------------------------------------------
 
 
-def test_pmap_step_equals_jit_step_on_the_global_batch():
-    """4 simulated CPU devices, 5 steps, dropout off: the data-parallel step must equal the single-device step on
-    the whole batch (the tiny preset with one layer each side: depth changes nothing here but compile time).
+def test_every_parallel_path_equals_the_single_device_step():
+    """tests/parallel_paths.py with 4 simulated CPU devices, 5 steps, dropout on, batches of 8 rows: pmap (2 rows
+    per device), sharded jit (the same), both with 2 micro-batches of 1 row per device, and jit with 4 micro-batches
+    of 2 rows (`--accumulate 4` == one step on the 4x batch) must all take the steps of single-device jit on the
+    whole batch, within the tolerances of float summation order that `parallel_paths.check` states."""
+    from tests.parallel_paths import check
 
-    Tolerances: losses relative 1e-6 (float32: the pmap loss is the psum of 4 partial sums, the jit loss one sum
-    over the batch; reassociating a sum changes it by a few ulp, ~1e-7 relative). Parameters: per tensor,
-    ||jit - pmap|| <= 1e-4 of how far the tensor moved (measured: ~2e-6). Gradients differ by the same
-    reassociation noise, and Adam divides each gradient element by its own RMS, so an element whose gradient is
-    at noise level (the key biases, whose gradient is zero analytically) can step differently by up to ~lr: the
-    tensor norm averages such elements out, and key biases are left out. A per-device *mean* instead of the
-    global token normalisation would weight the devices' tokens unequally (the test checks the devices do hold
-    different token counts) and change every step's update, not only rounding.
-    """
-    env = dict(os.environ, PYTHONPATH=str(REPO))
-    env.pop("XLA_FLAGS", None)
+    env = dict(os.environ, PYTHONPATH=str(REPO), XLA_FLAGS="--xla_force_host_platform_device_count=4")
     result = subprocess.run(
-        [sys.executable, "-c", PMAP_SCRIPT], capture_output=True, text=True, env=env, cwd=str(REPO), timeout=600
+        [sys.executable, "-m", "tests.parallel_paths"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=str(REPO),
+        timeout=600,
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    report = json.loads(result.stdout.split("REPORT ", 1)[1])
-    assert report["replicas_equal"]  # psum gives every device the same gradient: replicas never drift apart
-    # the devices really hold different numbers of tokens, so a per-device mean would not be the global mean
-    assert any(len(set(counts)) > 1 for counts in report["token_counts"])
-    for jit_loss, pmap_loss, pmap_tokens, jit_tokens in report["losses"]:
-        assert pmap_tokens == jit_tokens  # normalised by the global token count
-        assert pmap_loss == pytest.approx(jit_loss, rel=1e-6)
-    tensors = {k: v for k, v in report["tensors"].items() if "'key']['bias'" not in k}
-    worst = max(tensors, key=lambda k: tensors[k]["relative"])
-    print(
-        f"pmap vs jit after 5 steps: losses {[(round(a, 6), round(b, 6)) for a, b, *_ in report['losses']]}; "
-        f"worst tensor {worst}: {tensors[worst]['relative']:.2e} of its movement "
-        f"(max abs {max(v['max_abs'] for v in tensors.values()):.2e})"
-    )
-    assert tensors[worst]["relative"] <= 1e-4
-    assert min(v["moved"] for v in tensors.values()) > 1e-4  # the steps really changed every tensor
+    report = json.loads(result.stdout.split("REPORT ", 1)[1].splitlines()[0])
+    assert report["devices"] == 4
+    assert {name: (p["mode"], p["n_devices"]) for name, p in report["paths"].items()} == {
+        "jit": ("jit", 1),
+        "pmap": ("pmap", 4),
+        "sharded": ("sharded", 4),
+        "sharded, accumulate 2": ("sharded", 4),
+        "pmap, accumulate 2": ("pmap", 4),
+        "jit, accumulate 4": ("jit", 1),
+    }
+    print("parallel paths vs jit, 5 steps, dropout on:\n  " + "\n  ".join(check(report)))
 
 
 # --- the default task learns ---------------------------------------------------------------------------------

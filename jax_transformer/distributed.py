@@ -1,0 +1,446 @@
+"""Running one training step on many devices and many processes: data parallelism and `jax.distributed`.
+
+Read top to bottom:
+
+1. `ParallelConfig`: the settings (`train.py train --parallel {auto,jit,pmap,sharded} --accumulate K
+   --coordinator HOST:PORT --num-processes N --process-id I`, or `--distributed` for the detection built into
+   `jax.distributed.initialize`: TPU pods, Slurm, Open MPI). They describe the machine, not the run: a resume may
+   change every one of them.
+2. `initialize`: joins the processes with JAX's own multi-controller runtime (`jax.distributed`), the distributed
+   engine every JAX user on a GPU cluster or TPU pod already has; this project launches nothing itself. Before
+   it, the coordinator's port is probed, so that an unreachable coordinator is a clear error, not an abort.
+3. `is_primary`, `barrier`, `all_same`, `agree_on_stop`: process 0 alone writes files and prints; every reason
+   to stop is agreed at a step boundary, so no process leaves the loop while the others wait in a collective.
+4. `DataParallel`: where the state and each batch live, and the compiled step, for the three ways to run a step:
+   - "jit": one device, the whole batch;
+   - "pmap": the local devices of one process, each a block of rows (`jax.pmap`, psum over devices);
+   - "sharded": all global devices of all processes as a one-axis `Mesh` ("data"), the state replicated
+     (`NamedSharding(mesh, P())`) and the batch one global array split by rows (`P("data")`); each process puts
+     only its own rows there (`jax.make_array_from_process_local_data`). The compiler adds the partial sums.
+   A batch from the data pipeline is the *global* batch; its rows must divide evenly over devices x
+   micro-batches (`check_rows`). All three compute the same update (`jax_transformer.training.train_step`).
+
+What a user sees when a process dies (jax 0.10.2, measured on CPU loopback): the others are blocked in their
+next collective, and JAX's coordination service, which has not heard a heartbeat from the dead process for
+`heartbeat_timeout` seconds, terminates them with `SIGABRT` (exit status 134, or -6 from a Python parent) and
+the log line "Terminating process because the JAX distributed service detected fatal errors. This most likely
+indicates that another task died ... The following tasks are unhealthy (stopped sending heartbeats)". It does
+not reach Python, so no checkpoint is written: the run resumes from its last one (`--resume`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import ipaddress
+import socket
+import time
+import zlib
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import numpy as np
+
+from jax_transformer.config import ConfigError, OptimConfig, TransformerConfig, setting, settings_from_dict
+from jax_transformer.training import (
+    DATA_AXIS,
+    PARALLEL_MODES,
+    data_mesh,
+    make_train_step,
+    replicate,
+    shard_batch,
+    unreplicate,
+)
+
+# Timeouts (seconds) when none are given: short on one machine (loopback), JAX's own defaults between machines.
+LOOPBACK_TIMEOUTS = {"init": 30, "heartbeat": 10}
+NETWORK_TIMEOUTS = {"init": 300, "heartbeat": 100}
+
+
+# =============================================================================================================
+# 1. Settings
+# =============================================================================================================
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelConfig:
+    """How one run uses devices and processes. Every process of a multi-process run gets the same flags except
+    --process-id."""
+
+    parallel: str = setting(
+        "auto",
+        "how a step uses the devices: jit (one device), pmap (this process's devices), sharded (jax.jit over a "
+        "mesh of all devices of all processes); auto: jit on one device, sharded on more",
+        choices=("auto",) + PARALLEL_MODES,
+    )
+    accumulate: int = setting(
+        1,
+        "gradient accumulation: split each batch into this many micro-batches run one after the other in one "
+        "compiled step (same update, about 1/K of the activation memory)",
+    )
+    coordinator: str | None = setting(
+        None, "HOST:PORT where process 0 runs JAX's coordination service (multi-process runs; same on every process)"
+    )
+    num_processes: int | None = setting(None, "how many processes take part (with --coordinator)")
+    process_id: int | None = setting(None, "this process's number, 0 .. num_processes - 1 (with --coordinator)")
+    distributed: bool = setting(
+        False,
+        "call jax.distributed.initialize() and let it detect the cluster (TPU pods, Slurm, Open MPI); "
+        "--coordinator/--num-processes/--process-id, if given, are passed on",
+    )
+    init_timeout: int | None = setting(
+        None,
+        f"seconds to wait for the coordinator and every process to join; none: {LOOPBACK_TIMEOUTS['init']} on "
+        f"loopback, {NETWORK_TIMEOUTS['init']} otherwise",
+    )
+    heartbeat_timeout: int | None = setting(
+        None,
+        "seconds without a heartbeat after which a process counts as dead and the others stop; none: "
+        f"{LOOPBACK_TIMEOUTS['heartbeat']} on loopback, {NETWORK_TIMEOUTS['heartbeat']} otherwise",
+    )
+
+    def __post_init__(self) -> None:
+        if self.parallel not in ("auto",) + PARALLEL_MODES:
+            raise ConfigError(
+                f"parallel field 'parallel' must be one of {('auto',) + PARALLEL_MODES}, got {self.parallel!r}"
+            )
+        for name in ("accumulate", "num_processes", "init_timeout", "heartbeat_timeout"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ConfigError(
+                    f"parallel field {name!r} (--{name.replace('_', '-')}) must be an int >= 1, got {value!r}"
+                )
+        if self.process_id is not None and (
+            isinstance(self.process_id, bool) or not isinstance(self.process_id, int) or self.process_id < 0
+        ):
+            raise ConfigError(f"--process-id must be an int >= 0, got {self.process_id!r}")
+        if self.coordinator is not None:
+            host_port(self.coordinator)  # a clear error for a malformed address
+            missing = [
+                flag
+                for flag, v in (("--num-processes", self.num_processes), ("--process-id", self.process_id))
+                if v is None
+            ]
+            if missing and not self.distributed:
+                raise ConfigError(f"--coordinator {self.coordinator} needs {' and '.join(missing)} as well")
+        elif not self.distributed and (self.num_processes is not None or self.process_id is not None):
+            raise ConfigError("--num-processes and --process-id need --coordinator HOST:PORT (or --distributed)")
+        if self.num_processes is not None and self.process_id is not None and self.process_id >= self.num_processes:
+            raise ConfigError(
+                f"--process-id {self.process_id} is out of range for --num-processes {self.num_processes} "
+                f"(process ids are 0 .. {self.num_processes - 1})"
+            )
+        if self.multi_process and self.parallel in ("jit", "pmap"):
+            raise ConfigError(
+                f"--parallel {self.parallel} runs in one process; a multi-process run needs --parallel sharded "
+                f"(or auto)"
+            )
+
+    @property
+    def multi_process(self) -> bool:
+        """True when this run joins other processes through jax.distributed."""
+        return self.distributed or (self.coordinator is not None and (self.num_processes or 1) > 1)
+
+    def timeouts(self) -> dict[str, int]:
+        """{"init", "heartbeat"} in seconds: the given ones, else short on loopback, JAX's own otherwise."""
+        loopback = self.coordinator is not None and _is_loopback(host_port(self.coordinator)[0])
+        defaults = LOOPBACK_TIMEOUTS if loopback else NETWORK_TIMEOUTS
+        return {
+            "init": self.init_timeout or defaults["init"],
+            "heartbeat": self.heartbeat_timeout or defaults["heartbeat"],
+        }
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any], source: str = "parallel settings") -> ParallelConfig:
+        return settings_from_dict(cls, values, source)
+
+
+def host_port(address: str) -> tuple[str, int]:
+    """ "HOST:PORT" (or "[IPv6]:PORT") -> (host, port); ConfigError naming the address when it is not one."""
+    host, sep, port = address.rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"--coordinator {address!r}: expected HOST:PORT with a port in 1..65535, e.g. 10.0.0.1:8476")
+    return host, int(port)
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+# =============================================================================================================
+# 2. Joining the processes
+# =============================================================================================================
+
+
+def initialize(parallel: ParallelConfig, print_fn: Callable[[str], None] = print) -> None:
+    """Joins this process to the others (`jax.distributed.initialize`) when `parallel` says it is one of several;
+    does nothing otherwise, or when already done. Must run before anything starts JAX's backends."""
+    if not parallel.multi_process or jax.distributed.is_initialized():
+        return
+    timeouts = parallel.timeouts()
+    # On CPU the cross-process collectives need an implementation; gloo ships with jaxlib. GPUs and TPUs use
+    # their own (NCCL, ICI), so the setting changes nothing there.
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    if parallel.coordinator is not None and parallel.process_id is not None:
+        probe_coordinator(parallel.coordinator, parallel.process_id, timeouts["init"])
+    kwargs = dict(
+        initialization_timeout=timeouts["init"],
+        heartbeat_timeout_seconds=timeouts["heartbeat"],
+        # How long a finishing process waits at exit for the others to finish too.
+        shutdown_timeout_seconds=timeouts["heartbeat"],
+    )
+    if not parallel.distributed:
+        kwargs.update(
+            coordinator_address=parallel.coordinator,
+            num_processes=parallel.num_processes,
+            process_id=parallel.process_id,
+        )
+    else:  # --distributed: what was given is passed on, the rest jax detects
+        kwargs.update(
+            {
+                k: v
+                for k, v in (
+                    ("coordinator_address", parallel.coordinator),
+                    ("num_processes", parallel.num_processes),
+                    ("process_id", parallel.process_id),
+                )
+                if v is not None
+            }
+        )
+    try:
+        jax.distributed.initialize(**kwargs)
+    except (ValueError, RuntimeError) as e:  # e.g. --distributed on a machine where nothing can be detected
+        hint = (
+            "; --distributed relies on the cluster's environment (a TPU pod, Slurm, Open MPI): elsewhere give "
+            "--coordinator HOST:PORT --num-processes N --process-id I"
+            if parallel.distributed
+            else ""
+        )
+        raise ConfigError(f"jax.distributed.initialize failed: {e}{hint}") from None
+    print_fn(
+        f"process {jax.process_index()} of {jax.process_count()}: {jax.local_device_count()} local device(s), "
+        f"{jax.device_count()} in all (timeouts: join {timeouts['init']} s, heartbeat {timeouts['heartbeat']} s)"
+        + ("" if jax.process_index() == 0 else "; process 0 reports the run")
+    )
+
+
+def probe_coordinator(address: str, process_id: int, timeout: float) -> None:
+    """Before `jax.distributed.initialize`, whose failures abort the process without a Python error: process 0
+    checks that it can listen on the port; the others that something answers there within `timeout` seconds
+    (process 0 may start later than they do)."""
+    host, port = host_port(address)
+    if process_id == 0:
+        try:
+            with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                s.bind(("::" if ":" in host else "", port))
+        except OSError as e:
+            raise ConfigError(
+                f"--coordinator {address}: process 0 runs the coordinator there but cannot listen on port {port} "
+                f"({e.strerror or e}); choose a free port and give it to every process"
+            ) from None
+        return
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with socket.create_connection((host, port), timeout=max(0.1, min(2.0, deadline - time.monotonic()))):
+                return
+        except OSError as e:
+            if time.monotonic() >= deadline:
+                raise ConfigError(
+                    f"--coordinator {address}: nothing answers there after {timeout:g} s ({e.strerror or e}). "
+                    f"Start process 0 with the same --coordinator on the machine {host} names, check that the port "
+                    f"is open between the machines, or raise --init-timeout"
+                ) from None
+            time.sleep(0.2)
+
+
+# =============================================================================================================
+# 3. Who writes, and agreeing across processes
+# =============================================================================================================
+
+
+def process_index() -> int:
+    return jax.process_index()
+
+
+def process_count() -> int:
+    return jax.process_count()
+
+
+def is_primary() -> bool:
+    """True in process 0 (and in a single-process run): the one process that writes metrics, plots, the progress
+    bar, tokenizer.model and config.json, prints, and holds any lock on the run directory."""
+    return jax.process_index() == 0
+
+
+def barrier(name: str) -> None:
+    """Every process waits here until all have arrived (a no-op in a single-process run)."""
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)
+
+
+def _gather_words(words: np.ndarray) -> np.ndarray:
+    """(n,) uint32 from every process -> (processes, n), the same on all of them."""
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(np.asarray(words, np.uint32))).reshape(jax.process_count(), -1)
+
+
+def all_same(what: str, value: bytes) -> None:
+    """ConfigError in every process unless all processes hold the same `value` (e.g. their settings): each must
+    be started with the same flags and see the same files. A no-op in a single-process run."""
+    if jax.process_count() == 1:
+        return
+    hashes = _gather_words(np.array([zlib.crc32(value)], np.uint32))[:, 0]
+    differ = [i for i, h in enumerate(hashes) if h != hashes[0]]
+    if differ:
+        raise ConfigError(
+            f"process(es) {differ} have other {what} than process 0; every process must be started with the same "
+            f"flags (except --process-id) and see the same data files"
+        )
+
+
+_REASON_BYTES = 32  # a stop reason travels as this many bytes of ASCII
+
+
+def agree_on_stop(reason: str | None) -> str | None:
+    """The one stop decision of all processes at a step boundary, from each process's own reason (None: go on).
+
+    Process 0's reason wins; when it has none, the first other process's (a signal sent to that process alone,
+    a save that failed there). Every process gathers all reasons and applies this rule, so all leave the loop at
+    the same step with the same reason. One small collective per step, in multi-process runs only; a
+    single-process run returns its own reason as it is."""
+    if jax.process_count() == 1:
+        return reason
+    encoded = np.zeros(_REASON_BYTES, np.uint8)
+    if reason is not None:
+        raw = reason.encode("ascii", "replace")[:_REASON_BYTES]
+        encoded[: len(raw)] = np.frombuffer(raw, np.uint8)
+    words = _gather_words(encoded.view(np.uint32))
+    for row in words:
+        text = row.astype(np.uint32).view(np.uint8).tobytes().rstrip(b"\0").decode("ascii")
+        if text:
+            return text
+    return None
+
+
+# =============================================================================================================
+# 4. Where state and batches live
+# =============================================================================================================
+
+
+class DataParallel:
+    """The devices of a run and how a step uses them (see the module docstring): `place_state`, `place_batch`,
+    `local` (one device's copy of a replicated tree, for evaluation and saving) and `make_step`."""
+
+    def __init__(self, parallel: str = "auto", accumulate: int = 1) -> None:
+        if parallel == "auto":
+            parallel = "sharded" if jax.device_count() > 1 else "jit"
+        if parallel in ("jit", "pmap") and jax.process_count() > 1:
+            raise ConfigError(f"--parallel {parallel} runs in one process; this run has {jax.process_count()}")
+        self.mode, self.accumulate = parallel, accumulate
+        self.n_devices = {"jit": 1, "pmap": jax.local_device_count(), "sharded": jax.device_count()}[parallel]
+        if parallel == "sharded":
+            from jax.sharding import NamedSharding
+            from jax.sharding import PartitionSpec as P
+
+            self.mesh = data_mesh(self.n_devices)
+            self.replicated = NamedSharding(self.mesh, P())
+            self.by_rows = NamedSharding(self.mesh, P(DATA_AXIS))
+
+    @classmethod
+    def from_config(cls, parallel: ParallelConfig) -> DataParallel:
+        return cls(parallel.parallel, parallel.accumulate)
+
+    def describe(self) -> str:
+        where = f"{self.n_devices} device(s)"
+        if jax.process_count() > 1:
+            where += f" in {jax.process_count()} processes"
+        text = f"{self.mode} on {where} ({jax.devices()[0].platform})"
+        return text + (f", {self.accumulate} micro-batches per step" if self.accumulate > 1 else "")
+
+    # --- batches -------------------------------------------------------------------------------------------
+    @property
+    def row_divisor(self) -> int:
+        """A batch's rows must be a multiple of this: devices x micro-batches."""
+        return self.n_devices * self.accumulate
+
+    def check_rows(self, rows: int, where: str = "a batch") -> None:
+        """ConfigError unless `rows` split evenly over the devices and micro-batches."""
+        if rows % self.row_divisor:
+            raise ConfigError(
+                f"{where} has {rows} rows, which do not split evenly over {self.n_devices} device(s) x "
+                f"{self.accumulate} micro-batch(es) (--accumulate): rows must be a multiple of {self.row_divisor}. "
+                f"Set --row-multiple to a multiple of {self.row_divisor} (bucketed batches) or choose --max-tokens "
+                f"so that every batch's rows divide"
+            )
+
+    def place_batch(self, batch: Mapping[str, np.ndarray]):
+        """The global batch (numpy, (B, L) arrays) placed for the step: as it is (jit), one block of rows per
+        local device (pmap), or a global array of which this process supplies only its own rows (sharded)."""
+        rows = len(batch["tgt_out"])
+        self.check_rows(rows)
+        if self.mode == "jit":
+            return batch
+        if self.mode == "pmap":
+            return shard_batch(batch, self.n_devices)
+        mine = self._process_rows(rows)
+        return {
+            key: jax.make_array_from_process_local_data(self.by_rows, np.asarray(value)[mine], value.shape)
+            for key, value in batch.items()
+        }
+
+    def _process_rows(self, rows: int) -> np.ndarray:
+        """Indices of the global batch rows this process's devices hold, in the order
+        `make_array_from_process_local_data` expects them (increasing)."""
+        blocks = self.by_rows.addressable_devices_indices_map((rows,)).values()
+        starts = sorted({index[0].start or 0 for index in blocks})
+        per_device = rows // self.n_devices
+        return np.concatenate([np.arange(start, start + per_device) for start in starts])
+
+    # --- the state -----------------------------------------------------------------------------------------
+    def place_state(self, state):
+        """A TrainState (host or one-device arrays) as the step wants it: replicated on every device."""
+        if self.mode == "jit":
+            return state
+        if self.mode == "pmap":
+            return replicate(state, self.n_devices)
+        return jax.tree_util.tree_map(self._replicated_array, state)
+
+    def _replicated_array(self, leaf):
+        if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):  # a typed key: its words, then wrapped again
+            return jax.random.wrap_key_data(self._replicated_array(jax.random.key_data(leaf)))
+        return jax.make_array_from_process_local_data(self.replicated, np.asarray(leaf))
+
+    def local(self, tree):
+        """One local device's copy of a replicated tree (the state, a step's loss sums): what evaluation and
+        saving read. Under sharded jit each process reads its own first device, no communication."""
+        if self.mode == "jit":
+            return tree
+        if self.mode == "pmap":
+            return unreplicate(tree, self.n_devices)
+        return jax.tree_util.tree_map(_first_shard, tree)
+
+    # --- the step ------------------------------------------------------------------------------------------
+    def make_step(self, config: TransformerConfig, optim: OptimConfig, *, dropout: bool = True):
+        return make_train_step(
+            config, optim, n_devices=self.n_devices, parallel=self.mode, accumulate=self.accumulate, dropout=dropout
+        )
+
+
+def _first_shard(leaf):
+    if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+        return jax.random.wrap_key_data(_first_shard(jax.random.key_data(leaf)))
+    return leaf.addressable_data(0)
