@@ -60,7 +60,9 @@ def runs(tmp_path_factory):
     dirs = {name: d / name for name in ("two-process", "four", "one", "one-on-four")}
 
     def start(name, argv, devices, log_name=None):
-        return start_train_process(argv, d / f"{log_name or name}.log", cache, devices), d / f"{log_name or name}.log"
+        return start_train_process(
+            argv, d / f"{log_name or name}.log", cache, devices=devices
+        ), d / f"{log_name or name}.log"
 
     # --- stage 1 ---------------------------------------------------------------------------------------------
     port = free_port()
@@ -244,7 +246,7 @@ def test_a_signal_to_one_process_stops_both_and_a_dead_peer_stops_the_other(tmp_
     args = tiny_train_args(run, train, steps=100000, save_every=100000)
     port = free_port()
     logs = [tmp_path / f"first-{i}.log" for i in range(2)]
-    processes = [start_train_process(args + process_flags(port, 2, i), logs[i], cache, 2) for i in range(2)]
+    processes = [start_train_process(args + process_flags(port, 2, i), logs[i], cache, devices=2) for i in range(2)]
     try:
         wait_for(lambda: logged_steps(run) >= 3, processes[0], logs[0])
         assert processes[1].poll() is None
@@ -261,7 +263,7 @@ def test_a_signal_to_one_process_stops_both_and_a_dead_peer_stops_the_other(tmp_
     port = free_port()
     logs = [tmp_path / f"second-{i}.log" for i in range(2)]
     resume = ["train", "--resume", str(run), "--steps", "100000", "--no-progress"]
-    processes = [start_train_process(resume + process_flags(port, 2, i), logs[i], cache, 2) for i in range(2)]
+    processes = [start_train_process(resume + process_flags(port, 2, i), logs[i], cache, devices=2) for i in range(2)]
     try:
         wait_for(lambda: logged_steps(run) >= stopped + 2, processes[0], logs[0])
         processes[1].send_signal(signal.SIGKILL)
