@@ -221,12 +221,7 @@ def _prepare(
                 f"--resume {run_dir}: no {ckpt_lib.CHECKPOINT_SUBDIR}/ folder there; "
                 f"give the run directory of an earlier `train.py train`"
             )
-        # Process 0 moves damaged or half-written steps aside before the others look (a no-op with one process).
-        if not owner:
-            distributed.barrier("resume: checkpoint folder tidied")
         restored = restore_for_resume(run_dir, strict=strict_resume, owner=owner, print_fn=print_fn)
-        if owner:
-            distributed.barrier("resume: checkpoint folder tidied")
         stored = stored_settings(restored)
         print_fn(f"resuming {run_dir} from step {restored.step}")
     else:
@@ -468,10 +463,14 @@ def restore_for_resume(
     partial = ckpt_lib.discard_partial_saves(folder) if owner else []
     for path in partial:
         print_fn(f"warning: removed {path}: a save interrupted before it completed (never a checkpoint)")
+    # In a multi-process run every process reads the checkpoints in the same order (orbax synchronises the
+    # processes as it opens them), after the owner's clean-up and before it moves damaged steps aside.
+    distributed.barrier("resume: half-written saves removed")
     restored, damaged = ckpt_lib.newest_intact(run_dir, strict=strict)
     for step, error in damaged:
         where = ckpt_lib.quarantine(folder, step) if owner else None
         print_fn(f"warning: {error}" + (f"; moved to {where}" if where else ""))
+    distributed.barrier("resume: damaged steps moved aside")
     if damaged:
         print_fn(
             f"warning: resuming from step {restored.step}, the newest intact checkpoint (pass --strict-resume to "
