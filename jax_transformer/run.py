@@ -195,7 +195,8 @@ def prepare(
         changes = {**(PRESETS[explicit_preset] if explicit_preset else {}), **given["model"]}
         requested = restored.config.replace(**changes) if changes else restored.config
         ckpt_lib.check_config(restored.config, requested, where=f"checkpoint in {run_dir}")
-        config = restored.config
+        # The saved model, computed as asked: a bfloat16 run may go on in float32 and back (not bitwise then).
+        config = restored.config.replace(**requested.compute_settings())
     elif init_from_torch is not None:
         params, config, tokenizer = _init_from_torch(
             init_from_torch,

@@ -128,7 +128,8 @@ def test_pmap_step_equals_jit_step_on_the_global_batch():
     global token normalisation would weight the devices' tokens unequally (the test checks the devices do hold
     different token counts) and change every step's update, not only rounding.
     """
-    env = dict(os.environ, PYTHONPATH=str(REPO))
+    # The simulated devices are CPU devices: ask for the CPU backend, which is not the default on a GPU machine.
+    env = dict(os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu")
     env.pop("XLA_FLAGS", None)
     result = subprocess.run(
         [sys.executable, "-c", PMAP_SCRIPT], capture_output=True, text=True, env=env, cwd=str(REPO), timeout=600
