@@ -454,6 +454,9 @@ def attention_maps(intermediates) -> dict[str, jnp.ndarray]:
 
 
 def init_params(config: TransformerConfig, seed: int = 0):
-    """Fresh parameters for `config` (Xavier-uniform matrices, zero biases, unit LayerNorm scales)."""
+    """Fresh float32 parameters for `config` (Xavier-uniform matrices, zero biases, unit LayerNorm scales). How the
+    model computes (dtype, attention kernel) does not change them, so the dummy forward pass of `init` runs in
+    float32, the default (op by op, as `init` does: bfloat16 ops compile slower on the CPU)."""
     dummy = jnp.ones((1, 2), dtype=jnp.int32)
-    return Transformer(config).init(jax.random.key(seed), dummy, dummy)["params"]
+    defaults = TransformerConfig().compute_settings()
+    return Transformer(config.replace(**defaults)).init(jax.random.key(seed), dummy, dummy)["params"]
