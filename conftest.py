@@ -21,7 +21,9 @@ import os
 import pytest
 
 DETERMINISTIC_GPU_FLAG = "--xla_gpu_deterministic_ops=true"
-if "xla_gpu_deterministic_ops" not in os.environ.get("XLA_FLAGS", ""):
+# Unless XLA_FLAGS already names a deterministic-ops flag (benchmarks/gpu.sh falls back to its successor,
+# --xla_gpu_exclude_nondeterministic_ops, where an XLA has dropped this one: an unknown flag aborts XLA).
+if "deterministic_ops" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {DETERMINISTIC_GPU_FLAG}".strip()
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")

@@ -31,6 +31,7 @@ import jax
 
 from jax_transformer import checkpoint as ckpt_lib
 from jax_transformer.config import (
+    COMPUTE_FIELDS,
     PRESETS,
     ConfigError,
     OptimConfig,
@@ -198,15 +199,18 @@ def prepare(
         # The saved model, computed as asked: a bfloat16 run may go on in float32 and back (not bitwise then).
         config = restored.config.replace(**requested.compute_settings())
     elif init_from_torch is not None:
+        # Model settings describe the file's model; how to compute (dtype, attention kernel) is this run's choice.
+        compute = {k: v for k, v in model_fields.items() if k in COMPUTE_FIELDS}
         params, config, tokenizer = _init_from_torch(
             init_from_torch,
             train_corpus,
             data_config,
             preset_name,
             model_fields,
-            explicit=bool(given["model"]),
+            explicit=any(name not in COMPUTE_FIELDS for name in given["model"]),
             print_fn=print_fn,
         )
+        config = config.replace(**compute)
     else:
         tokenizer = train_tokenizer(train_corpus, data_config, print_fn)
         config = model_config(preset_name, tokenizer.vocab_size, model_fields)

@@ -207,6 +207,13 @@ def test_bad_compute_settings_are_named():
         CONFIG.replace(attention_kernel="cudnn")
     with pytest.raises(ConfigError, match="head_dim .* multiple of 8, got dtype 'bfloat16' and head_dim 12"):
         preset("tiny", d_model=48, num_heads=4, dtype="bfloat16", attention_kernel="cudnn")
+    if jax.default_backend() != "gpu":  # refused by name when the model runs, not deep inside jax
+        config = CONFIG.replace(dtype="bfloat16", attention_kernel="cudnn")
+        batch = make_batch(config)
+        with pytest.raises(ConfigError, match="attention_kernel 'cudnn' needs a CUDA GPU; this process runs on"):
+            jax.eval_shape(
+                lambda p: Transformer(config).apply({"params": p}, batch["src"], batch["tgt_in"]), init_params(config)
+            )
     for argv in (["train", "--dtype", "float16"], ["translate", "--checkpoint", "x", "--attention-kernel", "flash"]):
         with pytest.raises(SystemExit) as stop:
             run_main(argv)
