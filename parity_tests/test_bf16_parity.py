@@ -31,7 +31,6 @@ A wrong mask, a missing scale or a transposed weight moves logits by 0.1 to seve
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import numpy as np
@@ -41,7 +40,18 @@ import torch
 from jax_transformer import losses
 from jax_transformer.model import Transformer
 from jax_transformer.port import flax_to_torch
-from tests.fixtures import PARITY_CONFIGS, make_batch, max_abs_diff, t, to_numpy, torch_twin, twin_models
+from tests.fixtures import (
+    PARITY_CONFIGS,
+    gradient_tolerance,
+    layers,
+    logit_tolerance,
+    make_batch,
+    max_abs_diff,
+    t,
+    to_numpy,
+    torch_twin,
+    twin_models,
+)
 from torch_reference import losses as torch_losses
 
 # XLA may keep float32 inside a fusion where the program rounds to bfloat16 (its allow_excess_precision, on by
@@ -50,26 +60,6 @@ from torch_reference import losses as torch_losses
 # tests compile the Flax side with it off, so both frameworks round exactly where the policy says; training and
 # decoding keep XLA's default.
 STRICT_ROUNDING = {"xla_allow_excess_precision": False}
-BF16_ULP_AT_1 = 2.0**-7  # bfloat16: 8 significant bits, so one ulp of a value in [1, 2) is 2^-7
-
-
-def bf16_ulp(magnitude: float) -> float:
-    """One bfloat16 ulp at `magnitude`: 2^(e - 7) for a value in [2^e, 2^(e+1))."""
-    return BF16_ULP_AT_1 * 2.0 ** math.floor(math.log2(magnitude))
-
-
-def layers(config) -> int:
-    return config.num_encoder_layers + config.num_decoder_layers
-
-
-def logit_tolerance(config, logits) -> float:
-    """n_layers bfloat16 ulps at the largest logit's magnitude (see the module docstring)."""
-    return layers(config) * bf16_ulp(float(np.max(np.abs(np.asarray(logits)))))
-
-
-def gradient_tolerance(config) -> float:
-    """||g_flax - g_torch|| / ||g_torch|| per tensor: 2 n_layers ulps of relative size 2^-7 (module docstring)."""
-    return 2 * layers(config) * BF16_ULP_AT_1
 
 
 @functools.cache
