@@ -217,6 +217,18 @@ def _add_checkpoint_flags(p) -> None:
 
 
 def _add_decoding_flags(p) -> None:
+    from jax_transformer.config import ATTENTION_KERNELS, DTYPES
+
+    p.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        help="compute dtype of the matmuls (default: the checkpoint's); the parameters are float32 either way",
+    )
+    p.add_argument(
+        "--attention-kernel",
+        choices=ATTENTION_KERNELS,
+        help="attention implementation (default: the checkpoint's; see `train.py train --help`)",
+    )
     p.add_argument("--beam-size", type=int, default=4, metavar="K", help="beam width; 1 is greedy search (default 4)")
     p.add_argument(
         "--alpha",
@@ -269,11 +281,16 @@ def cmd_train(args, start_time: float) -> int:
 
 
 def _load(args):
+    """The checkpoint, its model computed as --dtype / --attention-kernel ask (where the sub-command has them)."""
     from jax_transformer import checkpoint
 
     loaded = checkpoint.load(args.checkpoint, args.step)  # verified: a damaged step is a CheckpointError
-    note = "" if loaded.verified else f" (format {loaded.format}, written before checksums: not verified)"
-    print(f"loaded {loaded.directory} step {loaded.step}{note}", file=sys.stderr)
+    compute = {name: getattr(args, name, None) for name in ("dtype", "attention_kernel")}
+    compute = {name: value for name, value in compute.items() if value is not None}
+    if compute:  # how to compute is not part of the model: any checkpoint runs in either dtype
+        loaded = dataclasses.replace(loaded, config=loaded.config.replace(**compute))
+    note = "" if loaded.verified else f", format {loaded.format}, written before checksums: not verified"
+    print(f"loaded {loaded.directory} step {loaded.step} ({loaded.config.dtype}{note})", file=sys.stderr)
     return loaded
 
 

@@ -211,7 +211,7 @@ def section_pmap(s: Settings, figures: list, failures: list, state: dict) -> Non
                     "--warmup",
                     str(s.warmup),
                 ],
-                child_env(XLA_FLAGS=flags),
+                child_env(XLA_FLAGS=flags, JAX_PLATFORMS="cpu"),  # simulated CPU devices, also on a GPU machine
             )
         except Exception as e:
             failures.append({"name": f"pmap/{name}", "error": f"{type(e).__name__}: {e}"})

@@ -1,4 +1,5 @@
-"""What the benchmark ran on: CPU model, core counts, memory, library versions, date and load.
+"""What the benchmark ran on: CPU model, core counts, memory, GPUs, library versions, date and load; and the
+known matmul peaks of some GPUs, for the share of the peak a step reaches (benchmarks/gpu.py).
 
 Nothing here imports jax or torch (versions come from the installed packages' metadata), so the parent process
 of the benchmark can describe the machine before deciding what to import.
@@ -10,6 +11,8 @@ import datetime
 import importlib.metadata
 import os
 import platform
+import shutil
+import subprocess
 import sys
 
 # The libraries whose versions decide the numbers (jaxlib carries XLA, torch carries MKL/oneDNN).
@@ -76,6 +79,55 @@ def library_versions() -> dict[str, str]:
     return versions
 
 
+# Libraries that exist only on some machines (JAX's CUDA plugins): listed when installed.
+OPTIONAL_LIBRARIES = ("jax-cuda12-plugin", "jax-cuda13-plugin", "jax-cuda12-pjrt", "jax-cuda13-pjrt")
+
+
+def optional_library_versions() -> dict[str, str]:
+    versions = {}
+    for name in OPTIONAL_LIBRARIES:
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return versions
+
+
+def gpus() -> list[dict[str, str]]:
+    """The NVIDIA GPUs `nvidia-smi` lists (name, driver, memory), without importing jax or torch; [] without one."""
+    if shutil.which("nvidia-smi") is None:
+        return []
+    query = ["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"]
+    try:
+        lines = subprocess.run(query, capture_output=True, text=True, timeout=30, check=True).stdout.splitlines()
+    except (OSError, subprocess.SubprocessError):
+        return []
+    fields = [[part.strip() for part in line.split(",")] for line in lines if line.strip()]
+    return [{"name": f[0], "driver": f[1], "memory": f[2]} for f in fields if len(f) == 3]
+
+
+# Dense (no sparsity) peak FLOP/s of the tensor cores, from NVIDIA's data sheets: bfloat16, TF32 and plain float32
+# (FP32, the CUDA cores). H100 SXM: 989 / 494.7 / 66.9 TFLOP/s (the data sheet's 1,979 and 989 for bf16 and TF32
+# are with 2:4 sparsity); H100 PCIe: 756 / 378 / 51.2; H200 has the H100 SXM's compute; A100: 312 / 156 / 19.5.
+# A device whose name matches none of these gets no share of a peak.
+KNOWN_PEAKS: dict[str, dict[str, float]] = {
+    "H100 PCIe": {"bfloat16": 756e12, "tf32": 378e12, "float32": 51.2e12},
+    "H100": {"bfloat16": 989e12, "tf32": 494.7e12, "float32": 66.9e12},  # SXM (the name has no form factor)
+    "H200": {"bfloat16": 989e12, "tf32": 494.7e12, "float32": 66.9e12},
+    "A100": {"bfloat16": 312e12, "tf32": 156e12, "float32": 19.5e12},
+}
+
+
+def known_peak(device_name: str) -> tuple[str, dict[str, float]] | None:
+    """(table key, peaks) for a device name such as "NVIDIA H100 80GB HBM3"; None if the table has none."""
+    for key, peaks in KNOWN_PEAKS.items():  # "H100 PCIe" is tried before "H100"
+        if all(word in device_name for word in key.split()):
+            if key == "H100" and "NVL" in device_name:  # another board with other clocks: not in the table
+                return None
+            return key, peaks
+    return None
+
+
 def load_average() -> list[float] | None:
     """1, 5 and 15 minute load averages: how busy the (possibly shared) machine was."""
     try:
@@ -94,7 +146,8 @@ def machine_info() -> dict:
         "memory_gib": memory_gib(),
         "os": f"{platform.system()} {platform.release()}",
         "python_executable": sys.executable,
-        "libraries": library_versions(),
+        "libraries": {**library_versions(), **optional_library_versions()},
+        "gpus": gpus(),
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "load_average": load_average(),
     }

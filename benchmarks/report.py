@@ -17,7 +17,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 # The benchmark's sections, in the order they run and are shown (run.py's --sections chooses among them).
-SECTIONS = ("train", "flops", "first-step", "decode", "pmap", "accumulate", "multihost")
+SECTIONS = ("train", "flops", "first-step", "decode", "pmap", "accumulate", "multihost", "gpu")
+# What runs without --sections: "gpu" is asked for by name (benchmarks/gpu.sh does), as it repeats the training
+# step in every precision and would double a CPU run.
+DEFAULT_SECTIONS = SECTIONS[:-1]
 
 SECTION_TITLES = {
     "train": "1. Training step (JAX / other: ms/step < 1 and tokens/s > 1 mean JAX is faster)",
@@ -27,6 +30,7 @@ SECTION_TITLES = {
     "pmap": "5. Data parallel over simulated CPU devices: pmap and sharded jit vs jit",
     "accumulate": "6. Gradient accumulation: K micro-batches in one step vs one step on the whole batch",
     "multihost": "7. Two processes on loopback vs one (sharded jit)",
+    "gpu": "8. Precision and frameworks on the accelerator (JAX / other: > 1 means JAX is faster)",
 }
 
 
@@ -97,9 +101,11 @@ def machine_lines(result: dict) -> list[str]:
     """What the figures were measured on and how: the lines both tables begin with."""
     m, st = result["machine"], result["settings"]
     libs = ", ".join(f"{k} {v}" for k, v in m["libraries"].items())
+    gpus = "; ".join(f"{g['name']} ({g['memory']}, driver {g['driver']})" for g in m.get("gpus", [])) or "none"
     return [
         f"machine: {m['cpu_model']} ({', '.join(m['cpu_features'])}), {m['cores']} cores, "
         f"{m['memory_gib']} GiB, {m['os']}",
+        f"GPUs: {gpus}",
         f"libraries: {libs}",
         f"date: {m['date']}; load average at start {m['load_average']}, at end {result['load_average_end']}",
         f"threads: torch.set_num_threads({st['torch_threads']}); XLA: its default (all cores)",

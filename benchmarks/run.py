@@ -26,6 +26,10 @@ Sections (`--sections`, comma-separated; all by default):
               on one device: ms/step and the compiled step's temporary memory (benchmarks/scale.py).
   multihost   the sharded step on 4 simulated devices in one process against two processes on 127.0.0.1 joined by
               jax.distributed (2 devices each), one after the other (benchmarks/scale.py).
+  gpu         (only when named) the training step in every precision, JAX beside the PyTorch twin on the same
+              device (the GPU where there is one), FLOP/s as a share of the device's known peak, decoding in
+              float32 and bfloat16, the attention-kernel A/B, compilation cold and warm: benchmarks/gpu.py, run
+              by benchmarks/gpu.sh on a GPU machine.
 
 Fairness: the frameworks are interleaved in one loop (JAX step, torch step, ..., JAX step, ...; the order rotates
 every round) so that load from other processes on a shared machine hits all of them alike. Each figure is given
@@ -58,8 +62,9 @@ if str(REPO) not in sys.path:  # `python benchmarks/run.py` puts benchmarks/ fir
 from benchmarks.children import child_first_step, child_pmap, section_first_step, section_pmap  # noqa: E402
 from benchmarks.decoding import section_decode  # noqa: E402
 from benchmarks.flops import section_flops  # noqa: E402
+from benchmarks.gpu import GPU_PARTS, child_compile, section_gpu  # noqa: E402
 from benchmarks.machine import core_count, machine_info  # noqa: E402
-from benchmarks.report import SECTION_TITLES, SECTIONS, markdown_table, text_table  # noqa: E402
+from benchmarks.report import DEFAULT_SECTIONS, SECTION_TITLES, SECTIONS, markdown_table, text_table  # noqa: E402
 from benchmarks.scale import child_multihost, section_accumulate, section_multihost  # noqa: E402
 from benchmarks.train_step import TORCH_VARIANTS, section_train, set_torch_threads  # noqa: E402
 from jax_transformer.config import PRESETS  # noqa: E402
@@ -77,6 +82,7 @@ class Settings:
     presets: tuple[str, ...]  # model sizes for the train, flops and first-step sections
     aux_presets: tuple[str, ...]  # model sizes for the decode, pmap, accumulate and multihost sections
     sections: tuple[str, ...]
+    gpu_parts: tuple[str, ...]  # of the gpu section: train, decode, compile
     batch_size: int  # rows per training batch
     length: int  # source and target width of the training batch, in tokens (rows are padded to it)
     vocab: int  # source and target vocabulary size (shared)
@@ -125,7 +131,16 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, S
         "default small: the base model's re-run-the-"
         "prefix decoding alone takes many minutes on CPU)",
     )
-    p.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated subset of {SECTIONS}")
+    p.add_argument(
+        "--sections",
+        default=",".join(DEFAULT_SECTIONS),
+        help=f"comma-separated subset of {SECTIONS} (default: all but gpu, which benchmarks/gpu.sh asks for)",
+    )
+    p.add_argument(
+        "--gpu-parts",
+        default=",".join(GPU_PARTS),
+        help=f"parts of the gpu section, comma-separated subset of {GPU_PARTS} (default all)",
+    )
     p.add_argument("--batch-size", type=int, help="training batch rows (default 64, 16 with --quick)")
     p.add_argument("--length", type=int, default=32, help="training source/target width in tokens (default 32)")
     p.add_argument("--vocab", type=int, default=8000, help="shared vocabulary size (default 8000)")
@@ -148,11 +163,15 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, S
         help="tokens each decoded sentence gets (default 64, as the speed goal is stated)",
     )
     p.add_argument("--peak-size", type=int, default=2048, help="n of the n x n matmul peak (default 2048)")
-    p.add_argument("--child", choices=("first-step", "pmap", "multihost"), help=argparse.SUPPRESS)  # subprocesses
+    p.add_argument(
+        "--child", choices=("first-step", "pmap", "multihost", "compile"), help=argparse.SUPPRESS
+    )  # subprocesses
     p.add_argument("--coordinator", help=argparse.SUPPRESS)  # the multihost child's jax.distributed settings
     p.add_argument("--num-processes", type=int, help=argparse.SUPPRESS)
     p.add_argument("--process-id", type=int, help=argparse.SUPPRESS)
     p.add_argument("--framework", choices=("jax", "torch"), help=argparse.SUPPRESS)
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help=argparse.SUPPRESS)
+    p.add_argument("--compile-cache", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
 
     def listed(text: str, allowed, what: str) -> tuple[str, ...]:
@@ -200,6 +219,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, S
         presets=listed(args.presets, PRESETS, "--presets"),
         aux_presets=listed(args.aux_presets, PRESETS, "--aux-presets"),
         sections=listed(args.sections, SECTIONS, "--sections"),
+        gpu_parts=listed(args.gpu_parts, GPU_PARTS, "--gpu-parts"),
         batch_size=batch_size,
         length=args.length,
         vocab=args.vocab,
@@ -242,6 +262,7 @@ SECTION_FUNCTIONS = {
     "pmap": section_pmap,
     "accumulate": section_accumulate,
     "multihost": section_multihost,
+    "gpu": section_gpu,
 }
 
 
@@ -256,6 +277,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if args.child == "multihost":
         print(json.dumps(child_multihost(s, args.coordinator, args.num_processes, args.process_id)))
+        return 0
+    if args.child == "compile":
+        print(json.dumps(child_compile(s, args.dtype, args.compile_cache)))
         return 0
 
     machine = machine_info()

@@ -134,9 +134,20 @@ class TorchTrain:
     """The PyTorch reference step (torch_reference.training.train_step) with one Adam implementation, eager or
     with the model under torch.compile. Same weights, batch, loss, schedule and dropout rate as the JAX step."""
 
-    def __init__(self, config: TransformerConfig, batch: Mapping[str, np.ndarray], numpy_params, variant: str):
+    def __init__(
+        self,
+        config: TransformerConfig,
+        batch: Mapping[str, np.ndarray],
+        numpy_params,
+        variant: str,
+        *,
+        device: str = "cpu",
+        autocast=None,
+        tf32: bool | None = None,
+    ):
         """numpy_params: a PyTorch state dict of numpy arrays (the JAX model's weights), or None for torch's
-        own initialisation."""
+        own initialisation. device: where the twin runs; autocast: a dtype for torch.autocast around the forward
+        pass (benchmarks/gpu.py); tf32: allow TF32 matmuls on CUDA during this step (None: leave the setting)."""
         import torch
 
         from jax_transformer.training import OptimConfig
@@ -144,7 +155,7 @@ class TorchTrain:
         from torch_reference.training import make_optimizer
 
         opt = OptimConfig()
-        model = Transformer(config)
+        model = Transformer(config).to(device)
         if numpy_params is not None:
             load_numpy_state_dict(model, numpy_params)
         model.train()  # dropout on, as in the JAX step
@@ -154,14 +165,18 @@ class TorchTrain:
         # torch.compile compiles lazily, at the first call; the forward, the loss's backward (AOTAutograd) and
         # later calls all run compiled code. The optimiser step stays eager (fused).
         self.model = torch.compile(model) if variant == "compile" else model
-        self.batch = {k: torch.from_numpy(np.asarray(v, dtype=np.int64)) for k, v in batch.items()}
-        self.opt = opt
+        self.batch = {k: torch.from_numpy(np.asarray(v, dtype=np.int64)).to(device) for k, v in batch.items()}
+        self.opt, self.autocast, self.tf32 = opt, autocast, tf32
 
     def __call__(self):
+        import torch
+
         from torch_reference.training import train_step
 
-        # Returns Python floats, so the step has finished when this returns (CPU torch is synchronous anyway).
-        return train_step(self.model, self.optimizer, self.scheduler, self.batch, self.opt)
+        if self.tf32 is not None:  # a process-wide switch: set for every call, as variants are interleaved
+            torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = self.tf32
+        # Returns Python floats, so the step has finished when this returns (on a GPU too: they are copied back).
+        return train_step(self.model, self.optimizer, self.scheduler, self.batch, self.opt, autocast=self.autocast)
 
 
 def section_train(s: Settings, figures: list, failures: list, state: dict) -> None:

@@ -55,7 +55,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from orbax.checkpoint import checkpoint_managers as policies
 
-from jax_transformer.config import ConfigError, TransformerConfig
+from jax_transformer.config import COMPUTE_FIELDS, ConfigError, TransformerConfig
 from jax_transformer.data import Tokenizer
 
 FORMAT_VERSION = 3
@@ -79,8 +79,9 @@ def find_checkpoint_dir(path: str | os.PathLike) -> Path:
 
 
 def check_config(saved: TransformerConfig, requested: TransformerConfig, where: str = "checkpoint") -> None:
-    """Raises ConfigError naming every field in which `requested` differs from the config `saved` with."""
-    diff = saved.diff(requested)
+    """Raises ConfigError naming every field in which `requested` differs from the config `saved` with. The
+    COMPUTE_FIELDS (dtype, attention kernel) are not compared: any parameters of the model serve every value."""
+    diff = {name: values for name, values in saved.diff(requested).items() if name not in COMPUTE_FIELDS}
     if diff:
         fields = "; ".join(f"{name!r}: {where} has {a!r}, requested {b!r}" for name, (a, b) in sorted(diff.items()))
         raise ConfigError(f"model config does not match the {where}: {fields}")

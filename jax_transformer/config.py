@@ -16,6 +16,11 @@ from typing import Any
 
 POSITIONS = ("sinusoidal", "learned")
 ACTIVATIONS = ("relu", "gelu")
+DTYPES = ("float32", "bfloat16")
+ATTENTION_KERNELS = ("explicit", "xla", "cudnn")
+# How the model computes, not what it is: the same parameters serve every value, so checkpoints and weight files
+# ignore these fields when they compare configs (a bfloat16 run evaluates or resumes in float32 and back).
+COMPUTE_FIELDS = ("dtype", "attention_kernel")
 
 
 class ConfigError(ValueError):
@@ -74,6 +79,19 @@ class TransformerConfig:
     ffn_bias: bool = setting(True, "bias on the feed-forward layers linear1 and linear2")
     norm_bias: bool = setting(True, "bias (beta) of every LayerNorm, the final norms included")
     output_bias: bool = setting(True, "bias of the untied output projection (a tied output never has one)")
+    # --- how to compute (COMPUTE_FIELDS: run settings, not architecture) -------------------------------
+    dtype: str = setting(
+        "float32",
+        "compute dtype of every matmul: float32, or bfloat16 mixed precision (parameters, residual stream, "
+        "LayerNorm, softmax, loss and optimiser stay float32; README, 'GPU and TPU')",
+        choices=DTYPES,
+    )
+    attention_kernel: str = setting(
+        "explicit",
+        "attention where its probabilities are not asked for: explicit (softmax(QK^T/sqrt(d))V written out), "
+        "xla or cudnn (jax.nn.dot_product_attention; cudnn: a CUDA GPU, bfloat16, head_dim a multiple of 8)",
+        choices=ATTENTION_KERNELS,
+    )
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -114,6 +132,10 @@ class TransformerConfig:
         a, b = self.to_dict(), other.to_dict()
         return {k: (a[k], b[k]) for k in a if a[k] != b[k]}
 
+    def compute_settings(self) -> dict[str, Any]:
+        """The COMPUTE_FIELDS (dtype, attention kernel): how to compute, which any parameters of the model serve."""
+        return {name: getattr(self, name) for name in COMPUTE_FIELDS}
+
 
 _INT_FIELDS = (
     "src_vocab_size",
@@ -129,6 +151,12 @@ _INT_FIELDS = (
     "max_len",
 )
 _FLOAT_FIELDS = ("dropout", "attention_dropout", "activation_dropout", "embedding_dropout", "layer_norm_eps")
+_CHOICE_FIELDS = {
+    "positions": POSITIONS,
+    "activation": ACTIVATIONS,
+    "dtype": DTYPES,
+    "attention_kernel": ATTENTION_KERNELS,
+}
 _BOOL_FIELDS = (
     "norm_first",
     "final_norm",
@@ -167,10 +195,14 @@ def _validate(c: TransformerConfig) -> None:
             raise ConfigError(f"config field {name!r} must be in [0, 1), got {getattr(c, name)}")
     if not c.layer_norm_eps > 0:
         raise ConfigError(f"config field 'layer_norm_eps' must be > 0, got {c.layer_norm_eps}")
-    if c.positions not in POSITIONS:
-        raise ConfigError(f"config field 'positions' must be one of {POSITIONS}, got {c.positions!r}")
-    if c.activation not in ACTIVATIONS:
-        raise ConfigError(f"config field 'activation' must be one of {ACTIVATIONS}, got {c.activation!r}")
+    for name, choices in _CHOICE_FIELDS.items():
+        if getattr(c, name) not in choices:
+            raise ConfigError(f"config field {name!r} must be one of {choices}, got {getattr(c, name)!r}")
+    if c.attention_kernel == "cudnn" and (c.dtype != "bfloat16" or c.head_dim % 8):
+        raise ConfigError(
+            f"config field 'attention_kernel' 'cudnn' needs dtype 'bfloat16' and a head_dim (d_model / num_heads) "
+            f"that is a multiple of 8, got dtype {c.dtype!r} and head_dim {c.head_dim}"
+        )
     if c.share_embeddings and c.src_vocab_size != c.tgt_vocab_size:
         raise ConfigError(
             f"config field 'share_embeddings' needs src_vocab_size == tgt_vocab_size, "

@@ -103,8 +103,9 @@ def import_weights(path: str | os.PathLike, config: TransformerConfig | None = N
     format) or a safetensors file. Accepts what `export_weights` writes (config and tokenizer inside) and bare
     torch_reference state_dicts (`torch.save(model.state_dict(), path)`, or a safetensors file of those names
     without this project's metadata), which need `config`. When both the file and `config` give a config they
-    must agree (ConfigError naming the fields). Wrong names or shapes are a PortError naming the file; weights
-    that are not float32 are refused unless `convert_dtypes` (floating point only, as in `port.torch_to_flax`)."""
+    must agree (ConfigError naming the fields), except in how to compute (dtype, attention kernel): `config`'s
+    choice is taken. Wrong names or shapes are a PortError naming the file; weights that are not float32 are
+    refused unless `convert_dtypes` (floating point only, as in `port.torch_to_flax`)."""
     from jax_transformer.port import PortError, torch_to_flax
 
     path = Path(path)
@@ -117,8 +118,9 @@ def import_weights(path: str | os.PathLike, config: TransformerConfig | None = N
     else:  # also an unrecognised file: torch.load has the last word, and its error is reported
         state_dict, saved, tokenizer = _read_torch(path, data, recognised=kind == "torch")
     if saved is not None:
-        if config is not None:
+        if config is not None:  # the file's model, computed as `config` asks (dtype, attention kernel)
             check_config(saved, config, where=f"weight file {path}")
+            saved = saved.replace(**config.compute_settings())
         config = saved
     elif config is None:
         raise CheckpointError(

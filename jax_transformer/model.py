@@ -18,6 +18,18 @@ Token ids and lengths are checked where they enter (`encode`, `decoder_hidden`; 
 concrete arrays an id outside the vocabulary or a length beyond `max_len` is a `TokenError` naming the array,
 the position and the limit; under `jit` the length is checked while tracing and the ids by `checkify` debug
 checks, which cost nothing unless the caller checkifies (`checks.checkified`).
+Precision (`config.dtype`): parameters are float32 and every matmul runs in the compute dtype, float32 or bfloat16
+(inputs cast at the matmul, result in that dtype). Everything else stays float32: the residual stream (embeddings,
+positions, residual sums, dropout on them), LayerNorm (its input, statistics and output), the attention scores
+after their matmul and the softmax, the feed-forward activation, and the logits: the output projection's operands
+are in the compute dtype but its result is the float32 accumulator (`matmul_float32_result`), so the loss and
+decoding's log-softmax run on unrounded logits. README's "GPU and TPU" section has the table; `torch_reference`
+follows the same policy.
+
+Attention (`config.attention_kernel`): "explicit" writes softmax(Q K^T / sqrt(d_k)) V out (the reference, and the
+only path that can sow probabilities or apply attention dropout); "xla" and "cudnn" call
+`jax.nn.dot_product_attention` (cuDNN's fused kernel needs a CUDA GPU and bfloat16) where no probabilities are asked
+for, attention dropout is off and the call is not a cached decoding step (one query against the cache).
 
 Packed batches (several sentence pairs per row, as in Flax's WMT example) pass segment ids and positions:
 `model(src, tgt_in, src_segments=..., tgt_segments=..., src_positions=..., tgt_positions=...)`, all (B, L) ints.
@@ -35,7 +47,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jax_transformer import checks
-from jax_transformer.config import TransformerConfig
+from jax_transformer.config import ConfigError, TransformerConfig
 from jax_transformer.dropout import Dropout
 from jax_transformer.masks import decoder_masks, encoder_mask
 from jax_transformer.positions import sinusoidal_table
@@ -44,13 +56,82 @@ from jax_transformer.positions import sinusoidal_table
 xavier_uniform = nn.initializers.xavier_uniform()
 
 
+def compute_dtype(cfg: TransformerConfig) -> jnp.dtype:
+    """The dtype every matmul runs in: float32 or bfloat16 (`config.dtype`; see the module docstring)."""
+    return jnp.dtype(cfg.dtype)
+
+
 def _layer_norm(cfg: TransformerConfig, name: str) -> nn.LayerNorm:
     # Two-pass variance E[(x - mean)^2], as torch computes it; the fast E[x^2] - mean^2 loses digits.
-    return nn.LayerNorm(epsilon=cfg.layer_norm_eps, use_bias=cfg.norm_bias, use_fast_variance=False, name=name)
+    # Always float32: its input is the float32 residual stream, and so is its output.
+    return nn.LayerNorm(
+        epsilon=cfg.layer_norm_eps, use_bias=cfg.norm_bias, use_fast_variance=False, dtype=jnp.float32, name=name
+    )
 
 
-def _dense(features: int, name: str, use_bias: bool = True) -> nn.Dense:
-    return nn.Dense(features, use_bias=use_bias, kernel_init=xavier_uniform, name=name)
+def _dense(
+    cfg: TransformerConfig, features: int, name: str | None, use_bias: bool = True, float32_result: bool = False
+) -> nn.Dense:
+    # float32 parameters, cast with the input to the compute dtype for the matmul; the result is in that dtype
+    # (or float32 with float32_result: the output projection).
+    low_precision = compute_dtype(cfg) != jnp.float32
+    dot_general = _float32_result_dot_general if float32_result and low_precision else None
+    return nn.Dense(
+        features,
+        use_bias=use_bias,
+        kernel_init=xavier_uniform,
+        dtype=compute_dtype(cfg),
+        dot_general=dot_general,
+        name=name,
+    )
+
+
+@jax.custom_vjp
+def matmul_float32_result(x, w):
+    """x (..., D) @ w (D, V) for operands in a low-precision dtype, with the float32 accumulator as the result
+    instead of rounding it to that dtype: the logits, where bfloat16's 8 bits would make near-ties exact ties (and
+    a GPU's matrix units give float32 anyway). The backward pass casts the float32 cotangent to the operands'
+    dtype, so its two matmuls run in that dtype too (jax's own transpose of a float32-result dot would multiply
+    in float32)."""
+    return lax.dot_general(x, w, (((x.ndim - 1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+def _matmul_float32_result_forward(x, w):
+    return matmul_float32_result(x, w), (x, w)
+
+
+def _matmul_float32_result_backward(saved, g):
+    x, w = saved
+    g = g.astype(x.dtype)  # (..., V)
+    dx = lax.dot_general(g, w, (((g.ndim - 1,), (1,)), ((), ())))  # (..., D)
+    batch = tuple(range(g.ndim - 1))
+    dw = lax.dot_general(x, g, ((batch, batch), ((), ())))  # (D, V)
+    return dx, dw
+
+
+matmul_float32_result.defvjp(_matmul_float32_result_forward, _matmul_float32_result_backward)
+
+
+def _float32_result_dot_general(lhs, rhs, dimension_numbers, precision=None, **_):
+    """`nn.Dense`'s dot_general (which contracts lhs's last axis with rhs's first) by matmul_float32_result."""
+    assert dimension_numbers == (((lhs.ndim - 1,), (0,)), ((), ())), dimension_numbers
+    return matmul_float32_result(lhs, rhs)
+
+
+def fused_attention(q, k, v, mask, implementation: str):
+    """softmax(q k^T / sqrt(K)) v by `jax.nn.dot_product_attention`: q (B, H, Tq, K), k and v (B, H, Tk, K), mask
+    broadcastable to (B, H, Tq, Tk), True = may attend. Returns (B, H, Tq, K). implementation "xla" (any device) or
+    "cudnn" (cuDNN's fused kernel: a CUDA GPU, bfloat16 or float16, K a multiple of 8). Masked keys get a large
+    finite negative score, so a row with every key masked attends uniformly, as in the explicit path."""
+    if implementation == "cudnn" and jax.default_backend() != "gpu":
+        raise ConfigError(f"attention_kernel 'cudnn' needs a CUDA GPU; this process runs on {jax.default_backend()}")
+    if implementation == "cudnn":  # cuDNN takes a boolean mask as an additive bias of the full (B, 1, Tq, Tk) shape
+        mask = jnp.broadcast_to(mask, (q.shape[0], 1, q.shape[2], k.shape[2]))
+    as_bthk = lambda t: t.transpose(0, 2, 1, 3)  # (B, H, T, K) <-> (B, T, H, K), the function's layout
+    out = jax.nn.dot_product_attention(
+        as_bthk(q), as_bthk(k), as_bthk(v), mask=mask, scale=1.0 / math.sqrt(q.shape[-1]), implementation=implementation
+    )
+    return as_bthk(out)  # (B, H, Tq, K)
 
 
 class MultiHeadAttention(nn.Module):
@@ -67,8 +148,8 @@ class MultiHeadAttention(nn.Module):
         B, Tq, _ = x.shape
         H, K = cfg.num_heads, cfg.head_dim
 
-        def project(name, inputs):  # (B, T, D) -> (B, H, T, K)
-            y = _dense(cfg.d_model, name, cfg.qkv_bias)(inputs)
+        def project(name, inputs):  # (B, T, D) -> (B, H, T, K), in the compute dtype
+            y = _dense(cfg, cfg.d_model, name, cfg.qkv_bias)(inputs)
             return y.reshape(inputs.shape[0], -1, H, K).transpose(0, 2, 1, 3)
 
         q = project("query", x)
@@ -79,16 +160,26 @@ class MultiHeadAttention(nn.Module):
             if decode:
                 k, v, mask = self._append_to_cache(k, v, mask)
 
-        scores = jnp.einsum("bhqk,bhsk->bhqs", q, k) / math.sqrt(K)  # (B, H, Tq, Tk)
+        # The fused kernels return no probabilities and apply no dropout to them: used only where neither is needed.
+        kernel = cfg.attention_kernel != "explicit" and not decode and not self.is_mutable_collection("intermediates")
+        if kernel and (deterministic or cfg.attention_dropout == 0.0):
+            out = fused_attention(q, k, v, mask, cfg.attention_kernel)  # (B, H, Tq, K)
+        else:
+            out = self._attention(q, k, v, mask, deterministic)  # (B, H, Tq, K)
+        out = out.transpose(0, 2, 1, 3).reshape(B, Tq, cfg.d_model)  # heads concatenated
+        return _dense(cfg, cfg.d_model, "out", cfg.qkv_bias)(out)
+
+    def _attention(self, q, k, v, mask, deterministic: bool):
+        """The explicit computation: (B, H, Tq, K) queries, (B, H, Tk, K) keys and values -> (B, H, Tq, K)."""
+        # The scores leave the matmul in the compute dtype; scaling, masking and softmax run in float32.
+        scores = jnp.einsum("bhqk,bhsk->bhqs", q, k).astype(jnp.float32) / math.sqrt(q.shape[-1])  # (B, H, Tq, Tk)
         # A large finite negative instead of -inf: a row whose keys are all masked (an all-padding sequence)
         # becomes a uniform distribution instead of NaN.
-        scores = jnp.where(mask, scores, jnp.finfo(scores.dtype).min)
-        probs = jax.nn.softmax(scores, axis=-1)  # (B, H, Tq, Tk)
+        scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
+        probs = jax.nn.softmax(scores, axis=-1)  # (B, H, Tq, Tk) float32
         self.sow("intermediates", "attention", probs)
-        probs = Dropout(cfg.attention_dropout)(probs, deterministic=deterministic)
-        out = jnp.einsum("bhqs,bhsk->bhqk", probs, v)  # (B, H, Tq, K)
-        out = out.transpose(0, 2, 1, 3).reshape(B, Tq, cfg.d_model)  # heads concatenated
-        return _dense(cfg.d_model, "out", cfg.qkv_bias)(out)
+        probs = Dropout(self.config.attention_dropout)(probs, deterministic=deterministic)
+        return jnp.einsum("bhqs,bhsk->bhqk", probs.astype(v.dtype), v)  # (B, H, Tq, K)
 
     def _cross_keys_values(self, project, memory, decode):
         if not decode:
@@ -129,19 +220,22 @@ class FeedForward(nn.Module):
     @nn.compact
     def __call__(self, x, deterministic: bool = True):
         cfg = self.config
-        h = _dense(cfg.d_ff, "linear1", cfg.ffn_bias)(x)  # (B, T, F)
+        h = _dense(cfg, cfg.d_ff, "linear1", cfg.ffn_bias)(x).astype(jnp.float32)  # (B, T, F)
+        # The activation and dropout in float32; linear2 casts the result to the compute dtype.
         h = nn.relu(h) if cfg.activation == "relu" else nn.gelu(h, approximate=False)
         h = Dropout(cfg.activation_dropout)(h, deterministic=deterministic)
-        return _dense(cfg.d_model, "linear2", cfg.ffn_bias)(h)  # (B, T, D)
+        return _dense(cfg, cfg.d_model, "linear2", cfg.ffn_bias)(h)  # (B, T, D), compute dtype
 
 
 def _residual(cfg, x, sublayer, norm, deterministic):
     """Residual connection around a sub-layer with dropout (paper 5.4), normalised after (post-norm, the paper:
-    LayerNorm(x + Sublayer(x))) or before (pre-norm, the Annotated Transformer: x + Sublayer(LayerNorm(x)))."""
+    LayerNorm(x + Sublayer(x))) or before (pre-norm, the Annotated Transformer: x + Sublayer(LayerNorm(x))).
+    The residual stream x is float32: the sub-layer's output (in the compute dtype) is upcast before dropout and
+    the sum, so no small update is rounded away in bfloat16."""
     drop = Dropout(cfg.dropout)
     if cfg.norm_first:
-        return x + drop(sublayer(norm(x)), deterministic=deterministic)
-    return norm(x + drop(sublayer(x), deterministic=deterministic))
+        return x + drop(sublayer(norm(x)).astype(jnp.float32), deterministic=deterministic)
+    return norm(x + drop(sublayer(x).astype(jnp.float32), deterministic=deterministic))
 
 
 class EncoderLayer(nn.Module):
@@ -293,7 +387,7 @@ class Transformer(nn.Module):
         self.encoder = Encoder(cfg)
         self.decoder = Decoder(cfg)
         if not cfg.tie_output:
-            self.output_proj = nn.Dense(cfg.tgt_vocab_size, use_bias=cfg.output_bias, kernel_init=xavier_uniform)
+            self.output_proj = _dense(cfg, cfg.tgt_vocab_size, None, cfg.output_bias, float32_result=True)
 
     def _embedding(self, side: str) -> nn.Embed:
         if self.config.share_embeddings:
@@ -337,10 +431,16 @@ class Transformer(nn.Module):
         )
 
     def logits(self, hidden):
-        """(B, T, D) -> (B, T, V). Tied: the target embedding matrix, transposed, is the projection (paper 3.4)."""
-        if self.config.tie_output:
-            return self._embedding("target").attend(hidden)
-        return self.output_proj(hidden)
+        """(B, T, D) -> (B, T, V) float32. Tied: the target embedding matrix, transposed, is the projection (paper
+        3.4). The matmul's operands are in the compute dtype and its result is the float32 accumulator (not
+        rounded to bfloat16), so the loss and decoding's log-softmax see float32 logits."""
+        if not self.config.tie_output:
+            return self.output_proj(hidden)  # (B, T, V)
+        dtype = compute_dtype(self.config)
+        table = self._embedding("target").embedding  # (V, D) float32
+        if dtype == jnp.float32:
+            return jnp.dot(hidden, table.T)  # what nn.Embed.attend computes
+        return matmul_float32_result(hidden.astype(dtype), table.astype(dtype).T)  # (B, T, V)
 
     def decode(self, memory, src, tgt_in, deterministic: bool = True, decode: bool = False, **packing):
         """memory (B, S, D), src (B, S), tgt_in (B, T) -> logits (B, T, V); `packing` as for `decoder_hidden`."""
@@ -383,6 +483,9 @@ def attention_maps(intermediates) -> dict[str, jnp.ndarray]:
 
 
 def init_params(config: TransformerConfig, seed: int = 0):
-    """Fresh parameters for `config` (Xavier-uniform matrices, zero biases, unit LayerNorm scales)."""
+    """Fresh float32 parameters for `config` (Xavier-uniform matrices, zero biases, unit LayerNorm scales). How the
+    model computes (dtype, attention kernel) does not change them, so the dummy forward pass of `init` runs in
+    float32, the default (op by op, as `init` does: bfloat16 ops compile slower on the CPU)."""
     dummy = jnp.ones((1, 2), dtype=jnp.int32)
-    return Transformer(config).init(jax.random.key(seed), dummy, dummy)["params"]
+    defaults = TransformerConfig().compute_settings()
+    return Transformer(config.replace(**defaults)).init(jax.random.key(seed), dummy, dummy)["params"]

@@ -45,6 +45,7 @@ import jax
 from jax_transformer import checkpoint as ckpt_lib
 from jax_transformer import distributed
 from jax_transformer.config import (
+    COMPUTE_FIELDS,
     PRESETS,
     ConfigError,
     OptimConfig,
@@ -278,18 +279,22 @@ def _prepare(
         changes = {**(PRESETS[explicit_preset] if explicit_preset else {}), **given["model"]}
         requested = restored.config.replace(**changes) if changes else restored.config
         ckpt_lib.check_config(restored.config, requested, where=f"checkpoint in {run_dir}")
-        config = restored.config
+        # The saved model, computed as asked: a bfloat16 run may go on in float32 and back (not bitwise then).
+        config = restored.config.replace(**requested.compute_settings())
     elif init_from_torch is not None:
+        # Model settings describe the file's model; how to compute (dtype, attention kernel) is this run's choice.
+        compute = {k: v for k, v in model_fields.items() if k in COMPUTE_FIELDS}
         params, config, tokenizer = _init_from_torch(
             init_from_torch,
             train_corpus,
             data_config,
             preset_name,
             model_fields,
-            explicit=bool(given["model"]),
+            explicit=any(name not in COMPUTE_FIELDS for name in given["model"]),
             run_dir=run_dir,
             print_fn=print_fn,
         )
+        config = config.replace(**compute)
     else:
         tokenizer = shared_tokenizer(train_corpus, data_config, run_dir, print_fn)
         config = model_config(preset_name, tokenizer.vocab_size, model_fields)

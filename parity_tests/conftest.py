@@ -1,8 +1,9 @@
 """Shared set-up for the cross-framework parity tests.
 
-Both frameworks compute in float32. JAX is told to use full-precision matmuls ("highest": on CPU this is already
-the case, on TPU/GPU it turns off bf16/TF32 passes) and PyTorch to use deterministic kernels without TF32, so the
-only remaining differences are float32 rounding in different summation orders.
+Both frameworks compute in float32 (test_bf16_parity.py: both in bfloat16). JAX is told to use full-precision
+matmuls ("highest": on CPU this is already the case, on TPU/GPU it turns off bf16/TF32 passes) and PyTorch to use
+deterministic kernels without TF32, so the only remaining differences are float32 rounding in different summation
+orders. The twin runs on `pytest --device` (conftest.py at the repository root; the CPU by default).
 
 Every check records the largest difference it saw with `parity_report`; the table is printed at the end of the
 run (also without -s), so parity is shown as numbers and not only as a pass.
@@ -24,6 +25,8 @@ jax.config.update("jax_enable_x64", False)
 torch.use_deterministic_algorithms(True)
 torch.backends.cuda.matmul.allow_tf32 = False
 torch.backends.cudnn.allow_tf32 = False
+# bfloat16 matmuls accumulate in float32, as XLA's do (cuBLAS may otherwise reduce split sums in bfloat16).
+torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
 torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
 
 from tests.fixtures import PARITY_CONFIGS  # noqa: E402

@@ -40,6 +40,13 @@ MIN_MARGIN = 1e-4  # greedy paths must not pass through near-ties (float32 noise
 
 SEEDS = (0, 1, 2)
 
+# bfloat16 decoding (test_trained_model_bf16_tokens_mostly_identical): sentences decoded, and the share of them whose
+# tokens must be identical in both frameworks (issue 11's goal). Not all: the twins' bfloat16 logits differ by a
+# bfloat16 ulp here and there (test_bf16_parity.py), which flips a greedy choice where the two best tokens are
+# within an ulp, and once one token differs the rest of that sentence follows another path.
+BF16_SENTENCES = 64
+BF16_IDENTICAL_SHARE = 0.95
+
 
 @pytest.fixture(autouse=True, scope="module")
 def one_torch_thread():
@@ -57,7 +64,7 @@ def teacher_forced_log_probs(model, src: np.ndarray, tokens: np.ndarray) -> np.n
     cfg = model.cfg
     tgt_in = np.concatenate([np.full((len(tokens), 1), cfg.bos_id), tokens[:, :-1]], axis=1)
     tgt_in[tgt_in == cfg.eos_id] = cfg.pad_id
-    lp = torch.log_softmax(model(t(src), t(tgt_in)), dim=-1).numpy().copy()
+    lp = torch.log_softmax(model(t(src), t(tgt_in)), dim=-1).cpu().numpy().copy()
     lp[:, :, [cfg.pad_id, cfg.bos_id]] = -np.inf
     return lp
 
@@ -105,7 +112,7 @@ def random_case(request):
 
 def check_same(name, what, model, src, flax_out, torch_out, parity_report):
     (flax_tokens, flax_scores), (torch_tokens, torch_scores) = flax_out, torch_out
-    torch_tokens, torch_scores = torch_tokens.numpy(), torch_scores.numpy()
+    torch_tokens, torch_scores = torch_tokens.cpu().numpy(), torch_scores.cpu().numpy()
     assert flax_tokens.shape == torch_tokens.shape
     if not np.array_equal(flax_tokens, torch_tokens):
         pytest.fail(f"{what}: tokens differ. {explain_mismatch(model, src, flax_tokens, torch_tokens)}")
@@ -162,17 +169,17 @@ def test_beam_search_identical(random_case, parity_report):
 def test_torch_cached_decoder_equals_prefix_decoder(parity_report):
     """The reference's own cache: per-step log-probs equal re-running the twin over the whole prefix."""
     config = CONFIGS["pre_learned_shared"]
-    model, src = torch_twin(config, init_params(config, 5)), torch.from_numpy(make_src(config, LENGTHS, seed=5)).long()
+    model, src = torch_twin(config, init_params(config, 5)), t(make_src(config, LENGTHS, seed=5))
     memory = model.encode(src)
     prefix = torch_decoding.PrefixDecoder(model, memory, src)
     cached = torch_decoding.IncrementalDecoder(model, memory, src)
-    tokens = torch.from_numpy(np.random.default_rng(5).integers(3, VOCAB, (len(src), 10)))
+    tokens = t(np.random.default_rng(5).integers(3, VOCAB, (len(src), 10)))
     worst = 0.0
     with torch.no_grad():
-        for t in range(tokens.shape[1]):
+        for step in range(tokens.shape[1]):
             worst = max(worst, float((prefix.step() - cached.step()).abs().max()))
-            prefix.append(tokens[:, t])
-            cached.append(tokens[:, t])
+            prefix.append(tokens[:, step])
+            cached.append(tokens[:, step])
     parity_report("torch cached vs prefix decoder log-probs", "pre_learned_shared", worst, 1e-5)
     assert worst <= 1e-5  # same formulas, different shapes: float32 reassociation only (see above)
 
@@ -199,13 +206,13 @@ def trained():
     for _ in range(400):
         state, sums = step(state, next(batches))
         losses.append(float(sums["loss"]) / float(sums["tokens"]))
-    sources = decoding.encode_sources(tokenizer, default_pairs("valid", n=16).sources, config)
-    src = pad_rows(sources)
-    return config, state.params, torch_twin(config, state.params), src, losses
+    sources = decoding.encode_sources(tokenizer, default_pairs("valid", n=BF16_SENTENCES).sources, config)
+    src = pad_rows(sources[:16])
+    return config, state.params, torch_twin(config, state.params), src, losses, sources
 
 
 def test_trained_model_greedy_and_beam_identical(trained, parity_report):
-    config, params, model, src, losses = trained
+    config, params, model, src, losses, _ = trained
     assert np.mean(losses[-20:]) < 0.6 * np.mean(losses[:5]), "the fixture's model did not train"
     greedy = decoding.greedy_search(params, config, src)
     ended = np.any(greedy[0] == config.eos_id, axis=1)
@@ -231,3 +238,25 @@ def test_trained_model_greedy_and_beam_identical(trained, parity_report):
         torch_decoding.beam_search(model, t(src), beam_size=4, alpha=0.6),
         parity_report,
     )
+
+
+@pytest.mark.parametrize("search", ["greedy", "beam 4"])
+def test_trained_model_bf16_tokens_mostly_identical(trained, search, parity_report):
+    """The trained model decoded in bfloat16 by both frameworks (Flax's cached jitted search, the twin's cached
+    search) gives identical tokens on at least BF16_IDENTICAL_SHARE of BF16_SENTENCES validation sentences. The
+    weights are the float32 ones trained above: bfloat16 is how they are computed, not what they are."""
+    config, params, _, _, _, sources = trained
+    config = config.replace(dtype="bfloat16")
+    model, src = torch_twin(config, params), pad_rows(sources)
+    if search == "greedy":
+        flax_tokens, _ = decoding.greedy_search(params, config, src)
+        torch_tokens, _ = torch_decoding.greedy_search(model, t(src), use_cache=True)
+    else:
+        flax_tokens, _ = decoding.beam_search(params, config, src, beam_size=4, alpha=0.6)
+        torch_tokens, _ = torch_decoding.beam_search(model, t(src), beam_size=4, alpha=0.6, use_cache=True)
+    same = np.all(flax_tokens == torch_tokens.cpu().numpy(), axis=1)
+    ended = np.any(flax_tokens == config.eos_id, axis=1)
+    print(f"bf16 {search}: {same.sum()} of {len(same)} sentences identical; {ended.sum()} end with EOS")
+    parity_report(f"bf16 {search}: share of sentences not identical", "trained tiny", 1 - same.mean(), 0.05)
+    assert ended.mean() >= 0.5  # a trained model's outputs, not a random model's
+    assert same.mean() >= BF16_IDENTICAL_SHARE

@@ -147,7 +147,7 @@ def test_masks_identical_in_both_frameworks(parity_report):
     }
     for name, (ours, theirs) in pairs.items():
         assert np.asarray(ours).dtype == np.bool_ and theirs.dtype == torch.bool
-        np.testing.assert_array_equal(np.asarray(ours), theirs.numpy(), err_msg=name)
+        np.testing.assert_array_equal(np.asarray(ours), theirs.cpu().numpy(), err_msg=name)
     parity_report("masks (padding, causal, combined)", "exact", 0.0, 0.0)
     # polarity: True = may attend
     pad = np.asarray(pairs["padding"][0])[:, 0, 0, :]
@@ -165,12 +165,12 @@ def test_padding_and_future_tokens_have_no_effect(config_case, parity_report):
     src, tgt_in = batch["src"], batch["tgt_in"]
     logits = np.asarray(model.apply({"params": params}, src, tgt_in))
     with torch.no_grad():
-        t_logits = torch_model(t(src), t(tgt_in)).numpy()
+        t_logits = torch_model(t(src), t(tgt_in)).cpu().numpy()
     padded_src = np.pad(src, ((0, 0), (0, 5)))
     padded_tgt = np.pad(tgt_in, ((0, 0), (0, 4)))
     more_pad = np.asarray(model.apply({"params": params}, padded_src, padded_tgt))[:, : tgt_in.shape[1]]
     with torch.no_grad():
-        t_more_pad = torch_model(t(padded_src), t(padded_tgt)).numpy()[:, : tgt_in.shape[1]]
+        t_more_pad = torch_model(t(padded_src), t(padded_tgt)).cpu().numpy()[:, : tgt_in.shape[1]]
     # rows with real tokens; an all-padding row attends uniformly to every (masked) key, so its values
     # depend on how many keys there are and are meaningless by design (they only need to be finite)
     rows = (src != 0).any(1)
@@ -180,7 +180,7 @@ def test_padding_and_future_tokens_have_no_effect(config_case, parity_report):
     future[:, 5:] = 7  # rewrite positions 5.. ; logits at positions < 5 must not move
     changed = np.asarray(model.apply({"params": params}, src, future))
     with torch.no_grad():
-        t_changed = torch_model(t(src), t(future)).numpy()
+        t_changed = torch_model(t(src), t(future)).cpu().numpy()
     diff_future = max(
         np.abs(changed[rows, :5] - logits[rows, :5]).max(), np.abs(t_changed[rows, :5] - t_logits[rows, :5]).max()
     )
@@ -199,6 +199,6 @@ def test_all_padding_row_is_finite_in_both():
     tgt = np.zeros((2, 4), dtype=np.int64)
     ours = np.asarray(model.apply({"params": params}, src, tgt))
     with torch.no_grad():
-        theirs = torch_model(t(src), t(tgt)).numpy()
+        theirs = torch_model(t(src), t(tgt)).cpu().numpy()
     assert np.isfinite(ours).all() and np.isfinite(theirs).all()
     assert max_abs_diff(ours, theirs) <= ATOL

@@ -18,7 +18,6 @@ is a difference of nearly equal terms in the softmax backward (p * (g - sum p g)
 import jax
 import numpy as np
 import pytest
-import torch
 
 from jax_transformer import losses
 from jax_transformer.port import flax_to_torch
@@ -40,7 +39,7 @@ def _loss_and_grads(cfg, seed, smoothing):
     loss, grads = jax.value_and_grad(loss_fn)(params)
     torch_loss = torch_losses.mean_loss(torch_model(t(src), t(tgt_in)), t(tgt_out), cfg.pad_id, smoothing)
     torch_loss.backward()
-    torch_grads = {name: p.grad for name, p in torch_model.named_parameters()}
+    torch_grads = {name: p.grad.cpu() for name, p in torch_model.named_parameters()}
     return loss, flax_to_torch(grads), torch_loss, torch_grads
 
 
@@ -95,7 +94,7 @@ def test_loss_ignores_padding_and_smooths_labels():
     smoothed = (1 - eps) * nll + eps * (-logp.mean(-1))  # target (1-eps) one-hot + eps/V uniform
     expected = smoothed[real].mean()
     ours = float(losses.mean_loss(logits.astype(np.float32), tgt_out, cfg.pad_id, eps))
-    theirs = torch_losses.mean_loss(torch.from_numpy(logits.astype(np.float32)), t(tgt_out), cfg.pad_id, eps).item()
+    theirs = torch_losses.mean_loss(t(logits.astype(np.float32)), t(tgt_out), cfg.pad_id, eps).item()
     assert abs(ours - expected) < 1e-5 and abs(theirs - expected) < 1e-5
     assert abs(expected - nll[real].mean()) > 1e-3  # smoothing matters here
     assert abs(expected - smoothed.mean()) > 1e-3  # and so does ignoring padding

@@ -16,11 +16,11 @@ import numpy as np
 import pytest
 import torch
 
-import torch_reference
 from jax_transformer.losses import loss_sums
 from jax_transformer.model import Transformer, init_params
 from jax_transformer.port import flax_to_torch
 from tests.fixtures import PARITY_CONFIGS as CONFIGS
+from tests.fixtures import t, torch_twin
 from torch_reference.losses import loss_sums as torch_loss_sums
 
 LOGIT_TOL = 1e-5  # float32 summation order only (see the module docstring)
@@ -74,17 +74,16 @@ def _flax_logits(model, params, batch):
 
 
 def _torch_logits(model, batch):
-    tensors = {k: torch.from_numpy(v.astype(np.int64)) for k, v in batch.items() if k != "tgt_out"}
+    tensors = {k: t(v) for k, v in batch.items() if k != "tgt_out"}
     with torch.no_grad():
-        return model(tensors.pop("src"), tensors.pop("tgt_in"), **tensors).numpy()
+        return model(tensors.pop("src"), tensors.pop("tgt_in"), **tensors).cpu().numpy()
 
 
 @pytest.fixture(params=["post_sinusoidal_tied_relu", "pre_learned_untied_gelu_nobias"])
 def twins(request):
     config = CONFIGS[request.param]
     params = init_params(config, seed=3)
-    torch_model = torch_reference.Transformer(config).eval()
-    torch_reference.load_numpy_state_dict(torch_model, flax_to_torch(params))
+    torch_model = torch_twin(config, params)
     return request.param, config, Transformer(config), params, torch_model
 
 
@@ -149,12 +148,12 @@ def test_packed_loss_and_gradients_equal_the_pairs_alone(twins, parity_report):
     for module in torch_model.modules():
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
-    tensors = {k: torch.from_numpy(v.astype(np.int64)) for k, v in packed.items()}
+    tensors = {k: t(v) for k, v in packed.items()}
     logits = torch_model(
         tensors["src"], tensors["tgt_in"], **{k: v for k, v in tensors.items() if k.endswith(("segments", "positions"))}
     )
     torch_loss_sums(logits, tensors["tgt_out"], config.pad_id, 0.1)["loss"].backward()
-    torch_grads = {k: p.grad.numpy() for k, p in torch_model.named_parameters()}
+    torch_grads = {k: p.grad.cpu().numpy() for k, p in torch_model.named_parameters()}
     flax_as_torch = flax_to_torch(jax.device_get(packed_grads))
     twin_diff = max(float(np.abs(flax_as_torch[k] - torch_grads[k]).max()) for k in torch_grads) / scale
 

@@ -33,7 +33,7 @@ import torch_reference
 from jax_transformer import training
 from jax_transformer.port import flax_to_torch
 from tests.fixtures import PARITY_CONFIGS as CONFIGS
-from tests.fixtures import make_batch, twin_models
+from tests.fixtures import make_batch, t, twin_device, twin_models
 from torch_reference import training as torch_training
 
 STEPS = 3
@@ -81,7 +81,7 @@ def test_three_optimizer_steps_match(case, optim_name, parity_report):
     tx = training.make_optimizer(cfg, optim)
     rule_params = jax.tree_util.tree_map(np.array, params)
     rule_opt_state = tx.init(rule_params)
-    rule_model = torch_reference.Transformer(cfg)
+    rule_model = torch_reference.Transformer(cfg).to(twin_device())
     torch_reference.load_numpy_state_dict(rule_model, initial)
     rule_optimizer, rule_scheduler = _torch_optimizer(rule_model, cfg, optim)
 
@@ -106,14 +106,16 @@ def test_three_optimizer_steps_match(case, optim_name, parity_report):
         if optim.clip_norm is None:  # torch's .grad is this step's gradient (clipping would have scaled it)
             grad_diff = max(
                 grad_diff,
-                max(float(np.max(np.abs(p.grad.numpy() - grads_np[k]))) for k, p in torch_model.named_parameters()),
+                max(
+                    float(np.max(np.abs(p.grad.cpu().numpy() - grads_np[k]))) for k, p in torch_model.named_parameters()
+                ),
             )
 
         # the rule alone, on identical gradients
         updates, rule_opt_state = tx.update(grads, rule_opt_state, rule_params)
         rule_params = jax.tree_util.tree_map(lambda p, u: np.asarray(p + u), rule_params, updates)
         for k, p in rule_model.named_parameters():
-            p.grad = torch.from_numpy(grads_np[k].copy())
+            p.grad = t(grads_np[k].copy())
         if optim.clip_norm is not None:
             torch.nn.utils.clip_grad_norm_(rule_model.parameters(), optim.clip_norm)
         rule_optimizer.step()

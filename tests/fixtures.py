@@ -10,6 +10,9 @@ Conventions, everywhere below:
 - Where a case wants it, the last row is all padding (an empty sentence: every key masked, zero target tokens).
 - Everything is deterministic in its `seed`: the same call gives the same numbers, so the figures the parity
   tests report and the benchmark's token counts stay comparable from run to run.
+- The PyTorch twin runs on `twin_device()`: $TWIN_DEVICE, "cpu" unless `pytest --device cuda` (conftest.py) or
+  the environment says otherwise. `torch_twin`, `twin_models` and `t` put models and inputs there; `max_abs_diff`
+  and `to_numpy` bring results back.
 
 Nothing here imports jax or torch at module level: the benchmark imports this module before it has set up the
 compilation caches that jax and torch read when they are first imported (benchmarks/run.py, isolate_caches).
@@ -17,6 +20,8 @@ compilation caches that jax and torch read when they are first imported (benchma
 
 from __future__ import annotations
 
+import math
+import os
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -262,12 +267,20 @@ def ported_params(config: TransformerConfig, seed: int = 0) -> tuple[Any, dict[s
     return params, flax_to_torch(params)
 
 
-def torch_twin(config: TransformerConfig, params):
-    """A torch_reference.Transformer in eval mode holding the Flax `params` (ported by flax_to_torch)."""
+def twin_device() -> str:
+    """Where the PyTorch twin runs in tests, parity tests and benchmarks: $TWIN_DEVICE ("cpu" or "cuda"; default
+    "cpu"). JAX computes on its own default device (the GPU where there is one) whatever this says."""
+    return os.environ.get("TWIN_DEVICE", "cpu")
+
+
+def torch_twin(config: TransformerConfig, params, device: str | None = None):
+    """A torch_reference.Transformer in eval mode holding the Flax `params` (ported by flax_to_torch), on `device`
+    (default twin_device())."""
     import torch_reference
     from jax_transformer.port import flax_to_torch
 
-    return torch_reference.load_numpy_state_dict(torch_reference.Transformer(config), flax_to_torch(params)).eval()
+    model = torch_reference.Transformer(config).to(device or twin_device())
+    return torch_reference.load_numpy_state_dict(model, flax_to_torch(params)).eval()
 
 
 def twin_models(config: TransformerConfig, seed: int = 0):
@@ -299,21 +312,30 @@ def eos_biased(config: TransformerConfig, params, first_log_probs: np.ndarray):
 
 
 def t(array):
-    """A numpy (or jax) array as a torch tensor. Integer arrays (the int32 ids above) become int64, torch's
-    index type; floats and booleans keep their dtype."""
+    """A numpy (or jax) array as a torch tensor on twin_device(). Integer arrays (the int32 ids above) become int64,
+    torch's index type; floats and booleans keep their dtype."""
     import torch
 
     array = np.asarray(array)
     tensor = torch.from_numpy(array)
-    return tensor.long() if np.issubdtype(array.dtype, np.integer) else tensor
+    tensor = tensor.long() if np.issubdtype(array.dtype, np.integer) else tensor
+    return tensor.to(twin_device())
+
+
+def to_numpy(tensor) -> np.ndarray:
+    """A torch tensor (any device, any float dtype: bfloat16 as float32) as a numpy array."""
+    import torch
+
+    tensor = tensor.detach().cpu()
+    return (tensor.float() if tensor.dtype == torch.bfloat16 else tensor).numpy()
 
 
 def max_abs_diff(a, b) -> float:
     """Largest absolute elementwise difference (in float64) of two arrays or tensors of the same shape."""
     import torch
 
-    a = np.asarray(a, dtype=np.float64)
-    b = b.detach().numpy().astype(np.float64) if isinstance(b, torch.Tensor) else np.asarray(b, dtype=np.float64)
+    a = to_numpy(a).astype(np.float64) if isinstance(a, torch.Tensor) else np.asarray(a, dtype=np.float64)
+    b = to_numpy(b).astype(np.float64) if isinstance(b, torch.Tensor) else np.asarray(b, dtype=np.float64)
     assert a.shape == b.shape, f"shape mismatch {a.shape} vs {b.shape}"
     return float(np.max(np.abs(a - b))) if a.size else 0.0
 
@@ -374,3 +396,31 @@ def packed_batch(config: TransformerConfig, pairs: Sequence[Sequence[tuple[int, 
             batch["tgt_positions"][r, t : t + n_tgt + 1] = np.arange(n_tgt + 1)
             s, t = s + n_src + 1, t + n_tgt + 1
     return batch
+
+
+# =============================================================================================================
+# bfloat16 tolerances (derived in parity_tests/test_bf16_parity.py's docstring; used there and in
+# parity_tests/test_attention_kernels.py)
+# =============================================================================================================
+
+BF16_ULP_AT_1 = 2.0**-7  # bfloat16: 8 significant bits, so one ulp of a value in [1, 2) is 2^-7
+
+
+def bf16_ulp(magnitude: float) -> float:
+    """One bfloat16 ulp at `magnitude`: 2^(e - 7) for a value in [2^e, 2^(e+1))."""
+    return BF16_ULP_AT_1 * 2.0 ** math.floor(math.log2(magnitude))
+
+
+def layers(config: TransformerConfig) -> int:
+    """Encoder plus decoder layers: the stages a bfloat16 difference grows through (one ulp each at most)."""
+    return config.num_encoder_layers + config.num_decoder_layers
+
+
+def logit_tolerance(config, logits) -> float:
+    """n_layers bfloat16 ulps at the largest logit's magnitude (derivation: parity_tests/test_bf16_parity.py)."""
+    return layers(config) * bf16_ulp(float(np.max(np.abs(np.asarray(logits)))))
+
+
+def gradient_tolerance(config) -> float:
+    """Bound on ||g_flax - g_torch|| / ||g_torch|| per gradient tensor: 2 n_layers ulps of relative size 2^-7."""
+    return 2 * layers(config) * BF16_ULP_AT_1

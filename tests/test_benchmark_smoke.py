@@ -1,12 +1,15 @@
 """Smoke test of the benchmark harness (benchmarks/run.py) and a check of its FLOP formula (benchmarks/flops.py).
 
-The harness runs in a subprocess on the tiny preset for one repetition of its cheap sections (train, flops) and
-the JSON it writes must have the promised structure. Nothing here asserts a speed: timings belong to the
-benchmark's output, not to tests.
+The harness runs in a subprocess on the tiny preset for one repetition of its cheap sections (train, flops) and of
+the gpu section (benchmarks/gpu.py, which benchmarks/gpu.sh runs on a GPU machine: here on the CPU, where it must
+run as well), and the JSON it writes must have the promised structure. Nothing here asserts a speed: timings
+belong to the benchmark's output, not to tests. Also: benchmarks/gpu.sh is valid bash and every command it would
+run passes run.py's argument checks (`--dry-run`).
 """
 
 import json
 import math
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -35,7 +38,14 @@ def smoke(tmp_path_factory):
         "--presets",
         "tiny",
         "--sections",
-        "train,flops",
+        "train,flops,gpu",
+        "--quick",  # the gpu section: no torch.compile, compilation cold/warm in bfloat16 only
+        "--aux-presets",
+        "tiny",
+        "--decode-batch-sizes",
+        "2",
+        "--decode-new-tokens",
+        "3",
         "--repeats",
         "1",
         "--warmup",
@@ -83,7 +93,7 @@ def test_every_figure_has_name_unit_min_median(smoke):
         assert _positive(f["min"]) and _positive(f["median"]), f
         # "min" is the figure at the fastest repeat: the lowest time, or the highest rate.
         assert (f["min"] >= f["median"]) if f["higher_is_better"] else (f["min"] <= f["median"]), f
-        assert f["higher_is_better"] == (f["unit"] in ("target tokens/s", "GFLOP/s", "tokens/s")), f
+        assert f["higher_is_better"] == (f["unit"] in ("target tokens/s", "GFLOP/s", "TFLOP/s", "tokens/s")), f
         assert f["n"] >= 1
         assert all(_positive(v) for v in f["ratios"].values()), f
     assert smoke["json"]["failures"] == []
@@ -140,3 +150,52 @@ def test_flop_formula_matches_the_traced_step(overrides):
     B, S, T = 3, 7, 5
     traced = traced_train_step_matmul_flops(config, B, S, T)
     assert traced == pytest.approx(train_step_matmul_flops(config, B, S, T)["train_step"], rel=1e-12)
+
+
+# On a CPU: no "JAX float32 highest" (CPU float32 is full precision already), no torch TF32; with --quick no
+# torch.compile and no attention-kernel A/B (on a GPU: "JAX bfloat16 + cudnn", with the ratio kernel/explicit).
+GPU_JAX = ("JAX float32", "JAX bfloat16")
+GPU_TORCH = ("torch float32", "torch bf16 autocast", "torch bf16 twin")
+
+
+def test_gpu_section_has_every_precision_both_frameworks_and_the_ratios(smoke):
+    figures = {f["name"]: f for f in smoke["json"]["figures"] if f["section"] == "gpu"}
+    for label in GPU_JAX + GPU_TORCH:
+        for kind, unit in (("step", "ms/step"), ("throughput", "target tokens/s"), ("matmul", "TFLOP/s")):
+            assert figures[f"gpu tiny {kind}: {label}"]["unit"] == unit
+    rates = {label: figures[f"gpu tiny throughput: {label}"] for label in GPU_JAX + GPU_TORCH}
+    assert rates["JAX bfloat16"]["ratios"]["JAX bfloat16/JAX float32"] == pytest.approx(
+        rates["JAX bfloat16"]["median"] / rates["JAX float32"]["median"]
+    )
+    # JAX against the twin's fastest mode of the same matmul precision (bfloat16: autocast or the bf16 twin).
+    fastest = max(("torch bf16 autocast", "torch bf16 twin"), key=lambda label: rates[label]["median"])
+    assert f"JAX/{fastest}" in rates["JAX bfloat16"]["ratios"]
+    assert "JAX/torch float32" in rates["JAX float32"]["ratios"]
+    # On a CPU no peak is known, so no share of it (on an H100 each TFLOP/s figure carries "% of H100 ... peak").
+    assert not any(key.startswith("%") for f in figures.values() for key in f["ratios"])
+    for dtype in ("float32", "bfloat16"):  # greedy only with --quick (beam 4 too in a full run)
+        assert figures[f"gpu decode tiny batch 2: JAX greedy {dtype}"]["unit"] == "tokens/s"
+    assert "JAX/torch greedy bfloat16" in figures["gpu decode tiny batch 2: JAX greedy bfloat16"]["ratios"]
+    cold = figures["gpu tiny compile train step bfloat16: cold cache"]
+    assert "cold/warm" in cold["ratios"] and "gpu tiny compile train step bfloat16: warm cache" in figures
+    # The cold process wrote the persistent compilation cache that the warm one read.
+    assert int(cold["note"].rsplit("persistent cache files after the cold run: ", 1)[1]) >= 1
+
+
+def test_gpu_script_is_valid_and_its_benchmark_commands_parse(tmp_path):
+    """bash -n on benchmarks/gpu.sh; `gpu.sh --dry-run all` prints every step's commands without running them,
+    and each benchmarks/run.py command among them is accepted by run.py's own argument parser."""
+    from benchmarks.run import parse_args
+
+    script = REPO / "benchmarks" / "gpu.sh"
+    assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
+    proc = subprocess.run(
+        ["bash", str(script), "--dry-run", "all"], cwd=REPO, capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0, proc.stderr
+    lines = [line.split("benchmarks/run.py", 1)[1] for line in proc.stdout.splitlines() if "benchmarks/run.py" in line]
+    assert len(lines) >= 6
+    for line in lines:
+        parse_args(shlex.split(line))  # exits (SystemExit) on a flag or value run.py does not accept
+    for step in ("suite-tests", "suite-parity-1", "suite-parity-2", "bf16-step-base", "multi30k-cold"):
+        assert step in proc.stdout

@@ -229,13 +229,19 @@ def test_length_limits_and_min_len(model_a):
 @pytest.mark.parametrize("which", ["a", "b"])
 def test_beam_size_one_without_penalty_is_greedy(which, model_a, model_b):
     """With alpha = 0 a single beam is greedy search: the EOS it finishes cannot be beaten by the runner-up that
-    stays live (its log-prob is lower and only falls). Both add the same float32 log-probs in the same order,
-    so even the scores are bit-identical. (With alpha > 0 the live runner-up may win by growing longer.)"""
+    stays live (its log-prob is lower and only falls). (With alpha > 0 the live runner-up may win by growing
+    longer.) Both add the same float32 log-probs in the same order, but they are two programs: on the CPU XLA
+    computes each log-prob alike and the scores are bit-identical; on a GPU the two loops fuse differently and
+    a log-prob may differ by a float32 ulp or two of the logits it is computed from, so the scores are compared
+    within SCORE_ATOL there (16 such terms; see its comment)."""
     config, params, src = model_a if which == "a" else model_b
     greedy_tokens, greedy_scores = decoding.greedy_search(params, config, src)
     tokens, scores = decoding.beam_search(params, config, src, beam_size=1, alpha=0.0)
     np.testing.assert_array_equal(tokens, greedy_tokens)
-    np.testing.assert_array_equal(scores, greedy_scores)
+    if jax.default_backend() == "cpu":
+        np.testing.assert_array_equal(scores, greedy_scores)
+    else:
+        np.testing.assert_allclose(scores, greedy_scores, rtol=0, atol=SCORE_ATOL)
 
 
 @pytest.mark.parametrize("alpha", [0.6, 0.0])

@@ -12,6 +12,9 @@ By default each step re-runs the decoder over the whole prefix, as the Annotated
 does: the simplest correct decoder, with no cache to get wrong. `use_cache=True` switches to
 `IncrementalDecoder`, a key/value cache written here on top of the twin's modules (the twin itself has none),
 which benchmarks compare with the Flax cache. Beam search handles one sentence at a time.
+
+Both searches run on the model's device (sources are moved there) in its config's compute dtype, and return
+tokens and scores on that device; scores are float32 in every dtype (the logits are, see torch_reference.model).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from jax_transformer.config import TransformerConfig
-from torch_reference.model import MultiHeadAttention, Transformer, padding_mask
+from torch_reference.model import MultiHeadAttention, Transformer, compute_dtype, padding_mask
 
 DEFAULT_MAX_LEN_A = 1.5
 DEFAULT_MAX_LEN_B = 10
@@ -58,7 +61,7 @@ class PrefixDecoder:
 
     def __init__(self, model: Transformer, memory: torch.Tensor, src: torch.Tensor):
         self.model, self.memory, self.src = model, memory, src
-        self.prefix = torch.full((src.shape[0], 1), model.cfg.bos_id, dtype=torch.long)  # (B, t + 1)
+        self.prefix = torch.full((src.shape[0], 1), model.cfg.bos_id, dtype=torch.long, device=src.device)  # (B, t+1)
 
     def step(self) -> torch.Tensor:
         """Log-probs (B, V) of the token after the current prefix."""
@@ -84,31 +87,23 @@ class IncrementalDecoder:
         self.cross_mask = padding_mask(src, cfg.pad_id)  # (B, 1, 1, S)
         B = src.shape[0]
         self.cross = [
-            (self._heads(layer.cross_attention.key(memory)), self._heads(layer.cross_attention.value(memory)))
+            (
+                layer.cross_attention.project(layer.cross_attention.key, memory),
+                layer.cross_attention.project(layer.cross_attention.value, memory),
+            )
             for layer in model.decoder.layers
-        ]  # per layer: (B, S, H, K) twice
-        self.keys = [torch.zeros(B, 0, cfg.num_heads, cfg.head_dim) for _ in model.decoder.layers]
-        self.values = [torch.zeros(B, 0, cfg.num_heads, cfg.head_dim) for _ in model.decoder.layers]
-        self.last = torch.full((B,), cfg.bos_id, dtype=torch.long)
+        ]  # per layer: (B, S, H, K) twice, in the compute dtype
+        empty = torch.zeros(B, 0, cfg.num_heads, cfg.head_dim, dtype=compute_dtype(cfg), device=memory.device)
+        self.keys = [empty for _ in model.decoder.layers]
+        self.values = [empty for _ in model.decoder.layers]
+        self.last = torch.full((B,), cfg.bos_id, dtype=torch.long, device=src.device)
         self.position = 0
-
-    def _heads(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, D) -> (B, T, H, K)
-        return x.view(x.shape[0], x.shape[1], self.model.cfg.num_heads, self.model.cfg.head_dim)
-
-    def _attend(self, module: MultiHeadAttention, h: torch.Tensor, k, v, mask: torch.Tensor | None):
-        """`module`'s attention for queries h (B, 1, D) over given keys/values (B, T, H, K)."""
-        q = self._heads(module.query(h))  # (B, 1, H, K)
-        scores = torch.einsum("bqhk,bshk->bhqs", q, k) / math.sqrt(self.model.cfg.head_dim)  # (B, H, 1, T)
-        if mask is not None:
-            scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
-        out = torch.einsum("bhqs,bshk->bqhk", torch.softmax(scores, dim=-1), v)
-        return module.out(out.reshape(h.shape[0], 1, self.model.cfg.d_model))
 
     def _self_attention(self, i: int, module: MultiHeadAttention, h: torch.Tensor) -> torch.Tensor:
         # The newest position may see every earlier one: store its key/value, attend to all stored.
-        self.keys[i] = torch.cat([self.keys[i], self._heads(module.key(h))], dim=1)
-        self.values[i] = torch.cat([self.values[i], self._heads(module.value(h))], dim=1)
-        return self._attend(module, h, self.keys[i], self.values[i], None)
+        self.keys[i] = torch.cat([self.keys[i], module.project(module.key, h)], dim=1)
+        self.values[i] = torch.cat([self.values[i], module.project(module.value, h)], dim=1)
+        return module.attend(module.project(module.query, h), self.keys[i], self.values[i], None)
 
     def step(self) -> torch.Tensor:
         model = self.model
@@ -116,8 +111,11 @@ class IncrementalDecoder:
         for i, layer in enumerate(model.decoder.layers):
             x = layer.residual(x, lambda h: self._self_attention(i, layer.self_attention, h), layer.self_attention_norm)
             k, v = self.cross[i]
+            cross = layer.cross_attention
             x = layer.residual(
-                x, lambda h: self._attend(layer.cross_attention, h, k, v, self.cross_mask), layer.cross_attention_norm
+                x,
+                lambda h: cross.attend(cross.project(cross.query, h), k, v, self.cross_mask),
+                layer.cross_attention_norm,
             )
             x = layer.residual(x, layer.feed_forward, layer.feed_forward_norm)
         if model.decoder.final_norm is not None:
@@ -135,6 +133,12 @@ class IncrementalDecoder:
 
 def _decoder(model: Transformer, memory, src, use_cache: bool):
     return (IncrementalDecoder if use_cache else PrefixDecoder)(model, memory, src)
+
+
+def _on_model_device(model: Transformer, src) -> torch.Tensor:
+    """The sources as a long tensor on the model's device."""
+    src = src if isinstance(src, torch.Tensor) else torch.from_numpy(np.asarray(src))
+    return src.to(device=next(model.parameters()).device, dtype=torch.long)
 
 
 def _check(model: Transformer, src: torch.Tensor, beam_size: int = 1) -> None:
@@ -173,15 +177,16 @@ def greedy_search(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Greedy decoding of right-padded sources (B, S) -> tokens (B, L) long, scores (B,) float32 (sum of
     log-probs). The loop stops when every row has emitted EOS or reached its length limit."""
+    src = _on_model_device(model, src)
     _check(model, src)
-    cfg = model.cfg
+    cfg, device = model.cfg, src.device
     B = src.shape[0]
     limits = max_new_tokens(src, cfg, max_len_a, max_len_b)
     length = output_length(src.shape[1], cfg, max_len_a, max_len_b)
     decoder = _decoder(model, model.encode(src), src, use_cache)
-    tokens = torch.full((B, length), cfg.pad_id, dtype=torch.long)
-    scores = torch.zeros(B)
-    done = torch.zeros(B, dtype=torch.bool)
+    tokens = torch.full((B, length), cfg.pad_id, dtype=torch.long, device=device)
+    scores = torch.zeros(B, device=device)
+    done = torch.zeros(B, dtype=torch.bool, device=device)
     for t in range(length):
         if done.all():
             break
@@ -191,7 +196,7 @@ def greedy_search(
         scores += torch.where(done, 0.0, log_probs.gather(1, token[:, None])[:, 0])
         tokens[:, t] = token
         decoder.append(token)
-        done |= (token == cfg.eos_id) | torch.tensor([t + 1 >= limit for limit in limits])
+        done |= (token == cfg.eos_id) | torch.tensor([t + 1 >= limit for limit in limits], device=device)
     return tokens, scores
 
 
@@ -218,6 +223,7 @@ def beam_search(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Beam search with the GNMT length penalty, one sentence at a time -> the best hypothesis of each row,
     tokens (B, L) long and score (B,) float32 = log P / ((5 + length) / 6) ** alpha."""
+    src = _on_model_device(model, src)
     _check(model, src, beam_size)
     if not alpha >= 0:
         raise ValueError(f"alpha must be >= 0, got {alpha}")
@@ -225,8 +231,8 @@ def beam_search(
     limits = max_new_tokens(src, cfg, max_len_a, max_len_b)
     length = output_length(src.shape[1], cfg, max_len_a, max_len_b)
     memory = model.encode(src)  # the whole batch at once, as the Flax decoder does
-    tokens = torch.full((src.shape[0], length), cfg.pad_id, dtype=torch.long)
-    scores = torch.zeros(src.shape[0])
+    tokens = torch.full((src.shape[0], length), cfg.pad_id, dtype=torch.long, device=src.device)
+    scores = torch.zeros(src.shape[0], device=src.device)
     for b in range(src.shape[0]):
         tokens[b], scores[b] = _beam_search_one(
             model, memory[b : b + 1], src[b : b + 1], beam_size, alpha, limits[b], length, min_len, use_cache
@@ -238,13 +244,13 @@ def _beam_search_one(
     model, memory, src, K: int, alpha: float, limit: int, length: int, min_len: int, use_cache: bool
 ) -> tuple[torch.Tensor, float]:
     """Beam search for one sentence: memory (1, S, D), src (1, S) -> (tokens (length,), score)."""
-    cfg = model.cfg
+    cfg, device = model.cfg, src.device
     decoder = _decoder(model, memory.expand(K, -1, -1), src.expand(K, -1), use_cache)
-    live = torch.full((K, length), cfg.pad_id, dtype=torch.long)  # live hypotheses, best first
-    live_log_probs = torch.tensor([0.0] + [-math.inf] * (K - 1))  # K copies of BOS: only the first extends
-    finished = torch.full((K, length), cfg.pad_id, dtype=torch.long)  # finished hypotheses, best first
-    finished_scores = torch.full((K,), -math.inf)
-    finished_flags = torch.zeros(K, dtype=torch.bool)
+    live = torch.full((K, length), cfg.pad_id, dtype=torch.long, device=device)  # live hypotheses, best first
+    live_log_probs = torch.tensor([0.0] + [-math.inf] * (K - 1), device=device)  # K copies of BOS: one extends
+    finished = torch.full((K, length), cfg.pad_id, dtype=torch.long, device=device)  # finished, best first
+    finished_scores = torch.full((K,), -math.inf, device=device)
+    finished_flags = torch.zeros(K, dtype=torch.bool, device=device)
     for t in range(limit):
         log_probs = _restrict(decoder.step(), t, min_len, cfg)  # (K, V)
         V = log_probs.shape[-1]
@@ -254,7 +260,9 @@ def _beam_search_one(
         candidates = live[parents].clone()
         candidates[:, t] = new_tokens
         ends = (new_tokens == cfg.eos_id) | (t + 1 >= limit)  # EOS, or the length limit
-        finishing = ends & (torch.arange(2 * K) < K)  # only the K best candidates may finish (fairseq's rule)
+        finishing = ends & (
+            torch.arange(2 * K, device=device) < K
+        )  # only the K best candidates may finish (fairseq's rule)
         # Finished set: the K best of the old finished and the candidates that finish, by penalised score.
         new_scores = torch.where(finishing, top_log_probs / length_penalty(t + 1, alpha), -math.inf)
         finished_scores, pick = _top(torch.cat([finished_scores, new_scores]), K)

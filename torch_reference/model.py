@@ -5,6 +5,16 @@ A Flax parameter `encoder/layer_0/self_attention/query/kernel` is the PyTorch pa
 
 Shapes: B batch, S source length, T target length, D d_model, H heads, K head_dim, V vocabulary.
 Masks: True means "may attend" (the same polarity as `jax_transformer.masks`).
+
+Precision follows the Flax model's policy (`config.dtype`, README's "GPU and TPU" table) with explicit casts:
+parameters float32; every matmul in the compute dtype (`linear`: input, weight and bias cast, result in that
+dtype; the logits' matmul keeps its float32 accumulator, `MatmulFloat32Result`); the residual stream, LayerNorm,
+the attention scores after their matmul and the softmax, the feed-forward activation and the logits float32.
+Not `torch.autocast`: on CPU it leaves LayerNorm and softmax outputs in bfloat16 and on CUDA it does not, so it
+could not be the twin of one policy on both devices.
+
+Device: the model computes where its parameters are (`Transformer(config).to("cuda")`); masks and buffers
+follow the inputs, and `torch_reference.training` / `.decoding` move their inputs to the model's device.
 """
 
 from __future__ import annotations
@@ -60,6 +70,38 @@ def decoder_masks(src, tgt_in, pad_id: int, src_segments=None, tgt_segments=None
 # --- modules -----------------------------------------------------------------------------------------
 
 
+def compute_dtype(cfg: TransformerConfig) -> torch.dtype:
+    """The dtype every matmul runs in: torch.float32 or torch.bfloat16 (`config.dtype`)."""
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.dtype]
+
+
+def linear(layer: nn.Linear, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`layer(x)` computed in `dtype`: the input, weight and bias are cast (the parameters stay float32, and
+    autograd returns their gradients in float32); the result is in `dtype`. A no-op cast in float32."""
+    bias = None if layer.bias is None else layer.bias.to(dtype)
+    return F.linear(x.to(dtype), layer.weight.to(dtype), bias)
+
+
+class MatmulFloat32Result(torch.autograd.Function):
+    """x (..., D) @ w.T for w (V, D), operands in a low-precision dtype, result float32 (not rounded to that dtype):
+    the twin of `jax_transformer.model.matmul_float32_result`, used for the logits. Forward: a float32 matmul of
+    the operands' values, which is exactly low-precision operands with float32 accumulation (the product of two
+    bfloat16 numbers is exact in float32; torch's bfloat16 matmul would round its result). Backward: the float32
+    cotangent cast to the operands' dtype, both matmuls in that dtype, as in the Flax model."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, w)
+        return F.linear(x.float(), w.float())
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        x, w = ctx.saved_tensors
+        g = g.to(x.dtype)  # (..., V)
+        dw = g.reshape(-1, g.shape[-1]).T @ x.reshape(-1, x.shape[-1])  # (V, D)
+        return g @ w, dw
+
+
 def _layer_norm(cfg: TransformerConfig) -> nn.LayerNorm:
     """A LayerNorm over d_model; its bias (beta) only with `norm_bias`, as in the Flax model."""
     return nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps, bias=cfg.norm_bias)
@@ -80,20 +122,28 @@ class MultiHeadAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, memory: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """x (B, Tq, D) queries' input; memory (B, Tk, D) keys' input (pass x for self-attention)."""
-        B, Tq, _ = x.shape
-        H, K = self.cfg.num_heads, self.cfg.head_dim
-        q = self.query(x).view(B, Tq, H, K)
-        k = self.key(memory).view(B, -1, H, K)
-        v = self.value(memory).view(B, -1, H, K)
-        scores = torch.einsum("bqhk,bshk->bhqs", q, k) / math.sqrt(K)  # (B, H, Tq, Tk)
+        q, k, v = self.project(self.query, x), self.project(self.key, memory), self.project(self.value, memory)
+        return self.attend(q, k, v, mask)
+
+    def project(self, layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        """(B, T, D) -> (B, T, H, K) through one of the query/key/value projections, in the compute dtype."""
+        return linear(layer, x, compute_dtype(self.cfg)).view(x.shape[0], -1, self.cfg.num_heads, self.cfg.head_dim)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """Projected q (B, Tq, H, K), k and v (B, Tk, H, K), mask broadcastable to (B, H, Tq, Tk) or None ->
+        the output projection of the attention (B, Tq, D)."""
+        B, Tq, H, K = q.shape
+        # The scores leave the matmul in the compute dtype; scaling, masking and softmax run in float32.
+        scores = torch.einsum("bqhk,bshk->bhqs", q, k).float() / math.sqrt(K)  # (B, H, Tq, Tk)
         # A large finite negative instead of -inf keeps all-padding rows finite (uniform), as in the Flax model.
-        scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
-        probs = torch.softmax(scores, dim=-1)  # (B, H, Tq, Tk)
+        if mask is not None:
+            scores = scores.masked_fill(~mask, torch.finfo(torch.float32).min)
+        probs = torch.softmax(scores, dim=-1)  # (B, H, Tq, Tk) float32
         if self.recorder is not None:
             sink, name = self.recorder
             sink[name] = probs.detach()
-        out = torch.einsum("bhqs,bshk->bqhk", self.dropout(probs), v).reshape(B, Tq, self.cfg.d_model)
-        return self.out(out)
+        out = torch.einsum("bhqs,bshk->bqhk", self.dropout(probs).to(v.dtype), v).reshape(B, Tq, H * K)
+        return linear(self.out, out, compute_dtype(self.cfg))
 
 
 class FeedForward(nn.Module):
@@ -105,15 +155,19 @@ class FeedForward(nn.Module):
         self.linear2 = nn.Linear(cfg.d_ff, cfg.d_model, bias=cfg.ffn_bias)
         self.activation = nn.ReLU() if cfg.activation == "relu" else nn.GELU(approximate="none")
         self.dropout = nn.Dropout(cfg.activation_dropout)
+        self.compute_dtype = compute_dtype(cfg)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear2(self.dropout(self.activation(self.linear1(x))))
+        h = linear(self.linear1, x, self.compute_dtype).float()  # (B, T, F)
+        # The activation and dropout in float32; linear2 casts the result to the compute dtype.
+        return linear(self.linear2, self.dropout(self.activation(h)), self.compute_dtype)  # (B, T, D), compute dtype
 
 
 class Residual(nn.Module):
     """Residual connection with dropout around a sub-layer, normalised after (post-norm, the paper) or before
     (pre-norm, the Annotated Transformer). Holds only the dropout; the LayerNorm is passed in so that parameter
-    names stay flat (`self_attention_norm`), as in the Flax model."""
+    names stay flat (`self_attention_norm`), as in the Flax model. The residual stream is float32: the sub-layer's
+    output (compute dtype) is upcast before dropout and the sum."""
 
     def __init__(self, cfg: TransformerConfig):
         super().__init__()
@@ -122,8 +176,8 @@ class Residual(nn.Module):
 
     def forward(self, x, sublayer, norm):
         if self.norm_first:
-            return x + self.dropout(sublayer(norm(x)))
-        return norm(x + self.dropout(sublayer(x)))
+            return x + self.dropout(sublayer(norm(x)).float())
+        return norm(x + self.dropout(sublayer(x).float()))
 
 
 class EncoderLayer(nn.Module):
@@ -257,9 +311,18 @@ class Transformer(nn.Module):
         return self.decoder(self._embed("target", tgt_in), memory, self_mask, cross_mask, tgt_positions)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.cfg.tie_output:
-            return F.linear(hidden, self._embedding("target").weight)
-        return self.output_proj(hidden)
+        """(B, T, D) -> (B, T, V) float32: operands in the compute dtype, the result the float32 accumulator (as
+        the Flax model); the untied projection's bias, cast to the compute dtype, is added to it."""
+        dtype = compute_dtype(self.cfg)
+        weight, bias = (
+            (self._embedding("target").weight, None)
+            if self.cfg.tie_output
+            else (self.output_proj.weight, self.output_proj.bias)
+        )
+        if dtype == torch.float32:
+            return F.linear(hidden, weight, bias)
+        logits = MatmulFloat32Result.apply(hidden.to(dtype), weight.to(dtype))
+        return logits if bias is None else logits + bias.to(dtype)
 
     def decode(self, memory, src, tgt_in, **packing) -> torch.Tensor:
         """memory (B, S, D), src (B, S), tgt_in (B, T) -> logits (B, T, V)."""

@@ -51,23 +51,35 @@ def make_optimizer(model: nn.Module, opt: OptimConfig, **implementation):
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
 
 
-def _as_tensor(x) -> torch.Tensor:
-    return x if isinstance(x, torch.Tensor) else torch.from_numpy(np.asarray(x, dtype=np.int64))
+def _as_tensor(x, device: torch.device) -> torch.Tensor:
+    """Token ids (numpy or torch) as a long tensor on the model's device."""
+    x = x if isinstance(x, torch.Tensor) else torch.from_numpy(np.asarray(x, dtype=np.int64))
+    return x.to(device=device, dtype=torch.long)
 
 
 def train_step(
-    model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, batch: Mapping[str, object], opt: OptimConfig
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler,
+    batch: Mapping[str, object],
+    opt: OptimConfig,
+    autocast: torch.dtype | None = None,
 ) -> dict[str, float]:
     """One update on a batch of src / tgt_in / tgt_out ids (numpy or torch; packed rows with PACKING_KEYS too):
     label-smoothed cross-entropy averaged over real target tokens, backward, optional gradient-norm clipping, Adam
     step, schedule step. Returns the batch's loss sums (before the update) as floats. Dropout follows
-    model.train()/eval(). `model` may be wrapped (torch.compile); its config is read off the unwrapped module."""
+    model.train()/eval(). `model` may be wrapped (torch.compile); its config is read off the unwrapped module. The
+    step runs on the model's device (the batch is moved there) in its config's compute dtype (`config.dtype`).
+    `autocast` (benchmarks only) runs the forward pass and loss under torch.autocast to that dtype: PyTorch's usual
+    mixed precision, which is not the twin's policy (see torch_reference.model), to compare speeds with."""
     cfg = getattr(model, "_orig_mod", model).cfg
-    src, tgt_in, tgt_out = (_as_tensor(batch[k]) for k in ("src", "tgt_in", "tgt_out"))
-    packing = {k: _as_tensor(batch[k]) for k in PACKING_KEYS if k in batch}  # packed rows
+    device = next(model.parameters()).device
+    src, tgt_in, tgt_out = (_as_tensor(batch[k], device) for k in ("src", "tgt_in", "tgt_out"))
+    packing = {k: _as_tensor(batch[k], device) for k in PACKING_KEYS if k in batch}  # packed rows
     optimizer.zero_grad(set_to_none=True)
-    logits = model(src, tgt_in, **packing)  # (B, T, V)
-    sums = loss_sums(logits, tgt_out, cfg.pad_id, opt.label_smoothing)
+    with torch.autocast(device.type, dtype=autocast, enabled=autocast is not None):
+        logits = model(src, tgt_in, **packing)  # (B, T, V)
+        sums = loss_sums(logits.float(), tgt_out, cfg.pad_id, opt.label_smoothing)
     (sums["loss"] / sums["tokens"].clamp(min=1.0)).backward()
     if opt.clip_norm is not None:
         torch.nn.utils.clip_grad_norm_(model.parameters(), opt.clip_norm)
