@@ -6,8 +6,9 @@ directory that is renamed when complete, so a process killed mid-save leaves the
     <run>/checkpoints/<step>/state   the train state as a nested dict of arrays: step, params, optimiser state,
                                      the base dropout key's raw words (`training.state_for_saving`)
     <run>/checkpoints/<step>/meta    JSON: model config, optimiser config, data position (BatchStream.state()),
-                                     run settings and the SentencePiece model (base64), so translation later
-                                     uses exactly the training vocabulary
+                                     run settings, the run loop's own state (`loop_state`: early stopping's
+                                     best score and counter) and the SentencePiece model (base64), so
+                                     translation later uses exactly the training vocabulary
     <run>/checkpoints/<step>/metrics JSON: validation score of that step, when it was evaluated
 
 Which steps are kept: the last `keep` saved plus the best by validation score (orbax's LatestN and BestN
@@ -79,6 +80,7 @@ class Checkpoint:
     data_state: dict[str, int] | None
     run: dict[str, Any]
     format: int = FORMAT_VERSION
+    loop_state: dict[str, Any] | None = None  # the run loop's state (trainer.EarlyStopping); None before it existed
 
     @property
     def params(self):
@@ -172,9 +174,11 @@ class CheckpointManager:
         data_state: Mapping[str, int] | None = None,
         run: Mapping[str, Any] | None = None,
         metrics: Mapping[str, float] | None = None,
+        loop_state: Mapping[str, Any] | None = None,
     ) -> None:
         """Saves `state` (a nested dict of arrays: `training.state_for_saving(train_state)`) as `step`,
-        asynchronously. `metrics` needs a "score" (higher is better) to take part in the choice of the best step."""
+        asynchronously. `metrics` needs a "score" (higher is better) to take part in the choice of the best step.
+        `loop_state`: JSON the run loop restores on resume (this module does not read it)."""
         self._manager.wait_until_finished()  # one save at a time: the previous one is on disk before the next
         # A host copy: the training step donates the device buffers of the live state, so the background
         # writer must not read them.
@@ -186,6 +190,7 @@ class CheckpointManager:
             "optim": dict(optim),
             "data_state": None if data_state is None else dict(data_state),
             "run": dict(run or {}),
+            "loop_state": None if loop_state is None else dict(loop_state),
             "tokenizer": base64.b64encode(tokenizer.to_bytes()).decode("ascii"),
         }
         self._manager.save(
@@ -240,6 +245,7 @@ class CheckpointManager:
             data_state=meta.get("data_state"),
             run=meta.get("run", {}),
             format=meta["format"],
+            loop_state=meta.get("loop_state"),
         )
 
 

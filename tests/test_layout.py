@@ -26,6 +26,7 @@ LAYERS = [
     ("evaluation", "visualize"),
     ("checkpoint",),
     ("export",),  # PyTorch / safetensors weight files
+    ("averaging", "verify"),  # checkpoint averaging; a trained checkpoint against its PyTorch twin (via export)
     ("trainer",),  # the run loop
     ("run",),  # setting up a run
 ]
