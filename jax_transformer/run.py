@@ -192,8 +192,8 @@ def prepare(
     # --- settings: given, else stored, else the recipe's ------------------------------------------------------------
     recipe_name = _choose_recipe(recipe, given["data"], stored)
     recipe_settings = RECIPES[recipe_name] if recipe_name else {}
-    task_defaults = {group: dict(recipe_settings.get(group, {})) for group in GROUPS}
-    data_config = _resolve_data(given["data"], stored, task_defaults["data"])
+    recipe_defaults = {group: dict(recipe_settings.get(group, {})) for group in GROUPS}
+    data_config = _resolve_data(given["data"], stored, recipe_defaults["data"])
     task = "numbers" if data_config.uses_default_task else "files"
     if stored is not None:
         _check_frozen("seed", seed, stored["seed"])
@@ -203,10 +203,10 @@ def prepare(
         _check_frozen("best_metric", given["loop"].get("best_metric"), stored["loop"].get("best_metric", "bleu"))
     seed = stored["seed"] if stored is not None else (0 if seed is None else seed)
     optim_config = OptimConfig.from_dict(
-        {**task_defaults["optim"], **(stored or {}).get("optim", {}), **given["optim"]}, source="optimiser settings"
+        {**recipe_defaults["optim"], **(stored or {}).get("optim", {}), **given["optim"]}, source="optimiser settings"
     )
     loop_config = LoopConfig.from_dict(
-        {**task_defaults["loop"], **(stored or {}).get("loop", {}), **given["loop"]}, source="loop settings"
+        {**recipe_defaults["loop"], **(stored or {}).get("loop", {}), **given["loop"]}, source="loop settings"
     )
 
     # --- data ---------------------------------------------------------------------------------------------------
@@ -228,11 +228,11 @@ def prepare(
 
     # --- tokenizer, model config and initial weights --------------------------------------------------------------
     explicit_preset = preset_name
-    recipe_preset = RECIPES[recipe_name].get("preset") if recipe_name else None
+    recipe_preset = recipe_settings.get("preset")
     preset_name = preset_name or (stored or {}).get("preset") or recipe_preset or DEFAULT_PRESET[task]
     if preset_name not in PRESETS:
         raise ConfigError(f"unknown preset {preset_name!r}; choose one of {sorted(PRESETS)}")
-    model_fields = {**task_defaults["model"], **given["model"]}
+    model_fields = {**recipe_defaults["model"], **given["model"]}
     params = None
     if restored is not None:
         tokenizer = restored.tokenizer

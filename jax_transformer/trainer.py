@@ -87,7 +87,7 @@ class LoopConfig:
     patience: int | None = setting(
         None,
         "stop when the validation score (--best-metric) has not improved for this many evaluations in a row, "
-        "as fairseq's --patience (default: never stop early)",
+        "as fairseq's --patience; none: never stop early",
     )
 
     def __post_init__(self) -> None:
@@ -490,6 +490,8 @@ class Trainer:
         try:
             with StopSignals() as signals:
                 if self._eval_due():  # resumed from a step whose evaluation a signal pre-empted: do it now
+                    # (early stopping counts it as the uninterrupted run did; that step's checkpoint is already on
+                    # disk without a score, so it cannot become the best one)
                     self._validate()
                 stopped_by = self._stop_reason(signals)
                 while stopped_by is None:

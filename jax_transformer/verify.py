@@ -261,15 +261,18 @@ def verify(
 ) -> VerifyReport:
     """Steps 1-4 of the module docstring on a loaded checkpoint, its teacher-forcing `batches` (dicts of src,
     tgt_in, tgt_out) and the `sources` / `references` text of the same validation set."""
+    import time
+
     import torch
 
+    began = time.time()
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     with jax.default_matmul_precision("highest"):
         torch_model = torch_twin_from_export(loaded, device)
         print_fn(f"exported step {loaded.step} to PyTorch (safetensors, torch_reference.Transformer, strict load)")
         logits = compare_logits(loaded, torch_model, batches, device, progress)
-        print_fn(f"teacher forcing: largest |logit difference| {logits['diff']:.3e}")
+        print_fn(f"teacher forcing: largest |logit difference| {logits['diff']:.3e} ({time.time() - began:.0f} s)")
         decodings = []
         for beam in dict.fromkeys([1, beam_size]):  # greedy, then the beam (once if beam_size is 1)
             comparison = compare_decoding(
@@ -283,7 +286,10 @@ def verify(
                 device=device,
                 progress=progress,
             )
-            print_fn(f"{comparison.name}: {comparison.identical}/{comparison.sentences} sentences identical")
+            print_fn(
+                f"{comparison.name}: {comparison.identical}/{comparison.sentences} sentences identical "
+                f"({time.time() - began:.0f} s)"
+            )
             decodings.append(comparison)
     return VerifyReport(
         step=loaded.step,

@@ -245,7 +245,7 @@ def run_curve(path: str | os.PathLike, label: str | None = None) -> RunCurve:
             offset += previous
         previous = elapsed
         minutes_of.append((offset + elapsed) / 60.0)
-    curve = RunCurve(label or Path(path).name, [], [], [], None)
+    curve = RunCurve(label or str(path), [], [], [], None)
     for record, minutes in zip(records, minutes_of):
         if record.get("kind") != "eval":
             continue

@@ -6,13 +6,16 @@ model of tests/helpers_training.py (runs in one process share their compiled ste
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 
 import jax
 import numpy as np
 import pytest
 
 from jax_transformer import checkpoint as ckpt_lib
+from jax_transformer import trainer as trainer_lib
 from jax_transformer import training
 from jax_transformer.averaging import average_checkpoints, average_params
 from jax_transformer.data import Tokenizer
@@ -65,6 +68,22 @@ def early_stopped(tmp_path_factory):
         first = run_main(tiny_train_args(run_dir, train, steps=stop, valid=valid, extra=flags))
         resumed = run_main(["train", "--resume", str(run_dir), "--steps", str(BUDGET), "--no-progress"])
         runs[f"stopped_at_{stop}"] = (first, resumed)
+    # A SIGINT right after step 6, before its evaluation: the run saves step 6 unevaluated and exits; the resumed
+    # run must make that evaluation up before its first step.
+    run_dir = root / "interrupted_at_6"
+    real_step = trainer_lib.Trainer._one_step
+
+    def step_then_interrupt(self, bar):
+        real_step(self, bar)
+        if self.step == 6:
+            os.kill(os.getpid(), signal.SIGINT)  # caught by the loop's StopSignals handler
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(trainer_lib.Trainer, "_one_step", step_then_interrupt)
+        first = run_main(tiny_train_args(run_dir, train, steps=BUDGET, valid=valid, extra=flags))
+    runs["evaluated_before_the_signal"] = [r["step"] for r in _eval_records(run_dir)]
+    resumed = run_main(["train", "--resume", str(run_dir), "--no-progress"])
+    runs["interrupted_at_6"] = (first, resumed)
     return root, runs
 
 
@@ -92,28 +111,36 @@ def test_patience_stops_where_fairseqs_rule_says(early_stopped):
     }
 
 
-@pytest.mark.parametrize("stop", [6, 7])
-def test_resumed_run_stops_at_the_same_step(early_stopped, stop):
+@pytest.mark.parametrize("case", ["stopped_at_6", "stopped_at_7", "interrupted_at_6"])
+def test_resumed_run_stops_at_the_same_step(early_stopped, case):
     root, runs = early_stopped
-    (code, out, err), (code2, out2, err2) = runs[f"stopped_at_{stop}"]
-    assert code == 0 and code2 == 0, out + err + out2 + err2
-    assert f"done: step {stop} (steps)" in out
+    (code, out, err), (code2, out2, err2) = runs[case]
+    if case.startswith("interrupted"):
+        assert code == 130 and "stopped by SIGINT at step 6" in out, out + err
+        assert runs["evaluated_before_the_signal"] == [3]  # step 6 was left for the resumed run
+    else:
+        assert code == 0, out + err
+        assert f"done: step {case[-1]} (steps)" in out
+    assert code2 == 0, out2 + err2
     straight_out = runs["straight"][1]
     stopped = re.search(r"done: step (\d+) \(patience\)", straight_out).group(1)
     assert f"done: step {stopped} (patience)" in out2
-    # The same evaluations, counted the same way, and bit-identical final parameters (the resume is exact).
-    straight = {r["step"]: (r["valid_loss"], r["bad_evals"]) for r in _eval_records(root / "straight")}
-    resumed = {r["step"]: (r["valid_loss"], r["bad_evals"]) for r in _eval_records(root / f"stopped_at_{stop}")}
+    # The same evaluations, each once, counted the same way, and bit-identical final parameters (the resume is
+    # exact).
+    straight = [(r["step"], r["valid_loss"], r["bad_evals"]) for r in _eval_records(root / "straight")]
+    resumed = [(r["step"], r["valid_loss"], r["bad_evals"]) for r in _eval_records(root / case)]
     assert resumed == straight
     a = flat(ckpt_lib.load(root / "straight", "latest").params)
-    b = flat(ckpt_lib.load(root / f"stopped_at_{stop}", "latest").params)
+    b = flat(ckpt_lib.load(root / case, "latest").params)
     assert all(np.array_equal(a[k], b[k]) for k in a)
 
 
-def test_resume_keeps_the_best_metric(early_stopped):
+def test_resume_keeps_the_best_metric_and_the_recipe(early_stopped):
     root, _ = early_stopped
     code, out, err = run_main(["train", "--resume", str(root / "straight"), "--best-metric", "bleu", "--no-progress"])
     assert code == 1 and "best_metric='loss'" in err and "best_metric='bleu'" in err and "Traceback" not in err
+    code, out, err = run_main(["train", "--resume", str(root / "straight"), "--recipe", "multi30k", "--no-progress"])
+    assert code == 1 and "started with recipe None" in err and "leave out --recipe" in err
 
 
 def test_patience_must_be_positive(tmp_path):
@@ -281,18 +308,16 @@ def test_evaluate_sweeps_beam_and_alpha(trained):
 
 
 @pytest.fixture
-def one_torch_thread():
-    """The tiny model's PyTorch decoding is several times faster on one thread on a busy machine (no hand-offs
-    between threads waiting for a core), as in parity_tests/test_decoding_parity.py."""
+def torch_threads_restored():
+    """`verify` sets torch's thread count for its process (--torch-threads, default 1); later tests get theirs back."""
     import torch
 
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
 
 
-def test_verify_a_trained_checkpoint_against_its_pytorch_twin(trained, tmp_path, one_torch_thread):
+def test_verify_a_trained_checkpoint_against_its_pytorch_twin(trained, tmp_path, torch_threads_restored):
     root, _ = trained
     report_path = tmp_path / "verify.json"
     code, out, err = run_main(
