@@ -106,10 +106,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument(
         "--recipe",
-        choices=sorted(RECIPES),
+        metavar="NAME",
         help="a named set of settings (jax_transformer.run.RECIPES) under the flags given: "
         + "; ".join(f"{name}: {recipe['about']}" for name, recipe in sorted(RECIPES.items()))
-        + " (default: numbers without data files, none with them)",
+        + "; or a recipe JSON file of the same form (default: numbers without data files, none with them)",
     )
     g.add_argument("--seed", type=int, help="seed of initialisation, dropout and data order (default 0)")
     add_settings(t, DataConfig, "data", "data (UTF-8 text, one sentence per line; or source<TAB>target lines)")

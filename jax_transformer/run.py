@@ -22,6 +22,7 @@ names the setting that did.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import time
 from collections.abc import Callable, Mapping
@@ -69,8 +70,10 @@ NUMBERS_TASK_DEFAULTS: dict[str, dict[str, Any]] = {
 DEFAULT_PRESET = {"numbers": "tiny", "files": "small"}
 
 # Named recipes: the settings of a measured training command, by name (`train.py train --recipe NAME`). A recipe
-# fills each group below what is given (and, on a resume, below what the checkpoint stored); "preset" is the
-# model preset it starts from. To make a recipe the default for data files, name it in DEFAULT_RECIPE["files"].
+# fills each group below what is given; "preset" is the model preset it starts from. A JSON file of the same form
+# is a recipe too (`--recipe my-recipe.json`: {"about": ..., "preset": ..., "model": {...}, "data": {...},
+# "optim": {...}, "loop": {...}}, every key optional). To make a recipe the default for data files, name it in
+# DEFAULT_RECIPE["files"].
 RECIPES: dict[str, dict[str, Any]] = {
     "numbers": {
         "about": "the built-in numbers task's defaults (tiny model, ~2 minutes on 2 CPU cores)",
@@ -154,7 +157,8 @@ def prepare(
     preset_name: "tiny", "small" or "base" (default: the recipe's, else tiny for the numbers task, small for files);
     seed: of initialisation, dropout and data order (default 0);
     model / data / optim / loop: partial dicts of TransformerConfig / DataConfig / OptimConfig / LoopConfig fields;
-    recipe: a name in RECIPES whose settings fill what is not given (default: DEFAULT_RECIPE of the task).
+    recipe: a name in RECIPES, or a recipe JSON file, whose settings fill what is not given (default:
+      DEFAULT_RECIPE of the task); a resume keeps the settings it stored.
     """
     start_time = time.time() if start_time is None else start_time
     given = {"model": dict(model or {}), "data": dict(data or {}), "optim": dict(optim or {}), "loop": dict(loop or {})}
@@ -191,7 +195,8 @@ def prepare(
 
     # --- settings: given, else stored, else the recipe's ------------------------------------------------------------
     recipe_name = _choose_recipe(recipe, given["data"], stored)
-    recipe_settings = RECIPES[recipe_name] if recipe_name else {}
+    # A resume has every setting stored already; a fresh run takes what is not given from its recipe.
+    recipe_settings = load_recipe(recipe_name) if recipe_name and stored is None else {}
     recipe_defaults = {group: dict(recipe_settings.get(group, {})) for group in GROUPS}
     data_config = _resolve_data(given["data"], stored, recipe_defaults["data"])
     task = "numbers" if data_config.uses_default_task else "files"
@@ -383,10 +388,37 @@ def _init_from_torch(
     return params, config, tokenizer
 
 
+def load_recipe(name: str) -> dict[str, Any]:
+    """RECIPES[name], or the recipe in the JSON file `name` (see RECIPES), checked: ConfigError naming the file
+    and the group for unknown keys or fields, or values the settings refuse."""
+    if name in RECIPES:
+        return RECIPES[name]
+    path = Path(name)
+    if not path.is_file():
+        raise ConfigError(f"unknown recipe {name!r}: neither one of {sorted(RECIPES)} nor a recipe JSON file")
+    try:
+        recipe = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"recipe {path}: cannot read it as JSON: {e}") from None
+    known = {"about", "preset", *GROUPS}
+    if not isinstance(recipe, dict) or set(recipe) - known:
+        unknown = sorted(set(recipe) - known) if isinstance(recipe, dict) else type(recipe).__name__
+        raise ConfigError(f"recipe {path}: a JSON object with keys among {sorted(known)} expected, got {unknown}")
+    if recipe.get("preset") is not None and recipe["preset"] not in PRESETS:
+        raise ConfigError(f"recipe {path}: unknown preset {recipe['preset']!r}; choose one of {sorted(PRESETS)}")
+    classes = {"model": TransformerConfig, "data": DataConfig, "optim": OptimConfig, "loop": LoopConfig}
+    for group, cls in classes.items():
+        values = recipe.get(group, {})
+        if not isinstance(values, dict):
+            raise ConfigError(f"recipe {path}: {group!r} must be a JSON object of {cls.__name__} fields")
+        cls.from_dict(values, source=f"recipe {path}, {group!r}")
+    return recipe
+
+
 def _choose_recipe(name: str | None, given_data: Mapping[str, Any], stored: Mapping[str, Any] | None) -> str | None:
     """The recipe of a run: the one named, else (on a resume) the stored one, else the task's default."""
-    if name is not None and name not in RECIPES:
-        raise ConfigError(f"unknown recipe {name!r}; choose one of {sorted(RECIPES)}")
+    if name is not None and stored is None:
+        load_recipe(name)  # fails early, naming what is wrong
     if stored is not None:
         saved = stored.get("recipe")
         if name is not None and name != saved:

@@ -426,6 +426,20 @@ def test_recipes_fill_what_is_not_given(tmp_path):
     with pytest.raises(run.ConfigError, match="unknown recipe 'nope'"):
         run.prepare(run_dir=tmp_path / "other", recipe="nope", print_fn=lambda s: None)
 
+    # A recipe in a JSON file, as one is tried before it earns a name: it fills what the flags leave out.
+    recipe_file = tmp_path / "trial.json"
+    trial = {"about": "a trial", "optim": {"warmup_steps": 123, "label_smoothing": 0.2}, "loop": {"keep": 2}}
+    recipe_file.write_text(json.dumps(trial))
+    code, out, err = run_main(tiny_train_args(tmp_path / "trial", train, steps=0, extra=("--recipe", str(recipe_file))))
+    assert code == 0, out + err
+    stored = ckpt_lib.load(tmp_path / "trial", "latest")
+    assert stored.optim["label_smoothing"] == 0.2 and stored.run["loop"]["keep"] == 2  # from the recipe
+    assert stored.optim["warmup_steps"] == 20  # given by tiny_train_args: flags win over the recipe
+    assert stored.run["recipe"] == str(recipe_file)
+    recipe_file.write_text(json.dumps({"optim": {"warmup": 5}}))
+    code, out, err = run_main(tiny_train_args(tmp_path / "bad", train, steps=0, extra=("--recipe", str(recipe_file))))
+    assert code == 1 and str(recipe_file) in err and "'optim'" in err and "warmup" in err and "Traceback" not in err
+
 
 # --- the twin's training curve (benchmarks/twin_curve.py) ---------------------------------------------------------
 
