@@ -6,8 +6,9 @@ directory that is renamed when complete, so a process killed mid-save leaves the
     <run>/checkpoints/<step>/state   the train state as a nested dict of arrays: step, params, optimiser state,
                                      the base dropout key's raw words (`training.state_for_saving`)
     <run>/checkpoints/<step>/meta    JSON: model config, optimiser config, data position (BatchStream.state()),
-                                     run settings and the SentencePiece model (base64), so translation later
-                                     uses exactly the training vocabulary
+                                     run settings, the run loop's own state (`loop_state`: early stopping's
+                                     best score and counter) and the SentencePiece model (base64), so
+                                     translation later uses exactly the training vocabulary
     <run>/checkpoints/<step>/metrics JSON: validation score of that step, when it was evaluated
 
 Which steps are kept: the last `keep` saved plus the best by validation score (orbax's LatestN and BestN
@@ -102,6 +103,7 @@ class Checkpoint:
     run: dict[str, Any]
     format: int = FORMAT_VERSION
     verified: bool = True  # checksums compared; False for formats 1 and 2, which have none
+    loop_state: dict[str, Any] | None = None  # the run loop's state (trainer.EarlyStopping); None before it existed
 
     @property
     def params(self):
@@ -259,10 +261,12 @@ class CheckpointManager:
         data_state: Mapping[str, int] | None = None,
         run: Mapping[str, Any] | None = None,
         metrics: Mapping[str, float] | None = None,
+        loop_state: Mapping[str, Any] | None = None,
     ) -> None:
         """Saves `state` (a nested dict of arrays: `training.state_for_saving(train_state)`) as `step`,
         asynchronously. `metrics` needs a "score" (higher is better) to take part in the choice of the best step.
-        A failure of this save or of the previous one is a CheckpointError (see `_save_failed`)."""
+        `loop_state`: JSON the run loop restores on resume (this module does not read it). A failure of this save or
+        of the previous one is a CheckpointError (see `_save_failed`)."""
         self._finish_pending()  # one save at a time: the previous one is on disk before the next
         # A host copy: the training step donates the device buffers of the live state, so the background
         # writer must not read them.
@@ -274,6 +278,7 @@ class CheckpointManager:
             "optim": dict(optim),
             "data_state": None if data_state is None else dict(data_state),
             "run": dict(run or {}),
+            "loop_state": None if loop_state is None else dict(loop_state),
             "tokenizer": base64.b64encode(tokenizer.to_bytes()).decode("ascii"),
         }
         meta["checksums"] = {"arrays": array_checksums(host_state), "meta": _meta_checksum(meta)}
@@ -388,6 +393,7 @@ class CheckpointManager:
             run=meta.get("run", {}),
             format=meta["format"],
             verified=verified,
+            loop_state=meta.get("loop_state"),
         )
 
     def _verify_arrays(self, step: int, state, expected: Mapping[str, str]) -> None:

@@ -9,9 +9,9 @@
 Settings come in five groups, each the fields of one dataclass: `model` (`TransformerConfig`), `data`
 (`DataConfig`), `optim` (`OptimConfig`), `loop` (`LoopConfig`) and `parallel` (`ParallelConfig`); `train.py`'s
 flags are those field names. A group given as a partial dict is completed from, in this order of precedence:
-what is given; on a resume, what the checkpoint stored; the defaults of the task (the built-in numbers task when
-no data files are given, which has its own small defaults in `NUMBERS_TASK_DEFAULTS`); the dataclass defaults.
-`parallel` describes the machine, not the run, and is never restored: a resume may use other devices.
+what is given; on a resume, what the checkpoint stored; the recipe (`RECIPES`: a measured set of settings by
+name, `--recipe NAME`; by default `DEFAULT_RECIPE` of the task: "numbers" for the built-in numbers task, whose
+small defaults are `NUMBERS_TASK_DEFAULTS`); the dataclass defaults. `parallel` describes the machine, not the run, and is never restored: a resume may use other devices.
 
 A multi-process run (`parallel` with a coordinator, see `jax_transformer.distributed`) calls `prepare` in every
 process with the same settings: all read and encode the data, process 0 alone trains the tokenizer and writes
@@ -82,6 +82,39 @@ NUMBERS_TASK_DEFAULTS: dict[str, dict[str, Any]] = {
 }
 DEFAULT_PRESET = {"numbers": "tiny", "files": "small"}
 
+# Named recipes: the settings of a measured training command, by name (`train.py train --recipe NAME`). A recipe
+# fills each group below what is given; "preset" is the model preset it starts from. A JSON file of the same form
+# is a recipe too (`--recipe my-recipe.json`: {"about": ..., "preset": ..., "model": {...}, "data": {...},
+# "optim": {...}, "loop": {...}}, every key optional). To make a recipe the default for data files, name it in
+# DEFAULT_RECIPE["files"].
+RECIPES: dict[str, dict[str, Any]] = {
+    "numbers": {
+        "about": "the built-in numbers task's defaults (tiny model, ~2 minutes on 2 CPU cores)",
+        "preset": "tiny",
+        **NUMBERS_TASK_DEFAULTS,
+    },
+    "multi30k": {
+        "about": "README's Multi30k de->en command: small preset, joint 6000-piece vocabulary, ~4096-token "
+        "batches, warmup 300, lr scale 0.5, clip 1.0, 50 minutes, greedy BLEU on 200 sentences every 500 steps",
+        "preset": "small",
+        "model": {},
+        "data": {"vocab_size": 6000, "max_tokens": 4096},
+        "optim": {"warmup_steps": 300, "lr_scale": 0.5, "clip_norm": 1.0},
+        "loop": {
+            "steps": 100000,
+            "max_minutes": 50.0,
+            "eval_every": 500,
+            "save_every": 250,
+            "eval_sentences": 200,
+            "eval_beam_size": 1,
+            "beam_size": 4,
+        },
+    },
+}
+# The recipe a run gets when none is named: the numbers task's own; for data files none yet (the dataclass
+# defaults and the preset), until a recipe measured better on real data takes its place.
+DEFAULT_RECIPE: dict[str, str | None] = {"numbers": "numbers", "files": None}
+
 # What an exact resume needs unchanged (validation files, the loop's budgets and the decoding may change).
 FROZEN_DATA_FIELDS = (
     "src",
@@ -150,10 +183,12 @@ def prepare(
     lock: hold the run directory's lock (`lock_run_dir`) until the run ends; in a multi-process run process 0
       alone takes it, and alone tidies the checkpoint folder on a resume;
     init_from_torch: start from the weights of a PyTorch file (`jax_transformer.export`);
-    preset_name: "tiny", "small" or "base" (default: tiny for the numbers task, small for files);
+    preset_name: "tiny", "small" or "base" (default: the recipe's, else tiny for the numbers task, small for files);
     seed: of initialisation, dropout and data order (default 0);
     model / data / optim / loop / parallel: partial dicts of TransformerConfig / DataConfig / OptimConfig /
-      LoopConfig / ParallelConfig fields (`distributed.ParallelConfig`: how many devices and processes).
+      LoopConfig / ParallelConfig fields (`distributed.ParallelConfig`: how many devices and processes);
+    recipe: a name in RECIPES, or a recipe JSON file, whose settings fill what is not given (default:
+      DEFAULT_RECIPE of the task); a resume keeps the settings it stored.
     """
     # First the processes join (before anything starts JAX's backends); from here on only process 0 prints.
     parallel = distributed.ParallelConfig.from_dict(dict(settings.pop("parallel", None) or {}))
@@ -200,6 +235,7 @@ def _prepare(
     optim: Mapping[str, Any] | None = None,
     loop: Mapping[str, Any] | None = None,
     parallel: Mapping[str, Any] | None = None,
+    recipe: str | None = None,
     start_time: float | None = None,
     print_fn: Callable[[str], None] = print,
 ) -> PreparedRun:
@@ -223,6 +259,12 @@ def _prepare(
                 f"give the run directory of an earlier `train.py train`"
             )
         restored = restore_for_resume(run_dir, strict=strict_resume, owner=owner, print_fn=print_fn)
+        if "averaged_from" in restored.run:
+            raise UsageError(
+                f"--resume {run_dir}: this is an average of checkpoints ({restored.run['averaged_from']}): it holds "
+                f"parameters only, no optimiser state or data position, so it cannot continue a run. Use it with "
+                f"evaluate/translate/export; resume the original run directory instead"
+            )
         stored = stored_settings(restored)
         print_fn(f"resuming {run_dir} from step {restored.step}")
     else:
@@ -233,20 +275,25 @@ def _prepare(
                 f"{run_dir} already holds checkpoints: continue it with --resume {run_dir}, or choose another --run-dir"
             )
 
-    # --- settings: given, else stored, else the task's defaults -------------------------------------------------
-    data_config = _resolve_data(given["data"], stored)
+    # --- settings: given, else stored, else the recipe's ------------------------------------------------------------
+    recipe_name = _choose_recipe(recipe, given["data"], stored)
+    # A resume has every setting stored already; a fresh run takes what is not given from its recipe.
+    recipe_settings = load_recipe(recipe_name) if recipe_name and stored is None else {}
+    recipe_defaults = {group: dict(recipe_settings.get(group, {})) for group in GROUPS}
+    data_config = _resolve_data(given["data"], stored, recipe_defaults["data"])
     task = "numbers" if data_config.uses_default_task else "files"
-    task_defaults = NUMBERS_TASK_DEFAULTS if task == "numbers" else {group: {} for group in GROUPS}
     if stored is not None:
         _check_frozen("seed", seed, stored["seed"])
         for name, value in given["optim"].items():
             _check_frozen(name, value, stored["optim"].get(name))
+        # The best checkpoint so far and early stopping's best score were chosen by the stored metric.
+        _check_frozen("best_metric", given["loop"].get("best_metric"), stored["loop"].get("best_metric", "bleu"))
     seed = stored["seed"] if stored is not None else (0 if seed is None else seed)
     optim_config = OptimConfig.from_dict(
-        {**task_defaults["optim"], **(stored or {}).get("optim", {}), **given["optim"]}, source="optimiser settings"
+        {**recipe_defaults["optim"], **(stored or {}).get("optim", {}), **given["optim"]}, source="optimiser settings"
     )
     loop_config = LoopConfig.from_dict(
-        {**task_defaults["loop"], **(stored or {}).get("loop", {}), **given["loop"]}, source="loop settings"
+        {**recipe_defaults["loop"], **(stored or {}).get("loop", {}), **given["loop"]}, source="loop settings"
     )
 
     # --- data ---------------------------------------------------------------------------------------------------
@@ -268,10 +315,11 @@ def _prepare(
 
     # --- tokenizer, model config and initial weights --------------------------------------------------------------
     explicit_preset = preset_name
-    preset_name = preset_name or (stored or {}).get("preset") or DEFAULT_PRESET[task]
+    recipe_preset = recipe_settings.get("preset")
+    preset_name = preset_name or (stored or {}).get("preset") or recipe_preset or DEFAULT_PRESET[task]
     if preset_name not in PRESETS:
         raise ConfigError(f"unknown preset {preset_name!r}; choose one of {sorted(PRESETS)}")
-    model_fields = {**task_defaults["model"], **given["model"]}
+    model_fields = {**recipe_defaults["model"], **given["model"]}
     params = None
     if restored is not None:
         tokenizer = restored.tokenizer
@@ -326,6 +374,7 @@ def _prepare(
     state = _initial_state(restored, config, optim_config, seed, params)
     settings = {
         "preset": preset_name,
+        "recipe": recipe_name,
         "seed": seed,
         "data": data_config.absolute().to_dict(),
         "loop": loop_config.to_dict(),
@@ -371,6 +420,7 @@ def _prepare(
         parallel=devices,
         start_time=start_time,
         print_fn=print_fn,
+        loop_state=None if restored is None else restored.loop_state,
     )
     return PreparedRun(trainer, manager, config, tokenizer, run_dir, settings)
 
@@ -580,10 +630,58 @@ def _init_from_torch(
     return params, config, tokenizer
 
 
-def _resolve_data(given: Mapping[str, Any], stored: Mapping[str, Any] | None) -> DataConfig:
-    """The run's DataConfig. On a resume the stored files and batching stay; new validation files may be given."""
+def load_recipe(name: str) -> dict[str, Any]:
+    """RECIPES[name], or the recipe in the JSON file `name` (see RECIPES), checked: ConfigError naming the file
+    and the group for unknown keys or fields, or values the settings refuse."""
+    if name in RECIPES:
+        return RECIPES[name]
+    path = Path(name)
+    if not path.is_file():
+        raise ConfigError(f"unknown recipe {name!r}: neither one of {sorted(RECIPES)} nor a recipe JSON file")
+    try:
+        recipe = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"recipe {path}: cannot read it as JSON: {e}") from None
+    known = {"about", "preset", *GROUPS}
+    if not isinstance(recipe, dict) or set(recipe) - known:
+        unknown = sorted(set(recipe) - known) if isinstance(recipe, dict) else type(recipe).__name__
+        raise ConfigError(f"recipe {path}: a JSON object with keys among {sorted(known)} expected, got {unknown}")
+    if recipe.get("preset") is not None and recipe["preset"] not in PRESETS:
+        raise ConfigError(f"recipe {path}: unknown preset {recipe['preset']!r}; choose one of {sorted(PRESETS)}")
+    classes = {"model": TransformerConfig, "data": DataConfig, "optim": OptimConfig, "loop": LoopConfig}
+    for group, cls in classes.items():
+        values = recipe.get(group, {})
+        if not isinstance(values, dict):
+            raise ConfigError(f"recipe {path}: {group!r} must be a JSON object of {cls.__name__} fields")
+        cls.from_dict(values, source=f"recipe {path}, {group!r}")
+    return recipe
+
+
+def _choose_recipe(name: str | None, given_data: Mapping[str, Any], stored: Mapping[str, Any] | None) -> str | None:
+    """The recipe of a run: the one named, else (on a resume) the stored one, else the task's default."""
+    if name is not None and stored is None:
+        load_recipe(name)  # fails early, naming what is wrong
+    if stored is not None:
+        saved = stored.get("recipe")
+        if name is not None and name != saved:
+            raise UsageError(
+                f"--resume: the run was started with recipe {saved!r}; a resume continues with its stored "
+                f"settings (leave out --recipe {name})"
+            )
+        if "recipe" in stored:
+            return saved
+        files = stored["data"].get("src") or stored["data"].get("tsv")  # a checkpoint from before recipes
+    else:
+        files = given_data.get("src") or given_data.get("tsv")
+    return name or DEFAULT_RECIPE["files" if files else "numbers"]
+
+
+def _resolve_data(
+    given: Mapping[str, Any], stored: Mapping[str, Any] | None, defaults: Mapping[str, Any]
+) -> DataConfig:
+    """The run's DataConfig: given, else the recipe's `defaults`. On a resume the stored files and batching stay;
+    new validation files may be given."""
     if stored is None:
-        defaults = NUMBERS_TASK_DEFAULTS["data"] if not (given.get("src") or given.get("tsv")) else {}
         return DataConfig.from_dict({**defaults, **given})
     saved = dict(stored["data"])
     # Before row_multiple was a setting, the rows of every batch were a multiple of the device count.

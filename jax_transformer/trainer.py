@@ -2,10 +2,16 @@
 
 `Trainer.run` takes batches from a `BatchStream`, applies the compiled step of `jax_transformer.training`, and
 every `eval_every` steps measures the validation loss and BLEU (`jax_transformer.evaluation`), keeping the best
-checkpoint; every `save_every` steps it saves one (`jax_transformer.checkpoint`). It stops at the step budget,
-the wall-time budget, a SIGINT/SIGTERM (after saving) or a non-finite loss (without saving, so the last good
-checkpoint stays the last one). Each step and evaluation is a line of `<run>/metrics.jsonl`, drawn as
-`<run>/loss_curve.png` at the end.
+checkpoint by `best_metric`; every `save_every` steps it saves one (`jax_transformer.checkpoint`). It stops at the
+step budget, the wall-time budget, when the validation score has not improved for `patience` evaluations
+(`EarlyStopping`, fairseq's --patience), at a SIGINT/SIGTERM (after saving) or at a non-finite loss (without
+saving, so the last good checkpoint stays the last one). Each step and evaluation is a line of
+`<run>/metrics.jsonl`, drawn as `<run>/loss_curve.png` at the end.
+
+Which checkpoint is "best": the one with the highest selection score, the score the evaluations *during*
+training compute (`eval_beam_size`, the first `eval_sentences` sentences; or minus the validation loss). The final
+evaluation (`beam_size`, every sentence) is a report; the last checkpoint competes with the score an evaluation
+during training would give it, so that a beam-4 BLEU on all sentences never competes with greedy ones.
 
 Faults: every batch is checked on the host before it goes to the compiled step (`checks.check_batch`: ids in
 the vocabulary, lengths within max_len, packing consistent), and a failed save stops the run with a
@@ -51,6 +57,8 @@ from jax_transformer.training import (
 )
 from jax_transformer.visualize import plot_metrics
 
+BEST_METRICS = ("bleu", "loss")
+
 
 class TrainingError(RuntimeError):
     """Training cannot go on (for example the loss became NaN); the message says at which step and why."""
@@ -78,13 +86,25 @@ class LoopConfig:
     alpha: float = setting(0.6, "length penalty exponent of beam search, ((5+len)/6)^alpha (GNMT)")
     samples: int = setting(5, "sample translations printed by the final evaluation")
     progress: bool = setting(True, "show a progress bar")
+    best_metric: str = setting(
+        "bleu",
+        "what 'better' means for the best checkpoint (the one evaluate/translate/export use) and for --patience: "
+        "bleu (validation BLEU of the evaluations during training; the validation loss when --eval-sentences 0 "
+        "turns BLEU off) or loss (validation loss, lower is better)",
+        choices=BEST_METRICS,
+    )
+    patience: int | None = setting(
+        None,
+        "stop when the validation score (--best-metric) has not improved for this many evaluations in a row, "
+        "as fairseq's --patience; none: never stop early",
+    )
 
     def __post_init__(self) -> None:
         for name in ("eval_every", "save_every", "keep", "eval_beam_size", "beam_size"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"loop field {name!r} must be an int >= 1, got {value!r}")
-        for name in ("steps", "samples", "eval_sentences"):  # steps 0: save the initial state and stop
+        for name in ("steps", "samples", "eval_sentences", "patience"):  # steps 0: save the initial state and stop
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
                 raise ConfigError(f"loop field {name!r} must be an int >= 0, got {value!r}")
@@ -92,6 +112,10 @@ class LoopConfig:
             raise ConfigError(f"loop field 'max_minutes' must be > 0, got {self.max_minutes}")
         if not self.alpha >= 0:
             raise ConfigError(f"loop field 'alpha' must be >= 0, got {self.alpha}")
+        if self.patience == 0:
+            raise ConfigError("loop field 'patience' must be >= 1 (or unset: never stop early), got 0")
+        if self.best_metric not in BEST_METRICS:
+            raise ConfigError(f"loop field 'best_metric' must be one of {BEST_METRICS}, got {self.best_metric!r}")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -187,16 +211,47 @@ class StopSignals:
 
 
 @dataclasses.dataclass
+class EarlyStopping:
+    """fairseq's --patience: the best selection score so far and how many evaluations in a row have not beaten it
+    (strictly). Saved in every checkpoint (`loop_state`), so that a resumed run counts on from where the
+    interrupted one was and stops at the same step as an uninterrupted run."""
+
+    best_score: float | None = None  # higher is better (minus the loss for best_metric "loss")
+    best_step: int | None = None
+    bad_evals: int = 0  # evaluations since best_step that did not improve on it
+    last_eval_step: int | None = None  # the step of the last counted evaluation
+    last_score: float | None = None  # its score (None: BLEU was asked for and decoding failed)
+
+    def update(self, step: int, score: float | None) -> bool:
+        """Counts the evaluation of `step`; True when it improved on the best."""
+        self.last_eval_step, self.last_score = step, score
+        if score is not None and (self.best_score is None or score > self.best_score):
+            self.best_score, self.best_step, self.bad_evals = score, step, 0
+            return True
+        self.bad_evals += 1
+        return False
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any] | None) -> EarlyStopping:
+        """From a checkpoint's `loop_state` (None: a checkpoint from before early stopping: start afresh)."""
+        return cls(**(values or {}).get("early_stopping", {}))
+
+
+@dataclasses.dataclass
 class RunResult:
     """How a `Trainer.run` ended."""
 
     step: int
-    stopped_by: str  # "steps", "time", "SIGINT", "SIGTERM"
+    stopped_by: str  # "steps", "time", "patience", "SIGINT", "SIGTERM"
     final_eval: dict[str, float] | None
     samples: list[tuple[str, str, str]]  # (source, reference, hypothesis)
     curve: Path | None
     checkpoint_dir: Path | None = None  # where the checkpoints are
     best_step: int | None = None  # the checkpoint evaluate/translate/export use by default
+    best_metric: str | None = None  # what chose it: "bleu" or "loss" (None: no validation data, the last step)
 
 
 class Trainer:
@@ -219,7 +274,9 @@ class Trainer:
         parallel: DataParallel | None = None,
         start_time: float | None = None,
         print_fn: Callable[[str], None] = print,
+        loop_state: Mapping[str, Any] | None = None,
     ) -> None:
+        """`loop_state`: what a restored checkpoint's `loop_state` holds (early stopping's counter and best)."""
         self.config, self.optim, self.tokenizer, self.stream = config, optim, tokenizer, stream
         self.loop, self.valid, self.checkpoints = loop, valid, checkpoints
         self.run_dir = Path(run_dir)
@@ -237,6 +294,7 @@ class Trainer:
                 self._check(batch, f"validation batch {i}")
         self.metrics = MetricsLog(self.run_dir / "metrics.jsonl") if self.primary else DiscardedMetrics()
         self._decided: tuple[int, str | None] | None = None  # (step, agreed stop reason) in multi-process runs
+        self.early = EarlyStopping.from_dict(loop_state)
         # A resumed state is already on disk under its step; orbax cannot save a step twice.
         self.last_saved_step: int | None = self.step if self.step in checkpoints.steps() else None
 
@@ -267,6 +325,7 @@ class Trainer:
                 data_state=self.stream.state(),
                 run=self.run_settings,
                 metrics=metrics,
+                loop_state={"early_stopping": self.early.to_dict()},
             )
         except CheckpointError as e:
             raise self._save_failed(e) from None
@@ -275,8 +334,18 @@ class Trainer:
     def _save_failed(self, error: CheckpointError) -> CheckpointError:
         return CheckpointError(f"training stopped at step {self.step}: {error}. Resume with --resume {self.run_dir}")
 
-    def evaluate(self, *, beam_size: int, final: bool = False) -> tuple[dict[str, float], list]:
-        """Validation loss/perplexity/accuracy, and BLEU/chrF of the translations (see `eval_sentences`)."""
+    def selection_metric(self) -> str:
+        """What the best checkpoint and early stopping compare: "bleu", or "loss" (asked for, or BLEU off)."""
+        bleu_on = self.loop.eval_sentences != 0 and len(self.valid.sources) > 0
+        return "bleu" if self.loop.best_metric == "bleu" and bleu_on else "loss"
+
+    def evaluate(self, *, final: bool = False, counted: bool = False) -> tuple[dict[str, Any], list]:
+        """Validation loss/perplexity/accuracy, and BLEU/chrF of the translations (see `eval_sentences`), written
+        to metrics.jsonl. During training (final False) with the training-time decoding (`eval_beam_size`, the
+        first `eval_sentences` sentences) and a selection score, "score" (higher is better; None when BLEU was
+        asked for and decoding failed), which early stopping counts when `counted`; the final evaluation with
+        `beam_size` on every sentence, as a report."""
+        beam_size = self.loop.beam_size if final else self.loop.eval_beam_size
         params = self.host_params()
         result = {f"valid_{k}": v for k, v in evaluate_loss(params, self.eval_step, self.valid.batches).items()}
         samples = []
@@ -310,8 +379,13 @@ class Trainer:
                 samples = [
                     (sources[i], references[i], hypotheses[i]) for i in spread_indices(len(sources), self.loop.samples)
                 ]
-        # The best checkpoint is chosen by BLEU when there is one, else by (minus) the validation loss.
-        result["score"] = result.get("bleu", -result["valid_loss"])
+        if not final:
+            metric = self.selection_metric()
+            result["score"] = -result["valid_loss"] if metric == "loss" else result.get("bleu")
+            result["score_metric"] = metric
+            if counted:
+                self.early.update(self.step, result["score"])
+                result.update(best_step=self.early.best_step, bad_evals=self.early.bad_evals)
         self.metrics.write(
             {
                 "kind": "eval",
@@ -323,7 +397,7 @@ class Trainer:
         )
         return result, samples
 
-    def report(self, result: Mapping[str, float], samples) -> None:
+    def report(self, result: Mapping[str, Any], samples, *, final: bool = False) -> None:
         line = (
             f"step {self.step}: valid loss {result['valid_loss']:.3f}, ppl {result['valid_ppl']:.2f}, "
             f"token accuracy {100 * result['valid_accuracy']:.1f}%"
@@ -338,8 +412,47 @@ class Trainer:
         else:
             line += " (BLEU off: --eval-sentences 0)"
         self.print(line)
+        if final and "bleu" in result:  # how the figures were computed, for the record
+            self.print(
+                f"  sacreBLEU {result['bleu_signature']}; chrF {result['chrf_signature']}; lowercased BLEU "
+                f"{result['bleu_lc']:.2f} ({result['bleu_lc_signature']})"
+            )
         for source, reference, hypothesis in samples:
             self.print(f"  source:    {source}\n  reference: {reference}\n  model:     {hypothesis}")
+
+    def _describe_best(self) -> str:
+        early = self.early
+        if early.best_score is None:
+            return "no score yet"
+        best = f"BLEU {early.best_score:.2f}" if self.selection_metric() == "bleu" else f"loss {-early.best_score:.3f}"
+        return f"best {best} at step {early.best_step}"
+
+    def _validate(self) -> None:
+        """The evaluation every `eval_every` steps: scored, counted by early stopping, saved with its score."""
+        result, samples = self.evaluate(counted=True)
+        self.report(result, samples[:2])
+        if self.loop.patience is not None:
+            self.print(
+                f"  early stopping: {self.early.bad_evals} of {self.loop.patience} evaluations without improvement "
+                f"({self._describe_best()})"
+            )
+        self.save(metrics=None if result["score"] is None else {"score": result["score"]})
+
+    def _final_evaluation(self) -> tuple[dict[str, Any], list, float | None]:
+        """The final report (beam_size, every sentence) and the selection score of the last step: the score an
+        evaluation during training gives it, so that it competes fairly for "best" (see the module docstring).
+        An evaluation made only for that score is logged but not counted by early stopping: an uninterrupted
+        run would not have made it."""
+        final, samples = self.evaluate(final=True)
+        if self.early.last_eval_step == self.step:  # evaluated at this step already (an eval_every step)
+            return final, samples, self.early.last_score
+        if self.selection_metric() == "loss":  # the loss does not depend on the decoding settings
+            return final, samples, -final["valid_loss"]
+        n = len(self.valid.sources)
+        if self.loop.eval_beam_size == self.loop.beam_size and (self.loop.eval_sentences or n) >= n:
+            return final, samples, final.get("bleu")  # the training-time evaluation would decode the same
+        selection, _ = self.evaluate()
+        return final, samples, selection["score"]
 
     def _stop_reason(self, signals: StopSignals) -> str | None:
         """Why to stop now, or None: this process's reason (`local_stop_reason`), agreed with the other processes
@@ -355,11 +468,22 @@ class Trainer:
         budget); a new reason belongs here, and reaches every process through `_stop_reason`."""
         if signals.received is not None:
             return signal.Signals(signals.received).name
+        if self.loop.patience is not None and self.early.bad_evals >= self.loop.patience:
+            return "patience"
         if self.step >= self.loop.steps:
             return "steps"
         if self.loop.max_minutes is not None and time.time() - self.start_time >= 60.0 * self.loop.max_minutes:
             return "time"
         return None
+
+    def _eval_due(self) -> bool:
+        """This step is an evaluation step (a multiple of eval_every) not yet evaluated."""
+        return (
+            self.valid is not None
+            and self.step > 0
+            and self.step % self.loop.eval_every == 0
+            and self.early.last_eval_step != self.step
+        )
 
     def _one_step(self, bar) -> None:
         """One update on the next batch; logs it; raises TrainingError on a non-finite loss."""
@@ -413,17 +537,24 @@ class Trainer:
         self._window = (0.0, time.time())  # tokens and start time of the tokens/s window
         try:
             with StopSignals() as signals:
-                while (stopped_by := self._stop_reason(signals)) is None:
+                if self._eval_due():  # resumed from a step whose evaluation a signal pre-empted: do it now
+                    # (early stopping counts it as the uninterrupted run did; that step's checkpoint is already on
+                    # disk without a score, so it cannot become the best one)
+                    self._validate()
+                stopped_by = self._stop_reason(signals)
+                while stopped_by is None:
                     self._one_step(bar)
-                    if self._stop_reason(signals) is not None:
-                        continue  # the final evaluation and save below handle this step
-                    if self.valid is not None and self.step % loop.eval_every == 0:
+                    # An evaluation step is evaluated (and counted by early stopping) however the run ends after
+                    # it, except at a signal, which should stop quickly; the resumed run makes up for it. The
+                    # reason is the one all processes agreed on, so they evaluate and save together.
+                    stopped_by = self._stop_reason(signals)
+                    if not (stopped_by or "").startswith("SIG") and self._eval_due():
                         bar.clear()
-                        result, samples = self.evaluate(beam_size=loop.eval_beam_size)
-                        self.report(result, samples[:2])
-                        self.save(metrics={"score": result["score"]})
-                    elif self.step % loop.save_every == 0:
-                        self.save()
+                        self._validate()
+                        self._decided = None  # early stopping may have a reason now: ask again
+                        stopped_by = self._stop_reason(signals)
+                    if stopped_by is None and self.step % loop.save_every == 0:
+                        self.save()  # (at the last step the final save below does it)
             bar.close()
             if stopped_by.startswith("SIG"):  # asked to stop: save quickly, no final evaluation
                 self.save()
@@ -431,17 +562,22 @@ class Trainer:
                     f"stopped by {stopped_by} at step {self.step}; checkpoint saved in "
                     f"{self.checkpoints.directory} (resume with --resume {self.run_dir})"
                 )
-                return RunResult(self.step, stopped_by, None, [], self._plot())
+                return self._result(stopped_by, None, [])
             if stopped_by == "time":
                 self.print(f"stopping at step {self.step}: --max-minutes {loop.max_minutes} reached")
+            elif stopped_by == "patience":
+                self.print(
+                    f"stopping at step {self.step}: validation {self.selection_metric()} has not improved for "
+                    f"{loop.patience} evaluations ({self._describe_best()})"
+                )
             final, samples = None, []
             if self.valid is not None:
-                final, samples = self.evaluate(beam_size=loop.beam_size, final=True)
-                self.report(final, samples)
-                self.save(metrics={"score": final["score"]})
+                final, samples, score = self._final_evaluation()
+                self.report(final, samples, final=True)
+                self.save(metrics=None if score is None else {"score": score})
             else:
                 self.save()
-            return RunResult(self.step, stopped_by, final, samples, self._plot())
+            return self._result(stopped_by, final, samples)
         finally:
             bar.close()
             try:
@@ -450,6 +586,18 @@ class Trainer:
                 raise self._save_failed(e) from None
             finally:
                 self.metrics.close()
+
+    def _result(self, stopped_by: str, final, samples) -> RunResult:
+        self.checkpoints.wait()  # the best step is known once every save is on disk
+        return RunResult(
+            self.step,
+            stopped_by,
+            final,
+            samples,
+            self._plot(),
+            best_step=self.checkpoints.best_step(),
+            best_metric=None if self.valid is None else self.selection_metric(),
+        )
 
     def _plot(self) -> Path | None:
         if not self.primary:

@@ -27,6 +27,7 @@ LAYERS = [
     ("checkpoint",),
     ("export",),  # PyTorch / safetensors weight files
     ("distributed",),  # devices and processes: where state and batches live, jax.distributed, agreeing to stop
+    ("averaging", "verify"),  # checkpoint averaging; a trained checkpoint against its PyTorch twin (via export)
     ("trainer",),  # the run loop
     ("run",),  # setting up a run
 ]

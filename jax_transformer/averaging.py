@@ -1,0 +1,124 @@
+"""Checkpoint averaging: the parameters of the last K checkpoints of a run, averaged, as a checkpoint of their own.
+
+fairseq's `scripts/average_checkpoints.py` and tensor2tensor's `avg_checkpoints.py` do this: the mean of the last
+few checkpoints' weights often translates better than any one of them (the iterates of Adam wander around a
+minimum; their mean lies nearer its centre). Here:
+
+    average_checkpoints("runs/de-en", last=5, output="runs/de-en-avg5")
+
+writes `runs/de-en-avg5/` laid out like a run directory (`checkpoints/<step>/`, `config.json`,
+`tokenizer.model`), so that `train.py evaluate / translate / export / attention / verify --checkpoint
+runs/de-en-avg5` read it like any other. Its one step is numbered after the newest averaged step.
+
+What is averaged: the parameters only, each tensor's elementwise mean over the K checkpoints, summed in float64
+and rounded once to float32 (so the mean of K identical checkpoints is exactly that checkpoint, and the mean of
+two is the correctly rounded midpoint). The optimiser state (Adam's moments) is not averaged and not kept: it is
+not needed to translate, and an average of moments is no state any run was in. Without it, and without a data
+position, the output cannot continue a training run: `train.py train --resume` on it stops with an error saying
+so (the run settings in its metadata carry `averaged_from`).
+
+Which checkpoints exist: the run keeps the last `--keep` saved steps (every `--save-every` steps), plus the best.
+To average the last K, train with `--keep K` or more.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from jax_transformer.checkpoint import CheckpointError, CheckpointManager, find_checkpoint_dir
+
+
+def average_params(trees: list[Any]) -> Any:
+    """The elementwise mean of parameter pytrees of one structure: float64 sums, rounded once to each leaf's dtype.
+
+    Why float64: the sum of K float32 values is exact in float64 for any K < 2**29 when their exponents are close
+    (as weights of one tensor at nearby steps are), and dividing by K then rounds once. A float32 running sum would
+    round at every addition, so the mean of K identical checkpoints would not always be that checkpoint."""
+    if not trees:
+        raise ValueError("nothing to average")
+    structure = jax.tree_util.tree_structure(trees[0])
+    for i, tree in enumerate(trees[1:], start=1):
+        if jax.tree_util.tree_structure(tree) != structure:
+            raise ValueError(f"parameter tree {i} differs in structure from tree 0")
+    leaves = [jax.tree_util.tree_leaves(tree) for tree in trees]
+    averaged = []
+    for index, first in enumerate(leaves[0]):
+        total = np.zeros(np.shape(first), np.float64)
+        for tree_leaves in leaves:
+            total += np.asarray(tree_leaves[index], np.float64)
+        averaged.append((total / len(trees)).astype(np.asarray(first).dtype))
+    return jax.tree_util.tree_unflatten(structure, averaged)
+
+
+def average_checkpoints(
+    checkpoint: str | os.PathLike,
+    last: int,
+    output: str | os.PathLike,
+    *,
+    print_fn: Callable[[str], None] = print,
+) -> tuple[Path, int, list[int]]:
+    """Averages the parameters of the `last` newest saved steps of the run (directory) `checkpoint` into a new
+    run-like directory `output` (see the module docstring). Returns (output, its step, the averaged steps).
+
+    CheckpointError when the run has fewer steps saved than `last`, when the run directory is missing, or when
+    the steps hold different model configs; ValueError for a bad `last` or an `output` that already holds files."""
+    if isinstance(last, bool) or not isinstance(last, int) or last < 1:
+        raise ValueError(f"--last must be an int >= 1, got {last!r}")
+    source = Path(checkpoint)
+    if not source.exists():
+        raise CheckpointError(f"{source}: no such run directory")
+    output = Path(output)
+    if output.exists() and any(output.iterdir()):
+        raise ValueError(f"--output {output} already exists and is not empty; choose a new directory")
+    if output.absolute() == source.absolute() or find_checkpoint_dir(source) == output.absolute():
+        raise ValueError("--output must be a new directory, not the run being averaged")
+
+    manager = CheckpointManager(find_checkpoint_dir(source), read_only=True)
+    try:
+        saved = sorted(manager.steps())
+        if len(saved) < last:
+            raise CheckpointError(
+                f"{manager.directory}: --last {last} asks for more checkpoints than the {len(saved)} saved "
+                f"(steps {saved}); a run keeps its last --keep checkpoints (plus the best), so train with "
+                f"--keep {last} or more to average {last}"
+            )
+        steps = saved[-last:]
+        params, reference = [], None
+        for step in steps:
+            restored = manager.restore(step)
+            if reference is None:
+                reference = restored
+            elif restored.config != reference.config:
+                raise CheckpointError(
+                    f"{manager.directory}: step {step} holds a different model config from step {steps[0]} "
+                    f"({sorted(restored.config.diff(reference.config))}); only checkpoints of one model average"
+                )
+            params.append(restored.params)
+            print_fn(f"read step {step} ({len(params)} of {last})")
+    finally:
+        manager.close()
+
+    averaged = average_params(params)
+    run = {**reference.run, "averaged_from": {"run": str(manager.directory), "steps": steps}}
+    out_manager = CheckpointManager(output / "checkpoints", keep=1, async_save=False)
+    try:
+        out_manager.save(
+            steps[-1],
+            {"step": np.asarray(steps[-1], np.int32), "params": averaged},
+            config=reference.config,
+            optim=reference.optim,
+            tokenizer=reference.tokenizer,
+            data_state=None,
+            run=run,
+        )
+    finally:
+        out_manager.close()
+    reference.tokenizer.save(output / "tokenizer.model")
+    (output / "config.json").write_text(reference.config.to_json() + "\n", encoding="utf-8")
+    return output, steps[-1], steps
