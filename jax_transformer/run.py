@@ -11,7 +11,8 @@ Settings come in five groups, each the fields of one dataclass: `model` (`Transf
 flags are those field names. A group given as a partial dict is completed from, in this order of precedence:
 what is given; on a resume, what the checkpoint stored; the recipe (`RECIPES`: a measured set of settings by
 name, `--recipe NAME`; by default `DEFAULT_RECIPE` of the task: "numbers" for the built-in numbers task, whose
-small defaults are `NUMBERS_TASK_DEFAULTS`); the dataclass defaults. `parallel` describes the machine, not the run, and is never restored: a resume may use other devices.
+small defaults are `NUMBERS_TASK_DEFAULTS`); the dataclass defaults. `parallel` describes the machine, not the
+run, and is never restored: a resume may use other devices.
 
 A multi-process run (`parallel` with a coordinator, see `jax_transformer.distributed`) calls `prepare` in every
 process with the same settings: all read and encode the data, process 0 alone trains the tokenizer and writes
