@@ -574,6 +574,8 @@ def _quiet_closed_loop_callbacks() -> None:
 
     unraisablehook.quiets_closed_loop_callbacks = True
     sys.excepthook, sys.unraisablehook = excepthook, unraisablehook
+
+
 def cmd_average(args, start_time: float) -> int:
     from jax_transformer.averaging import average_checkpoints
     from jax_transformer.run import UsageError
