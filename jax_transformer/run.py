@@ -30,6 +30,7 @@ from typing import Any
 import jax
 
 from jax_transformer import checkpoint as ckpt_lib
+from jax_transformer import compilation
 from jax_transformer.config import (
     PRESETS,
     ConfigError,
@@ -68,7 +69,18 @@ NUMBERS_TASK_DEFAULTS: dict[str, dict[str, Any]] = {
 DEFAULT_PRESET = {"numbers": "tiny", "files": "small"}
 
 # What an exact resume needs unchanged (validation files, the loop's budgets and the decoding may change).
-FROZEN_DATA_FIELDS = ("src", "tgt", "tsv", "vocab_size", "tokenizer_type", "max_tokens", "on_empty", "on_too_long")
+FROZEN_DATA_FIELDS = (
+    "src",
+    "tgt",
+    "tsv",
+    "vocab_size",
+    "tokenizer_type",
+    "max_tokens",
+    "batching",
+    "pack_length",
+    "on_empty",
+    "on_too_long",
+)
 
 
 class UsageError(ValueError):
@@ -211,6 +223,7 @@ def prepare(
         config = model_config(preset_name, tokenizer.vocab_size, model_fields)
 
     # --- batches ----------------------------------------------------------------------------------------------
+    cache_dir = compilation.use_cache(loop_config.compilation_cache, print_fn)  # before the model's programs compile
     n_devices = jax.local_device_count()
     if stored is not None and stored.get("devices", n_devices) != n_devices:
         raise UsageError(
@@ -219,18 +232,29 @@ def prepare(
         )
     encoded = encode_corpus(train_corpus, tokenizer, config.max_len, on_too_long=data_config.on_too_long)
     print_fn(f"training data: {encoded.describe()}")
+    packed = data_config.batching == "packed"
     stream = BatchStream(
         encoded,
         data_config.max_tokens,
-        row_multiple=n_devices,
+        batching=data_config.batching,
+        pack_length=data_config.pack_length,
+        row_multiple=1 if packed else n_devices,  # packed rows do not depend on the device count
         seed=seed,
         state=None if restored is None else restored.data_state,
     )
+    rows = stream.shapes[0][0]
+    if packed and rows % n_devices:
+        raise UsageError(
+            f"packed batches of {stream.shapes[0]} (rows x length) do not split over {n_devices} devices; choose "
+            f"--max-tokens so that max_tokens // pack_length is a multiple of {n_devices}"
+        )
     valid = None
     if valid_corpus is not None:
         valid_encoded = encode_corpus(valid_corpus, tokenizer, config.max_len, on_too_long=data_config.on_too_long)
         print_fn(f"validation data: {valid_encoded.describe()}")
-        valid = ValidationSet.from_encoded(valid_encoded, valid_corpus, data_config.max_tokens)
+        valid = ValidationSet.from_encoded(
+            valid_encoded, valid_corpus, data_config.max_tokens, batching=data_config.batching
+        )
 
     # --- state ------------------------------------------------------------------------------------------------
     state = _initial_state(restored, config, optim_config, seed, params)
@@ -252,8 +276,8 @@ def prepare(
     print_fn(
         f"model: {n_params:,} parameters, d_model {config.d_model}, {config.num_encoder_layers}+"
         f"{config.num_decoder_layers} layers, vocabulary {config.src_vocab_size}; {n_devices} device(s) "
-        f"({jax.devices()[0].platform}); batches of ~{data_config.max_tokens} token slots, "
-        f"{stream.batches_per_epoch} per epoch; run directory {run_dir}"
+        f"({jax.devices()[0].platform}); {_describe_batches(stream)}; run directory {run_dir}; compilation "
+        f"cache {cache_dir or 'off'}"
     )
     trainer = Trainer(
         config=config,
@@ -341,12 +365,27 @@ def _resolve_data(given: Mapping[str, Any], stored: Mapping[str, Any] | None) ->
     if stored is None:
         defaults = NUMBERS_TASK_DEFAULTS["data"] if not (given.get("src") or given.get("tsv")) else {}
         return DataConfig.from_dict({**defaults, **given})
-    saved = stored["data"]
+    # Runs from before packed batches existed batched by length buckets.
+    saved = {"batching": "buckets", **stored["data"]}
     for name in FROZEN_DATA_FIELDS:
         if name in given and given[name] is not None:
             value = str(Path(given[name]).absolute()) if name in ("src", "tgt", "tsv") else given[name]
             _check_frozen(name, value, saved.get(name))
     return DataConfig.from_dict({**saved, **{k: v for k, v in given.items() if k not in FROZEN_DATA_FIELDS}})
+
+
+def _describe_batches(stream: BatchStream) -> str:
+    share = f"{100 * stream.padding_efficiency:.0f}% of slots real"
+    if stream.batching == "packed":
+        rows, length = stream.shapes[0]
+        return (
+            f"packed batches of {rows} rows x {length} = {rows * length} token slots, "
+            f"{stream.batches_per_epoch} per epoch, one shape ({share})"
+        )
+    return (
+        f"bucketed batches of ~{stream.shapes[0][0] * stream.shapes[0][1]} token slots, {stream.batches_per_epoch} "
+        f"per epoch, {len(stream.shapes)} shapes ({share})"
+    )
 
 
 def _check_frozen(name: str, given: Any, stored: Any) -> None:

@@ -7,26 +7,41 @@ the wall-time budget, a SIGINT/SIGTERM (after saving) or a non-finite loss (with
 checkpoint stays the last one). Each step and evaluation is a line of `<run>/metrics.jsonl`, drawn as
 `<run>/loss_curve.png` at the end.
 
+Keeping the device busy (issue 11): before the first step every program the run needs (the train step for the
+batch shape, the eval step, the decoders of the evaluations) is compiled ahead, in parallel threads
+(`jax_transformer.compilation`), usually loading from the persistent compilation cache. In the loop, batches are
+prepared and put on the device ahead by a background thread (`Prefetcher`), and a step is dispatched without
+waiting for the previous one: its loss sums are fetched once they are ready (at most `STEPS_AHEAD` steps behind),
+and always before an evaluation or a save, so a non-finite loss still stops the run before anything is saved
+and names the step it appeared at. Wall time is booked by phase (setup, compile, steps, eval, checkpoint;
+`PhaseTimes`), into metrics.jsonl and the progress bar, so compilation is reported apart from training.
+
 Setting up a run (data, tokenizer, config, initial or restored state) is `jax_transformer.run`.
 """
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import dataclasses
 import json
 import math
 import os
+import queue
 import signal
+import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import jax
 import numpy as np
 
+from jax_transformer.compilation import OFF, CompileLog, compile_all
 from jax_transformer.config import ConfigError, OptimConfig, TransformerConfig, setting, settings_from_dict
 from jax_transformer.data import Corpus, EncodedCorpus, eval_batches
+from jax_transformer.decoding import TRANSLATE_BATCH_SIZE, compile_translation, encode_sources, translation_shapes
 from jax_transformer.evaluation import evaluate_translations, spread_indices
 from jax_transformer.training import (
     TrainState,
@@ -69,6 +84,17 @@ class LoopConfig:
     alpha: float = setting(0.6, "length penalty exponent of beam search, ((5+len)/6)^alpha (GNMT)")
     samples: int = setting(5, "sample translations printed by the final evaluation")
     progress: bool = setting(True, "show a progress bar")
+    compilation_cache: str | None = setting(
+        None,
+        "folder of JAX's persistent compilation cache (compiled programs and GPU autotuning reused by later "
+        f"runs), or '{OFF}' (default: $JAX_COMPILATION_CACHE_DIR, else ~/.cache/jax_transformer/xla)",
+    )
+    compile_ahead: bool = setting(
+        True, "compile the train step, eval step and decoders before the first step, in parallel threads"
+    )
+    profile: str | None = setting(
+        None, "write a jax.profiler trace of steps START:STOP (e.g. 20:25) into <run>/profile (TensorBoard, Perfetto)"
+    )
 
     def __post_init__(self) -> None:
         for name in ("eval_every", "save_every", "keep", "eval_beam_size", "beam_size"):
@@ -83,6 +109,24 @@ class LoopConfig:
             raise ConfigError(f"loop field 'max_minutes' must be > 0, got {self.max_minutes}")
         if not self.alpha >= 0:
             raise ConfigError(f"loop field 'alpha' must be >= 0, got {self.alpha}")
+        if self.compilation_cache is not None and not str(self.compilation_cache).strip():
+            raise ConfigError(f"loop field 'compilation_cache' must be a folder or '{OFF}', got an empty string")
+        self.profile_steps()  # checks the form
+
+    def profile_steps(self) -> tuple[int, int] | None:
+        """`profile` as (first step, last step), both counted from 1 and traced; None when not asked for."""
+        if self.profile is None:
+            return None
+        try:
+            start, stop = (int(part) for part in str(self.profile).split(":"))
+        except ValueError:
+            start = stop = 0
+        if not 1 <= start <= stop:
+            raise ConfigError(
+                f"loop field 'profile' must be START:STOP with 1 <= START <= STOP (steps counted from 1), "
+                f"got {self.profile!r}"
+            )
+        return start, stop
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -101,9 +145,13 @@ class ValidationSet:
     references: list[str]
 
     @classmethod
-    def from_encoded(cls, encoded: EncodedCorpus, corpus: Corpus, max_tokens: int) -> ValidationSet:
-        """`encoded` = encode_corpus(corpus, ...); pairs skipped as too long are left out of both forms."""
-        batches = [batch for batch, _ in eval_batches(encoded, max_tokens)]
+    def from_encoded(
+        cls, encoded: EncodedCorpus, corpus: Corpus, max_tokens: int, batching: str = "packed"
+    ) -> ValidationSet:
+        """`encoded` = encode_corpus(corpus, ...); pairs skipped as too long are left out of both forms. Packed
+        (the default) gives every loss batch one shape, rows of the longest validation pair rounded up to 8, so the
+        eval step compiles once."""
+        batches = [batch for batch, _ in eval_batches(encoded, max_tokens, batching=batching)]
         return cls(
             batches,
             [corpus.sources[i] for i in encoded.corpus_index],
@@ -167,6 +215,80 @@ class StopSignals:
             signal.signal(sig, handler)
 
 
+class Prefetcher:
+    """Batches from a stream, each prepared (e.g. put on the device) `depth` batches ahead by a background thread,
+    so the loop never waits for the host to cut and copy a batch. Yields (batch, the stream's position after it):
+    the position a checkpoint taken after that batch's step must store, while the stream itself is ahead."""
+
+    def __init__(self, stream, prepare: Callable[[Any], Any], depth: int = 2) -> None:
+        self._stream, self._prepare = stream, prepare
+        self._queue: queue.Queue = queue.Queue(maxsize=depth)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._fill, name="prefetch", daemon=True)
+        self._thread.start()
+
+    def _fill(self) -> None:
+        while not self._stop.is_set():
+            try:
+                item = (self._prepare(next(self._stream)), self._stream.state(), None)
+            except BaseException as e:  # handed to the consumer, which raises it where the batch was wanted
+                item = (None, None, e)
+            while not self._stop.is_set():
+                try:
+                    self._queue.put(item, timeout=0.1)
+                    break
+                except queue.Full:
+                    continue
+            if item[2] is not None:
+                return
+
+    def __iter__(self) -> Iterator:
+        return self
+
+    def __next__(self):
+        batch, position, error = self._queue.get()
+        if error is not None:
+            raise error
+        return batch, position
+
+    def close(self) -> None:
+        self._stop.set()
+        with contextlib.suppress(queue.Empty):
+            while True:
+                self._queue.get_nowait()
+        self._thread.join(timeout=10)
+
+
+PHASES = ("setup", "compile", "steps", "eval", "checkpoint")
+
+
+class PhaseTimes:
+    """Wall seconds of a run by phase. Compilation that happens inside another phase (a shape not compiled ahead)
+    is moved from that phase to "compile", from the jax.monitoring events `CompileLog` counts."""
+
+    def __init__(self) -> None:
+        self.seconds = dict.fromkeys(PHASES, 0.0)
+
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        compiled_before, start = CompileLog.snapshot()["seconds"], time.perf_counter()
+        try:
+            yield
+        finally:
+            wall = time.perf_counter() - start
+            compiled = 0.0 if name == "compile" else min(wall, CompileLog.snapshot()["seconds"] - compiled_before)
+            self.seconds[name] += wall - compiled
+            self.seconds["compile"] += compiled
+
+    def record(self) -> dict[str, float]:
+        """{"<phase>_s": seconds} for metrics.jsonl."""
+        return {f"{name}_s": round(value, 2) for name, value in self.seconds.items()}
+
+
+# How many steps the loop may dispatch before it waits for the oldest one's loss sums.
+STEPS_AHEAD = 2
+
+
 @dataclasses.dataclass
 class RunResult:
     """How a `Trainer.run` ended."""
@@ -215,38 +337,51 @@ class Trainer:
         self.metrics = MetricsLog(self.run_dir / "metrics.jsonl")
         # A resumed state is already on disk under its step; orbax cannot save a step twice.
         self.last_saved_step: int | None = self.step if self.step in checkpoints.steps() else None
+        self.data_state = stream.state()  # the stream's position after the last batch a dispatched step took
+        self.times = PhaseTimes()
+        self._in_flight: collections.deque = collections.deque()  # (step, lr, loss sums still on the device)
+        self._profiling = False
 
     # --- pieces ----------------------------------------------------------------------------------------------
     def host_params(self):
         return unreplicate(self.state, self.n_devices).params
 
     def save(self, metrics: Mapping[str, float] | None = None) -> None:
+        """Checkpoints the state after the last dispatched step (its loss sums must have been checked: `_retire`)."""
         if self.last_saved_step == self.step:
             return
-        state = state_for_saving(unreplicate(self.state, self.n_devices))
-        self.checkpoints.save(
-            self.step,
-            state,
-            config=self.config,
-            optim=self.optim.to_dict(),
-            tokenizer=self.tokenizer,
-            data_state=self.stream.state(),
-            run=self.run_settings,
-            metrics=metrics,
-        )
+        with self.times.phase("checkpoint"):
+            state = state_for_saving(unreplicate(self.state, self.n_devices))
+            self.checkpoints.save(
+                self.step,
+                state,
+                config=self.config,
+                optim=self.optim.to_dict(),
+                tokenizer=self.tokenizer,
+                data_state=self.data_state,
+                run=self.run_settings,
+                metrics=metrics,
+            )
         self.last_saved_step = self.step
+
+    def _bleu_sentences(self, final: bool) -> int:
+        """How many validation sentences an evaluation translates: the final one every sentence, evaluations
+        during training the first `eval_sentences` (None: all); 0 turns BLEU off in both."""
+        limit, n = self.loop.eval_sentences, len(self.valid.sources)
+        if limit == 0 or (limit is not None and not final):
+            n = min(n, limit)
+        return n
 
     def evaluate(self, *, beam_size: int, final: bool = False) -> tuple[dict[str, float], list]:
         """Validation loss/perplexity/accuracy, and BLEU/chrF of the translations (see `eval_sentences`)."""
+        with self.times.phase("eval"):
+            return self._evaluate(beam_size=beam_size, final=final)
+
+    def _evaluate(self, *, beam_size: int, final: bool) -> tuple[dict[str, float], list]:
         params = self.host_params()
         result = {f"valid_{k}": v for k, v in evaluate_loss(params, self.eval_step, self.valid.batches).items()}
         samples = []
-        # The final evaluation scores every validation sentence; evaluations during training the first
-        # `eval_sentences` (None: all); 0 turns BLEU off in both.
-        limit = self.loop.eval_sentences
-        n = len(self.valid.sources)
-        if limit == 0 or (limit is not None and not final):
-            n = min(n, limit)
+        n = self._bleu_sentences(final)
         if n > 0:
             sources, references = self.valid.sources[:n], self.valid.references[:n]
             try:
@@ -311,27 +446,95 @@ class Trainer:
             return "time"
         return None
 
-    def _one_step(self, bar) -> None:
-        """One update on the next batch; logs it; raises TrainingError on a non-finite loss."""
+    # --- compiling ahead ---------------------------------------------------------------------------------------
+    def compile_jobs(self) -> dict[str, Callable[[], Any]]:
+        """{name: a function compiling it} for every program the run will call: the train step for each batch shape,
+        the eval step for each validation batch shape, and the decoders of the evaluations during training and of
+        the final one. Each lowers with arguments of the very shapes and types the loop passes later, so the loop's
+        calls find them compiled."""
+        jobs: dict[str, Callable[[], Any]] = {}
+        if hasattr(self.train_step, "lower") and hasattr(self.stream, "example_batches"):
+            for batch in self.stream.example_batches():
+                batch = shard_batch(batch, self.n_devices)
+                jobs[f"train step {batch['src'].shape}"] = lambda b=batch: self.train_step.lower(
+                    self.state, b
+                ).compile()
+        if self.valid is None:
+            return jobs
+        params = self.host_params()
+        for batch in {b["src"].shape: b for b in self.valid.batches}.values():
+            jobs[f"eval step {batch['src'].shape}"] = lambda b=batch: self.eval_step.lower(params, b).compile()
+        lengths = [len(ids) for ids in encode_sources(self.tokenizer, self.valid.sources, self.config)]
+        for final, beam_size in ((False, self.loop.eval_beam_size), (True, self.loop.beam_size)):
+            n = self._bleu_sentences(final)
+            if n > 0:
+                shapes = translation_shapes(lengths[:n], TRANSLATE_BATCH_SIZE, self.config.max_len)
+                jobs.update(compile_translation(params, self.config, shapes, beam_size=beam_size))
+        return jobs
+
+    def compile_ahead(self) -> None:
+        """Compiles `compile_jobs()` in parallel threads (loading what the persistent cache holds) and logs it."""
+        before = CompileLog.snapshot()
+        with self.times.phase("compile"):
+            jobs = self.compile_jobs()
+            seconds, errors = compile_all(jobs)
+        done = CompileLog.since(before)
+        cache = jax.config.values["jax_compilation_cache_dir"]
+        self.metrics.write(
+            {
+                "kind": "compile",
+                "step": self.step,
+                "programs": sorted(jobs),
+                "seconds": round(self.times.seconds["compile"], 2),
+                "compiles": int(done["compiles"]),
+                "cache_dir": cache,
+                "cache_hits": int(done["hits"]),
+                "cache_misses": int(done["misses"]),
+                "errors": errors,
+                "elapsed_s": round(time.time() - self.start_time, 1),
+            }
+        )
+        where = f"cache {cache}: {done['hits']} loaded, {done['misses']} compiled and stored" if cache else "no cache"
+        self.print(f"compiled {len(seconds)} programs ahead in {self.times.seconds['compile']:.1f} s ({where})")
+        for name, error in errors.items():
+            self.print(f"warning: compiling {name} ahead failed ({error}); it compiles when first called")
+
+    # --- one step ------------------------------------------------------------------------------------------------
+    def _dispatch(self) -> None:
+        """Starts the next step on the device and returns without waiting for it."""
         lr = float(noam_rate(self.step + 1, self.config.d_model, self.optim.warmup_steps, self.optim.lr_scale))
-        batch = shard_batch(next(self.stream), self.n_devices)
+        batch, self.data_state = next(self.batches)
         self.state, sums = self.train_step(self.state, batch)
-        sums = jax.device_get(sums)
+        self.step += 1
+        self._in_flight.append((self.step, lr, sums))
+
+    def _retire(self, bar, *, wait: bool) -> None:
+        """Logs the dispatched steps whose loss sums are ready; with `wait`, all of them (blocking), otherwise at
+        least enough that no more than STEPS_AHEAD remain in flight. Raises TrainingError on a non-finite loss."""
+        while self._in_flight:
+            step, lr, sums = self._in_flight[0]
+            ready = all(x.is_ready() for x in jax.tree_util.tree_leaves(sums) if hasattr(x, "is_ready"))
+            if not (wait or ready or len(self._in_flight) > STEPS_AHEAD):
+                return
+            self._in_flight.popleft()
+            self._log_step(step, lr, jax.device_get(sums), bar)
+
+    def _log_step(self, step: int, lr: float, sums, bar) -> None:
         if self.n_devices > 1:
             sums = {k: v[0] for k, v in sums.items()}  # psummed: every device holds the total
         stats = summarize(sums)
         if not math.isfinite(stats["loss"]):
-            # The update just applied came from a non-finite gradient, so the state is ruined. Stop without
-            # saving it: the last checkpoint on disk stays the last good one.
+            # The update of this step came from a non-finite gradient, so the state (and every later one) is
+            # ruined. Stop without saving it: the last checkpoint on disk stays the last good one.
+            self._in_flight.clear()
             self.metrics.write(
-                {"kind": "train", "step": self.step + 1, "lr": lr, "loss": stats["loss"], "error": "non-finite loss"}
+                {"kind": "train", "step": step, "lr": lr, "loss": stats["loss"], "error": "non-finite loss"}
             )
             raise TrainingError(
-                f"step {self.step + 1}: the training loss is {stats['loss']} (not finite); stopped without "
+                f"step {step}: the training loss is {stats['loss']} (not finite); stopped without "
                 f"saving. The last good checkpoint is step {self.checkpoints.latest_step()} in "
                 f"{self.checkpoints.directory}. Try a lower --lr-scale, a longer --warmup-steps or --clip-norm."
             )
-        self.step += 1
         tokens, start = self._window
         tokens, now = tokens + stats["tokens"], time.time()
         tokens_per_s = tokens / max(now - start, 1e-9)
@@ -339,21 +542,58 @@ class Trainer:
         self.metrics.write(
             {
                 "kind": "train",
-                "step": self.step,
+                "step": step,
                 "lr": lr,
                 "tokens_per_s": round(tokens_per_s, 1),
                 "elapsed_s": round(now - self.start_time, 1),
+                "compile_s": round(self.times.seconds["compile"], 1),
                 **stats,
             }
         )
         bar.update(1)
-        bar.set_postfix(loss=f"{stats['loss']:.3f}", lr=f"{lr:.2e}", tok_s=f"{tokens_per_s:.0f}", refresh=False)
+        bar.set_postfix(
+            loss=f"{stats['loss']:.3f}",
+            lr=f"{lr:.2e}",
+            tok_s=f"{tokens_per_s:.0f}",
+            compile=f"{self.times.seconds['compile']:.0f}s",
+            refresh=False,
+        )
+
+    def _step(self, bar) -> None:
+        """Dispatches one step (starting or ending a profile around it), logs those that finished."""
+        profile = self.loop.profile_steps()
+        with self.times.phase("steps"):
+            if profile and self.step + 1 == profile[0]:
+                self._retire(bar, wait=True)  # the trace holds exactly the asked steps
+                jax.profiler.start_trace(str(self.run_dir / "profile"), create_perfetto_trace=True)
+                self._profiling = True
+            self._dispatch()
+            if self._profiling and self.step == profile[1]:
+                self._stop_profile(bar)
+            self._retire(bar, wait=False)
+
+    def _drain(self, bar) -> None:
+        """Waits for every dispatched step and logs it: before anything reads or saves the state."""
+        with self.times.phase("steps"):
+            self._retire(bar, wait=True)
+
+    def _stop_profile(self, bar) -> None:
+        self._retire(bar, wait=True)
+        jax.profiler.stop_trace()
+        self._profiling = False
+        bar.clear()
+        self.print(
+            f"profile of steps {self.loop.profile} written to {self.run_dir / 'profile'} (TensorBoard, Perfetto)"
+        )
 
     # --- the loop --------------------------------------------------------------------------------------------
     def run(self) -> RunResult:
         from tqdm.auto import tqdm
 
         loop = self.loop
+        self.times.seconds["setup"] = time.time() - self.start_time  # data, tokenizer, model: before the loop
+        if loop.compile_ahead:
+            self.compile_ahead()
         bar = tqdm(
             total=loop.steps,
             initial=self.step,
@@ -363,19 +603,27 @@ class Trainer:
             mininterval=1.0,
         )
         self._window = (0.0, time.time())  # tokens and start time of the tokens/s window
+        # On one device the batch is copied there ahead (uncommitted, as the arrays the step was compiled for);
+        # under pmap the step itself scatters the (devices, rows, L) arrays.
+        self.batches = Prefetcher(
+            self.stream, lambda b: jax.device_put(b) if self.n_devices == 1 else shard_batch(b, self.n_devices)
+        )
         try:
             with StopSignals() as signals:
                 while (stopped_by := self._stop_reason(signals)) is None:
-                    self._one_step(bar)
+                    self._step(bar)
                     if self._stop_reason(signals) is not None:
                         continue  # the final evaluation and save below handle this step
                     if self.valid is not None and self.step % loop.eval_every == 0:
+                        self._drain(bar)  # a non-finite loss stops the run before anything else
                         bar.clear()
                         result, samples = self.evaluate(beam_size=loop.eval_beam_size)
                         self.report(result, samples[:2])
                         self.save(metrics={"score": result["score"]})
                     elif self.step % loop.save_every == 0:
+                        self._drain(bar)
                         self.save()
+                self._drain(bar)
             bar.close()
             if stopped_by.startswith("SIG"):  # asked to stop: save quickly, no final evaluation
                 self.save()
@@ -383,7 +631,7 @@ class Trainer:
                     f"stopped by {stopped_by} at step {self.step}; checkpoint saved in "
                     f"{self.checkpoints.directory} (resume with --resume {self.run_dir})"
                 )
-                return RunResult(self.step, stopped_by, None, [], self._plot())
+                return RunResult(self.step, stopped_by, None, [], self._finish())
             if stopped_by == "time":
                 self.print(f"stopping at step {self.step}: --max-minutes {loop.max_minutes} reached")
             final, samples = None, []
@@ -393,11 +641,26 @@ class Trainer:
                 self.save(metrics={"score": final["score"]})
             else:
                 self.save()
-            return RunResult(self.step, stopped_by, final, samples, self._plot())
+            return RunResult(self.step, stopped_by, final, samples, self._finish())
         finally:
             bar.close()
-            self.checkpoints.wait()  # never leave with a save half-written
+            self.batches.close()
+            if self._profiling:
+                jax.profiler.stop_trace()
+                self._profiling = False
+            with self.times.phase("checkpoint"):
+                self.checkpoints.wait()  # never leave with a save half-written
             self.metrics.close()
+
+    def _finish(self) -> Path | None:
+        """The run's summary: a last metrics record with the wall time by phase, a line of it, the loss curve."""
+        with self.times.phase("checkpoint"):
+            self.checkpoints.wait()
+        wall = time.time() - self.start_time
+        self.metrics.write({"kind": "summary", "step": self.step, "elapsed_s": round(wall, 1), **self.times.record()})
+        shares = ", ".join(f"{name} {value:.0f} s" for name, value in self.times.seconds.items())
+        self.print(f"wall time {wall:.0f} s: {shares}")
+        return self._plot()
 
     def _plot(self) -> Path | None:
         try:

@@ -111,7 +111,7 @@ def _train_losses(run_dir):
 def resumed_and_straight(tmp_path_factory):
     """Trains 4 steps and stops; resumes that run (a fresh TrainState, BatchStream and Trainer) to 10 steps; and
     runs 10 steps uninterrupted. Dropout is on (the tiny preset's 0.1) and 10 steps cross an epoch boundary (the
-    corpus makes 8 batches), so data order, the reshuffle and the dropout keys all have to be restored."""
+    corpus makes 5 packed batches), so data order, the reshuffle and the dropout keys all have to be restored."""
     root = tmp_path_factory.mktemp("resume")
     train = write_corpus(root, empty_line=True, long_line=True)
     interrupted, straight = root / "interrupted", root / "straight"
