@@ -72,6 +72,36 @@ BAD_INPUTS = {
         ["--tsv", "{d}/a.tsv", "--d-model", "30", "--num-heads", "4", "--vocab-size", "30"],
         ["'d_model' (30) must be divisible by 'num_heads' (4)"],
     ),
+    "pair longer than the packed rows": (
+        {"a.tsv": "a\tb\nzwei drei vier\ttwo three four\n"},
+        ["--tsv", "{d}/a.tsv", "--pack-length", "6", "--vocab-size", "30"],
+        ["a.tsv, line 2: pair needs", "more than pack_length=6", "leave pack_length out"],
+    ),
+    "bad pack length": (
+        {"a.tsv": "eins\tone\n"},
+        ["--tsv", "{d}/a.tsv", "--pack-length", "1"],
+        ["'pack_length' must be an int >= 2"],
+    ),
+    "pack length without packing": (
+        {"a.tsv": "eins\tone\n"},
+        ["--tsv", "{d}/a.tsv", "--batching", "buckets", "--pack-length", "16"],
+        ["'pack_length' (16) needs batching='packed'"],
+    ),
+    "bad profile": (
+        {"a.tsv": "eins\tone\n"},
+        ["--tsv", "{d}/a.tsv", "--profile", "5:2"],
+        ["loop field 'profile' must be START:STOP", "'5:2'"],
+    ),
+    "bad profile form": (
+        {"a.tsv": "eins\tone\n"},
+        ["--tsv", "{d}/a.tsv", "--profile", "7"],
+        ["loop field 'profile' must be START:STOP", "'7'"],
+    ),
+    "empty compilation cache": (
+        {"a.tsv": "eins\tone\n"},
+        ["--tsv", "{d}/a.tsv", "--compilation-cache", " "],
+        ["'compilation_cache' must be a folder or 'off'"],
+    ),
     "bad loop value": (
         {"a.tsv": "eins\tone\nzwei\ttwo\n"},
         ["--tsv", "{d}/a.tsv", "--eval-every", "0"],
@@ -130,6 +160,11 @@ def test_help_explains_every_flag():
         "--init-from-torch",
         "--max-minutes",
         "--steps",
+        "--batching",
+        "--pack-length",
+        "--compilation-cache",
+        "--compile-ahead",
+        "--profile",
     ):
         assert flag in train_flags
 
