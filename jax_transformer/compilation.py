@@ -11,9 +11,10 @@ about 5 ms to run, so a short run is mostly compilation (issue 11). Three things
    per user: $JAX_COMPILATION_CACHE_DIR if set, else $XDG_CACHE_HOME/jax_transformer/xla, else
    ~/.cache/jax_transformer/xla. As jax's documentation warns, the cache is trusted code: never point it at a
    folder others may write to.
-2. `compile_all(jobs)`: the programs a run needs (train step, eval step, decoders) compiled before the first step,
-   in parallel threads (XLA's compiler releases the GIL; tracing does not). `jitted.lower(args).compile()` fills
-   the same in-memory cache that a later call `jitted(args)` looks in, so nothing compiles twice.
+2. `CompileJobs(jobs)`: the programs a run needs (train step, eval step, decoders) compiled ahead, in parallel
+   threads (XLA's compiler releases the GIL; tracing does not), each waited for only when it is needed.
+   `jitted.lower(args).compile()` fills the same in-memory cache that a later call `jitted(args)` looks in, so
+   nothing compiles twice.
 3. `CompileLog`: counts compilations, their seconds and the persistent cache's hits and misses from
    `jax.monitoring` events, so a run can report compilation time apart from training time.
 """
@@ -23,7 +24,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -83,12 +84,14 @@ def cache_entries(folder: str | os.PathLike) -> int:
 
 class CompileLog:
     """Running totals of compilation in this process, from jax.monitoring: `compiles` (XLA compiles or cache
-    loads), `seconds` (tracing + lowering + compiling), persistent cache `hits` and `misses`. One listener is
-    registered per process (jax offers no way to scope one); `snapshot()` / differences of snapshots give what
+    loads), `seconds` (tracing + lowering + compiling, all threads), `thread_seconds` (those of the calling thread
+    only: what it spent compiling rather than waiting for another thread), persistent cache `hits` and `misses`.
+    One listener is registered per process (jax offers no way to scope one); differences of snapshots give what
     happened in between."""
 
     _lock = threading.Lock()
     _totals = {"compiles": 0, "seconds": 0.0, "hits": 0, "misses": 0}
+    _by_thread: dict[int, float] = {}
     _registered = False
 
     @classmethod
@@ -102,10 +105,12 @@ class CompileLog:
 
     @classmethod
     def _on_duration(cls, event: str, seconds: float, **kwargs) -> None:
-        if event in _COMPILE_EVENTS:
+        if event in _COMPILE_EVENTS:  # reported by the thread that compiled
+            thread = threading.get_ident()
             with cls._lock:
                 cls._totals["seconds"] += seconds
                 cls._totals["compiles"] += event == _BACKEND_EVENT
+                cls._by_thread[thread] = cls._by_thread.get(thread, 0.0) + seconds
 
     @classmethod
     def _on_event(cls, event: str, **kwargs) -> None:
@@ -117,7 +122,7 @@ class CompileLog:
     def snapshot(cls) -> dict[str, float]:
         cls.install()
         with cls._lock:
-            return dict(cls._totals)
+            return {**cls._totals, "thread_seconds": cls._by_thread.get(threading.get_ident(), 0.0)}
 
     @staticmethod
     def since(before: Mapping[str, float]) -> dict[str, float]:
@@ -125,27 +130,47 @@ class CompileLog:
         return {key: now[key] - before[key] for key in now}
 
 
+class CompileJobs:
+    """Compile jobs (each typically `lambda: jitted.lower(*args).compile()`) running in a pool of threads, started
+    at once; `wait(names)` blocks until those are done. A run waits only for the program it needs next (the train
+    step before the first step, the decoders before the first evaluation), while the others compile beside it:
+    on a GPU the host's cores are otherwise idle. Compiling ahead is an optimisation, so a failed job is recorded
+    in `errors` and left for the real call to report where it happens."""
+
+    def __init__(self, jobs: Mapping[str, Callable[[], object]], threads: int | None = None) -> None:
+        self.names = list(jobs)
+        self.seconds: dict[str, float] = {}  # of each job that succeeded
+        self.errors: dict[str, str] = {}
+        self._pool = ThreadPoolExecutor(max(1, min(len(jobs), threads or os.cpu_count() or 1)), "compile")
+        self._futures = {name: self._pool.submit(self._run, name, job) for name, job in jobs.items()}
+
+    def _run(self, name: str, job: Callable[[], object]) -> None:
+        start = time.perf_counter()
+        try:
+            job()
+        except Exception as e:
+            self.errors[name] = f"{type(e).__name__}: {e}"
+        else:
+            self.seconds[name] = time.perf_counter() - start
+
+    def wait(self, names: Iterable[str] | None = None) -> None:
+        for name in self.names if names is None else names:
+            self._futures[name].result()
+
+    def done(self) -> bool:
+        return all(future.done() for future in self._futures.values())
+
+    def close(self) -> None:
+        """Drops the jobs not started yet (a compile under way cannot be interrupted; the process waits for it)."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
 def compile_all(
     jobs: Mapping[str, Callable[[], object]], threads: int | None = None
 ) -> tuple[dict[str, float], dict[str, str]]:
-    """Runs compile jobs (each typically `lambda: jitted.lower(*args).compile()`) in `threads` threads (default: one
-    per job, at most the CPU count). Returns (seconds of each job that succeeded, error message of each that
-    failed): compiling ahead is an optimisation, so a failure is left for the real call to report where it
-    happens."""
-    threads = max(1, min(len(jobs), threads or os.cpu_count() or 1))
-    seconds: dict[str, float] = {}
-    errors: dict[str, str] = {}
-
-    def run(name: str) -> None:
-        start = time.perf_counter()
-        try:
-            jobs[name]()
-        except Exception as e:
-            errors[name] = f"{type(e).__name__}: {e}"
-        else:
-            seconds[name] = time.perf_counter() - start
-
-    with ThreadPoolExecutor(threads, thread_name_prefix="compile") as pool:
-        for future in [pool.submit(run, name) for name in jobs]:
-            future.result()
-    return seconds, errors
+    """Runs compile jobs in `threads` threads (default: one per job, at most the CPU count) and waits for all:
+    (seconds of each job that succeeded, error message of each that failed)."""
+    running = CompileJobs(jobs, threads)
+    running.wait()
+    running.close()
+    return running.seconds, running.errors

@@ -38,7 +38,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jax_transformer.compilation import OFF, CompileLog, compile_all
+from jax_transformer.compilation import OFF, CompileJobs, CompileLog
 from jax_transformer.config import ConfigError, OptimConfig, TransformerConfig, setting, settings_from_dict
 from jax_transformer.data import Corpus, EncodedCorpus, eval_batches
 from jax_transformer.decoding import TRANSLATE_BATCH_SIZE, compile_translation, encode_sources, translation_shapes
@@ -263,20 +263,22 @@ PHASES = ("setup", "compile", "steps", "eval", "checkpoint")
 
 
 class PhaseTimes:
-    """Wall seconds of a run by phase. Compilation that happens inside another phase (a shape not compiled ahead)
-    is moved from that phase to "compile", from the jax.monitoring events `CompileLog` counts."""
+    """Wall seconds of a run by phase. Compilation the loop's own thread does inside another phase (a shape not
+    compiled ahead) is moved from that phase to "compile", from the jax.monitoring events `CompileLog` counts;
+    compilation in the background threads of `CompileJobs` is not: the loop did not wait for it."""
 
     def __init__(self) -> None:
         self.seconds = dict.fromkeys(PHASES, 0.0)
 
     @contextlib.contextmanager
     def phase(self, name: str):
-        compiled_before, start = CompileLog.snapshot()["seconds"], time.perf_counter()
+        compiled_before, start = CompileLog.snapshot()["thread_seconds"], time.perf_counter()
         try:
             yield
         finally:
             wall = time.perf_counter() - start
-            compiled = 0.0 if name == "compile" else min(wall, CompileLog.snapshot()["seconds"] - compiled_before)
+            compiled = 0.0 if name == "compile" else CompileLog.snapshot()["thread_seconds"] - compiled_before
+            compiled = min(wall, compiled)
             self.seconds[name] += wall - compiled
             self.seconds["compile"] += compiled
 
@@ -341,6 +343,7 @@ class Trainer:
         self.times = PhaseTimes()
         self._in_flight: collections.deque = collections.deque()  # (step, lr, loss sums still on the device)
         self._profiling = False
+        self._compiling: CompileJobs | None = None  # programs compiling ahead, in background threads
 
     # --- pieces ----------------------------------------------------------------------------------------------
     def host_params(self):
@@ -447,56 +450,80 @@ class Trainer:
         return None
 
     # --- compiling ahead ---------------------------------------------------------------------------------------
-    def compile_jobs(self) -> dict[str, Callable[[], Any]]:
-        """{name: a function compiling it} for every program the run will call: the train step for each batch shape,
-        the eval step for each validation batch shape, and the decoders of the evaluations during training and of
-        the final one. Each lowers with arguments of the very shapes and types the loop passes later, so the loop's
-        calls find them compiled."""
-        jobs: dict[str, Callable[[], Any]] = {}
+    def compile_jobs(self) -> dict[str, dict[str, Callable[[], Any]]]:
+        """Every program the run will call, as {when it is first needed: {name: a function compiling it}}: "train"
+        (the train step for each batch shape), "eval" (the eval step for each validation batch shape, and the
+        decoders of the evaluations during training), "final" (the decoders of the final evaluation). Each lowers
+        with arguments of the very shapes and types the loop passes later, so the loop's calls find them compiled."""
+        jobs: dict[str, dict[str, Callable[[], Any]]] = {"train": {}, "eval": {}, "final": {}}
         if hasattr(self.train_step, "lower") and hasattr(self.stream, "example_batches"):
             for batch in self.stream.example_batches():
                 batch = shard_batch(batch, self.n_devices)
-                jobs[f"train step {batch['src'].shape}"] = lambda b=batch: self.train_step.lower(
-                    self.state, b
-                ).compile()
+                name = f"train step {batch['src'].shape}"
+                jobs["train"][name] = lambda b=batch: self.train_step.lower(self.state, b).compile()
         if self.valid is None:
             return jobs
         params = self.host_params()
         for batch in {b["src"].shape: b for b in self.valid.batches}.values():
-            jobs[f"eval step {batch['src'].shape}"] = lambda b=batch: self.eval_step.lower(params, b).compile()
+            jobs["eval"][f"eval step {batch['src'].shape}"] = lambda b=batch: self.eval_step.lower(params, b).compile()
         lengths = [len(ids) for ids in encode_sources(self.tokenizer, self.valid.sources, self.config)]
-        for final, beam_size in ((False, self.loop.eval_beam_size), (True, self.loop.beam_size)):
-            n = self._bleu_sentences(final)
+        for when, beam_size in (("eval", self.loop.eval_beam_size), ("final", self.loop.beam_size)):
+            n = self._bleu_sentences(when == "final")
             if n > 0:
                 shapes = translation_shapes(lengths[:n], TRANSLATE_BATCH_SIZE, self.config.max_len)
-                jobs.update(compile_translation(params, self.config, shapes, beam_size=beam_size))
+                jobs[when].update(compile_translation(params, self.config, shapes, beam_size=beam_size))
+        for name in jobs["eval"]:
+            jobs["final"].pop(name, None)  # the same decoder, when the final evaluation uses the same beam
         return jobs
 
     def compile_ahead(self) -> None:
-        """Compiles `compile_jobs()` in parallel threads (loading what the persistent cache holds) and logs it."""
-        before = CompileLog.snapshot()
+        """Starts compiling `compile_jobs()` in parallel threads (loading what the persistent cache holds) and
+        waits for the train step only; `_wait_for_compiles` waits for the others when they are needed."""
+        self._compile_start = CompileLog.snapshot()
+        jobs = self.compile_jobs()
+        self._compile_groups = {when: list(group) for when, group in jobs.items()}
+        self._compiling = CompileJobs({name: job for group in jobs.values() for name, job in group.items()})
+        n = len(self._compiling.names)
+        self.print(f"compiling {n} programs ahead, in parallel ({', '.join(self._compiling.names)})")
+        self._wait_for_compiles("train")
+
+    def _wait_for_compiles(self, *groups: str) -> None:
+        """Blocks until the programs compiled ahead for these groups are ready (booked as compile time); once
+        every job is done, logs what was compiled and loaded."""
+        if self._compiling is None:
+            return
         with self.times.phase("compile"):
-            jobs = self.compile_jobs()
-            seconds, errors = compile_all(jobs)
-        done = CompileLog.since(before)
+            for when in groups:
+                self._compiling.wait(self._compile_groups[when])
+        if self._compiling.done():
+            self._log_compiles()
+
+    def _log_compiles(self) -> None:
+        running, self._compiling = self._compiling, None
+        running.close()
+        done = CompileLog.since(self._compile_start)
         cache = jax.config.values["jax_compilation_cache_dir"]
         self.metrics.write(
             {
                 "kind": "compile",
                 "step": self.step,
-                "programs": sorted(jobs),
-                "seconds": round(self.times.seconds["compile"], 2),
+                "programs": sorted(running.names),
+                "seconds": round(sum(running.seconds.values()), 2),  # of compile work, in parallel threads
+                "waited_s": round(self.times.seconds["compile"], 2),  # the loop's wait for it
                 "compiles": int(done["compiles"]),
                 "cache_dir": cache,
                 "cache_hits": int(done["hits"]),
                 "cache_misses": int(done["misses"]),
-                "errors": errors,
+                "errors": running.errors,
                 "elapsed_s": round(time.time() - self.start_time, 1),
             }
         )
         where = f"cache {cache}: {done['hits']} loaded, {done['misses']} compiled and stored" if cache else "no cache"
-        self.print(f"compiled {len(seconds)} programs ahead in {self.times.seconds['compile']:.1f} s ({where})")
-        for name, error in errors.items():
+        self.print(
+            f"compiled {len(running.seconds)} programs ahead: {sum(running.seconds.values()):.1f} s of compile work, "
+            f"{self.times.seconds['compile']:.1f} s waited for ({where})"
+        )
+        for name, error in running.errors.items():
             self.print(f"warning: compiling {name} ahead failed ({error}); it compiles when first called")
 
     # --- one step ------------------------------------------------------------------------------------------------
@@ -571,6 +598,9 @@ class Trainer:
             if self._profiling and self.step == profile[1]:
                 self._stop_profile(bar)
             self._retire(bar, wait=False)
+        if self._compiling is not None and self._compiling.done():
+            bar.clear()
+            self._log_compiles()
 
     def _drain(self, bar) -> None:
         """Waits for every dispatched step and logs it: before anything reads or saves the state."""
@@ -592,8 +622,6 @@ class Trainer:
 
         loop = self.loop
         self.times.seconds["setup"] = time.time() - self.start_time  # data, tokenizer, model: before the loop
-        if loop.compile_ahead:
-            self.compile_ahead()
         bar = tqdm(
             total=loop.steps,
             initial=self.step,
@@ -609,6 +637,8 @@ class Trainer:
             self.stream, lambda b: jax.device_put(b) if self.n_devices == 1 else shard_batch(b, self.n_devices)
         )
         try:
+            if loop.compile_ahead:
+                self.compile_ahead()  # the first batches are prepared meanwhile
             with StopSignals() as signals:
                 while (stopped_by := self._stop_reason(signals)) is None:
                     self._step(bar)
@@ -617,6 +647,7 @@ class Trainer:
                     if self.valid is not None and self.step % loop.eval_every == 0:
                         self._drain(bar)  # a non-finite loss stops the run before anything else
                         bar.clear()
+                        self._wait_for_compiles("eval")
                         result, samples = self.evaluate(beam_size=loop.eval_beam_size)
                         self.report(result, samples[:2])
                         self.save(metrics={"score": result["score"]})
@@ -635,6 +666,7 @@ class Trainer:
             if stopped_by == "time":
                 self.print(f"stopping at step {self.step}: --max-minutes {loop.max_minutes} reached")
             final, samples = None, []
+            self._wait_for_compiles("eval", "final")
             if self.valid is not None:
                 final, samples = self.evaluate(beam_size=loop.beam_size, final=True)
                 self.report(final, samples)
@@ -645,6 +677,8 @@ class Trainer:
         finally:
             bar.close()
             self.batches.close()
+            if self._compiling is not None:  # stopped early: drop the compile jobs not started yet
+                self._compiling.close()
             if self._profiling:
                 jax.profiler.stop_trace()
                 self._profiling = False

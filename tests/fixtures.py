@@ -354,19 +354,22 @@ def flat(tree) -> dict[str, np.ndarray]:
 
 
 @contextlib.contextmanager
-def compiled_functions() -> Iterator[list[str]]:
-    """Records the name of every function XLA compiles (or loads from the persistent cache) inside the block,
-    e.g. "jit(_greedy_core)", from jax.monitoring's backend-compile events: compilations counted, not timed."""
+def compiled_functions() -> Iterator[list[tuple[str, str]]]:
+    """Records every function XLA compiles (or loads from the persistent cache) inside the block as (its name, e.g.
+    "jit(_greedy_core)", the name of the thread that compiled it), from jax.monitoring's backend-compile events:
+    compilations counted, not timed."""
+    import threading
+
     import jax
 
-    names: list[str] = []
+    events: list[tuple[str, str]] = []
 
     def listen(event: str, seconds: float, **kwargs) -> None:
         if event == "/jax/core/compile/backend_compile_duration":
-            names.append(str(kwargs.get("fun_name")))
+            events.append((str(kwargs.get("fun_name")), threading.current_thread().name))
 
     jax.monitoring.register_event_duration_secs_listener(listen)
     try:
-        yield names
+        yield events
     finally:
         jax.monitoring.unregister_event_duration_listener(listen)
