@@ -431,8 +431,8 @@ def decode_widths(max_len: int) -> tuple[int, ...]:
     Fewer widths mean fewer compilations (a decoder takes seconds to compile on a CPU, tens on a GPU), but wider
     padding costs decoding time: every step attends over, and beam search reorders, a cache as long as the output
     limit, which grows with the width. Measured on Multi30k's validation set (small preset, beam 4, CPU, under
-    load): widths 16/32/64 decode ~8% slower than the data buckets' 16/24/32/56 and need 3 decoders instead of 4;
-    32/64 need 2 but decode ~40% slower, more than the compilation they save."""
+    load): widths 16/32/64 decode 7-15% slower than the data buckets' 16/24/32/56 and need 3 decoders instead of
+    4; 32/64 need 2 but decode 19-68% slower, more than the compilation they save."""
     widths, width = [], 16
     while width < max_len:
         widths.append(width)
