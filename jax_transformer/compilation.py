@@ -163,14 +163,3 @@ class CompileJobs:
     def close(self) -> None:
         """Drops the jobs not started yet (a compile under way cannot be interrupted; the process waits for it)."""
         self._pool.shutdown(wait=False, cancel_futures=True)
-
-
-def compile_all(
-    jobs: Mapping[str, Callable[[], object]], threads: int | None = None
-) -> tuple[dict[str, float], dict[str, str]]:
-    """Runs compile jobs in `threads` threads (default: one per job, at most the CPU count) and waits for all:
-    (seconds of each job that succeeded, error message of each that failed)."""
-    running = CompileJobs(jobs, threads)
-    running.wait()
-    running.close()
-    return running.seconds, running.errors

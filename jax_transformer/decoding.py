@@ -475,7 +475,7 @@ def compile_translation(
     max_len_b: float = DEFAULT_MAX_LEN_B,
 ) -> dict[str, Any]:
     """Compile jobs for the decoder `translate` uses on batches of these (rows, width) shapes: {name: a function
-    that compiles it}. Run them (e.g. with `compilation.compile_all`) before decoding and `translate` compiles
+    that compiles it}. Run them (e.g. with `compilation.CompileJobs`) before decoding and `translate` compiles
     nothing: `lower(...).compile()` fills the cache its calls look in (alpha is an array argument, any value)."""
     jobs = {}
     for rows, width in shapes:
