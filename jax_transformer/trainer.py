@@ -220,7 +220,7 @@ class Prefetcher:
     so the loop never waits for the host to cut and copy a batch. Yields (batch, the stream's position after it):
     the position a checkpoint taken after that batch's step must store, while the stream itself is ahead."""
 
-    def __init__(self, stream, prepare: Callable[[Any], Any], depth: int = 2) -> None:
+    def __init__(self, stream, prepare: Callable[[Any], Any], depth: int = 4) -> None:
         self._stream, self._prepare = stream, prepare
         self._queue: queue.Queue = queue.Queue(maxsize=depth)
         self._stop = threading.Event()
@@ -637,9 +637,9 @@ class Trainer:
             self.stream, lambda b: jax.device_put(b) if self.n_devices == 1 else shard_batch(b, self.n_devices)
         )
         try:
-            if loop.compile_ahead:
-                self.compile_ahead()  # the first batches are prepared meanwhile
             with StopSignals() as signals:
+                if loop.compile_ahead:
+                    self.compile_ahead()  # the first batches are prepared meanwhile; a signal stops after it
                 while (stopped_by := self._stop_reason(signals)) is None:
                     self._step(bar)
                     if self._stop_reason(signals) is not None:
