@@ -319,7 +319,12 @@ def time_to_bleu(args) -> dict:
             deadline = time.monotonic() + 60 * args.minutes + 600
             while process.process.poll() is None and time.monotonic() < deadline:
                 hit = next(
-                    (r for r in read_records(run_dir) if r["kind"] == "eval" and r.get("bleu", 0) >= args.target),
+                    (
+                        r
+                        for r in read_records(run_dir)
+                        # the evaluations during training: greedy, 200 sentences (not the final beam-4 one)
+                        if r["kind"] == "eval" and not r.get("final") and r.get("bleu", 0) >= args.target
+                    ),
                     None,
                 )
                 if hit is not None:
