@@ -7,9 +7,10 @@ the wall-time budget, a SIGINT/SIGTERM (after saving) or a non-finite loss (with
 checkpoint stays the last one). Each step and evaluation is a line of `<run>/metrics.jsonl`, drawn as
 `<run>/loss_curve.png` at the end.
 
-Keeping the device busy (issue 11): before the first step every program the run needs (the train step for the
-batch shape, the eval step, the decoders of the evaluations) is compiled ahead, in parallel threads
-(`jax_transformer.compilation`), usually loading from the persistent compilation cache. In the loop, batches are
+Keeping the device busy (issue 11): every program the run needs (the train step for the batch shape, the eval
+step, the decoders of the evaluations) starts compiling ahead, in parallel threads (`jax_transformer.compilation`),
+loading what the persistent compilation cache holds; the loop waits for the train step only, and for the others
+just before the evaluation that needs them. In the loop, batches are
 prepared and put on the device ahead by a background thread (`Prefetcher`), and a step is dispatched without
 waiting for the previous one: its loss sums are fetched once they are ready (at most `STEPS_AHEAD` steps behind),
 and always before an evaluation or a save, so a non-finite loss still stops the run before anything is saved
