@@ -91,7 +91,7 @@ class LoopConfig:
         f"runs), or '{OFF}' (default: $JAX_COMPILATION_CACHE_DIR, else ~/.cache/jax_transformer/xla)",
     )
     compile_ahead: bool = setting(
-        True, "compile the train step, eval step and decoders before the first step, in parallel threads"
+        True, "compile the train step, eval step and decoders ahead in parallel threads, each waited for when needed"
     )
     profile: str | None = setting(
         None, "write a jax.profiler trace of steps START:STOP (e.g. 20:25) into <run>/profile (TensorBoard, Perfetto)"
