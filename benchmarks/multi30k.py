@@ -5,6 +5,9 @@ to BLEU 40 (GPU), each in fresh `train.py` processes.
     # once: copy the corpus into the repository's git-ignored .data/multi30k (train/val .de/.en, 5 MB)
     python benchmarks/multi30k.py prepare-data /work/shared/data/multi30k
 
+    # the padding figures of README's "Batching and compilation" (a minute, no training) and docs/packing.png
+    python benchmarks/multi30k.py padding --plot docs/packing.png
+
     # CPU: target tokens/s over whole runs of N minutes (evaluations and compilation included), this checkout's
     # code (packed batches, cold compilation cache) against its bucketed batches and against the code at --old-ref
     python benchmarks/multi30k.py end-to-end --minutes 10 --json e2e.json
@@ -22,6 +25,7 @@ split from its records' timestamps and `JAX_LOG_COMPILES` lines instead, marked 
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import re
@@ -357,11 +361,96 @@ def time_to_bleu(args) -> dict:
     return {"benchmark": "multi30k time to BLEU", "target": args.target, "runs": results}
 
 
+# =============================================================================================================
+# padding (no training): the figures of README's "Batching and compilation" table, and its picture
+# =============================================================================================================
+
+
+def padding(args) -> dict:
+    """Tokenizes the corpus as README's command does and counts, for length buckets and packed rows, the batch
+    shapes, batches per epoch, the share of source and target slots holding a real token, and the real target
+    tokens per batch; with --plot, draws one batch of each (docs/packing.png)."""
+    check_data(args.data)
+    sys.path.insert(0, str(REPO))
+    from jax_transformer import data
+
+    corpus = data.read_parallel(args.data / "train.de", args.data / "train.en")
+    tokenizer = data.Tokenizer.train(corpus.sources + corpus.targets, 6000)
+    encoded = data.encode_corpus(corpus, tokenizer, 128)
+    valid = data.encode_corpus(data.read_parallel(args.data / "val.de", args.data / "val.en"), tokenizer, 128)
+    result, examples = {}, {}
+    for batching in ("buckets", "packed"):
+        stream = data.BatchStream(encoded, 4096, batching=batching, seed=0)
+        batches = [next(stream) for _ in range(stream.batches_per_epoch)]  # the first epoch
+        slots = sum(b["src"].size for b in batches)
+        target = sum(int((b["tgt_out"] != data.PAD_ID).sum()) for b in batches)
+        evaluation = data.eval_batches(valid, 4096, batching=batching)
+        result[batching] = {
+            "shapes": [list(shape) for shape in stream.shapes],
+            "batches_per_epoch": len(batches),
+            "source_real": round(sum(int((b["src"] != data.PAD_ID).sum()) for b in batches) / slots, 4),
+            "target_real": round(target / slots, 4),
+            "target_tokens_per_batch": round(target / len(batches)),
+            "validation_batches": len(evaluation),
+            "validation_shapes": sorted({b["src"].shape for b, _ in evaluation}),
+        }
+        common = collections.Counter(b["src"].shape for b in batches).most_common(1)[0][0]
+        examples[batching] = next(b for b in batches if b["src"].shape == common)  # a batch of the usual shape
+        r = result[batching]
+        print(
+            f"{batching}: {len(r['shapes'])} shape(s) {r['shapes'][:3]}{'...' if len(r['shapes']) > 3 else ''}, "
+            f"{r['batches_per_epoch']} batches per epoch, {100 * r['source_real']:.1f}% of source and "
+            f"{100 * r['target_real']:.1f}% of target slots real, {r['target_tokens_per_batch']:,} target tokens per "
+            f"batch; validation: {r['validation_batches']} batches in {len(r['validation_shapes'])} shape(s)"
+        )
+    if args.plot:
+        plot_padding(examples, result, args.plot)
+        print(f"wrote {args.plot}")
+    return {"benchmark": "multi30k padding", **result}
+
+
+def plot_padding(examples: dict, result: dict, path: Path) -> None:
+    """Two batches of 4,096 target slots side by side: one of the most common length bucket (one pair per row) and a
+    packed one (several pairs per row), one colour per pair, padding white."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 5.2))
+    for ax, (batching, batch) in zip(axes, examples.items()):
+        real = batch["tgt_out"] != 0
+        # One colour per pair (a packed row's segments, a bucket row's one pair), neighbours far apart; padding white.
+        pair = batch["tgt_segments"] if batching == "packed" else np.arange(real.shape[0])[:, None] + 0 * real
+        colours = np.where(real, 0.1 + 0.8 * ((pair * 0.38) % 1.0), np.nan)
+        cmap = plt.get_cmap("viridis").copy()
+        cmap.set_bad("white")
+        ax.imshow(colours, aspect="auto", cmap=cmap, interpolation="nearest", vmin=0, vmax=1)
+        rows, length = batch["tgt_out"].shape
+        r = result[batching]
+        ax.set_title(
+            f"{batching}: {rows} rows x {length} target positions\n{100 * real.mean():.0f}% real in this batch, "
+            f"{100 * r['target_real']:.0f}% over the epoch; {r['batches_per_epoch']} batches, "
+            f"{len(r['shapes'])} shape(s)",
+            fontsize=10,
+        )
+        ax.set_xlabel("position in the row")
+        ax.set_ylabel("row")
+    fig.suptitle("Multi30k de->en, 4,096 token slots per batch: the target side of one batch (white = padding)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("prepare-data", help=f"copy {', '.join(FILES)} from a folder into {DATA}")
     p.add_argument("source", type=Path)
+    pad = sub.add_parser("padding", help="batch shapes and the share of real tokens, buckets against packed rows")
+    pad.add_argument("--data", type=Path, default=DATA, help=f"folder with {', '.join(FILES)} (default {DATA})")
+    pad.add_argument("--json", type=Path, help="also write the figures as JSON")
+    pad.add_argument("--plot", type=Path, help="draw one batch of each kind into this PNG (README: docs/packing.png)")
     for name, helptext in (
         ("end-to-end", "target tokens/s over whole runs, old and new batching (CPU)"),
         ("time-to-bleu", "seconds from launch to validation BLEU 40, cold and warm compilation cache (GPU)"),
@@ -387,7 +476,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "prepare-data":
         prepare_data(args.source)
         return 0
-    result = end_to_end(args) if args.command == "end-to-end" else time_to_bleu(args)
+    commands = {"padding": padding, "end-to-end": end_to_end, "time-to-bleu": time_to_bleu}
+    result = commands[args.command](args)
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
         print(f"wrote {args.json}")
