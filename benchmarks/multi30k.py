@@ -10,10 +10,10 @@ to BLEU 40 (GPU), each in fresh `train.py` processes.
 
     # CPU: target tokens/s over whole runs of N minutes (evaluations and compilation included), this checkout's
     # code (packed batches, cold compilation cache) against its bucketed batches and against the code at --old-ref
-    python benchmarks/multi30k.py end-to-end --minutes 10 --json e2e.json
+    python benchmarks/multi30k.py end-to-end --minutes 10 --json e2e.json --plot e2e.png
 
     # GPU: seconds from launch to validation BLEU >= 40 (greedy, 200 sentences), cold then warm compilation cache
-    python benchmarks/multi30k.py time-to-bleu --json bleu40.json          # two runs of at most 4 minutes
+    python benchmarks/multi30k.py time-to-bleu --json bleu40.json --plot bleu40.png   # two runs of <= 4 minutes
 
 Both run README's command (`readme_flags`: small preset, 6000-piece vocabulary, 4096 token slots, eval every 500
 steps on 200 sentences, greedy) with only `--max-minutes`, `--run-dir` and the compilation cache changed, and read
@@ -361,6 +361,35 @@ def time_to_bleu(args) -> dict:
     return {"benchmark": "multi30k time to BLEU", "target": args.target, "runs": results}
 
 
+def plot_runs(runs: list[dict], path: Path, title: str) -> None:
+    """One horizontal bar per run: its wall time split by phase, labelled with target tokens/s (and, when the run
+    has one, the seconds to the BLEU target)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    phases = ("setup_s", "compile_s", "steps_s", "eval_s", "checkpoint_s", "other_s")
+    fig, ax = plt.subplots(figsize=(10, 1.8 + 0.7 * len(runs)))
+    for y, run in enumerate(runs):
+        left = 0.0
+        for k, phase in enumerate(phases):
+            width = float(run["phases_s"].get(phase, 0.0))
+            ax.barh(y, width, left=left, color=f"C{k}", label=phase[:-2] if y == 0 else None)
+            left += width
+        label = f"{run['target_tokens_per_s']:,.0f} target tokens/s"
+        if run.get("seconds_to_bleu") is not None:
+            label += f"; BLEU {run['bleu']:.1f} at {run['seconds_to_bleu']:.0f} s"
+        ax.text(left, y, "  " + label, va="center", fontsize=9)
+    ax.set_yticks(range(len(runs)), [run["name"] for run in runs])
+    ax.set_xlabel("wall time from launch (s)")
+    ax.set_xlim(0, 1.35 * max(run["wall_s"] for run in runs))
+    ax.set_title(title)
+    fig.legend(ncol=6, fontsize=8, loc="lower center")
+    fig.tight_layout(rect=(0, 0.12, 1, 1))
+    fig.savefig(path, dpi=90)
+
+
 # =============================================================================================================
 # padding (no training): the figures of README's "Batching and compilation" table, and its picture
 # =============================================================================================================
@@ -459,6 +488,7 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--data", type=Path, default=DATA, help=f"folder with {', '.join(FILES)} (default {DATA})")
         p.add_argument("--json", type=Path, help="also write the results as JSON")
         p.add_argument("--keep", action="store_true", help="keep the run directories (printed temp folder)")
+        p.add_argument("--plot", type=Path, help="draw each run's wall time by phase into this PNG")
     e = sub.choices["end-to-end"]
     e.add_argument("--minutes", type=float, default=10.0, help="--max-minutes of each run (default 10)")
     e.add_argument(
@@ -478,6 +508,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     commands = {"padding": padding, "end-to-end": end_to_end, "time-to-bleu": time_to_bleu}
     result = commands[args.command](args)
+    if args.command != "padding" and args.plot:
+        plot_runs(result["runs"], args.plot, f"README's Multi30k command: {result['benchmark']}")
+        print(f"wrote {args.plot}")
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
         print(f"wrote {args.json}")
