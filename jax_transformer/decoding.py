@@ -36,8 +36,9 @@ Conventions (shared with the PyTorch reference, `torch_reference/decoding.py`, w
 Compilation: the jitted cores take `config`, the output length L and the beam size as static arguments and
 everything else (parameters, sources, limits, the length-penalty table, hence alpha) as arrays, so `jax.jit`
 compiles once per (config, batch size, source width, L, beam size) and caches it. `translate` pads batches to a
-few shapes (batch sizes: powers of two up to `batch_size`; source widths: `data.bucket_lengths(max_len)`) so a
-whole test set compiles a handful of times.
+small fixed set of shapes (`translation_batches`: every batch `batch_size` rows, unless all the sentences fit in
+fewer; source widths 16, 32, 64, ... up to max_len), so a validation set compiles about three decoders, and
+`compile_translation` compiles them ahead of time.
 """
 
 from __future__ import annotations
@@ -59,11 +60,12 @@ from tqdm.auto import tqdm
 from jax_transformer import checks
 from jax_transformer.checks import TokenError
 from jax_transformer.config import TransformerConfig
-from jax_transformer.data import DataError, bucket_lengths
+from jax_transformer.data import DataError
 from jax_transformer.model import Transformer
 
 DEFAULT_MAX_LEN_A = 1.5
 DEFAULT_MAX_LEN_B = 10
+TRANSLATE_BATCH_SIZE = 64  # sentences decoded together by `translate`
 
 
 # =============================================================================================================
@@ -422,8 +424,83 @@ def batch_buckets(batch_size: int) -> tuple[int, ...]:
     return tuple(sizes) + ((batch_size,) if batch_size > 1 else ())
 
 
+def decode_widths(max_len: int) -> tuple[int, ...]:
+    """Source widths a decoding batch is padded to: 16, 32, 64, ... (powers of two below max_len), then max_len.
+
+    Fewer widths mean fewer compilations (a decoder takes seconds to compile on a CPU, tens on a GPU), but wider
+    padding costs decoding time: every step attends over, and beam search reorders, a cache as long as the output
+    limit, which grows with the width. Measured on Multi30k's validation set (small preset, beam 4, CPU, under
+    load): widths 16/32/64 decode 7-15% slower than the data buckets' 16/24/32/56 and need 3 decoders instead of
+    4; 32/64 need 2 but decode 19-68% slower, more than the compilation they save."""
+    widths, width = [], 16
+    while width < max_len:
+        widths.append(width)
+        width *= 2
+    return tuple(widths) + (max_len,)
+
+
 def _bucket(n: int, sizes: Sequence[int]) -> int:
     return next(size for size in sizes if size >= n)
+
+
+def translation_batches(lengths: Sequence[int], batch_size: int, max_len: int) -> list[tuple[np.ndarray, int, int]]:
+    """How `translate` batches sources of these lengths (EOS included): (sentence indices, rows, width) per batch.
+
+    Sentences are sorted by length (similar lengths share a batch) and taken `batch_size` at a time. Every batch
+    has `batch_size` rows (the last one is completed with all-PAD filler rows, which finish at once), unless all the
+    sentences fit in fewer: then the next power of two. The width is the first of `decode_widths(max_len)` that
+    holds the longest source of the batch."""
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
+    order = np.argsort(np.asarray(lengths, dtype=np.int64), kind="stable")
+    rows = batch_size if len(order) >= batch_size else _bucket(max(1, len(order)), batch_buckets(batch_size))
+    widths = decode_widths(max_len)
+    chunks = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
+    return [(chunk, rows, _bucket(max(int(lengths[i]) for i in chunk), widths)) for chunk in chunks]
+
+
+def translation_shapes(lengths: Sequence[int], batch_size: int, max_len: int) -> list[tuple[int, int]]:
+    """The distinct (rows, width) shapes `translate` decodes sources of these lengths in: one compilation each."""
+    return sorted({(rows, width) for _, rows, width in translation_batches(lengths, batch_size, max_len)})
+
+
+def compile_translation(
+    params,
+    config: TransformerConfig,
+    shapes: Sequence[tuple[int, int]],
+    *,
+    beam_size: int,
+    max_len_a: float = DEFAULT_MAX_LEN_A,
+    max_len_b: float = DEFAULT_MAX_LEN_B,
+) -> dict[str, Any]:
+    """Compile jobs for the decoder `translate` uses on batches of these (rows, width) shapes: {name: a function
+    that compiles it}. Run them (e.g. with `compilation.CompileJobs`) before decoding and `translate` compiles
+    nothing: `lower(...).compile()` fills the cache its calls look in (alpha is an array argument, any value)."""
+    jobs = {}
+    for rows, width in shapes:
+        length = output_length(width, config, max_len_a, max_len_b)
+        src = jax.ShapeDtypeStruct((rows, width), jnp.int32)
+        max_new = jax.ShapeDtypeStruct((rows,), jnp.int32)
+        min_len = jax.ShapeDtypeStruct((), jnp.int32)
+        if beam_size == 1:
+            lower = functools.partial(_greedy_core.lower, params, src, max_new, min_len, config=config, length=length)
+            name = f"greedy search {rows}x{width}"
+        else:
+            penalties = jax.ShapeDtypeStruct((length + 1,), jnp.float32)
+            lower = functools.partial(
+                _beam_core.lower,
+                params,
+                src,
+                max_new,
+                min_len,
+                penalties,
+                config=config,
+                length=length,
+                beam_size=int(beam_size),
+            )
+            name = f"beam search {beam_size} {rows}x{width}"
+        jobs[name] = lambda lower=lower: lower().compile()
+    return jobs
 
 
 def encode_sources(tokenizer, sentences: Sequence[str], config: TransformerConfig) -> list[np.ndarray]:
@@ -450,7 +527,7 @@ def translate(
     *,
     beam_size: int = 4,
     alpha: float = 0.6,
-    batch_size: int = 64,
+    batch_size: int = TRANSLATE_BATCH_SIZE,
     max_len_a: float = DEFAULT_MAX_LEN_A,
     max_len_b: float = DEFAULT_MAX_LEN_B,
     progress: bool = True,
@@ -458,9 +535,9 @@ def translate(
     """Translates sentences (strings) and returns the translations in the same order.
 
     beam_size=1 uses greedy search, larger values beam search with length penalty `alpha`. Sentences are
-    sorted by length and decoded `batch_size` at a time; each batch is padded to a bucket shape (rows: a power
-    of two up to batch_size; width: `data.bucket_lengths(config.max_len)`), so compilations are few and reused.
-    For a file or stream of any size, `translate_lines` does this chunk by chunk.
+    sorted by length and decoded `batch_size` at a time, each batch padded to one of a few shapes
+    (`translation_batches`), so compilations are few and reused. For a file or stream of any size,
+    `translate_lines` does this chunk by chunk.
     """
     sources = encode_sources(tokenizer, sentences, config)
     options = dict(beam_size=beam_size, alpha=alpha, batch_size=batch_size, max_len_a=max_len_a, max_len_b=max_len_b)
@@ -481,14 +558,9 @@ def _translate_sources(
     progress: bool,
 ) -> list[str]:
     """Decoded text of encoded sources (ids + EOS), in their order; see `translate`."""
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
-    order = np.argsort([len(s) for s in sources], kind="stable")  # similar lengths share a batch
-    row_sizes, widths = batch_buckets(batch_size), bucket_lengths(config.max_len)
+    batches = translation_batches([len(s) for s in sources], batch_size, config.max_len)
     out: list[str] = [""] * len(sources)
-    chunks = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
-    for chunk in tqdm(chunks, desc="translate", unit="batch", disable=not progress or len(chunks) < 2):
-        rows, width = _bucket(len(chunk), row_sizes), _bucket(max(len(sources[i]) for i in chunk), widths)
+    for chunk, rows, width in tqdm(batches, desc="translate", unit="batch", disable=not progress or len(batches) < 2):
         src = np.full((rows, width), config.pad_id, dtype=np.int32)  # filler rows stay all-PAD
         for row, i in enumerate(chunk):
             src[row, : len(sources[i])] = sources[i]

@@ -44,7 +44,7 @@ from typing import Any
 import jax
 
 from jax_transformer import checkpoint as ckpt_lib
-from jax_transformer import distributed
+from jax_transformer import compilation, distributed
 from jax_transformer.config import (
     COMPUTE_FIELDS,
     PRESETS,
@@ -125,6 +125,8 @@ FROZEN_DATA_FIELDS = (
     "tokenizer_type",
     "max_tokens",
     "row_multiple",
+    "batching",
+    "pack_length",
     "on_empty",
     "on_too_long",
 )
@@ -349,12 +351,15 @@ def _prepare(
         config = model_config(preset_name, tokenizer.vocab_size, model_fields)
 
     # --- batches: the global batch plan, the same on any number of devices ---------------------------------------
+    cache_dir = compilation.use_cache(loop_config.compilation_cache, print_fn)  # before the model's programs compile
     devices = distributed.DataParallel.from_config(parallel_config)
     encoded = encode_corpus(train_corpus, tokenizer, config.max_len, on_too_long=data_config.on_too_long)
     print_fn(f"training data: {encoded.describe()}")
     stream = BatchStream(
         encoded,
         data_config.max_tokens,
+        batching=data_config.batching,
+        pack_length=data_config.pack_length,
         row_multiple=data_config.row_multiple,
         seed=seed,
         state=None if restored is None else restored.data_state,
@@ -369,7 +374,9 @@ def _prepare(
     if valid_corpus is not None:
         valid_encoded = encode_corpus(valid_corpus, tokenizer, config.max_len, on_too_long=data_config.on_too_long)
         print_fn(f"validation data: {valid_encoded.describe()}")
-        valid = ValidationSet.from_encoded(valid_encoded, valid_corpus, data_config.max_tokens)
+        valid = ValidationSet.from_encoded(
+            valid_encoded, valid_corpus, data_config.max_tokens, batching=data_config.batching
+        )
 
     # --- state ------------------------------------------------------------------------------------------------
     state = _initial_state(restored, config, optim_config, seed, params)
@@ -404,8 +411,7 @@ def _prepare(
     print_fn(
         f"model: {n_params:,} parameters, d_model {config.d_model}, {config.num_encoder_layers}+"
         f"{config.num_decoder_layers} layers, vocabulary {config.src_vocab_size}; {devices.describe()}; "
-        f"batches of ~{data_config.max_tokens} token slots, "
-        f"{stream.batches_per_epoch} per epoch; run directory {run_dir}"
+        f"{_describe_batches(stream)}; run directory {run_dir}; compilation cache {cache_dir or 'off'}"
     )
     trainer = Trainer(
         config=config,
@@ -684,14 +690,28 @@ def _resolve_data(
     new validation files may be given."""
     if stored is None:
         return DataConfig.from_dict({**defaults, **given})
-    saved = dict(stored["data"])
-    # Before row_multiple was a setting, the rows of every batch were a multiple of the device count.
-    saved.setdefault("row_multiple", stored.get("devices") or 1)
+    # Runs from before packed batches existed batched by length buckets; before row_multiple was a setting, the
+    # rows of every batch were a multiple of the device count.
+    saved = {"batching": "buckets", "row_multiple": stored.get("devices") or 1, **stored["data"]}
     for name in FROZEN_DATA_FIELDS:
         if name in given and given[name] is not None:
             value = str(Path(given[name]).absolute()) if name in ("src", "tgt", "tsv") else given[name]
             _check_frozen(name, value, saved.get(name))
     return DataConfig.from_dict({**saved, **{k: v for k, v in given.items() if k not in FROZEN_DATA_FIELDS}})
+
+
+def _describe_batches(stream: BatchStream) -> str:
+    share = f"{100 * stream.padding_efficiency:.0f}% of slots real"
+    if stream.batching == "packed":
+        rows, length = stream.shapes[0]
+        return (
+            f"packed batches of {rows} rows x {length} = {rows * length} token slots, "
+            f"{stream.batches_per_epoch} per epoch, one shape ({share})"
+        )
+    return (
+        f"bucketed batches of ~{stream.shapes[0][0] * stream.shapes[0][1]} token slots, {stream.batches_per_epoch} "
+        f"per epoch, {len(stream.shapes)} shapes ({share})"
+    )
 
 
 def _check_frozen(name: str, given: Any, stored: Any) -> None:

@@ -1,6 +1,6 @@
 """Packed rows: several sentence pairs in one row (segment ids, positions restarting at each pair) give every pair
 the logits, loss and gradients it gets alone, in the Flax model and in the PyTorch twin, and the twins agree on
-the packed batch.
+the packed batch: for rows packed by hand, and for a batch the data pipeline's packer cut from real tokenized text.
 
 Why the match is (nearly) exact: a key of another pair gets the score finfo.min, whose exp underflows to exactly
 0, so each softmax sees only its own pair; positions index the same table rows. What remains is float32
@@ -20,7 +20,7 @@ from jax_transformer.losses import loss_sums
 from jax_transformer.model import Transformer, init_params
 from jax_transformer.port import flax_to_torch
 from tests.fixtures import PARITY_CONFIGS as CONFIGS
-from tests.fixtures import t, torch_twin
+from tests.fixtures import max_abs_diff, packed_pairs, t, torch_twin, twin_models, unpacked
 from torch_reference.losses import loss_sums as torch_loss_sums
 
 LOGIT_TOL = 1e-5  # float32 summation order only (see the module docstring)
@@ -162,3 +162,49 @@ def test_packed_loss_and_gradients_equal_the_pairs_alone(twins, parity_report):
     parity_report("packed gradients flax vs torch, rel", name, twin_diff, GRAD_TOL)
     assert loss_diff <= 1e-6  # a sum of the same float32 terms in another order: a few ulp
     assert grad_diff <= GRAD_TOL and twin_diff <= GRAD_TOL
+
+
+@pytest.fixture(scope="module")
+def real_packed_batch():
+    """A batch cut by the data pipeline's packer (BatchStream, batching="packed") from real text: the built-in
+    task's English -> French sentences, tokenized by a SentencePiece model trained on them. (config, batch)."""
+    from jax_transformer import default_task
+    from jax_transformer.data import BatchStream, Tokenizer, encode_corpus
+
+    pairs = default_task.default_pairs("train", n=400)
+    tokenizer = Tokenizer.train(pairs.sources + pairs.targets, 200, model_type=default_task.TOKENIZER_MODEL_TYPE)
+    encoded = encode_corpus(pairs, tokenizer, max_len=32)
+    batch = next(BatchStream(encoded, max_tokens=256, batching="packed", seed=1))
+    return tokenizer.vocab_size, batch
+
+
+@pytest.mark.parametrize("name", ["post_sinusoidal_tied_relu", "pre_learned_untied_gelu_nobias"])
+def test_pairs_packed_by_the_data_pipeline_get_their_own_logits_and_loss(name, real_packed_batch, parity_report):
+    """Every pair of the packed batch against the same pair alone in a row of an unpacked batch (one pair per row,
+    the bucketed batches' layout), in both frameworks; and the packed loss sums against the unpacked ones."""
+    vocab, batch = real_packed_batch
+    config = CONFIGS[name].replace(src_vocab_size=vocab, tgt_vocab_size=vocab, max_len=32)
+    model, params, torch_model = twin_models(config, seed=4)
+    pairs, alone = packed_pairs(batch), unpacked(batch)
+    assert len(pairs) > 1.5 * batch["src"].shape[0]  # rows hold several pairs each
+    logits = {
+        "flax": (_flax_logits(model, params, batch), _flax_logits(model, params, alone)),
+        "torch": (_torch_logits(torch_model, batch), _torch_logits(torch_model, alone)),
+    }
+    for framework, (packed, single) in logits.items():
+        worst = max(max_abs_diff(packed[r, m], single[i, : m.sum()]) for i, (r, _, m) in enumerate(pairs))
+        parity_report(f"logits, pipeline-packed vs alone, {framework}", name, worst, LOGIT_TOL)
+        assert worst <= LOGIT_TOL
+        # The loss sums of the packed batch are those of the pairs alone (sums over the same real tokens).
+        sums = loss_sums if framework == "flax" else torch_loss_sums
+        wrap = jnp.asarray if framework == "flax" else torch.from_numpy
+        packed_sums = sums(wrap(packed), wrap(batch["tgt_out"].astype(np.int64)), config.pad_id, 0.1)
+        alone_sums = sums(wrap(single), wrap(alone["tgt_out"].astype(np.int64)), config.pad_id, 0.1)
+        assert float(packed_sums["tokens"]) == float(alone_sums["tokens"]) == int((batch["tgt_out"] != 0).sum())
+        loss_diff = abs(float(packed_sums["loss"]) - float(alone_sums["loss"])) / float(alone_sums["loss"])
+        parity_report(f"loss, pipeline-packed vs alone, {framework}, rel", name, loss_diff, 1e-6)
+        assert loss_diff <= 1e-6  # the same float32 terms summed in another order: a few ulp
+    real = batch["tgt_segments"] != 0
+    twin_diff = max_abs_diff(logits["flax"][0][real], logits["torch"][0][real])
+    parity_report("logits, pipeline-packed, flax vs torch", name, twin_diff, LOGIT_TOL)
+    assert twin_diff <= LOGIT_TOL

@@ -20,6 +20,7 @@ compilation caches that jax and torch read when they are first imported (benchma
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from collections.abc import Iterator, Mapping, Sequence
@@ -233,6 +234,28 @@ def pad_rows(rows: Sequence[Sequence[int]], width: int | None = None, pad_id: in
     return out
 
 
+def packed_pairs(batch: Mapping[str, np.ndarray]) -> list[tuple[int, np.ndarray, np.ndarray]]:
+    """Every pair of a packed batch (jax_transformer.data, batching="packed"), read back through its segment ids:
+    (row, source mask, target mask), the masks (L,) bool over the row, True on the pair's own positions."""
+    out = []
+    for row in range(batch["src"].shape[0]):
+        for segment in range(1, int(batch["src_segments"][row].max()) + 1):
+            out.append((row, batch["src_segments"][row] == segment, batch["tgt_segments"][row] == segment))
+    return out
+
+
+def unpacked(batch: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The pairs of a packed batch, each alone in its own row, in `packed_pairs` order: {src, tgt_in, tgt_out} of
+    shape (pairs, L), right-padded to the packed rows' length L (one shape, so one compilation)."""
+    pairs = packed_pairs(batch)
+    width = batch["src"].shape[1]
+    out = {key: np.zeros((len(pairs), width), np.int32) for key in ("src", "tgt_in", "tgt_out")}
+    for i, (row, src_mask, tgt_mask) in enumerate(pairs):
+        for key, mask in (("src", src_mask), ("tgt_in", tgt_mask), ("tgt_out", tgt_mask)):
+            out[key][i, : mask.sum()] = batch[key][row, mask]
+    return out
+
+
 def corpus_batches(
     encoded, config: TransformerConfig, rows: int, width: int | None = None, seed: int = 0
 ) -> Iterator[dict[str, np.ndarray]]:
@@ -424,3 +447,25 @@ def logit_tolerance(config, logits) -> float:
 def gradient_tolerance(config) -> float:
     """Bound on ||g_flax - g_torch|| / ||g_torch|| per gradient tensor: 2 n_layers ulps of relative size 2^-7."""
     return 2 * layers(config) * BF16_ULP_AT_1
+
+
+@contextlib.contextmanager
+def compiled_functions() -> Iterator[list[tuple[str, str]]]:
+    """Records every function XLA compiles (or loads from the persistent cache) inside the block as (its name, e.g.
+    "jit(_greedy_core)", the name of the thread that compiled it), from jax.monitoring's backend-compile events:
+    compilations counted, not timed."""
+    import threading
+
+    import jax
+
+    events: list[tuple[str, str]] = []
+
+    def listen(event: str, seconds: float, **kwargs) -> None:
+        if event == "/jax/core/compile/backend_compile_duration":
+            events.append((str(kwargs.get("fun_name")), threading.current_thread().name))
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        yield events
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)

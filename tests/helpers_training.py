@@ -44,9 +44,11 @@ def tiny_train_args(
     save_every: int = 1000,
     valid: Path | None = None,
     extra: tuple[str, ...] = (),
+    compile_cache: Path | None = None,
 ) -> list[str]:
-    """train.py flags for a one-layer tiny model that trains in seconds: short sentences and max_len 16 keep it
-    to two batch shapes (two compilations, fewer with layers 1); without `valid` nothing is evaluated."""
+    """train.py flags for a one-layer tiny model that trains in seconds: short sentences, max_len 16 and packed
+    batches (32 rows x 16, five per epoch: one compilation); without `valid` nothing is evaluated. JAX's persistent
+    compilation cache is off unless a folder is given, so tests never write to the user's cache."""
     args = [
         "train",
         "--tsv",
@@ -82,6 +84,8 @@ def tiny_train_args(
         "--no-progress",
         "--run-dir",
         str(run_dir),
+        "--compilation-cache",
+        str(compile_cache) if compile_cache is not None else "off",
     ]
     if valid is not None:
         args += ["--valid-tsv", str(valid)]
@@ -109,8 +113,9 @@ def start_train_process(
     devices: int | None = None,
 ) -> subprocess.Popen:
     """train.py in a child process (its own jax), output to `log`. Processes given the same `compile_cache`
-    folder share compiled XLA programs (jax's persistent compilation cache), so the second one starts fast.
-    pause=(marker, "step" | "save", k): the process blocks after step k, or inside the save of step k, once
+    folder share compiled XLA programs (jax's persistent compilation cache, `--compilation-cache`; the tiny model's
+    programs compile in under the 1 s jax caches by default, hence the threshold 0), so the second one starts
+    fast. pause=(marker, "step" | "save", k): the process blocks after step k, or inside the save of step k, once
     it has written `marker` (tests/pause_at.py), for a SIGKILL at exactly that point.
     `devices`: that many simulated CPU devices (XLA_FLAGS=--xla_force_host_platform_device_count)."""
     env = dict(os.environ, PYTHONPATH=str(REPO))
@@ -118,7 +123,8 @@ def start_train_process(
     if devices is not None:
         env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
     if compile_cache is not None:
-        env.update(JAX_COMPILATION_CACHE_DIR=str(compile_cache), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+        env.update(JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+        argv = [*argv, "--compilation-cache", str(compile_cache)]
     command = [sys.executable, str(REPO / "train.py")]
     if pause is not None:
         marker, kind, point = pause

@@ -199,3 +199,42 @@ def test_gpu_script_is_valid_and_its_benchmark_commands_parse(tmp_path):
         parse_args(shlex.split(line))  # exits (SystemExit) on a flag or value run.py does not accept
     for step in ("suite-tests", "suite-parity-1", "suite-parity-2", "bf16-step-base", "multi30k-cold"):
         assert step in proc.stdout
+
+
+def test_multi30k_benchmark_runs_readmes_command_and_splits_old_runs_by_phase():
+    """benchmarks/multi30k.py runs README's Multi30k command (the same flags and values, only the data folder, run
+    directory and --max-minutes changed), which train.py accepts; and its phase split of a run without a summary
+    record adds up to the wall time."""
+    import re
+    import shlex
+
+    from benchmarks import multi30k
+
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    command = re.search(r"python train\.py train --preset small .*?--run-dir runs/m30k", readme, re.S).group(0)
+    words = shlex.split(command.replace("\\\n", " "))[2:]  # after "python train.py"
+    ours = multi30k.readme_flags(Path("/data"), Path("/run"), 7)
+    flags = lambda argv: dict(zip(argv[1::2], argv[2::2]))  # noqa: E731  ("train", then flag value pairs)
+    changed = {"--src", "--tgt", "--valid-src", "--valid-tgt", "--run-dir", "--max-minutes"}
+    assert {k: v for k, v in flags(words).items() if k not in changed} == {
+        k: v for k, v in flags(ours[:-1]).items() if k not in changed
+    }
+    assert ours[-1] == "--no-progress" and flags(ours)["--max-minutes"] == "7"
+    sys.path.insert(0, str(REPO))
+    try:
+        import train
+    finally:
+        sys.path.remove(str(REPO))
+    args = train.build_parser().parse_args(ours)
+    assert args.func is train.cmd_train and getattr(args, "loop.max_minutes") == 7.0
+
+    # A run of 4 steps at 1 s, an evaluation at step 2 with 0.5 s of compilation inside it, 10 s of wall time.
+    records = [{"kind": "train", "step": s, "elapsed_s": t} for s, t in ((1, 3.0), (2, 4.0), (3, 6.0), (4, 7.0))]
+    records.insert(2, {"kind": "eval", "step": 2, "elapsed_s": 5.0})
+    lines = [
+        (4.5, "Finished XLA compilation of jit(_greedy_core) in 0.5 sec"),
+        (1.5, "Finished tracing f for jit in 1 sec"),
+    ]
+    phases = multi30k.estimated_phases(records, lines, wall=10.0)
+    assert phases["eval_s"] == pytest.approx(0.5) and phases["compile_s"] == pytest.approx(1.5)
+    assert sum(v for k, v in phases.items() if k != "estimated") == pytest.approx(10.0)

@@ -111,7 +111,7 @@ def _train_losses(run_dir):
 def resumed_and_straight(tmp_path_factory):
     """Trains 4 steps and stops; resumes that run (a fresh TrainState, BatchStream and Trainer) to 10 steps; and
     runs 10 steps uninterrupted. Dropout is on (the tiny preset's 0.1) and 10 steps cross an epoch boundary (the
-    corpus makes 8 batches), so data order, the reshuffle and the dropout keys all have to be restored."""
+    corpus makes 5 packed batches), so data order, the reshuffle and the dropout keys all have to be restored."""
     root = tmp_path_factory.mktemp("resume")
     train = write_corpus(root, empty_line=True, long_line=True)
     interrupted, straight = root / "interrupted", root / "straight"
@@ -157,3 +157,17 @@ def test_resume_with_another_config_names_the_field(resumed_and_straight):
     code, out, err = run_main(["train", "--resume", str(interrupted), "--warmup-steps", "99", "--no-progress"])
     assert code == 1 and "warmup_steps=20" in err and "warmup_steps=99" in err
     assert "Traceback" not in err
+
+
+def test_runs_from_before_packing_resume_with_length_buckets():
+    """A checkpoint whose data settings predate `batching` was trained on length buckets: its resume keeps them, and
+    asking for packed batches on that resume is refused (the data order would change)."""
+    from jax_transformer.run import UsageError, _resolve_data
+
+    stored = {"data": {"tsv": "/data/train.tsv", "vocab_size": 100, "max_tokens": 512}}
+    assert _resolve_data({}, stored).batching == "buckets"
+    assert _resolve_data({}, {"data": {**stored["data"], "batching": "packed"}}).batching == "packed"
+    with pytest.raises(UsageError, match="batching='buckets'"):
+        _resolve_data({"batching": "packed"}, stored)
+    with pytest.raises(UsageError, match="pack_length=None"):
+        _resolve_data({"pack_length": 32}, {"data": {**stored["data"], "batching": "packed"}})

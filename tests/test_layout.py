@@ -16,6 +16,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "jax_transformer"
 # Lowest first. Modules on one line form one layer and may import each other.
 LAYERS = [
     ("config",),  # the settings dataclasses, no jax, no torch
+    ("compilation",),  # jax's persistent compilation cache, compiling ahead, counting compiles
     ("positions", "masks", "checks"),  # checks: token ids and shapes at the entry points
     ("data", "default_task"),  # text, tokenizer, batches (no jax); the built-in task is a data source
     ("dropout", "losses"),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import signal
 import sys
 
@@ -71,6 +72,36 @@ BAD_INPUTS = {
         ["--tsv", "{d}/a.tsv", "--d-model", "30", "--num-heads", "4", "--vocab-size", "30"],
         ["'d_model' (30) must be divisible by 'num_heads' (4)"],
     ),
+    "pair longer than the packed rows": (
+        {"a.tsv": "a\tb\nzwei drei vier\ttwo three four\n"},
+        ["--tsv", "{d}/a.tsv", "--pack-length", "6", "--vocab-size", "30"],
+        ["a.tsv, line 2: pair needs", "more than pack_length=6", "leave pack_length out"],
+    ),
+    "bad pack length": (
+        {"a.tsv": "eins\tone\n"},
+        ["--tsv", "{d}/a.tsv", "--pack-length", "1"],
+        ["'pack_length' must be an int >= 2"],
+    ),
+    "pack length without packing": (
+        {"a.tsv": "eins\tone\n"},
+        ["--tsv", "{d}/a.tsv", "--batching", "buckets", "--pack-length", "16"],
+        ["'pack_length' (16) needs batching='packed'"],
+    ),
+    "bad profile": (
+        {"a.tsv": "eins\tone\n"},
+        ["--tsv", "{d}/a.tsv", "--profile", "5:2"],
+        ["loop field 'profile' must be START:STOP", "'5:2'"],
+    ),
+    "bad profile form": (
+        {"a.tsv": "eins\tone\n"},
+        ["--tsv", "{d}/a.tsv", "--profile", "7"],
+        ["loop field 'profile' must be START:STOP", "'7'"],
+    ),
+    "empty compilation cache": (
+        {"a.tsv": "eins\tone\n"},
+        ["--tsv", "{d}/a.tsv", "--compilation-cache", " "],
+        ["'compilation_cache' must be a folder or 'off'"],
+    ),
     "bad loop value": (
         {"a.tsv": "eins\tone\nzwei\ttwo\n"},
         ["--tsv", "{d}/a.tsv", "--eval-every", "0"],
@@ -129,6 +160,11 @@ def test_help_explains_every_flag():
         "--init-from-torch",
         "--max-minutes",
         "--steps",
+        "--batching",
+        "--pack-length",
+        "--compilation-cache",
+        "--compile-ahead",
+        "--profile",
     ):
         assert flag in train_flags
 
@@ -138,8 +174,9 @@ def test_help_explains_every_flag():
 
 def test_nan_loss_stops_without_overwriting_the_last_good_checkpoint(tmp_path):
     """Steps 1-4 are real, with checkpoints at 2 and 4; from step 5 on the step reports a NaN loss and poisons
-    the parameters (what a diverged update does). The run must stop at once with a TrainingError, save nothing,
-    and leave checkpoint 4 as it was."""
+    the parameters (what a diverged update does). The run must stop with a TrainingError naming step 5, save
+    nothing, leave checkpoint 4 as it was, and log steps 1-4 and the error of step 5. The loop dispatches steps
+    without waiting for their losses, but checks them before any save, so step 6 may have been dispatched."""
     from jax_transformer.data import Tokenizer
     from tests.fixtures import unit_batch, unit_config, unit_optim
 
@@ -187,7 +224,10 @@ def test_nan_loss_stops_without_overwriting_the_last_good_checkpoint(tmp_path):
     ):
         trainer.run()
     manager.close()
-    assert len(calls) == 5 and completed_steps(tmp_path / "run") == [2, 4]
+    assert len(calls) in (5, 6) and completed_steps(tmp_path / "run") == [2, 4]
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    logged = [(r["step"], "error" in r) for r in records if r["kind"] == "train"]
+    assert logged == [(1, False), (2, False), (3, False), (4, False), (5, True)]
     restored = ckpt_lib.load(tmp_path / "run", "latest")
     assert restored.step == 4
     params = flat(restored.params)
@@ -234,7 +274,9 @@ def test_kill_9_leaves_the_last_checkpoint_loadable_and_sigterm_saves(tmp_path):
         ["train", "--resume", str(run), "--steps", "100000", "--save-every", "100000", "--no-progress"], log, cache
     )
     try:
-        wait_for(lambda: logged_steps(run) >= loaded.step + 3, process, log)
+        # Until the resumed run has trimmed the log to its checkpoint (before "compiling") and logged 3 more steps:
+        # the killed run may have logged steps past its last complete checkpoint.
+        wait_for(lambda: "compiling" in log.read_text() and logged_steps(run) >= loaded.step + 3, process, log)
         process.send_signal(signal.SIGTERM)
         process.wait(timeout=120)
     finally:

@@ -1,0 +1,165 @@
+"""Compilation out of the way: JAX's persistent compilation cache, compiling ahead of time, and counting compiles.
+
+XLA compiles every jitted function once per input shape. On a GPU one training step takes 25 s to compile and
+about 5 ms to run, so a short run is mostly compilation (issue 11). Three things keep it out of the way:
+
+1. `use_cache(setting)`: JAX's persistent compilation cache, on by default for training runs. A compiled program is
+   stored on disk under a key of its HLO, the compile options, the device and the jax version; the next run that
+   needs the same program loads it (about a second) instead of compiling it. On GPUs XLA's autotuning results
+   (which kernel configuration is fastest for each fusion) are cached beside it (jax's
+   `jax_persistent_cache_enable_xla_caches` = "xla_gpu_per_fusion_autotune_cache_dir"). The default folder is
+   per user: $JAX_COMPILATION_CACHE_DIR if set, else $XDG_CACHE_HOME/jax_transformer/xla, else
+   ~/.cache/jax_transformer/xla. As jax's documentation warns, the cache is trusted code: never point it at a
+   folder others may write to.
+2. `CompileJobs(jobs)`: the programs a run needs (train step, eval step, decoders) compiled ahead, in parallel
+   threads (XLA's compiler releases the GIL; tracing does not), each waited for only when it is needed.
+   `jitted.lower(args).compile()` fills the same in-memory cache that a later call `jitted(args)` looks in, so
+   nothing compiles twice.
+3. `CompileLog`: counts compilations, their seconds and the persistent cache's hits and misses from
+   `jax.monitoring` events, so a run can report compilation time apart from training time.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import jax
+
+OFF = "off"
+# jax.monitoring events (jax/_src/dispatch.py, compiler.py, compilation_cache.py in jax 0.10).
+_COMPILE_EVENTS = (
+    "/jax/core/compile/jaxpr_trace_duration",  # tracing the Python function (Flax modules included)
+    "/jax/core/compile/jaxpr_to_mlir_module_duration",  # lowering to StableHLO
+    "/jax/core/compile/backend_compile_duration",  # XLA's compile, or loading it from the persistent cache
+)
+_BACKEND_EVENT = _COMPILE_EVENTS[2]
+_CACHE_HIT, _CACHE_MISS = "/jax/compilation_cache/cache_hits", "/jax/compilation_cache/cache_misses"
+
+
+def default_cache_dir() -> Path:
+    """The per-user cache folder: $JAX_COMPILATION_CACHE_DIR if set, else $XDG_CACHE_HOME/jax_transformer/xla,
+    else ~/.cache/jax_transformer/xla."""
+    if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+        return Path(os.environ["JAX_COMPILATION_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "jax_transformer" / "xla"
+
+
+def use_cache(setting: str | None, warn: Callable[[str], None] = print) -> Path | None:
+    """Turns the persistent compilation cache on in the folder `setting` (None: `default_cache_dir()`), or off
+    ("off"). Returns the folder in use, or None when off. A folder that cannot be created is a warning, not an
+    error: a run never fails for want of a cache."""
+    from jax.experimental.compilation_cache import compilation_cache
+
+    current = jax.config.values["jax_compilation_cache_dir"]
+    if setting == OFF:
+        if current is not None:
+            jax.config.update("jax_compilation_cache_dir", None)
+            compilation_cache.reset_cache()  # jax opens its cache once per process; forget it
+        return None
+    folder = Path(setting).expanduser() if setting else default_cache_dir()
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        warn(f"warning: compilation cache {folder} cannot be created ({e.strerror or e}); compiling without it")
+        return None
+    # XLA's autotuning results on GPUs, in a subfolder of the same cache (jax's default today; set so it stays on).
+    jax.config.update("jax_persistent_cache_enable_xla_caches", "xla_gpu_per_fusion_autotune_cache_dir")
+    if current != str(folder):
+        jax.config.update("jax_compilation_cache_dir", str(folder))
+        compilation_cache.reset_cache()
+    return folder
+
+
+def cache_entries(folder: str | os.PathLike) -> int:
+    """Compiled programs stored in a cache folder (jax writes one `<key>-cache` file per program)."""
+    folder = Path(folder)
+    return sum(1 for p in folder.iterdir() if p.name.endswith("-cache")) if folder.is_dir() else 0
+
+
+class CompileLog:
+    """Running totals of compilation in this process, from jax.monitoring: `compiles` (XLA compiles or cache
+    loads), `seconds` (tracing + lowering + compiling, all threads), `thread_seconds` (those of the calling thread
+    only: what it spent compiling rather than waiting for another thread), persistent cache `hits` and `misses`.
+    One listener is registered per process (jax offers no way to scope one); differences of snapshots give what
+    happened in between."""
+
+    _lock = threading.Lock()
+    _totals = {"compiles": 0, "seconds": 0.0, "hits": 0, "misses": 0}
+    _by_thread: dict[int, float] = {}
+    _registered = False
+
+    @classmethod
+    def install(cls) -> None:
+        with cls._lock:
+            if cls._registered:
+                return
+            jax.monitoring.register_event_duration_secs_listener(cls._on_duration)
+            jax.monitoring.register_event_listener(cls._on_event)
+            cls._registered = True
+
+    @classmethod
+    def _on_duration(cls, event: str, seconds: float, **kwargs) -> None:
+        if event in _COMPILE_EVENTS:  # reported by the thread that compiled
+            thread = threading.get_ident()
+            with cls._lock:
+                cls._totals["seconds"] += seconds
+                cls._totals["compiles"] += event == _BACKEND_EVENT
+                cls._by_thread[thread] = cls._by_thread.get(thread, 0.0) + seconds
+
+    @classmethod
+    def _on_event(cls, event: str, **kwargs) -> None:
+        if event in (_CACHE_HIT, _CACHE_MISS):
+            with cls._lock:
+                cls._totals["hits" if event == _CACHE_HIT else "misses"] += 1
+
+    @classmethod
+    def snapshot(cls) -> dict[str, float]:
+        cls.install()
+        with cls._lock:
+            return {**cls._totals, "thread_seconds": cls._by_thread.get(threading.get_ident(), 0.0)}
+
+    @staticmethod
+    def since(before: Mapping[str, float]) -> dict[str, float]:
+        now = CompileLog.snapshot()
+        return {key: now[key] - before[key] for key in now}
+
+
+class CompileJobs:
+    """Compile jobs (each typically `lambda: jitted.lower(*args).compile()`) running in a pool of threads, started
+    at once; `wait(names)` blocks until those are done. A run waits only for the program it needs next (the train
+    step before the first step, the decoders before the first evaluation), while the others compile beside it:
+    on a GPU the host's cores are otherwise idle. Compiling ahead is an optimisation, so a failed job is recorded
+    in `errors` and left for the real call to report where it happens."""
+
+    def __init__(self, jobs: Mapping[str, Callable[[], object]], threads: int | None = None) -> None:
+        self.names = list(jobs)
+        self.seconds: dict[str, float] = {}  # of each job that succeeded
+        self.errors: dict[str, str] = {}
+        self._pool = ThreadPoolExecutor(max(1, min(len(jobs), threads or os.cpu_count() or 1)), "compile")
+        self._futures = {name: self._pool.submit(self._run, name, job) for name, job in jobs.items()}
+
+    def _run(self, name: str, job: Callable[[], object]) -> None:
+        start = time.perf_counter()
+        try:
+            job()
+        except Exception as e:
+            self.errors[name] = f"{type(e).__name__}: {e}"
+        else:
+            self.seconds[name] = time.perf_counter() - start
+
+    def wait(self, names: Iterable[str] | None = None) -> None:
+        for name in self.names if names is None else names:
+            self._futures[name].result()
+
+    def done(self) -> bool:
+        return all(future.done() for future in self._futures.values())
+
+    def close(self) -> None:
+        """Drops the jobs not started yet (a compile under way cannot be interrupted; the process waits for it)."""
+        self._pool.shutdown(wait=False, cancel_futures=True)

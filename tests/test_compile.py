@@ -1,0 +1,119 @@
+"""Compilation out of the way (issue 11): a run compiles every program it needs before its first step and nothing
+in the loop, the persistent compilation cache is written by one run and used by the next, and --profile writes a
+trace. Compilations are counted (jax.monitoring events, the cache's files), never timed."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from jax_transformer import compilation
+from tests.fixtures import compiled_functions
+from tests.helpers_training import REPO, run_main, tiny_train_args, write_corpus
+
+# The names jax gives the run's programs: train and eval steps are jitted lambdas, the decoders named functions.
+RUN_PROGRAMS = {"jit(<lambda>)", "jit(_greedy_core)", "jit(_beam_core)"}
+
+
+def _records(run_dir, kind: str) -> list[dict]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["kind"] == kind]
+
+
+@pytest.fixture(scope="module")
+def evaluated_run(tmp_path_factory):
+    """A tiny in-process run with validation: BLEU every 3 steps (greedy, 20 sentences), a final beam-2 evaluation
+    of all 300, a profile of steps 2-3. Returns (run directory, exit code and output, every compilation as
+    (function, thread))."""
+    root = tmp_path_factory.mktemp("compile")
+    train = write_corpus(root)
+    extra = ("--eval-every", "3", "--eval-sentences", "20", "--beam-size", "2", "--profile", "2:3")
+    with compiled_functions() as compiled:
+        result = run_main(tiny_train_args(root / "run", train, steps=6, valid=train, extra=extra))
+    return root / "run", result, compiled
+
+
+def test_every_program_is_compiled_ahead_and_nothing_in_the_loop(evaluated_run):
+    run_dir, (code, out, err), compiled = evaluated_run
+    assert code == 0, out + err
+    (record,) = _records(run_dir, "compile")
+    # One train step and one eval step (packed batches: one shape each), greedy decoders for the evaluations
+    # during training, beam-2 decoders for the final one (20 and 300 short sentences: one shape each).
+    assert record["programs"] == [
+        "beam search 2 64x16",
+        "eval step (32, 16)",
+        "greedy search 32x16",
+        "train step (32, 16)",
+    ]
+    assert record["errors"] == {}
+    # Every program of the run was compiled by a compile-ahead thread (or was already in this process's memory),
+    # none by the loop, and none twice.
+    ours = [(name, thread) for name, thread in compiled if name in RUN_PROGRAMS]
+    assert all(thread.startswith("compile") for _, thread in ours), ours
+    names = [name for name, _ in ours]
+    assert names.count("jit(_greedy_core)") <= 1 and names.count("jit(_beam_core)") <= 1
+    assert names.count("jit(<lambda>)") <= 2  # the train step and the eval step
+    evaluations = [(r["step"], r["final"], r["beam_size"]) for r in _records(run_dir, "eval")]
+    assert evaluations == [(3, False, 1), (6, True, 2)]  # every decoder compiled ahead was used
+    (summary,) = _records(run_dir, "summary")
+    assert set(summary) >= {"setup_s", "compile_s", "steps_s", "eval_s", "checkpoint_s"}
+    assert record["seconds"] > 0 and summary["compile_s"] >= record["waited_s"] >= 0  # booked apart from the steps
+    train = _records(run_dir, "train")
+    assert [r["step"] for r in train] == list(range(1, 7)) and all("compile_s" in r for r in train)
+    assert "compiling 4 programs ahead" in out and "compiled 4 programs ahead" in out
+
+
+def test_profile_writes_a_trace_of_the_asked_steps(evaluated_run):
+    run_dir, (code, out, _), _ = evaluated_run
+    assert code == 0
+    traces = sorted(p.name for p in (run_dir / "profile").rglob("*") if p.is_file())
+    assert any(name.endswith(".xplane.pb") for name in traces), traces  # TensorBoard's profile plugin
+    assert "perfetto_trace.json.gz" in traces  # ui.perfetto.dev
+    assert "profile of steps 2:3 written to" in out
+
+
+def test_the_compilation_cache_is_written_by_one_run_and_used_by_the_next(tmp_path):
+    """Two train.py processes with one cache folder: the first compiles and stores its programs, the second loads
+    every one of them and stores nothing new (jax caches only programs that took over 1 s to compile unless told
+    otherwise; the tiny model's compile faster, hence the threshold 0)."""
+    train, cache = write_corpus(tmp_path), tmp_path / "xla-cache"
+    env = dict(os.environ, PYTHONPATH=str(REPO), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+    records = []
+    for run in ("first", "second"):
+        args = tiny_train_args(tmp_path / run, train, steps=2, valid=train, compile_cache=cache)
+        done = subprocess.run(
+            [sys.executable, str(REPO / "train.py"), *args], env=env, cwd=REPO, capture_output=True, text=True
+        )
+        assert done.returncode == 0, done.stdout + done.stderr
+        (record,) = _records(tmp_path / run, "compile")
+        records.append((record, compilation.cache_entries(cache)))
+    (first, entries_first), (second, entries_second) = records
+    assert first["cache_dir"] == second["cache_dir"] == str(cache)
+    assert first["programs"] == second["programs"] == ["eval step (32, 16)", "train step (32, 16)"]
+    assert first["cache_misses"] >= 2 and first["cache_hits"] == 0  # compiled, and written to the cache
+    assert first["waited_s"] > 0  # a fresh process waits for its train step, and says how long
+    assert entries_first >= 2
+    assert second["cache_hits"] >= 2 and second["cache_misses"] == 0  # every program loaded from the cache
+    assert entries_second == entries_first  # nothing new written
+
+
+def test_cache_setting_off_and_default(tmp_path, monkeypatch):
+    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "from-env"))
+    assert compilation.default_cache_dir() == tmp_path / "from-env"
+    monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert compilation.default_cache_dir() == tmp_path / "xdg" / "jax_transformer" / "xla"
+    assert compilation.use_cache(str(tmp_path / "mine")) == tmp_path / "mine" and (tmp_path / "mine").is_dir()
+    assert compilation.use_cache("off") is None
+    import jax
+
+    assert jax.config.values["jax_compilation_cache_dir"] is None
+    blocked = tmp_path / "file"
+    blocked.write_text("not a folder")
+    warnings = []
+    assert compilation.use_cache(str(blocked / "cache"), warn=warnings.append) is None  # a warning, not a failure
+    assert "cannot be created" in warnings[0]
