@@ -684,12 +684,12 @@ def _choose_recipe(name: str | None, given_data: Mapping[str, Any], stored: Mapp
 
 
 def _resolve_data(
-    given: Mapping[str, Any], stored: Mapping[str, Any] | None, defaults: Mapping[str, Any]
+    given: Mapping[str, Any], stored: Mapping[str, Any] | None, defaults: Mapping[str, Any] | None = None
 ) -> DataConfig:
     """The run's DataConfig: given, else the recipe's `defaults`. On a resume the stored files and batching stay;
     new validation files may be given."""
     if stored is None:
-        return DataConfig.from_dict({**defaults, **given})
+        return DataConfig.from_dict({**(defaults or {}), **given})
     # Runs from before packed batches existed batched by length buckets; before row_multiple was a setting, the
     # rows of every batch were a multiple of the device count.
     saved = {"batching": "buckets", "row_multiple": stored.get("devices") or 1, **stored["data"]}

@@ -25,14 +25,15 @@ def _block(marker: Path, where: str) -> None:
 def pause_after_step(marker: Path, step: int) -> None:
     from jax_transformer.trainer import Trainer
 
-    original = Trainer._one_step
+    original = Trainer._step
 
     def one_step(self, bar):
         original(self, bar)
         if self.step == step:
+            self._drain(bar)  # the step has finished and is logged (the loop dispatches ahead otherwise)
             _block(marker, f"after step {step}")
 
-    Trainer._one_step = one_step
+    Trainer._step = one_step
 
 
 def pause_in_save(marker: Path, step: int) -> None:

@@ -410,8 +410,9 @@ def test_packing_settings_are_checked():
     encoded = synthetic([(5, 4), (29, 20), (6, 7)], max_len=64)
     with pytest.raises(DataError, match=r"synthetic, line 2: pair needs 30 positions, more than pack_length=16"):
         BatchStream(encoded, max_tokens=256, batching="packed", pack_length=16)
-    with pytest.raises(ValueError, match="packed batches do not take row_multiple"):
-        BatchStream(encoded, max_tokens=256, batching="packed", row_multiple=2)
+    # rows = max_tokens // length (256 // 32 = 8), rounded down to a multiple of row_multiple, at least one multiple
+    assert BatchStream(encoded, max_tokens=256, batching="packed", row_multiple=3).shapes == [(6, 32)]
+    assert BatchStream(encoded, max_tokens=256, batching="packed", row_multiple=16).shapes == [(16, 32)]
     with pytest.raises(ValueError, match="batching must be one of"):
         BatchStream(encoded, max_tokens=256, batching="rows")
     assert BatchStream(encoded, max_tokens=256, batching="packed").shapes == [(8, 32)]  # 30 rounded up to 32

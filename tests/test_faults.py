@@ -166,7 +166,7 @@ def test_checkpoints_from_before_checksums_load_unverified(runs, tmp_path, versi
     assert (loaded.format, loaded.verified) == (version, False)
     _assert_same_state(flat(loaded.state), flat(ckpt_lib.load(base, "latest").state))
     code, out, err = run_main(["export", "--checkpoint", str(run), "--output", str(tmp_path / "model.pt")])
-    assert code == 0 and f"(format {version}, written before checksums: not verified)" in err, out + err
+    assert code == 0 and f", format {version}, written before checksums: not verified)" in err, out + err
     code, out, err = run_main(["train", "--resume", str(run), "--steps", "6", "--no-progress"])
     assert code == 0 and f"note: step 4 is a format-{version} checkpoint, written before checksums" in out, out + err
     _assert_same_state(_final_state(run), _final_state(straight))

@@ -71,7 +71,7 @@ def early_stopped(tmp_path_factory):
     # A SIGINT right after step 6, before its evaluation: the run saves step 6 unevaluated and exits; the resumed
     # run must make that evaluation up before its first step.
     run_dir = root / "interrupted_at_6"
-    real_step = trainer_lib.Trainer._one_step
+    real_step = trainer_lib.Trainer._step
 
     def step_then_interrupt(self, bar):
         real_step(self, bar)
@@ -79,7 +79,7 @@ def early_stopped(tmp_path_factory):
             os.kill(os.getpid(), signal.SIGINT)  # caught by the loop's StopSignals handler
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(trainer_lib.Trainer, "_one_step", step_then_interrupt)
+        patch.setattr(trainer_lib.Trainer, "_step", step_then_interrupt)
         first = run_main(tiny_train_args(run_dir, train, steps=BUDGET, valid=valid, extra=flags))
     runs["evaluated_before_the_signal"] = [r["step"] for r in _eval_records(run_dir)]
     resumed = run_main(["train", "--resume", str(run_dir), "--no-progress"])

@@ -236,6 +236,26 @@ def test_resumes_on_other_device_counts_continue_like_the_uninterrupted_run(runs
 # --- one decision for all processes; a dead peer ----------------------------------------------------------------
 
 
+def _stream_position_after(run, batches: int) -> dict:
+    """The BatchStream position a run's settings reach after `batches` batches, computed afresh."""
+    from jax_transformer.data import BatchStream, DataConfig, encode_corpus, load_corpus
+
+    loaded = ckpt_lib.load(run, "latest")
+    data = DataConfig.from_dict(loaded.run["data"])
+    encoded = encode_corpus(load_corpus(data, "train"), loaded.tokenizer, loaded.config.max_len, on_too_long="skip")
+    stream = BatchStream(
+        encoded,
+        data.max_tokens,
+        batching=data.batching,
+        pack_length=data.pack_length,
+        row_multiple=data.row_multiple,
+        seed=loaded.run["seed"],
+    )
+    for _ in range(batches):
+        next(stream)
+    return stream.state()
+
+
 def test_a_signal_to_one_process_stops_both_and_a_dead_peer_stops_the_other(tmp_path):
     """1. Two processes train; SIGTERM goes to process 1 only. Both must leave the loop at the same step (the
     reason is agreed at each step boundary), save that step together and exit with 128 + 15.
@@ -258,7 +278,8 @@ def test_a_signal_to_one_process_stops_both_and_a_dead_peer_stops_the_other(tmp_
     stopped = logged_steps(run)
     assert f"stopped by SIGTERM at step {stopped}" in texts[0]
     assert completed_steps(run) == [stopped]  # saved once, together, at the step where both stopped
-    assert ckpt_lib.load(run, "latest").data_state["index"] == stopped % 8  # 8 batches per epoch
+    # The data position saved is the one after exactly `stopped` batches (not where the prefetch thread got to).
+    assert ckpt_lib.load(run, "latest").data_state == _stream_position_after(run, stopped)
 
     port = free_port()
     logs = [tmp_path / f"second-{i}.log" for i in range(2)]
