@@ -33,13 +33,13 @@ WIDTH = 16
 
 
 def _alone(pair):
-    """A one-row, right-padded batch holding only `pair`."""
+    """A one-row batch holding only `pair`, right-padded to WIDTH (one shape for every pair: one compilation)."""
     src, tgt = pair
-    return {
-        "src": np.array([src], np.int32),
-        "tgt_in": np.array([[1] + tgt], np.int32),
-        "tgt_out": np.array([tgt + [2]], np.int32),
-    }
+    batch = {key: np.zeros((1, WIDTH), np.int32) for key in ("src", "tgt_in", "tgt_out")}
+    batch["src"][0, : len(src)] = src
+    batch["tgt_in"][0, : len(tgt) + 1] = [1] + tgt
+    batch["tgt_out"][0, : len(tgt) + 1] = tgt + [2]
+    return batch
 
 
 def _packed():
@@ -94,8 +94,8 @@ def test_each_packed_pair_gets_its_own_logits_in_both_frameworks(twins, parity_r
     worst = {"flax packed vs alone": 0.0, "torch packed vs alone": 0.0, "flax vs torch, packed": 0.0}
     for i, pair in enumerate(PAIRS):
         r, _, t = where[i]
-        alone = _alone(pair)
-        flax_alone, torch_alone = _flax_logits(model, params, alone)[0], _torch_logits(torch_model, alone)[0]
+        alone, n = _alone(pair), len(pair[1]) + 1  # the pair's target positions (BOS + target)
+        flax_alone, torch_alone = _flax_logits(model, params, alone)[0, :n], _torch_logits(torch_model, alone)[0, :n]
         worst["flax packed vs alone"] = max(
             worst["flax packed vs alone"], float(np.abs(flax_packed[r, t] - flax_alone).max())
         )
@@ -110,7 +110,8 @@ def test_each_packed_pair_gets_its_own_logits_in_both_frameworks(twins, parity_r
     # The check can fail: without segment ids the first row's second pair sees the first pair.
     unpacked = _flax_logits(model, params, {k: packed[k] for k in ("src", "tgt_in")})
     r, _, t = where[1]
-    assert np.abs(unpacked[r, t] - _flax_logits(model, params, _alone(PAIRS[1]))[0]).max() > 1e-2
+    alone = _flax_logits(model, params, _alone(PAIRS[1]))[0, : len(PAIRS[1][1]) + 1]
+    assert np.abs(unpacked[r, t] - alone).max() > 1e-2
 
 
 def test_packed_loss_and_gradients_equal_the_pairs_alone(twins, parity_report):
@@ -125,7 +126,7 @@ def test_packed_loss_and_gradients_equal_the_pairs_alone(twins, parity_report):
         sums = loss_sums(logits, batch["tgt_out"], config.pad_id, 0.1)
         return sums["loss"], sums
 
-    grad_fn = jax.grad(summed, has_aux=True)
+    grad_fn = jax.jit(jax.grad(summed, has_aux=True))
     packed_grads, packed_sums = grad_fn(params, {k: jnp.asarray(v) for k, v in packed.items()})
     alone_grads, alone_loss, alone_tokens = None, 0.0, 0.0
     for pair in PAIRS:
