@@ -74,12 +74,17 @@ def run_recipes(recipes: list[Path], data: Path, out: Path, minutes: float, para
     results = {}
     for recipe in recipes:
         metrics = out / recipe.stem / "metrics.jsonl"
-        records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()] if metrics.exists() else []
+        records = (
+            [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()] if metrics.exists() else []
+        )
         results[recipe.stem] = {
             "recipe": json.loads(recipe.read_text()),
             "exit_code": done.get(recipe.stem),
             "evals": [
-                {k: r.get(k) for k in ("step", "elapsed_s", "bleu", "chrf", "valid_loss", "final", "beam_size", "sentences")}
+                {
+                    k: r.get(k)
+                    for k in ("step", "elapsed_s", "bleu", "chrf", "valid_loss", "final", "beam_size", "sentences")
+                }
                 for r in records
                 if r.get("kind") == "eval"
             ],
@@ -129,8 +134,9 @@ def plot(results: dict, path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], epilog=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("recipes", nargs="+", type=Path, help="recipe JSON files (train.py --recipe)")
     p.add_argument("--data", type=Path, required=True, help="folder with train.de, train.en, val.de, val.en")
     p.add_argument("--out", type=Path, required=True, help="folder for the runs, sweep.json and sweep.png")
