@@ -40,7 +40,11 @@ def parity_report():
 
     def report(check: str, case: str, observed: float, tolerance: float) -> None:
         _REPORT.append((check, case, float(observed), float(tolerance)))
-        print(f"[parity] {check:<42} {case:<28} max diff {observed:.3e}  (tol {tolerance:.0e})")
+        line = f"[parity] {check:<42} {case:<28} max diff {observed:.3e}  (tol {tolerance:.0e})"
+        print(line)
+        if os.environ.get("PARITY_REPORT_FILE"):  # e.g. under pytest-xdist, whose workers' tables nobody prints
+            with open(os.environ["PARITY_REPORT_FILE"], "a", encoding="utf-8") as f:
+                f.write(line + "\n")
 
     return report
 
