@@ -32,8 +32,7 @@ STEPS=(
   "suite-parity-2      parity_tests, second half, the twin on the GPU"
   "bf16-step-base      base preset 256 x 64 (16k token slots): JAX float32/TF32, highest, bf16, bf16+cuDNN vs the twin"
   "bf16-step-base-25k  base preset 512 x 64 (~25k target tokens, the paper's batch): the same variants"
-  "multi30k-cold       README's Multi30k command, cold compilation cache (TODO(pack): the pack branch's benchmark)"
-  "multi30k-warm       the same command again, warm compilation cache"
+  "multi30k            README's Multi30k command: seconds from launch to BLEU 40, cold then warm compilation cache"
   "bf16-step-small     small preset 128 x 32 (launch-bound): the same variants"
   "torch-compile-base  base 256 x 64 again with torch.compile (bf16 autocast) among the variants"
   "decode              greedy and beam 4, float32 and bfloat16, JAX vs the twin's cached decoder, batch 64 and 1"
@@ -93,23 +92,12 @@ bench() {  # bench NAME RUN.PY-ARGS...: benchmarks/run.py with its JSON and Mark
   logged "$name" "$PY" benchmarks/run.py "$@" --json "$OUT/$name.json" --markdown "$OUT/$name.md"
 }
 
-multi30k() {  # multi30k cold|warm
-  # TODO(pack): the pack branch (issue 11 items 2, 3 and 6: packing, the compilation cache, no host wait) brings
-  # the Multi30k time-to-BLEU-40 benchmark; call it here once merged, e.g.
-  #   bench multi30k-$1 ...   or   logged multi30k-$1 "$PY" benchmarks/<its script>.py --$1 ...
-  # Until then: README's Multi30k command as it is today with --max-minutes 6 (as issue 11 measured it),
-  # --save-every 1000 and a greedy final evaluation (--beam-size 1) to keep inside the 10 minutes, and JAX's
-  # persistent compilation cache in .gpu/cache/multi30k (emptied for "cold"). Its metrics.jsonl comes back: each
-  # evaluation's greedy BLEU on 200 sentences with its wall time since launch, i.e. the time to BLEU 40.
+multi30k() {  # benchmarks/multi30k.py time-to-bleu: two runs of README's command (at most 4 minutes each),
+  # the first with an empty compilation cache, the second with the cache the first wrote; each stops at the first
+  # evaluation during training (greedy, 200 sentences) with BLEU >= 40 and reports the seconds since launch.
   [ "$DRY_RUN" = 0 ] && [ ! -f "$DATA/train.de" ] && { echo "no $DATA: run 'bash benchmarks/gpu.sh prepare' here first"; exit 1; }
-  [ "$1" = cold ] && [ "$DRY_RUN" = 0 ] && rm -rf .gpu/cache/multi30k .gpu/runs/multi30k-cold
-  [ "$DRY_RUN" = 0 ] && rm -rf ".gpu/runs/multi30k-$1"
-  JAX_COMPILATION_CACHE_DIR=.gpu/cache/multi30k JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 logged "multi30k-$1" \
-    "$PY" train.py train --preset small --src "$DATA/train.de" --tgt "$DATA/train.en" \
-    --valid-src "$DATA/val.de" --valid-tgt "$DATA/val.en" --vocab-size 6000 --max-tokens 4096 --warmup 300 \
-    --lr-scale 0.5 --clip-norm 1.0 --steps 100000 --max-minutes 6 --eval-every 500 --save-every 1000 \
-    --eval-sentences 200 --eval-beam-size 1 --beam-size 1 --no-progress --run-dir ".gpu/runs/multi30k-$1"
-  [ "$DRY_RUN" = 0 ] && cp ".gpu/runs/multi30k-$1/metrics.jsonl" "$OUT/multi30k-$1.metrics.jsonl" || true
+  logged multi30k "$PY" benchmarks/multi30k.py time-to-bleu --data "$DATA" --minutes 4 --json "$OUT/multi30k.json" \
+    --plot "$OUT/multi30k.png"
 }
 
 prepare() {  # on the development machine: what the GPU machine lacks, into .gpu/carry (git-ignored)
@@ -145,8 +133,7 @@ case "$STEP" in
       --batch-size 256 --length 64 --repeats 20 --warmup 2 ;;
   bf16-step-base-25k) machine; bench bf16-step-base-25k --sections gpu --gpu-parts train --quick --presets base \
       --batch-size 512 --length 64 --repeats 20 --warmup 2 ;;
-  multi30k-cold) machine; multi30k cold ;;
-  multi30k-warm) machine; multi30k warm ;;
+  multi30k) machine; multi30k ;;
   bf16-step-small) machine; bench bf16-step-small --sections gpu --gpu-parts train --quick --presets small \
       --batch-size 128 --length 32 --repeats 30 --warmup 2 ;;
   torch-compile-base) machine; bench torch-compile-base --sections gpu --gpu-parts train --presets base \

@@ -20,7 +20,7 @@ from jax_transformer.port import (
     torch_to_flax,
 )
 from tests.fixtures import PARITY_CONFIGS as CONFIGS
-from tests.fixtures import flat, make_batch, max_abs_diff, t, twin_models
+from tests.fixtures import flat, make_batch, max_abs_diff, t, twin_device, twin_models
 
 ATOL = 1e-5  # forward quantities: see test_forward_parity.py
 
@@ -157,7 +157,7 @@ class NNTransformerSeq2Seq(nn.Module):
 
     def forward(self, src, tgt, pad_id=0):
         embed = lambda e, x: e(x) * math.sqrt(self.d_model) + self.pe[: x.shape[1]]
-        causal = torch.triu(torch.ones(tgt.shape[1], tgt.shape[1], dtype=torch.bool), 1)  # True = blocked
+        causal = torch.triu(torch.ones(tgt.shape[1], tgt.shape[1], dtype=torch.bool, device=tgt.device), 1)  # blocked
         out = self.transformer(
             embed(self.src_embed, src),
             embed(self.tgt_embed, tgt),
@@ -177,7 +177,8 @@ class NNTransformerSeq2Seq(nn.Module):
 def test_nn_transformer_import_gives_same_logits(norm_first, activation, bias, parity_report):
     torch.manual_seed(0)
     vocab = 53
-    theirs = NNTransformerSeq2Seq(vocab, norm_first=norm_first, activation=activation, bias=bias)
+    # On twin_device() like the batches t() makes (`pytest --device cuda`: both on the GPU).
+    theirs = NNTransformerSeq2Seq(vocab, norm_first=norm_first, activation=activation, bias=bias).to(twin_device())
     # torch starts attention biases and LayerNorm betas at zero and LayerNorm scales at one, where a bias dropped
     # or put in the wrong place changes nothing: move every vector parameter off those values first.
     with torch.no_grad():

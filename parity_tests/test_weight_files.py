@@ -20,7 +20,7 @@ from jax_transformer.export import export_weights, import_weights
 from jax_transformer.model import Transformer, init_params
 from jax_transformer.port import PortError, flax_to_torch, torch_to_flax
 from tests.fixtures import PARITY_CONFIGS as CONFIGS
-from tests.fixtures import make_batch, max_abs_diff, t
+from tests.fixtures import make_batch, max_abs_diff, t, twin_device
 
 ATOL = 1e-5  # forward quantities: see test_forward_parity.py
 SUFFIX = {"torch": ".pt", "safetensors": ".safetensors"}
@@ -71,6 +71,7 @@ def test_safetensors_export_loads_in_torch_reference_without_pickle(tokenizer, t
     # PyTorch, without torch.load: strict load, then the same logits as the Flax model
     model = torch_reference.Transformer(TransformerConfig.from_json(metadata["config"])).eval()
     model.load_state_dict(safetensors.torch.load_file(path), strict=True)
+    model.to(twin_device())  # where t() puts the batch (`pytest --device cuda`: the GPU)
     batch = make_batch(cfg, seed=4)
     src, tgt_in = batch["src"], batch["tgt_in"]
     with torch.no_grad():

@@ -119,9 +119,14 @@ def start_train_process(
     it has written `marker` (tests/pause_at.py), for a SIGKILL at exactly that point.
     `devices`: that many simulated CPU devices (XLA_FLAGS=--xla_force_host_platform_device_count)."""
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    env.pop("XLA_FLAGS", None)
+    # The parent's XLA flags pass on (on a GPU machine conftest.py's deterministic-ops flag, which the bitwise
+    # comparisons of resumed runs need), all but a simulated device count, which is this call's to choose.
+    flags = [f for f in env.pop("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")]
     if devices is not None:
-        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+        flags.append(f"--xla_force_host_platform_device_count={devices}")
+        env["JAX_PLATFORMS"] = "cpu"  # simulated CPU devices, also on a machine whose default backend is a GPU
+    if flags:
+        env["XLA_FLAGS"] = " ".join(flags)
     if compile_cache is not None:
         env.update(JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
         argv = [*argv, "--compilation-cache", str(compile_cache)]

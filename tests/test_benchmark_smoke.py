@@ -197,8 +197,9 @@ def test_gpu_script_is_valid_and_its_benchmark_commands_parse(tmp_path):
     assert len(lines) >= 6
     for line in lines:
         parse_args(shlex.split(line))  # exits (SystemExit) on a flag or value run.py does not accept
-    for step in ("suite-tests", "suite-parity-1", "suite-parity-2", "bf16-step-base", "multi30k-cold"):
+    for step in ("suite-tests", "suite-parity-1", "suite-parity-2", "bf16-step-base", "multi30k"):
         assert step in proc.stdout
+    assert "benchmarks/multi30k.py time-to-bleu --data .gpu/carry/data/multi30k" in proc.stdout
 
 
 def test_multi30k_benchmark_runs_readmes_command_and_splits_old_runs_by_phase():
