@@ -14,13 +14,17 @@ Where the checks run:
   batch (`check_batch`) before handing it to the compiled step. Host checks are a few numpy reductions over
   (rows, L) int32 arrays; the compiled step itself is unchanged.
 * Under `jit` the values are tracers and cannot be looked at. Shapes are known while tracing, so a length
-  beyond `max_len` is still a TokenError, raised at trace time. Values get `checkify.debug_check`s: nothing at
-  all in a plain `jit` / `pmap` / `scan` (the compiled program is the same, see tests/test_faults.py), and real
-  checks when the caller wraps its function with `jax.experimental.checkify.checkify` (`checkified` below):
+  beyond `max_len` is still a TokenError, raised at trace time. Values get `checkify.debug_check`s, traced only
+  while the caller's function runs under `checkified` (below), which checkifies it:
 
       err, logits = jax.jit(checks.checkified(lambda p, s, t: model.apply(p, s, t)))(params, src, tgt_in)
       err.throw()  # JaxRuntimeError: src[1, 3] = 50 is outside the source vocabulary [0, 50) ...
 
+  Everywhere else (a plain `jit` / `pmap` / `scan`, the training step) they are not traced at all. Traced, a
+  debug check leaves nothing in the compiled program, but it does leave its error code in the lowered one, and
+  checkify numbers error codes process-wide in the order things are traced: two runs that trace their programs
+  in another order (the compile-ahead threads) would lower different programs and miss each other's entries in
+  the persistent compilation cache (seen on a 2-core EPYC: tests/test_compile.py).
   (`checkify.check`, the non-debug kind, would make every plain `jit`, `pmap` and `scan` of the model fail
   with "Cannot abstractly evaluate a checkify.check", which is why the model uses debug checks.)
 
@@ -31,6 +35,8 @@ has a source segment of the same id in its row (else its cross-attention would h
 
 from __future__ import annotations
 
+import functools
+import threading
 from collections.abc import Mapping
 from typing import Any
 
@@ -202,15 +208,34 @@ def check_batch(batch: Mapping[str, Any], config: TransformerConfig, where: str 
 # =============================================================================================================
 
 
+# How many `checkified` functions are being traced in this thread (compile-ahead traces in several threads).
+_CHECKIFIED = threading.local()
+
+
+def debug_checks_on() -> bool:
+    """True while a function wrapped by `checkified` is being traced in this thread: the only time the model's
+    debug checks are traced (see the module docstring for why not always)."""
+    return getattr(_CHECKIFIED, "depth", 0) > 0
+
+
+def debug_check(pred, message: str, **values) -> None:
+    """`checkify.debug_check(pred, message, **values)` while `checkified` traces; nothing otherwise."""
+    if debug_checks_on():
+        from jax.experimental import checkify
+
+        checkify.debug_check(pred, message, **values)
+
+
 def debug_check_ids(name: str, array, vocab_size: int, side: str = "") -> None:
-    """The id check of a traced (B, L) array as a `checkify.debug_check`: a no-op unless the caller checkifies."""
+    """The id check of a traced (B, L) array as a debug check: traced only under `checkified`."""
+    if not debug_checks_on():
+        return
     import jax.numpy as jnp
-    from jax.experimental import checkify
 
     bad = ((array < 0) | (array >= vocab_size)).reshape(-1)
     first = jnp.argmax(bad)  # the first bad entry, row-major, as the host check reports
     vocabulary = f"the {side} vocabulary" if side else "the vocabulary"
-    checkify.debug_check(
+    debug_check(
         ~jnp.any(bad),
         f"{name}[{{row}}, {{column}}] = {{value}} is outside {vocabulary} [0, {vocab_size})",
         row=first // array.shape[1],
@@ -220,13 +245,14 @@ def debug_check_ids(name: str, array, vocab_size: int, side: str = "") -> None:
 
 
 def debug_check_range(name: str, array, limit: int, what: str) -> None:
-    """Every entry of a traced (B, L) array in [0, limit), as a `checkify.debug_check`."""
+    """Every entry of a traced (B, L) array in [0, limit), as a debug check: traced only under `checkified`."""
+    if not debug_checks_on():
+        return
     import jax.numpy as jnp
-    from jax.experimental import checkify
 
     bad = ((array < 0) | (array >= limit)).reshape(-1)
     first = jnp.argmax(bad)
-    checkify.debug_check(
+    debug_check(
         ~jnp.any(bad),
         f"{name}[{{row}}, {{column}}] = {{value}} is outside {what} [0, {limit})",
         row=first // array.shape[1],
@@ -240,7 +266,15 @@ def checkified(fn):
     `error.get()`) after it. Works under the caller's own `jit`; see the module docstring."""
     from jax.experimental import checkify
 
-    return checkify.checkify(fn, errors=checkify.user_checks)
+    @functools.wraps(fn)
+    def traced_with_checks(*args, **kwargs):
+        _CHECKIFIED.depth = getattr(_CHECKIFIED, "depth", 0) + 1
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _CHECKIFIED.depth -= 1
+
+    return checkify.checkify(traced_with_checks, errors=checkify.user_checks)
 
 
 # =============================================================================================================

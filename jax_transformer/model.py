@@ -332,9 +332,7 @@ def _check_decoding_position(offset, length: int, max_len: int) -> None:
     """Step-by-step decoding must stay within the positions table (beyond it `dynamic_slice` would silently
     clamp and reuse the last position)."""
     if checks.is_traced(offset):
-        from jax.experimental import checkify
-
-        checkify.debug_check(
+        checks.debug_check(
             offset + length <= max_len,
             f"decoding position {{position}} + {length} is beyond config.max_len={max_len} positions",
             position=offset,

@@ -31,7 +31,7 @@ from jax_transformer.model import init_params
 from tests.fixtures import DECODING_CONFIGS as CONFIGS
 from tests.fixtures import DECODING_MAX_LEN as MAX_LEN
 from tests.fixtures import DECODING_VOCAB as VOCAB
-from tests.fixtures import corpus_batches, eos_biased, make_src, pad_rows, t, torch_twin
+from tests.fixtures import corpus_batches, eos_biased, logit_tolerance, make_src, pad_rows, t, torch_twin
 from torch_reference import decoding as torch_decoding
 
 LENGTHS = (MAX_LEN, 3, 1, 9, 5, 12)  # a full-width source, an empty one (EOS only), padded ones
@@ -46,6 +46,9 @@ SEEDS = (0, 1, 2)
 # within an ulp, and once one token differs the rest of that sentence follows another path.
 BF16_SENTENCES = 64
 BF16_IDENTICAL_SHARE = 0.95
+# Greedy search on the tiny fixture model: identical on 0.875-1.0 of the 64 sentences depending on the round of
+# training it stopped at (measured, 2-core EPYC); each mismatch is checked to be a near tie instead (see the test).
+BF16_GREEDY_FLOOR = 0.85
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -189,9 +192,12 @@ def test_torch_cached_decoder_equals_prefix_decoder(parity_report):
 
 @pytest.fixture(scope="session")
 def trained():
-    """A tiny model trained for 400 steps of 48 sentence pairs on the default task (jax_transformer.training's
-    step; no dropout and no label smoothing, which train fastest), and 16 validation sources. It does not
-    translate well yet, but its distributions are trained ones: peaked, with EOS where sentences end."""
+    """A tiny model trained on batches of 48 sentence pairs of the default task (jax_transformer.training's step;
+    no dropout and no label smoothing, which train fastest), and 16 validation sources. It does not translate
+    well yet, but its distributions are trained ones: peaked, with EOS where sentences end. It trains in rounds
+    of 100 steps until greedy search ends at least 3/4 of the validation sources with EOS (at most 1,500 steps):
+    a fixed step count was not enough everywhere, as float32 rounding differs between CPUs (on one machine 400
+    steps ended 14 of 16, on another 5 of 16; the share swings from round to round this early in training)."""
     from jax_transformer.data import Tokenizer, encode_corpus
     from jax_transformer.default_task import TOKENIZER_MODEL_TYPE, TOKENIZER_VOCAB_SIZE, default_pairs
     from jax_transformer.training import OptimConfig, create_train_state, make_train_step
@@ -202,11 +208,15 @@ def trained():
     batches = corpus_batches(encode_corpus(pairs, tokenizer, config.max_len), config, 48)  # one shape: 48 x max_len
     opt = OptimConfig(lr_scale=2.0, warmup_steps=100, label_smoothing=0.0)
     state, step = create_train_state(config, opt, seed=0), make_train_step(config, opt, dropout=False)
-    losses = []
-    for _ in range(400):
-        state, sums = step(state, next(batches))
-        losses.append(float(sums["loss"]) / float(sums["tokens"]))
     sources = decoding.encode_sources(tokenizer, default_pairs("valid", n=BF16_SENTENCES).sources, config)
+    losses = []
+    while len(losses) < 1500:
+        for _ in range(100):
+            state, sums = step(state, next(batches))
+            losses.append(float(sums["loss"]) / float(sums["tokens"]))
+        ended = np.any(decoding.greedy_search(state.params, config, pad_rows(sources))[0] == config.eos_id, axis=1)
+        if len(losses) >= 400 and ended.mean() >= 0.75:
+            break
     src = pad_rows(sources[:16])
     return config, state.params, torch_twin(config, state.params), src, losses, sources
 
@@ -259,4 +269,23 @@ def test_trained_model_bf16_tokens_mostly_identical(trained, search, parity_repo
     print(f"bf16 {search}: {same.sum()} of {len(same)} sentences identical; {ended.sum()} end with EOS")
     parity_report(f"bf16 {search}: share of sentences not identical", "trained tiny", 1 - same.mean(), 0.05)
     assert ended.mean() >= 0.5  # a trained model's outputs, not a random model's
-    assert same.mean() >= BF16_IDENTICAL_SHARE
+    if search == "greedy":
+        # Every greedy sentence that differs must first differ at a near tie: the two frameworks' bfloat16 logits
+        # are each within logit_tolerance of the other's (test_bf16_parity.py), so the choice between tokens a
+        # and b can flip only where the twin's logits of a and b are within twice that. On this tiny model the
+        # identical share swings between 0.88 and 1.0 from one round of 100 training steps to the next (measured
+        # on a 2-core EPYC), so the share alone says little; the near-tie rule holds for every mismatch.
+        theirs = torch_tokens.cpu().numpy()
+        for row in np.flatnonzero(~same):
+            at = int(np.argmax(flax_tokens[row] != theirs[row]))
+            lp = teacher_forced_log_probs(model, src[row : row + 1], theirs[row : row + 1])[0, at]
+            a, b = int(flax_tokens[row, at]), int(theirs[row, at])
+            tgt_in = np.concatenate([[config.bos_id], theirs[row, :at]])[None]
+            with torch.no_grad():
+                logits = model(t(src[row : row + 1]), t(tgt_in)).float().cpu().numpy()[0, at]
+            tol = 2 * logit_tolerance(config, logits)
+            parity_report(
+                "bf16 greedy: logit gap where the paths part", f"trained tiny row {row}", abs(lp[a] - lp[b]), tol
+            )
+            assert abs(lp[a] - lp[b]) <= tol, f"row {row} step {at}: tokens {a} and {b} are not a near tie"
+    assert same.mean() >= (BF16_IDENTICAL_SHARE if search == "beam 4" else BF16_GREEDY_FLOOR)

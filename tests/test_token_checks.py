@@ -143,6 +143,26 @@ def test_debug_checks_leave_the_compiled_train_step_unchanged(monkeypatch):
     assert ops == _opcodes(without)
 
 
+def test_the_lowered_train_step_does_not_depend_on_what_was_traced_before():
+    """A plain jit lowers the same program whatever the process traced before it: checkify numbers its error
+    codes process-wide in tracing order, and JAX's persistent compilation cache keys on the lowered program, so
+    debug checks traced outside `checks.checkified` made two runs miss each other's cache entries."""
+    config = CONFIG.replace(num_encoder_layers=1, num_decoder_layers=1)
+    batch = unit_batch(0)
+    tx = training.make_optimizer(config, unit_optim())
+    state = training.create_train_state(config, unit_optim())
+
+    def lowered() -> str:
+        step = lambda s, b: training.train_step(s, b, config=config, tx=tx, label_smoothing=0.1)  # noqa: E731
+        return jax.jit(step).lower(state, batch).as_text()
+
+    first = lowered()
+    checked = jax.jit(checks.checkified(lambda p, b: training.batch_loss_sums(p, b, config, 0.1)))
+    error, _ = checked(state.params, dict(batch, src=_with(batch["src"], 0, 1, 77)))  # the checks still trace here
+    assert error.get() is not None
+    assert lowered() == first
+
+
 # --- the loss, the training loop's batch boundary, packed batches --------------------------------------------------
 
 
