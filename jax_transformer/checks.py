@@ -228,20 +228,7 @@ def debug_check(pred, message: str, **values) -> None:
 
 def debug_check_ids(name: str, array, vocab_size: int, side: str = "") -> None:
     """The id check of a traced (B, L) array as a debug check: traced only under `checkified`."""
-    if not debug_checks_on():
-        return
-    import jax.numpy as jnp
-
-    bad = ((array < 0) | (array >= vocab_size)).reshape(-1)
-    first = jnp.argmax(bad)  # the first bad entry, row-major, as the host check reports
-    vocabulary = f"the {side} vocabulary" if side else "the vocabulary"
-    debug_check(
-        ~jnp.any(bad),
-        f"{name}[{{row}}, {{column}}] = {{value}} is outside {vocabulary} [0, {vocab_size})",
-        row=first // array.shape[1],
-        column=first % array.shape[1],
-        value=array.reshape(-1)[first],
-    )
+    debug_check_range(name, array, vocab_size, f"the {side} vocabulary" if side else "the vocabulary")
 
 
 def debug_check_range(name: str, array, limit: int, what: str) -> None:
@@ -251,7 +238,7 @@ def debug_check_range(name: str, array, limit: int, what: str) -> None:
     import jax.numpy as jnp
 
     bad = ((array < 0) | (array >= limit)).reshape(-1)
-    first = jnp.argmax(bad)
+    first = jnp.argmax(bad)  # the first bad entry, row-major, as the host check reports
     debug_check(
         ~jnp.any(bad),
         f"{name}[{{row}}, {{column}}] = {{value}} is outside {what} [0, {limit})",
