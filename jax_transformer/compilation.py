@@ -17,16 +17,21 @@ about 5 ms to run, so a short run is mostly compilation (issue 11). Three things
    nothing compiles twice.
 3. `CompileLog`: counts compilations, their seconds and the persistent cache's hits and misses from
    `jax.monitoring` events, so a run can report compilation time apart from training time.
+
+And one rule for what a compiled program computes: `jit` compiles a program of the model with the XLA options of
+its compute dtype (`compiler_options`), so a bfloat16 program rounds where the model says it rounds.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import jax
 
@@ -39,6 +44,40 @@ _COMPILE_EVENTS = (
 )
 _BACKEND_EVENT = _COMPILE_EVENTS[2]
 _CACHE_HIT, _CACHE_MISS = "/jax/compilation_cache/cache_hits", "/jax/compilation_cache/cache_misses"
+
+
+def compiler_options(dtype: str) -> dict[str, Any] | None:
+    """XLA options for a program that computes in `dtype` (a config's compute dtype): None for float32; for a
+    lower precision, excess precision off. With it on (XLA's default) XLA may drop a float32 -> bfloat16 -> float32
+    pair of conversions and keep the float32 value; on a CPU, where bfloat16 arithmetic runs in float32 between
+    such pairs, that skips most of the roundings the program asks for, in places that depend on how XLA fused it.
+    A jitted bfloat16 model then computed other numbers than the same model run op by op, and than its PyTorch
+    twin, enough to send a beam search down another path. Off, the program rounds exactly where it says."""
+    return None if dtype == "float32" else {"xla_allow_excess_precision": False}
+
+
+def jit(fn: Callable, dtype: str, **jit_kwargs) -> Callable:
+    """`jax.jit(fn, **jit_kwargs)` for a program computing in `dtype`, compiled with `compiler_options(dtype)`."""
+    return jax.jit(fn, compiler_options=compiler_options(dtype), **jit_kwargs)
+
+
+class jit_by_config:  # noqa: N801 (used as a decorator, like jax.jit)
+    """A decorator: `fn`, whose `config` keyword argument is static, jitted with the compiler options of
+    `config.dtype` (`compiler_options`), chosen at each call. `.lower` as for a jitted function."""
+
+    def __init__(self, fn: Callable, *, static_argnames: tuple[str, ...]) -> None:
+        functools.update_wrapper(self, fn)
+        self._jitted = {dtype: jit(fn, dtype, static_argnames=static_argnames) for dtype in ("float32", "bfloat16")}
+
+    def __call__(self, *args, config, **kwargs):
+        return self._jitted[config.dtype](*args, config=config, **kwargs)
+
+    def lower(self, *args, config, **kwargs):
+        return self._jitted[config.dtype].lower(*args, config=config, **kwargs)
+
+    def _cache_size(self) -> int:
+        """Programs compiled so far, both dtypes together (as jax's jitted functions count them)."""
+        return sum(jitted._cache_size() for jitted in self._jitted.values())
 
 
 def default_cache_dir() -> Path:

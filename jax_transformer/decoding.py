@@ -59,6 +59,7 @@ from tqdm.auto import tqdm
 
 from jax_transformer import checks
 from jax_transformer.checks import TokenError
+from jax_transformer.compilation import jit_by_config
 from jax_transformer.config import TransformerConfig
 from jax_transformer.data import DataError
 from jax_transformer.model import Transformer
@@ -211,7 +212,7 @@ def _first_argmax(x):
     return jnp.min(jnp.where(is_max, index, x.shape[-1]), axis=-1)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "length"))
+@functools.partial(jit_by_config, static_argnames=("config", "length"))
 def _greedy_core(params, src, max_new, min_len, *, config: TransformerConfig, length: int):
     """src (B, S), max_new (B,) -> tokens (B, length), scores (B,)."""
     model = Transformer(config)
@@ -306,7 +307,7 @@ def _gather_cache(cache, parents, beam_size: int):
     return jax.tree_util.tree_map(lambda x: x if x.ndim == 0 else x[flat], cache)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "length", "beam_size"))
+@functools.partial(jit_by_config, static_argnames=("config", "length", "beam_size"))
 def _beam_core(params, src, max_new, min_len, penalties, *, config: TransformerConfig, length: int, beam_size: int):
     """src (B, S), max_new (B,), penalties (length + 1,) -> tokens (B, length), scores (B,)."""
     model = Transformer(config)

@@ -69,21 +69,37 @@ def _layer_norm(cfg: TransformerConfig, name: str) -> nn.LayerNorm:
     )
 
 
+class Dense(nn.Module):
+    """x W + b in the compute dtype, rounded once: the operands are cast to the compute dtype, the matmul
+    accumulates in float32, the bias (cast to the compute dtype) is added to that float32 accumulator, and the sum
+    is rounded to the compute dtype, as torch's fused bias-matmul (`F.linear`) does. `nn.Dense` would round twice,
+    the matmul's result and then the bias sum, each in bfloat16: twice the twin's error, enough to reorder a
+    trained model's beam. Parameters (float32) and their names are those of `nn.Dense`. `float32_result` keeps the
+    float32 sum (the output projection: logits are never rounded)."""
+
+    features: int
+    use_bias: bool = True
+    dtype: jnp.dtype = jnp.float32
+    float32_result: bool = False
+
+    @nn.compact
+    def __call__(self, x):
+        kernel = self.param("kernel", xavier_uniform, (x.shape[-1], self.features))  # (D_in, D_out) float32
+        bias = self.param("bias", nn.initializers.zeros_init(), (self.features,)) if self.use_bias else None
+        if self.dtype == jnp.float32:  # what nn.Dense computes
+            y = lax.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())))
+            return y if bias is None else y + bias
+        y = matmul_float32_result(x.astype(self.dtype), kernel.astype(self.dtype))  # (..., D_out) float32
+        if bias is not None:
+            y = y + bias.astype(self.dtype).astype(jnp.float32)
+        return y if self.float32_result else y.astype(self.dtype)
+
+
 def _dense(
     cfg: TransformerConfig, features: int, name: str | None, use_bias: bool = True, float32_result: bool = False
-) -> nn.Dense:
-    # float32 parameters, cast with the input to the compute dtype for the matmul; the result is in that dtype
-    # (or float32 with float32_result: the output projection).
-    low_precision = compute_dtype(cfg) != jnp.float32
-    dot_general = _float32_result_dot_general if float32_result and low_precision else None
-    return nn.Dense(
-        features,
-        use_bias=use_bias,
-        kernel_init=xavier_uniform,
-        dtype=compute_dtype(cfg),
-        dot_general=dot_general,
-        name=name,
-    )
+) -> Dense:
+    # float32 parameters, computed in the compute dtype (float32 result with float32_result: the output projection).
+    return Dense(features, use_bias, compute_dtype(cfg), float32_result, name=name)
 
 
 @jax.custom_vjp
@@ -110,12 +126,6 @@ def _matmul_float32_result_backward(saved, g):
 
 
 matmul_float32_result.defvjp(_matmul_float32_result_forward, _matmul_float32_result_backward)
-
-
-def _float32_result_dot_general(lhs, rhs, dimension_numbers, precision=None, **_):
-    """`nn.Dense`'s dot_general (which contracts lhs's last axis with rhs's first) by matmul_float32_result."""
-    assert dimension_numbers == (((lhs.ndim - 1,), (0,)), ((), ())), dimension_numbers
-    return matmul_float32_result(lhs, rhs)
 
 
 def fused_attention(q, k, v, mask, implementation: str):

@@ -37,6 +37,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jax_transformer import compilation
 from jax_transformer.config import OptimConfig, TransformerConfig
 from jax_transformer.dropout import global_rows
 from jax_transformer.losses import loss_sums
@@ -305,14 +306,17 @@ def _compiled_train_step(
     tx = make_optimizer(config, opt)
     options = dict(config=config, tx=tx, label_smoothing=opt.label_smoothing, dropout=dropout, accumulate=accumulate)
     if parallel == "jit":
-        return jax.jit(functools.partial(train_step, **options), donate_argnums=0)
+        return compilation.jit(functools.partial(train_step, **options), config.dtype, donate_argnums=0)
     if parallel == "pmap":
-        fn = functools.partial(train_step, axis_name=AXIS, **options)
-        return jax.pmap(fn, axis_name=AXIS, donate_argnums=0)
+        # jax.pmap takes no compiler options: the pmapped step is compiled by an enclosing jit, which gives it its
+        # options (jit of pmap is pmap's own program; its outputs keep pmap's sharding).
+        pmapped = jax.pmap(functools.partial(train_step, axis_name=AXIS, **options), axis_name=AXIS)
+        return compilation.jit(pmapped, config.dtype, donate_argnums=0)
     mesh = data_mesh(n_devices)
     replicated, by_rows = NamedSharding(mesh, P()), NamedSharding(mesh, P(DATA_AXIS))
     fn = functools.partial(train_step, mesh=mesh, **options)
-    return jax.jit(fn, in_shardings=(replicated, by_rows), out_shardings=(replicated, replicated), donate_argnums=0)
+    shardings = dict(in_shardings=(replicated, by_rows), out_shardings=(replicated, replicated))
+    return compilation.jit(fn, config.dtype, donate_argnums=0, **shardings)
 
 
 def data_mesh(n_devices: int) -> Mesh:
@@ -327,7 +331,7 @@ def data_mesh(n_devices: int) -> Mesh:
 @functools.lru_cache(maxsize=16)
 def make_eval_step(config: TransformerConfig, label_smoothing: float):
     """Compiled evaluation on one device: (params, batch) -> loss sums, dropout off. Params are not donated."""
-    return jax.jit(lambda params, batch: batch_loss_sums(params, batch, config, label_smoothing))
+    return compilation.jit(lambda params, batch: batch_loss_sums(params, batch, config, label_smoothing), config.dtype)
 
 
 def shard_batch(batch: Mapping[str, np.ndarray], n_devices: int) -> dict[str, np.ndarray]:

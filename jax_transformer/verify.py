@@ -33,6 +33,7 @@ import jax
 import numpy as np
 from tqdm.auto import tqdm
 
+from jax_transformer import compilation
 from jax_transformer.checkpoint import Checkpoint
 from jax_transformer.data import bucket_lengths
 from jax_transformer.decoding import beam_search, encode_sources, greedy_search
@@ -126,7 +127,7 @@ def torch_twin_from_export(loaded: Checkpoint, device: str = "cpu"):
 
 def _flax_logits_fn(config):
     model = Transformer(config)
-    return jax.jit(lambda params, src, tgt_in: model.apply({"params": params}, src, tgt_in))
+    return compilation.jit(lambda params, src, tgt_in: model.apply({"params": params}, src, tgt_in), config.dtype)
 
 
 def compare_logits(loaded: Checkpoint, torch_model, batches, device: str, progress: bool) -> dict[str, float]:

@@ -32,11 +32,11 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")  # files only, no display needed
-import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
+from jax_transformer.compilation import jit_by_config  # noqa: E402
 from jax_transformer.config import TransformerConfig  # noqa: E402
 from jax_transformer.decoding import encode_sources, greedy_search  # noqa: E402
 from jax_transformer.model import Transformer, attention_maps  # noqa: E402
@@ -54,7 +54,7 @@ def token_labels(tokenizer, ids: Sequence[int], config: TransformerConfig) -> li
     return [specials.get(int(i)) or tokenizer.decode([int(i)]) or f"#{int(i)}" for i in ids]
 
 
-@functools.partial(jax.jit, static_argnames="config")
+@functools.partial(jit_by_config, static_argnames=("config",))
 def _attention_pass(params, src, tgt_in, *, config: TransformerConfig):
     _, state = Transformer(config).apply({"params": params}, src, tgt_in, mutable=["intermediates"])
     return attention_maps(state["intermediates"])

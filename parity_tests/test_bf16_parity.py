@@ -2,9 +2,11 @@
 like with like: logits, loss and every gradient. (Decoded tokens of a trained model: test_decoding_parity.py.)
 
 What both compute: the policy of README's "GPU and TPU" table, the twin with explicit casts. Every matmul takes
-bfloat16 operands and gives a bfloat16 result; the residual stream, LayerNorm, the softmax, the logits' upcast and
-the loss are float32. So the twins round the same values to bfloat16 at the same places, and the lowered-program
-and dtype tests (tests/test_precision.py) check that they do.
+bfloat16 operands and gives a bfloat16 result (a projection's bias added to the float32 accumulator first, then
+rounded once); the residual stream, LayerNorm, the softmax, the logits and the loss are float32. So the twins round
+the same values to bfloat16 at the same places, and the lowered-program and dtype tests (tests/test_precision.py)
+check that they do. The Flax side is compiled as the library compiles it (`compilation.jit`: XLA's excess precision
+off in bfloat16, so XLA keeps every rounding the program asks for).
 
 The tolerances, from bfloat16's 8-bit significand (7 bits stored, 1 implicit). Neighbouring bfloat16 values in
 [2^e, 2^(e+1)) are one ulp = 2^(e-7) apart, 2^-7 of the binade's lower end. Before each rounding the twins hold
@@ -37,7 +39,7 @@ import numpy as np
 import pytest
 import torch
 
-from jax_transformer import losses
+from jax_transformer import compilation, losses
 from jax_transformer.model import Transformer
 from jax_transformer.port import flax_to_torch
 from tests.fixtures import (
@@ -54,13 +56,6 @@ from tests.fixtures import (
 )
 from torch_reference import losses as torch_losses
 
-# XLA may keep float32 inside a fusion where the program rounds to bfloat16 (its allow_excess_precision, on by
-# default): more precise, but then the twins no longer round the same values at the same places, and what differs
-# between them is bfloat16's whole rounding error instead of the rare one-ulp flips the tolerances count. These
-# tests compile the Flax side with it off, so both frameworks round exactly where the policy says; training and
-# decoding keep XLA's default.
-STRICT_ROUNDING = {"xla_allow_excess_precision": False}
-
 
 @functools.cache
 def _flax_loss(config, with_grads: bool):
@@ -72,7 +67,7 @@ def _flax_loss(config, with_grads: bool):
         return losses.mean_loss(logits, tgt_out, config.pad_id, 0.1), logits
 
     fn = jax.value_and_grad(loss_fn, has_aux=True) if with_grads else lambda *args: (loss_fn(*args), None)
-    return jax.jit(fn, compiler_options=STRICT_ROUNDING)
+    return compilation.jit(fn, config.dtype)
 
 
 def _bf16_forward_and_grads(config, seed: int, with_grads: bool):

@@ -235,3 +235,22 @@ def test_multi30k_benchmark_runs_the_multi30k_recipe_and_splits_old_runs_by_phas
     phases = multi30k.estimated_phases(records, lines, wall=10.0)
     assert phases["eval_s"] == pytest.approx(0.5) and phases["compile_s"] == pytest.approx(1.5)
     assert sum(v for k, v in phases.items() if k != "estimated") == pytest.approx(10.0)
+
+
+def test_bf16_decoding_benchmark_counts_identical_sentences():
+    """benchmarks/bf16_decoding.py on a few sentences of a saved model: its rows count identical outputs (here all
+    of them: the frameworks and the dtypes agree on these sentences) and its Markdown table shows them."""
+    import dataclasses
+
+    from benchmarks import bf16_decoding
+    from tests.fixtures import load_saved_model
+
+    saved = load_saved_model("trained_tiny")
+    saved = dataclasses.replace(saved, sources=saved.sources[:4], source_texts=saved.source_texts[:4])
+    rows = bf16_decoding.compare(saved, paths=("greedy batch 1", "beam 4 without cache"), with_verify=False)
+    assert [row["path"] for row in rows] == ["greedy batch 1", "beam 4 without cache"]
+    for row in rows:
+        assert row["sentences"] == 4
+        assert all(row[column] == 4 for column in bf16_decoding.COLUMNS), row
+    table = bf16_decoding.markdown("trained_tiny", rows)
+    assert "| greedy batch 1 | 4 | 4 | 4 | 4 |" in table

@@ -79,10 +79,53 @@ def test_every_matmul_multiplies_operands_of_the_compute_dtype(dtype, kernel):
         kinds = dot_operand_types(text)
         wrong = [k for k in kinds if k[:2] != (expected, expected)]
         assert not wrong, f"{name}: {len(wrong)} of {len(kinds)} matmuls have operands {sorted(set(wrong))}"
-        # Results: the compute dtype, except the logits' (float32 accumulator) and, with the xla kernel, the
-        # attention scores (jax.nn.dot_product_attention keeps them in float32 too).
+        # Results: the compute dtype, or the float32 accumulator: every projection's (its bias is added to the
+        # accumulator and the sum rounded once, model.Dense), the logits' (never rounded) and, with the xla kernel,
+        # the attention scores (jax.nn.dot_product_attention keeps them in float32 too).
         assert {k[2] for k in kinds} <= {expected, "f32"}
     # The lowering is not blind to float32: the same program in float32 mode is all f32 (checked by the f32 case).
+
+
+def test_a_projection_rounds_once_as_torch_linear():
+    """model.Dense in bfloat16: the bias is added to the float32 accumulator and the sum rounded once, as torch's
+    F.linear does; flax's nn.Dense would round the matmul's result, then the sum (twice the error, and not the
+    twin's numbers)."""
+    import ml_dtypes
+    import torch.nn.functional as F
+
+    from jax_transformer.model import Dense
+
+    rng = np.random.default_rng(0)
+    as_bf16 = lambda x: np.asarray(x, np.float32).astype(ml_dtypes.bfloat16).astype(np.float64)
+    x, w, b = (as_bf16(rng.normal(size=shape)) for shape in ((256, 32), (32, 32), (32,)))
+    params = {"kernel": w.astype(np.float32), "bias": b.astype(np.float32)}
+    ours = np.asarray(Dense(32, dtype=jnp.bfloat16).apply({"params": params}, x.astype(np.float32)), np.float64)
+    theirs = F.linear(*(torch.tensor(a, dtype=torch.bfloat16) for a in (x, w.T, b))).double().numpy()
+    exact = x @ w + b  # float64: exact for these operands, up to the sum's rounding
+    assert np.array_equal(ours, as_bf16(exact)) and np.array_equal(ours, theirs)
+    assert not np.array_equal(ours, as_bf16(as_bf16(x @ w) + b))  # rounding twice gives other numbers here
+
+
+def test_compiled_bfloat16_programs_round_where_the_model_says():
+    """The library's compiled programs in bfloat16 (`compilation.jit`: XLA's excess precision off) compute what
+    the model computes op by op, within the bfloat16 tolerance of the parity tests. With XLA's default, the jitted
+    forward of the saved model below keeps float32 values where the model rounds to bfloat16, and its logits land
+    farther from the op-by-op ones than that tolerance."""
+    from jax_transformer import compilation, verify
+    from tests.fixtures import load_saved_model, logit_tolerance
+
+    saved = load_saved_model("bf16_beam_case")
+    config = saved.config.replace(dtype="bfloat16")
+    src = saved.sources
+    tgt_in = np.concatenate([np.full((len(src), 1), config.bos_id), src[:, :-1]], axis=1).astype(np.int32)
+    tgt_in[tgt_in == config.eos_id] = config.pad_id
+    with jax.disable_jit():
+        eager = np.asarray(Transformer(config).apply({"params": saved.params}, src, tgt_in))
+    compiled = np.asarray(verify._flax_logits_fn(config)(saved.params, src, tgt_in))
+    tolerance = logit_tolerance(config, eager)
+    assert np.abs(compiled - eager).max() <= tolerance
+    assert compilation.compiler_options("bfloat16") == {"xla_allow_excess_precision": False}
+    assert compilation.compiler_options("float32") is None  # float32 programs compile as they always did
 
 
 # --- the dtype table, both frameworks ---------------------------------------------------------------------------
