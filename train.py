@@ -14,9 +14,12 @@
     python train.py verify --checkpoint runs/my-run        # the PyTorch twin against Flax on the validation set
     python train.py plot --runs runs/a runs/b --output quality.png       # BLEU and loss against minutes
 
-`python train.py SUBCOMMAND --help` lists every flag. The training flags are the fields of the settings
-dataclasses, named after them (`TransformerConfig.d_model` is `--d-model`, `OptimConfig.warmup_steps` is
-`--warmup-steps`), so this file only turns flags into calls of `jax_transformer.run` and friends.
+`python train.py SUBCOMMAND --help` lists every flag. A flag that is a setting is a field of a settings dataclass
+(`jax_transformer.config`), named after it (`TransformerConfig.d_model` is `--d-model`) and declared once, there.
+
+Exit status: 0 done, 1 bad input, settings or checkpoint (one "error: ..." line), 2 bad flags (argparse), 3 the
+training diverged (a non-finite loss), 4 `verify` found the frameworks apart, 5 another process of a
+multi-process run stopped answering, 128 + N when stopped by signal N (130 SIGINT, 143 SIGTERM) after saving.
 """
 
 from __future__ import annotations
@@ -30,44 +33,51 @@ import typing
 from pathlib import Path
 
 COMMANDS = ("train", "evaluate", "translate", "export", "attention", "average", "verify", "plot")
-
-# Exit codes: 0 done, 1 bad input / config / checkpoint, 2 bad flags (argparse), 3 training diverged (NaN),
-# 4 verify found the frameworks apart (logits beyond --logit-tolerance), 128 + signal number when stopped by
-# SIGINT (130) or SIGTERM (143) after saving a checkpoint.
-EXIT_ERROR, EXIT_DIVERGED, EXIT_NOT_VERIFIED = 1, 3, 4
+EXIT_ERROR, EXIT_DIVERGED, EXIT_NOT_VERIFIED = 1, 3, 4  # and distributed.EXIT_PEER_LOST (5)
 ALIASES = {"warmup_steps": ["--warmup"]}  # old spellings people have in their scripts
 
 
-def add_settings(parser: argparse.ArgumentParser, cls, group: str, title: str, skip: tuple[str, ...] = ()) -> None:
-    """One flag per field of the settings dataclass `cls`, named after it, stored as "<group>.<field>". Flags
-    default to None (not given), so that `jax_transformer.run` can tell what the user chose."""
+def add_settings(
+    parser: argparse.ArgumentParser,
+    cls,
+    group: str,
+    title: str,
+    *,
+    only: tuple[str, ...] | None = None,
+    skip: tuple[str, ...] = (),
+    several: tuple[str, ...] = (),
+    default: str | None = None,
+) -> None:
+    """One flag per field of the settings dataclass `cls` (or the fields `only`), named after it, stored as
+    "<group>.<field>". Flags default to None (not given), so that what the user chose can be told from the rest;
+    `several` fields take one or more values; `default` replaces the help's default (e.g. "the checkpoint's")."""
     section = parser.add_argument_group(title)
     hints = typing.get_type_hints(cls)
     for field in dataclasses.fields(cls):
-        if field.name in skip:
+        if field.name in skip or (only is not None and field.name not in only):
             continue
-        kind = hints[field.name]
-        types = [t for t in typing.get_args(kind) if t is not type(None)] or [kind]
+        types = [t for t in typing.get_args(hints[field.name]) if t is not type(None)] or [hints[field.name]]
         flag = "--" + field.name.replace("_", "-")
-        default = field.default if field.default is not None else "none"
-        options = dict(dest=f"{group}.{field.name}", default=None, help=f"{field.metadata['help']} (default {default})")
+        shown = default or ("none" if field.default is None else field.default)
+        options = dict(dest=f"{group}.{field.name}", default=None, help=f"{field.metadata['help']} (default {shown})")
         if types[0] is bool:
             section.add_argument(flag, action=argparse.BooleanOptionalAction, **options)
-        else:
-            choices = field.metadata.get("choices")
-            metavar = None if choices else {int: "N", float: "X"}.get(types[0], "FILE" if group == "data" else "S")
-            section.add_argument(
-                flag, *ALIASES.get(field.name, []), type=types[0], metavar=metavar, choices=choices, **options
-            )
+            continue
+        choices = field.metadata.get("choices")
+        metavar = None if choices else {int: "N", float: "X"}.get(types[0], "FILE" if group == "data" else "S")
+        nargs = "+" if field.name in several else None
+        section.add_argument(
+            flag, *ALIASES.get(field.name, []), type=types[0], metavar=metavar, choices=choices, nargs=nargs, **options
+        )
+
+
+def given(args, group: str) -> dict:
+    """The settings flags of `group` that were given, as {field: value}."""
+    prefix = group + "."
+    return {dest[len(prefix) :]: v for dest, v in vars(args).items() if dest.startswith(prefix) and v is not None}
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from jax_transformer.config import OptimConfig, TransformerConfig
-    from jax_transformer.data import DataConfig
-    from jax_transformer.distributed import ParallelConfig
-    from jax_transformer.run import RECIPES
-    from jax_transformer.trainer import LoopConfig
-
     parser = argparse.ArgumentParser(
         prog="train.py",
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -76,13 +86,20 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Run `train.py SUBCOMMAND --help` for the flags of each sub-command.",
     )
     sub = parser.add_subparsers(dest="command", metavar="SUBCOMMAND")
+    for add in (train_flags, evaluate_flags, translate_flags, export_flags, attention_flags, average_flags,
+                verify_flags, plot_flags):  # fmt: skip
+        add(sub)
+    return parser
+
+
+def train_flags(sub) -> None:
+    from jax_transformer.config import RECIPES, DataConfig, LoopConfig, OptimConfig, ParallelConfig, TransformerConfig
 
     t = sub.add_parser(
         "train",
         help="train a model (the default sub-command)",
-        description="Train a model. Without data files: the built-in English->French numbers task "
-        "(tiny model, ~2 minutes on 2 CPU cores, with its own defaults: "
-        "jax_transformer.run.NUMBERS_TASK_DEFAULTS).",
+        description="Train a model. Without data files: the built-in English->French numbers task (tiny model, "
+        "~2 minutes on 2 CPU cores, with its own defaults: jax_transformer.config.NUMBERS_TASK_DEFAULTS).",
     )
     g = t.add_argument_group("run")
     g.add_argument(
@@ -104,21 +121,19 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--init-from-torch",
         metavar="FILE",
-        help="start from the weights of a PyTorch file, torch.save "
-        "or safetensors (from `train.py export`, or a bare torch_reference state_dict described by the "
-        "model flags)",
+        help="start from the weights of a PyTorch file, torch.save or safetensors (from `train.py export`, or a "
+        "bare torch_reference state_dict described by the model flags)",
     )
     g.add_argument(
         "--preset",
         choices=("tiny", "small", "base"),
-        help="model size: tiny (2+2 layers, d_model 32), "
-        "small (3+3, 256), base (6+6, 512, the paper's); model flags override its fields (default: the "
-        "recipe's, else tiny for the numbers task, small for files)",
+        help="model size: tiny (2+2 layers, d_model 32), small (3+3, 256), base (6+6, 512, the paper's); model "
+        "flags override its fields (default: the recipe's, else tiny for the numbers task, small for files)",
     )
     g.add_argument(
         "--recipe",
         metavar="NAME",
-        help="a named set of settings (jax_transformer.run.RECIPES) under the flags given: "
+        help="a named set of settings (jax_transformer.config.RECIPES) under the flags given: "
         + "; ".join(f"{name}: {recipe['about']}" for name, recipe in sorted(RECIPES.items()))
         + "; or a recipe JSON file of the same form (default: numbers without data files, none with them)",
     )
@@ -129,19 +144,57 @@ def build_parser() -> argparse.ArgumentParser:
         TransformerConfig,
         "model",
         "model (TransformerConfig; defaults: the preset's)",
-        skip=("src_vocab_size", "tgt_vocab_size", "pad_id", "bos_id", "eos_id"),
-    )  # the tokenizer's
+        skip=("src_vocab_size", "tgt_vocab_size", "pad_id", "bos_id", "eos_id"),  # the tokenizer's
+    )
     add_settings(t, OptimConfig, "optim", "optimiser (Adam, the paper's schedule, label smoothing)")
     add_settings(t, LoopConfig, "loop", "run loop: steps, evaluation, checkpoints")
     add_settings(
         t,
         ParallelConfig,
         "parallel",
-        "devices and processes (README, Scaling out): every process of a multi-process run gets the same flags "
+        "devices and processes (docs/scaling.md): every process of a multi-process run gets the same flags "
         "except --process-id, and sees the same data files and run directory",
     )
     t.set_defaults(func=cmd_train)
 
+
+def checkpoint_flags(p, *, compute: bool = False) -> None:
+    """--checkpoint and --step; with `compute`, how to compute (--dtype, --attention-kernel: TransformerConfig's)."""
+    from jax_transformer.config import COMPUTE_FIELDS, TransformerConfig
+
+    p.add_argument(
+        "--checkpoint", required=True, metavar="DIR", help="run directory (or its checkpoints/ folder) of a training"
+    )
+    p.add_argument(
+        "--step",
+        default="best",
+        metavar="STEP",
+        help="which checkpoint: 'best' (highest validation score, the default), 'latest' or a number",
+    )
+    if compute:
+        add_settings(p, TransformerConfig, "model", "how to compute", only=COMPUTE_FIELDS, default="the checkpoint's")
+
+
+def decoding_flags(p, *, several: bool = False, more: tuple[str, ...] = ()) -> None:
+    """--beam-size and --alpha (LoopConfig's decoding settings) and the `more` LoopConfig fields named."""
+    from jax_transformer.config import LoopConfig
+
+    lists = ("beam_size", "alpha") if several else ()
+    add_settings(p, LoopConfig, "loop", "decoding", only=("beam_size", "alpha", *more), several=lists)
+
+
+def evaluation_data_flags(p) -> None:
+    """The sentence pairs to evaluate on (default: the run's validation data) and the loss batches' size."""
+    from jax_transformer.config import DataConfig
+
+    g = p.add_argument_group("evaluation data (default: the run's validation data)")
+    g.add_argument("--src", metavar="FILE", help="source sentences")
+    g.add_argument("--tgt", metavar="FILE", help="reference translations, line-aligned with --src")
+    g.add_argument("--tsv", metavar="FILE", help="source<TAB>reference lines (instead of --src/--tgt)")
+    add_settings(p, DataConfig, "data", "loss batches", only=("max_tokens",))
+
+
+def evaluate_flags(sub) -> None:
     e = sub.add_parser(
         "evaluate",
         help="validation loss, perplexity, accuracy, BLEU and chrF of a checkpoint",
@@ -150,10 +203,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--beam-size/--alpha values give a table of every combination (beam 1 is greedy; alpha does not apply "
         "to it), to choose the decoding on the validation set.",
     )
-    _add_checkpoint_flags(e)
-    _add_data_flags(e)
-    _add_decoding_flags(e, several=True)
-    e.add_argument("--samples", type=int, default=5, metavar="N", help="sample translations to print (default 5)")
+    checkpoint_flags(e, compute=True)
+    evaluation_data_flags(e)
+    decoding_flags(e, several=True, more=("samples",))
     e.add_argument(
         "--output",
         metavar="FILE",
@@ -161,15 +213,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     e.set_defaults(func=cmd_evaluate)
 
+
+def translate_flags(sub) -> None:
     tr = sub.add_parser(
         "translate",
         help="translate lines of text (stdin or --input) to stdout",
         description="Translate UTF-8 text, one sentence per line, to stdout: exactly one output line per input "
-        "line (an empty line stays empty), read and translated in chunks, so input of any size streams through.",
+        "line (an empty line stays empty), read and translated in chunks, so input of any size streams through. "
+        "Without --progress / --no-progress the progress bar shows when stderr is a terminal.",
     )
-    _add_checkpoint_flags(tr)
+    checkpoint_flags(tr, compute=True)
     tr.add_argument("--input", metavar="FILE", help="UTF-8 file with one sentence per line (default: stdin)")
-    _add_decoding_flags(tr)
+    decoding_flags(tr, more=("progress",))
     tr.add_argument(
         "--on-too-long",
         choices=("error", "truncate"),
@@ -177,16 +232,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="a line longer than the model's max_len tokens: stop with an error naming the line (after writing "
         "the lines before it), or translate its first max_len - 1 tokens and report the line (default error)",
     )
-    tr.add_argument(
-        "--progress",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="progress bar on stderr (default: when stderr is a terminal)",
-    )
     tr.set_defaults(func=cmd_translate)
 
+
+def export_flags(sub) -> None:
     x = sub.add_parser("export", help="write a checkpoint's weights as a PyTorch file for torch_reference")
-    _add_checkpoint_flags(x)
+    checkpoint_flags(x)
     x.add_argument(
         "--output",
         required=True,
@@ -201,12 +252,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     x.set_defaults(func=cmd_export)
 
+
+def attention_flags(sub) -> None:
     a = sub.add_parser(
         "attention",
         help="draw the attention weights of a checkpoint on one sentence (PNG)",
         description="Translate one sentence greedily and draw every head's attention as heatmaps.",
     )
-    _add_checkpoint_flags(a)
+    checkpoint_flags(a)
     a.add_argument("--sentence", required=True, help="the source sentence")
     a.add_argument("--output", default="attention.png", metavar="FILE", help="the PNG to write (default attention.png)")
     a.add_argument(
@@ -219,6 +272,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     a.set_defaults(func=cmd_attention)
 
+
+def average_flags(sub) -> None:
     av = sub.add_parser(
         "average",
         help="average the parameters of a run's last K checkpoints into a new checkpoint",
@@ -232,6 +287,8 @@ def build_parser() -> argparse.ArgumentParser:
     av.add_argument("--output", required=True, metavar="DIR", help="the new directory to write (must not exist)")
     av.set_defaults(func=cmd_average)
 
+
+def verify_flags(sub) -> None:
     v = sub.add_parser(
         "verify",
         help="cross-framework check of a trained checkpoint against its PyTorch twin on the validation set",
@@ -240,9 +297,9 @@ def build_parser() -> argparse.ArgumentParser:
         "identical tokens (greedy and beam) and each framework's BLEU. Exit code 4 when the logits differ by "
         "more than --logit-tolerance.",
     )
-    _add_checkpoint_flags(v)
-    _add_data_flags(v)
-    _add_decoding_flags(v)
+    checkpoint_flags(v, compute=True)
+    evaluation_data_flags(v)
+    decoding_flags(v, more=("progress",))
     v.add_argument("--sentences", type=int, metavar="N", help="verify on the first N sentence pairs only (default all)")
     v.add_argument(
         "--device",
@@ -267,9 +324,10 @@ def build_parser() -> argparse.ArgumentParser:
         "small matrices, where more threads mostly wait for each other)",
     )
     v.add_argument("--json", metavar="FILE", help="also write the report as JSON to FILE")
-    v.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
     v.set_defaults(func=cmd_verify)
 
+
+def plot_flags(sub) -> None:
     pl = sub.add_parser(
         "plot",
         help="validation BLEU and loss of several runs against wall-clock minutes, in one PNG",
@@ -280,77 +338,15 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--labels", nargs="+", metavar="NAME", help="a legend label per run (default: the paths as given)")
     pl.add_argument("--output", default="quality.png", metavar="FILE", help="the PNG to write (default quality.png)")
     pl.set_defaults(func=cmd_plot)
-    return parser
 
 
-def _add_checkpoint_flags(p) -> None:
-    p.add_argument(
-        "--checkpoint",
-        required=True,
-        metavar="DIR",
-        help="run directory (or its checkpoints/ folder) written by `train.py train`",
-    )
-    p.add_argument(
-        "--step",
-        default="best",
-        metavar="STEP",
-        help="which checkpoint: 'best' (highest validation score, the default), 'latest' or a number",
-    )
-
-
-def _add_data_flags(p) -> None:
-    p.add_argument("--src", metavar="FILE", help="source sentences (default: the run's validation data)")
-    p.add_argument("--tgt", metavar="FILE", help="reference translations, line-aligned with --src")
-    p.add_argument("--tsv", metavar="FILE", help="source<TAB>reference lines (instead of --src/--tgt)")
-    p.add_argument(
-        "--max-tokens", type=int, default=4096, metavar="N", help="token slots per loss batch (default 4096)"
-    )
-
-
-def _add_decoding_flags(p, several: bool = False) -> None:
-    from jax_transformer.config import ATTENTION_KERNELS, DTYPES
-
-    p.add_argument(
-        "--dtype",
-        choices=DTYPES,
-        help="compute dtype of the matmuls (default: the checkpoint's); the parameters are float32 either way",
-    )
-    p.add_argument(
-        "--attention-kernel",
-        choices=ATTENTION_KERNELS,
-        help="attention implementation (default: the checkpoint's; see `train.py train --help`)",
-    )
-    nargs, more = ("+", "; several values: one evaluation per combination") if several else (None, "")
-    p.add_argument(
-        "--beam-size",
-        type=int,
-        nargs=nargs,
-        default=[4] if several else 4,
-        metavar="K",
-        help=f"beam width; 1 is greedy search (default 4){more}",
-    )
-    p.add_argument(
-        "--alpha",
-        type=float,
-        nargs=nargs,
-        default=[0.6] if several else 0.6,
-        help=f"length penalty exponent of beam search, ((5+len)/6)^alpha (default 0.6){more}",
-    )
+# =============================================================================================================
+# The sub-commands
+# =============================================================================================================
 
 
 def _print(text: str = "") -> None:
     print(text, flush=True)
-
-
-def _groups(args) -> dict[str, dict]:
-    """The given (not None) settings flags as {"model": {...}, "data": {...}, "optim": {...}, "loop": {...},
-    "parallel": {...}}."""
-    groups = {"model": {}, "data": {}, "optim": {}, "loop": {}, "parallel": {}}
-    for dest, value in vars(args).items():
-        if "." in dest and value is not None:
-            group, name = dest.split(".", 1)
-            groups[group][name] = value
-    return groups
 
 
 def cmd_train(args, start_time: float) -> int:
@@ -366,7 +362,7 @@ def cmd_train(args, start_time: float) -> int:
         recipe=args.recipe,
         start_time=start_time,
         print_fn=_print,
-        **_groups(args),
+        **{group: given(args, group) for group in ("model", "data", "optim", "loop", "parallel")},
     )
     chosen = f"by validation {result.best_metric}" if result.best_metric else "the last: no validation data"
     _print(
@@ -383,13 +379,23 @@ def cmd_train(args, start_time: float) -> int:
     return 0
 
 
+def decoding(args, several: bool = False):
+    """(beam size, alpha) as given, else LoopConfig's defaults; lists when `several`."""
+    from jax_transformer.config import LoopConfig
+
+    chosen, defaults = given(args, "loop"), LoopConfig()
+    beam, alpha = chosen.get("beam_size", defaults.beam_size), chosen.get("alpha", defaults.alpha)
+    if several:
+        return [beam] if isinstance(beam, int) else beam, [alpha] if isinstance(alpha, float) else alpha
+    return beam, alpha
+
+
 def _load(args):
     """The checkpoint, its model computed as --dtype / --attention-kernel ask (where the sub-command has them)."""
     from jax_transformer import checkpoint
 
     loaded = checkpoint.load(args.checkpoint, args.step)  # verified: a damaged step is a CheckpointError
-    compute = {name: getattr(args, name, None) for name in ("dtype", "attention_kernel")}
-    compute = {name: value for name, value in compute.items() if value is not None}
+    compute = given(args, "model")
     if compute:  # how to compute is not part of the model: any checkpoint runs in either dtype
         loaded = dataclasses.replace(loaded, config=loaded.config.replace(**compute))
     note = "" if loaded.verified else f", format {loaded.format}, written before checksums: not verified"
@@ -400,17 +406,16 @@ def _load(args):
 def _evaluation_data(args, loaded, limit: int | None = None):
     """The sentences to evaluate on (--src/--tgt or --tsv, else the run's validation data) as a ValidationSet;
     `limit`: the first this many pairs only."""
-    import dataclasses
-
-    from jax_transformer import data, run
+    from jax_transformer import run
+    from jax_transformer.batching import ValidationSet, encode_corpus
     from jax_transformer.checks import check_batch
-    from jax_transformer.trainer import ValidationSet
+    from jax_transformer.config import DataConfig
 
     if args.src or args.tgt or args.tsv:
-        files = data.DataConfig(src=args.src, tgt=args.tgt, tsv=args.tsv)
-        corpus = data.load_corpus(files, "train")  # the given files, read as a training corpus is
+        files = DataConfig(src=args.src, tgt=args.tgt, tsv=args.tsv)
+        corpus = run.load_corpus(files, "train")  # the given files, read as a training corpus is
     else:
-        corpus = data.load_corpus(data.DataConfig.from_dict(run.stored_settings(loaded)["data"]), "valid")
+        corpus = run.load_corpus(DataConfig.from_dict(run.stored_settings(loaded)["data"]), "valid")
         if corpus is None:
             raise run.UsageError("the run had no validation data: give --src/--tgt or --tsv")
     if limit is not None:
@@ -420,9 +425,10 @@ def _evaluation_data(args, loaded, limit: int | None = None):
             targets=corpus.targets[:limit],
             line_numbers=corpus.line_numbers[:limit],
         )
-    encoded = data.encode_corpus(corpus, loaded.tokenizer, loaded.config.max_len, on_too_long="skip")
+    encoded = encode_corpus(corpus, loaded.tokenizer, loaded.config.max_len, on_too_long="skip")
     print(f"evaluation data: {corpus.describe()}; {encoded.describe()}", file=sys.stderr)
-    valid = ValidationSet.from_encoded(encoded, corpus, args.max_tokens)
+    max_tokens = given(args, "data").get("max_tokens", DataConfig().max_tokens)
+    valid = ValidationSet.from_encoded(encoded, corpus, max_tokens)
     for i, batch in enumerate(valid.batches):
         check_batch(batch, loaded.config, f"evaluation batch {i}")
     return valid
@@ -445,6 +451,7 @@ def decoding_grid(beam_sizes: list[int], alphas: list[float]) -> list[tuple[int,
 
 def cmd_evaluate(args, start_time: float) -> int:
     from jax_transformer import evaluation, training
+    from jax_transformer.config import LoopConfig
 
     loaded = _load(args)
     valid = _evaluation_data(args, loaded)
@@ -455,7 +462,7 @@ def cmd_evaluate(args, start_time: float) -> int:
         f"{100 * result['accuracy']:.1f}% ({len(valid.sources)} sentences)"
     )
     rows, outputs = [], []
-    for beam, alpha in decoding_grid(args.beam_size, args.alpha):
+    for beam, alpha in decoding_grid(*decoding(args, several=True)):
         began = time.time()
         scores, hypotheses = evaluation.evaluate_translations(
             loaded.params, loaded.config, loaded.tokenizer, valid.sources, valid.references, beam_size=beam, alpha=alpha
@@ -464,7 +471,8 @@ def cmd_evaluate(args, start_time: float) -> int:
         outputs.append(hypotheses)
     best = max(range(len(rows)), key=lambda i: rows[i]["bleu"])
     hypotheses = outputs[best]
-    for i in evaluation.spread_indices(len(hypotheses), args.samples):
+    samples = given(args, "loop").get("samples", LoopConfig().samples)
+    for i in evaluation.spread_indices(len(hypotheses), samples):
         _print(f"  source:    {valid.sources[i]}\n  reference: {valid.references[i]}\n  model:     {hypotheses[i]}")
     if len(rows) == 1:
         row = rows[0]
@@ -495,10 +503,11 @@ def cmd_evaluate(args, start_time: float) -> int:
 
 
 def cmd_translate(args, start_time: float) -> int:
-    from jax_transformer.data import count_lines, read_lines
+    from jax_transformer.corpus import count_lines, read_lines
     from jax_transformer.decoding import translate_lines
 
     loaded = _load(args)
+    beam_size, alpha = decoding(args)
     # Read, translated and written a chunk of lines at a time: memory does not grow with the input.
     if args.input:
         origin, lines, total = args.input, read_lines(args.input), count_lines(args.input)
@@ -516,9 +525,9 @@ def cmd_translate(args, start_time: float) -> int:
             origin=origin,
             on_too_long=args.on_too_long,
             total=total,
-            progress=args.progress,
-            beam_size=args.beam_size,
-            alpha=args.alpha,
+            progress=given(args, "loop").get("progress"),  # None: when stderr is a terminal
+            beam_size=beam_size,
+            alpha=alpha,
         )
     finally:
         sys.stdout.flush()
@@ -611,17 +620,18 @@ def cmd_verify(args, start_time: float) -> int:
     # Measured under load on the 2-core machine: beam 4 over 30 sentences took 166 s with 2 threads, 23 s with 1.
     torch.set_num_threads(args.torch_threads)
     loaded = _load(args)
+    beam_size, alpha = decoding(args)
     valid = _evaluation_data(args, loaded, limit=args.sentences)
     report = verify(
         loaded,
         valid.batches,
         valid.sources,
         valid.references,
-        beam_size=args.beam_size,
-        alpha=args.alpha,
+        beam_size=beam_size,
+        alpha=alpha,
         batch_size=args.batch_size,
         device=args.device,
-        progress=args.progress,
+        progress=given(args, "loop").get("progress", True),
         print_fn=lambda line: print(line, file=sys.stderr),
     )
     _print(report.table())
@@ -639,7 +649,7 @@ def cmd_verify(args, start_time: float) -> int:
 
 
 def cmd_plot(args, start_time: float) -> int:
-    from jax_transformer.data import DataError
+    from jax_transformer.errors import DataError
     from jax_transformer.visualize import plot_runs
 
     try:
@@ -665,10 +675,10 @@ def main(argv: list[str] | None = None) -> int:
     from jax_transformer.checkpoint import CheckpointError
     from jax_transformer.checks import TokenError
     from jax_transformer.config import ConfigError
-    from jax_transformer.data import DataError
+    from jax_transformer.errors import DataError
+    from jax_transformer.loop import TrainingError
     from jax_transformer.port import PortError
     from jax_transformer.run import UsageError
-    from jax_transformer.trainer import TrainingError
 
     try:
         return args.func(args, start_time)

@@ -403,19 +403,21 @@ def padding(args) -> dict:
     tokens per batch; with --plot, draws one batch of each (docs/packing.png)."""
     check_data(args.data)
     sys.path.insert(0, str(REPO))
-    from jax_transformer import data
+    from jax_transformer.batching import BatchStream, encode_corpus, eval_batches
+    from jax_transformer.corpus import read_parallel
+    from jax_transformer.tokenizer import PAD_ID, Tokenizer
 
-    corpus = data.read_parallel(args.data / "train.de", args.data / "train.en")
-    tokenizer = data.Tokenizer.train(corpus.sources + corpus.targets, 6000)
-    encoded = data.encode_corpus(corpus, tokenizer, 128)
-    valid = data.encode_corpus(data.read_parallel(args.data / "val.de", args.data / "val.en"), tokenizer, 128)
+    corpus = read_parallel(args.data / "train.de", args.data / "train.en")
+    tokenizer = Tokenizer.train(corpus.sources + corpus.targets, 6000)
+    encoded = encode_corpus(corpus, tokenizer, 128)
+    valid = encode_corpus(read_parallel(args.data / "val.de", args.data / "val.en"), tokenizer, 128)
     result, examples = {}, {}
     for batching in ("buckets", "packed"):
-        stream = data.BatchStream(encoded, 4096, batching=batching, seed=0)
+        stream = BatchStream(encoded, 4096, batching=batching, seed=0)
         batches = [next(stream) for _ in range(stream.batches_per_epoch)]  # the first epoch
         slots = sum(b["src"].size for b in batches)
-        target = sum(int((b["tgt_out"] != data.PAD_ID).sum()) for b in batches)
-        evaluation = data.eval_batches(valid, 4096, batching=batching)
+        target = sum(int((b["tgt_out"] != PAD_ID).sum()) for b in batches)
+        evaluation = eval_batches(valid, 4096, batching=batching)
         result[batching] = {
             "shapes": [list(shape) for shape in stream.shapes],
             "batches_per_epoch": len(batches),

@@ -98,8 +98,9 @@ def child_multihost(s: Settings, coordinator: str | None, num_processes: int | N
     import jax
 
     from jax_transformer import distributed
+    from jax_transformer.config import ParallelConfig
 
-    parallel = distributed.ParallelConfig(
+    parallel = ParallelConfig(
         coordinator=coordinator, num_processes=num_processes, process_id=process_id, heartbeat_timeout=30
     )
     distributed.initialize(parallel, print_fn=lambda text: None)

@@ -49,7 +49,7 @@ LR_SCALE = 0.144
 
 def load_pairs(data: str):
     """(corpus, description): Multi30k's train.de/train.en from `data` if they exist, else the built-in task."""
-    from jax_transformer.data import read_parallel
+    from jax_transformer.corpus import read_parallel
     from jax_transformer.default_task import default_pairs
 
     folder = Path(data) if data != "none" else None
@@ -118,8 +118,9 @@ class _TorchSide:
 
 def setup(data: str, rows: int, width: int):
     """(corpus encoded, config, optim, description): the data, the small dropout-free model and the optimiser."""
+    from jax_transformer.batching import encode_corpus
     from jax_transformer.config import OptimConfig, preset
-    from jax_transformer.data import Tokenizer, encode_corpus
+    from jax_transformer.tokenizer import Tokenizer
 
     corpus, described = load_pairs(data)
     tokenizer = Tokenizer.train(corpus.sources + corpus.targets, 2000, model_type="bpe")

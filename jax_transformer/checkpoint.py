@@ -57,7 +57,7 @@ import orbax.checkpoint as ocp
 from orbax.checkpoint import checkpoint_managers as policies
 
 from jax_transformer.config import COMPUTE_FIELDS, ConfigError, TransformerConfig
-from jax_transformer.data import Tokenizer
+from jax_transformer.tokenizer import Tokenizer
 
 FORMAT_VERSION = 3
 READABLE_FORMATS = (1, 2, 3)

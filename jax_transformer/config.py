@@ -1,18 +1,26 @@
-"""One framework-free description of the model and its optimiser, read by the Flax model and its PyTorch twin alike.
+"""Every setting, in one module: the model, the optimiser, the data, the run loop and the devices.
 
-`TransformerConfig` (the architecture) and `OptimConfig` (Adam, the schedule, label smoothing) are frozen
-dataclasses: hashable (so they can be static arguments under `jax.jit`), validated on construction, and
-round-tripped through JSON. `train.py` makes one flag per field, named after it (`d_model` -> `--d-model`), with
-the help text stored in the field's metadata (`setting(default, help)`), so a setting has one name from the
-command line to the dataclass. Nothing here imports jax or torch.
+Each group is a frozen dataclass whose fields are declared with `setting(default, help, ...)`: the help becomes the
+`train.py` flag of the same name (`d_model` -> `--d-model`), and one validator checks every field on construction,
+its type from the annotation and its choices and range from the field's metadata. One JSON round trip (`to_dict`,
+`from_dict`) serves every group; checkpoints store them so. `resolve` decides, once and before a run starts, what
+its settings are: a flag, else what a resumed checkpoint stored, else the recipe, else the default. No jax, no torch.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import ipaddress
 import json
+import typing
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
+
+from jax_transformer.errors import ConfigError, DataError, UsageError
+
+__all__ = ["ConfigError", "DataError", "UsageError"]  # the errors settings raise, importable from here too
 
 POSITIONS = ("sinusoidal", "learned")
 ACTIVATIONS = ("relu", "gelu")
@@ -21,51 +29,163 @@ ATTENTION_KERNELS = ("explicit", "xla", "cudnn")
 # How the model computes, not what it is: the same parameters serve every value, so checkpoints and weight files
 # ignore these fields when they compare configs (a bfloat16 run evaluates or resumes in float32 and back).
 COMPUTE_FIELDS = ("dtype", "attention_kernel")
+BATCHINGS = ("packed", "buckets")
+PARALLEL_MODES = ("jit", "pmap", "sharded")
+BEST_METRICS = ("bleu", "loss")
+OFF = "off"  # the compilation cache setting that turns it off
 
 
-class ConfigError(ValueError):
-    """A config field has a value the model cannot use; the message names the field."""
+# =============================================================================================================
+# One way to declare, check and serialise a setting
+# =============================================================================================================
 
 
-def setting(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
-    """A dataclass field with its help text (shown by `train.py --help` for the flag of the same name) and, for
-    a string, the values it may take."""
-    return dataclasses.field(default=default, metadata={"help": help, "choices": choices})
+def setting(
+    default: Any,
+    help: str,
+    *,
+    choices: tuple[str, ...] | None = None,
+    at_least: float | None = None,
+    above: float | None = None,
+    below: float | None = None,
+    why: str = "",
+) -> Any:
+    """A dataclass field with its help text (`train.py --help` shows it for the flag of the same name) and what
+    `Settings` checks on construction: one of `choices`, or a number >= `at_least`, > `above`, < `below`; `why` is
+    added to the message when the range is violated."""
+    limits = dict(choices=choices, at_least=at_least, above=above, below=below, why=why)
+    return dataclasses.field(default=default, metadata={"help": help, **limits})
 
 
-def settings_from_dict(cls, values: Mapping[str, Any], source: str):
-    """`cls(**values)` for a settings dataclass; unknown keys are a ConfigError that lists them and the known ones."""
-    known = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(values) - known)
-    if unknown:
-        raise ConfigError(f"{source}: unknown {cls.__name__} field(s) {unknown}; known fields are {sorted(known)}")
-    return cls(**dict(values))
+class Settings:
+    """The base of every settings group: validation on construction (`check_fields`, then the group's own `check`
+    for rules between fields), the JSON round trip, and `replace`. `kind` names the group in messages; `error` is
+    the exception a bad value raises."""
+
+    kind = "settings"
+    error: type[ValueError] = ConfigError
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        self.check()
+
+    def check(self) -> None:
+        """Rules between fields (a group overrides it)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any], source: str | None = None):
+        """`cls(**values)`; unknown keys are a ConfigError that lists them, the known ones and `source`."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            where = source or f"{cls.kind} settings"
+            raise ConfigError(f"{where}: unknown {cls.__name__} field(s) {unknown}; known fields are {sorted(known)}")
+        return cls(**dict(values))
+
+    def replace(self, **changes: Any):
+        """A copy with some fields changed (validated again); unknown names are an error."""
+        return type(self).from_dict({**self.to_dict(), **changes}, source="replace()")
+
+    def diff(self, other) -> dict[str, tuple[Any, Any]]:
+        """Fields whose values differ, as {name: (self's, other's)}."""
+        a, b = self.to_dict(), other.to_dict()
+        return {k: (a[k], b[k]) for k in a if a[k] != b[k]}
+
+
+@functools.cache
+def _type_hints(cls) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def check_fields(obj: Settings) -> None:
+    """Every field of a settings dataclass against its annotation (int, float, bool, str, each possibly None) and
+    its metadata (choices, range). A float field takes an int (JSON and flags write 2 for 2.0); nothing takes a
+    bool for a number. The message names the group, the field and its flag."""
+    hints = _type_hints(type(obj))
+    for field in dataclasses.fields(obj):
+        value, meta = getattr(obj, field.name), field.metadata
+        name, flag = f"{obj.kind} field {field.name!r}", f" (--{field.name.replace('_', '-')})"
+        kinds = [k for k in typing.get_args(hints[field.name]) if k is not type(None)] or [hints[field.name]]
+        optional = type(None) in typing.get_args(hints[field.name])
+        if value is None and optional:
+            continue
+        kind = kinds[0]
+        low, above, high = meta.get("at_least"), meta.get("above"), meta.get("below")
+        if low is not None and high is not None:
+            rule, fits = f"in [{low:g}, {high:g})", lambda v: low <= v < high
+        elif low is not None:
+            rule, fits = f">= {low:g}", lambda v: v >= low
+        elif above is not None:
+            rule, fits = f"> {above:g}", lambda v: v > above
+        else:
+            rule, fits = "", lambda v: True
+        expected = {bool: "true or false", int: "an int", float: "a number", str: "a string"}[kind]
+        if kind is int and rule:
+            expected = f"an int {rule}"
+        elif rule:
+            expected = rule if kind is float else expected
+        expected += f" {meta['why']}" if meta.get("why") and rule else ""
+        ok = {
+            bool: isinstance(value, bool),
+            int: isinstance(value, int) and not isinstance(value, bool),
+            float: isinstance(value, (int, float)) and not isinstance(value, bool),
+            str: isinstance(value, str),
+        }[kind]
+        if not ok:
+            if kind is float and rule:
+                expected = f"a number {rule}"
+            raise obj.error(f"{name} must be {expected}{' (or none)' if optional else ''}, got {value!r}{flag}")
+        if meta.get("choices") is not None and value not in meta["choices"]:
+            raise obj.error(f"{name} must be one of {meta['choices']}, got {value!r}{flag}")
+        if not fits(value):
+            raise obj.error(f"{name} must be {expected}, got {value!r}{flag}")
+
+
+# =============================================================================================================
+# The model (the paper's base model by default) and the optimiser
+# =============================================================================================================
 
 
 @dataclasses.dataclass(frozen=True)
-class TransformerConfig:
+class TransformerConfig(Settings):
+    """The architecture, read by the Flax model and its PyTorch twin alike; hashable, so a static jit argument."""
+
+    kind = "config"
     # --- vocabulary -------------------------------------------------------------------------------
-    src_vocab_size: int = setting(32000, "source token ids are in [0, src_vocab_size)")
-    tgt_vocab_size: int = setting(32000, "target token ids are in [0, tgt_vocab_size)")
-    pad_id: int = setting(0, "padding id in both vocabularies; masked out of attention and of the loss")
-    bos_id: int = setting(1, "first decoder input token")
-    eos_id: int = setting(2, "end of sentence; decoding stops when every sequence has emitted it")
+    src_vocab_size: int = setting(32000, "source token ids are in [0, src_vocab_size)", at_least=1)
+    tgt_vocab_size: int = setting(32000, "target token ids are in [0, tgt_vocab_size)", at_least=1)
+    pad_id: int = setting(0, "padding id in both vocabularies; masked out of attention and of the loss", at_least=0)
+    bos_id: int = setting(1, "first decoder input token", at_least=0)
+    eos_id: int = setting(2, "end of sentence; decoding stops when every sequence has emitted it", at_least=0)
     # --- sizes (defaults: the paper's base model, Table 3) ------------------------------------------
-    d_model: int = setting(512, "width of every residual stream")
-    num_heads: int = setting(8, "attention heads; d_model must be divisible by it")
-    d_ff: int = setting(2048, "inner width of the position-wise feed-forward network")
-    num_encoder_layers: int = setting(6, "encoder layers")
-    num_decoder_layers: int = setting(6, "decoder layers")
-    max_len: int = setting(256, "longest source or target sequence in tokens, BOS/EOS included (positions table)")
+    d_model: int = setting(512, "width of every residual stream", at_least=1)
+    num_heads: int = setting(8, "attention heads; d_model must be divisible by it", at_least=1)
+    d_ff: int = setting(2048, "inner width of the position-wise feed-forward network", at_least=1)
+    num_encoder_layers: int = setting(6, "encoder layers", at_least=0)
+    num_decoder_layers: int = setting(6, "decoder layers", at_least=0)
+    max_len: int = setting(
+        256, "longest source or target sequence in tokens, BOS/EOS included (positions table)", at_least=1
+    )
     # --- regularisation (all off in eval / deterministic mode) --------------------------------------
-    dropout: float = setting(0.1, "residual dropout on each sub-layer output before the residual add (paper 5.4)")
-    attention_dropout: float = setting(0.0, "dropout on attention probabilities (the Annotated Transformer: 0.1)")
-    activation_dropout: float = setting(0.0, "dropout inside the feed-forward net, after the activation")
-    embedding_dropout: float = setting(0.1, "dropout on token embedding + position encoding (paper 5.4)")
+    dropout: float = setting(
+        0.1, "residual dropout on each sub-layer output before the residual add (paper 5.4)", at_least=0, below=1
+    )
+    attention_dropout: float = setting(
+        0.0, "dropout on attention probabilities (the Annotated Transformer: 0.1)", at_least=0, below=1
+    )
+    activation_dropout: float = setting(
+        0.0, "dropout inside the feed-forward net, after the activation", at_least=0, below=1
+    )
+    embedding_dropout: float = setting(
+        0.1, "dropout on token embedding + position encoding (paper 5.4)", at_least=0, below=1
+    )
     # --- architecture switches -----------------------------------------------------------------------
     norm_first: bool = setting(False, "pre-norm x + f(LN(x)) instead of the paper's post-norm x = LN(x + f(x))")
     final_norm: bool = setting(False, "a LayerNorm after the last encoder and decoder layer (usual with pre-norm)")
-    layer_norm_eps: float = setting(1e-5, "LayerNorm epsilon (torch's default)")
+    layer_norm_eps: float = setting(1e-5, "LayerNorm epsilon (torch's default)", above=0)
     positions: str = setting(
         "sinusoidal", "position encoding: the paper's interleaved sin/cos table, or learned", choices=POSITIONS
     )
@@ -83,7 +203,7 @@ class TransformerConfig:
     dtype: str = setting(
         "float32",
         "compute dtype of every matmul: float32, or bfloat16 mixed precision (parameters, residual stream, "
-        "LayerNorm, softmax, loss and optimiser stay float32; README, 'GPU and TPU')",
+        "LayerNorm, softmax, loss and optimiser stay float32; docs/gpu-tpu.md)",
         choices=DTYPES,
     )
     attention_kernel: str = setting(
@@ -93,25 +213,37 @@ class TransformerConfig:
         choices=ATTENTION_KERNELS,
     )
 
-    def __post_init__(self) -> None:
-        _validate(self)
+    def check(self) -> None:
+        if self.d_model % self.num_heads:
+            raise ConfigError(
+                f"config field 'd_model' ({self.d_model}) must be divisible by 'num_heads' ({self.num_heads})"
+            )
+        if self.attention_kernel == "cudnn" and (self.dtype != "bfloat16" or self.head_dim % 8):
+            raise ConfigError(
+                f"config field 'attention_kernel' 'cudnn' needs dtype 'bfloat16' and a head_dim (d_model / "
+                f"num_heads) that is a multiple of 8, got dtype {self.dtype!r} and head_dim {self.head_dim}"
+            )
+        if self.share_embeddings and self.src_vocab_size != self.tgt_vocab_size:
+            raise ConfigError(
+                f"config field 'share_embeddings' needs src_vocab_size == tgt_vocab_size, "
+                f"got {self.src_vocab_size} and {self.tgt_vocab_size}"
+            )
+        special = {"pad_id": self.pad_id, "bos_id": self.bos_id, "eos_id": self.eos_id}
+        smallest = min(self.src_vocab_size, self.tgt_vocab_size)
+        for name, value in special.items():
+            if value >= smallest:
+                raise ConfigError(
+                    f"config field {name!r} ({value}) must be a valid id in both vocabularies (< {smallest})"
+                )
+        if len(set(special.values())) != 3:
+            raise ConfigError(f"config fields pad_id, bos_id, eos_id must differ, got {special}")
 
-    # --- derived -----------------------------------------------------------------------------------
     @property
     def head_dim(self) -> int:
         return self.d_model // self.num_heads
 
-    # --- (de)serialisation -------------------------------------------------------------------------
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True)
-
-    @classmethod
-    def from_dict(cls, values: Mapping[str, Any], source: str = "config") -> TransformerConfig:
-        """Builds a config from a mapping; unknown keys are an error that lists them (and `source`)."""
-        return settings_from_dict(cls, values, source)
 
     @classmethod
     def from_json(cls, text: str, source: str = "config JSON") -> TransformerConfig:
@@ -123,100 +255,9 @@ class TransformerConfig:
             raise ConfigError(f"{source}: expected a JSON object, got {type(values).__name__}")
         return cls.from_dict(values, source=source)
 
-    def replace(self, **changes: Any) -> TransformerConfig:
-        """A copy with some fields changed (validated again); unknown names are an error."""
-        return TransformerConfig.from_dict({**self.to_dict(), **changes}, source="replace()")
-
-    def diff(self, other: TransformerConfig) -> dict[str, tuple[Any, Any]]:
-        """Fields whose values differ, as {name: (self's, other's)}."""
-        a, b = self.to_dict(), other.to_dict()
-        return {k: (a[k], b[k]) for k in a if a[k] != b[k]}
-
     def compute_settings(self) -> dict[str, Any]:
         """The COMPUTE_FIELDS (dtype, attention kernel): how to compute, which any parameters of the model serve."""
         return {name: getattr(self, name) for name in COMPUTE_FIELDS}
-
-
-_INT_FIELDS = (
-    "src_vocab_size",
-    "tgt_vocab_size",
-    "pad_id",
-    "bos_id",
-    "eos_id",
-    "d_model",
-    "num_heads",
-    "d_ff",
-    "num_encoder_layers",
-    "num_decoder_layers",
-    "max_len",
-)
-_FLOAT_FIELDS = ("dropout", "attention_dropout", "activation_dropout", "embedding_dropout", "layer_norm_eps")
-_CHOICE_FIELDS = {
-    "positions": POSITIONS,
-    "activation": ACTIVATIONS,
-    "dtype": DTYPES,
-    "attention_kernel": ATTENTION_KERNELS,
-}
-_BOOL_FIELDS = (
-    "norm_first",
-    "final_norm",
-    "scale_embeddings",
-    "share_embeddings",
-    "tie_output",
-    "qkv_bias",
-    "ffn_bias",
-    "norm_bias",
-    "output_bias",
-)
-
-
-def _validate(c: TransformerConfig) -> None:
-    for name in _INT_FIELDS:
-        v = getattr(c, name)
-        if isinstance(v, bool) or not isinstance(v, int):
-            raise ConfigError(f"config field {name!r} must be an int, got {v!r}")
-    for name in _FLOAT_FIELDS:
-        v = getattr(c, name)
-        if isinstance(v, bool) or not isinstance(v, (int, float)):
-            raise ConfigError(f"config field {name!r} must be a number, got {v!r}")
-    for name in _BOOL_FIELDS:
-        if not isinstance(getattr(c, name), bool):
-            raise ConfigError(f"config field {name!r} must be true or false, got {getattr(c, name)!r}")
-    for name in ("src_vocab_size", "tgt_vocab_size", "d_model", "num_heads", "d_ff", "max_len"):
-        if getattr(c, name) < 1:
-            raise ConfigError(f"config field {name!r} must be >= 1, got {getattr(c, name)}")
-    for name in ("num_encoder_layers", "num_decoder_layers"):
-        if getattr(c, name) < 0:
-            raise ConfigError(f"config field {name!r} must be >= 0, got {getattr(c, name)}")
-    if c.d_model % c.num_heads:
-        raise ConfigError(f"config field 'd_model' ({c.d_model}) must be divisible by 'num_heads' ({c.num_heads})")
-    for name in ("dropout", "attention_dropout", "activation_dropout", "embedding_dropout"):
-        if not 0.0 <= getattr(c, name) < 1.0:
-            raise ConfigError(f"config field {name!r} must be in [0, 1), got {getattr(c, name)}")
-    if not c.layer_norm_eps > 0:
-        raise ConfigError(f"config field 'layer_norm_eps' must be > 0, got {c.layer_norm_eps}")
-    for name, choices in _CHOICE_FIELDS.items():
-        if getattr(c, name) not in choices:
-            raise ConfigError(f"config field {name!r} must be one of {choices}, got {getattr(c, name)!r}")
-    if c.attention_kernel == "cudnn" and (c.dtype != "bfloat16" or c.head_dim % 8):
-        raise ConfigError(
-            f"config field 'attention_kernel' 'cudnn' needs dtype 'bfloat16' and a head_dim (d_model / num_heads) "
-            f"that is a multiple of 8, got dtype {c.dtype!r} and head_dim {c.head_dim}"
-        )
-    if c.share_embeddings and c.src_vocab_size != c.tgt_vocab_size:
-        raise ConfigError(
-            f"config field 'share_embeddings' needs src_vocab_size == tgt_vocab_size, "
-            f"got {c.src_vocab_size} and {c.tgt_vocab_size}"
-        )
-    special = {"pad_id": c.pad_id, "bos_id": c.bos_id, "eos_id": c.eos_id}
-    for name, v in special.items():
-        if not 0 <= v < min(c.src_vocab_size, c.tgt_vocab_size):
-            raise ConfigError(
-                f"config field {name!r} ({v}) must be a valid id in both vocabularies "
-                f"(< {min(c.src_vocab_size, c.tgt_vocab_size)})"
-            )
-    if len(set(special.values())) != 3:
-        raise ConfigError(f"config fields pad_id, bos_id, eos_id must differ, got {special}")
 
 
 # Size presets. Vocabulary sizes are placeholders: training replaces them with the tokenizer's.
@@ -237,72 +278,514 @@ def preset(name: str, **overrides: Any) -> TransformerConfig:
     return TransformerConfig.from_dict({**PRESETS[name], **overrides}, source=f"preset {name!r}")
 
 
-# =============================================================================================================
-# The optimiser: Adam with the paper's schedule (section 5.3) and label smoothing (section 5.4)
-# =============================================================================================================
-
-
 @dataclasses.dataclass(frozen=True)
-class OptimConfig:
-    """Optimiser and loss settings, read by `jax_transformer.training` and `torch_reference.training` alike. The
-    defaults are the paper's, except `lr_scale` (the paper's is 1.0; small models and short runs often want more)."""
+class OptimConfig(Settings):
+    """Adam with the paper's schedule (section 5.3) and label smoothing (section 5.4), read by both frameworks'
+    training code. The defaults are the paper's, except `lr_scale` (short runs of small models often want more)."""
 
+    kind = "optimiser"
     lr_scale: float = setting(
         1.0,
         "multiplies the learning rate lr_scale * d_model^-0.5 * min(step^-0.5, "
         "step * warmup_steps^-1.5) (the paper: 1.0)",
+        above=0,
     )
-    warmup_steps: int = setting(4000, "steps of linear learning-rate warm-up before the step^-0.5 decay")
-    b1: float = setting(0.9, "Adam beta1")
-    b2: float = setting(0.98, "Adam beta2 (the paper's 0.98, not the usual 0.999)")
-    eps: float = setting(1e-9, "Adam epsilon (the paper's 1e-9)")
-    clip_norm: float | None = setting(None, "clip the global gradient norm to this (default: no clipping)")
-    weight_decay: float = setting(0.0, "decoupled weight decay (AdamW) on weight matrices; 0 is plain Adam")
-    label_smoothing: float = setting(0.1, "label smoothing epsilon_ls of the cross-entropy (paper 5.4)")
+    warmup_steps: int = setting(4000, "steps of linear learning-rate warm-up before the step^-0.5 decay", at_least=1)
+    b1: float = setting(0.9, "Adam beta1", at_least=0, below=1)
+    b2: float = setting(0.98, "Adam beta2 (the paper's 0.98, not the usual 0.999)", at_least=0, below=1)
+    eps: float = setting(1e-9, "Adam epsilon (the paper's 1e-9)", above=0)
+    clip_norm: float | None = setting(None, "clip the global gradient norm to this (default: no clipping)", above=0)
+    weight_decay: float = setting(0.0, "decoupled weight decay (AdamW) on weight matrices; 0 is plain Adam", at_least=0)
+    label_smoothing: float = setting(
+        0.1, "label smoothing epsilon_ls of the cross-entropy (paper 5.4)", at_least=0, below=1
+    )
 
-    def __post_init__(self) -> None:
-        _check_types(
-            self,
-            ints=("warmup_steps",),
-            floats=("lr_scale", "b1", "b2", "eps", "weight_decay", "label_smoothing"),
-            optional_floats=("clip_norm",),
-        )
-        if self.warmup_steps < 1:
-            raise ConfigError(f"optimiser field 'warmup_steps' must be >= 1, got {self.warmup_steps}")
-        if not self.lr_scale > 0:
-            raise ConfigError(f"optimiser field 'lr_scale' must be > 0, got {self.lr_scale}")
-        for name in ("b1", "b2"):
-            if not 0.0 <= getattr(self, name) < 1.0:
-                raise ConfigError(f"optimiser field {name!r} must be in [0, 1), got {getattr(self, name)}")
-        if not self.eps > 0:
-            raise ConfigError(f"optimiser field 'eps' must be > 0, got {self.eps}")
-        if self.clip_norm is not None and not self.clip_norm > 0:
-            raise ConfigError(
-                f"optimiser field 'clip_norm' must be > 0 (or null for no clipping), got {self.clip_norm}"
+
+# =============================================================================================================
+# The data: which text, which tokenizer, which batches
+# =============================================================================================================
+
+PATH_FIELDS = ("src", "tgt", "tsv", "valid_src", "valid_tgt", "valid_tsv")
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig(Settings):
+    """Where a training run's text comes from and how it is cut into batches. No files at all means the built-in
+    English -> French numbers task (`jax_transformer.default_task`). Paths are stored as given; `absolute()`
+    makes them absolute before they go into a checkpoint, so a resume from another directory finds them."""
+
+    kind = "data"
+    error = DataError
+    src: str | None = setting(None, "training source sentences, one per line (line-aligned with --tgt)")
+    tgt: str | None = setting(None, "training target sentences, one per line")
+    tsv: str | None = setting(None, "training pairs as source<TAB>target lines (instead of --src/--tgt)")
+    valid_src: str | None = setting(None, "validation source sentences (for loss, BLEU, chrF)")
+    valid_tgt: str | None = setting(None, "validation target sentences")
+    valid_tsv: str | None = setting(None, "validation pairs as source<TAB>target lines")
+    vocab_size: int = setting(
+        8000, "joint SentencePiece vocabulary size, an upper bound", at_least=4, why="(pad, bos, eos, unk)"
+    )
+    tokenizer_type: str = setting("unigram", "SentencePiece model type", choices=("unigram", "bpe"))
+    max_tokens: int = setting(
+        4096,
+        "token slots per batch (rows x padded length), all devices together; also of evaluation's loss batches",
+        at_least=1,
+    )
+    row_multiple: int = setting(
+        8,
+        "rows of every batch are a multiple of this (rounded down, at least this many), so a batch splits evenly "
+        "over that many devices x micro-batches; part of the batch plan, so a resume on another device count sees "
+        "the same batches (8, as fairseq's --required-batch-size-multiple)",
+        at_least=1,
+    )
+    batching: str = setting(
+        "packed",
+        "packed: several pairs per row, every batch one shape (one compilation); buckets: one pair per row, "
+        "one batch shape (and compilation) per length bucket",
+        choices=BATCHINGS,
+    )
+    pack_length: int | None = setting(
+        None,
+        "row length of packed batches (default: the longest pair rounded up to a multiple of 8, at most max_len)",
+        at_least=2,
+        why="(a token and EOS)",
+    )
+    on_empty: str = setting(
+        "skip",
+        "a pair with an empty side: skip and count it, or stop with an error naming the line",
+        choices=("skip", "error"),
+    )
+    on_too_long: str = setting(
+        "skip",
+        "a pair longer than max_len tokens: skip and count it, or stop with an error naming the line",
+        choices=("skip", "error"),
+    )
+
+    def check(self) -> None:
+        for split, (src, tgt, tsv) in (
+            ("training", (self.src, self.tgt, self.tsv)),
+            ("validation", (self.valid_src, self.valid_tgt, self.valid_tsv)),
+        ):
+            if tsv is not None and (src is not None or tgt is not None):
+                raise DataError(f"{split} data: give either a TSV file or a source and a target file, not both")
+            if (src is None) != (tgt is None):
+                given, missing = ("source", "target") if tgt is None else ("target", "source")
+                raise DataError(f"{split} data: a {given} file was given without its {missing} file")
+        if self.uses_default_task and (self.valid_src or self.valid_tsv):
+            raise DataError("validation files were given without training files (the built-in task has its own)")
+        if self.pack_length is not None and self.batching != "packed":
+            raise DataError(
+                f"data field 'pack_length' ({self.pack_length}) needs batching='packed', got {self.batching!r}"
             )
-        if self.weight_decay < 0:
-            raise ConfigError(f"optimiser field 'weight_decay' must be >= 0, got {self.weight_decay}")
-        if not 0.0 <= self.label_smoothing < 1.0:
-            raise ConfigError(f"optimiser field 'label_smoothing' must be in [0, 1), got {self.label_smoothing}")
 
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+    @property
+    def uses_default_task(self) -> bool:
+        return self.src is None and self.tsv is None
 
-    @classmethod
-    def from_dict(cls, values: Mapping[str, Any], source: str = "optimiser settings") -> OptimConfig:
-        return settings_from_dict(cls, values, source)
+    @property
+    def has_validation(self) -> bool:
+        return self.uses_default_task or self.valid_src is not None or self.valid_tsv is not None
+
+    def absolute(self) -> DataConfig:
+        """The same settings with every file path made absolute."""
+        paths = {name: str(Path(getattr(self, name)).absolute()) for name in PATH_FIELDS if getattr(self, name)}
+        return dataclasses.replace(self, **paths)
 
 
-def _check_types(obj, *, ints=(), floats=(), optional_floats=()) -> None:
-    """Type checks with the field's name in the message (JSON and flags give ints where floats are meant: fine)."""
-    kind = type(obj).__name__
-    for name in ints:
-        v = getattr(obj, name)
-        if isinstance(v, bool) or not isinstance(v, int):
-            raise ConfigError(f"{kind} field {name!r} must be an int, got {v!r}")
-    for name in floats + optional_floats:
-        v = getattr(obj, name)
-        if v is None and name in optional_floats:
-            continue
-        if isinstance(v, bool) or not isinstance(v, (int, float)):
-            raise ConfigError(f"{kind} field {name!r} must be a number, got {v!r}")
+# =============================================================================================================
+# The run loop: when to evaluate, save and stop; how to decode
+# =============================================================================================================
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopConfig(Settings):
+    """When the loop evaluates, saves and stops, and what it prints; `beam_size`, `alpha` and `samples` are also the
+    decoding settings of `evaluate`, `translate` and `verify`."""
+
+    kind = "loop"
+    steps: int = setting(
+        20000, "total optimiser steps (a resumed run counts the steps before the resume; 0: save and stop)", at_least=0
+    )
+    max_minutes: float | None = setting(
+        None, "stop after this many minutes of wall time since the command started, then evaluate and save", above=0
+    )
+    eval_every: int = setting(
+        2000, "validate (loss, BLEU, chrF) every this many steps and keep the best checkpoint", at_least=1
+    )
+    save_every: int = setting(1000, "checkpoint every this many steps (and at evaluations and at the end)", at_least=1)
+    keep: int = setting(3, "keep the last this many checkpoints, plus the best", at_least=1)
+    eval_beam_size: int = setting(1, "beam width of the BLEU evaluations during training (1: greedy, fast)", at_least=1)
+    eval_sentences: int | None = setting(
+        None,
+        "BLEU/chrF of the evaluations during training on the first this many validation sentences; the final "
+        "evaluation uses all (default: all; 0: no BLEU at all, loss only)",
+        at_least=0,
+    )
+    beam_size: int = setting(
+        4, "beam width of decoding (the final evaluation; evaluate, translate, verify); 1 is greedy search", at_least=1
+    )
+    alpha: float = setting(0.6, "length penalty exponent of beam search, ((5+len)/6)^alpha (GNMT)", at_least=0)
+    samples: int = setting(5, "sample translations printed by the final evaluation (and by evaluate)", at_least=0)
+    progress: bool = setting(True, "show a progress bar")
+    best_metric: str = setting(
+        "bleu",
+        "what 'better' means for the best checkpoint (the one evaluate/translate/export use) and for --patience: "
+        "bleu (validation BLEU of the evaluations during training; the validation loss when --eval-sentences 0 "
+        "turns BLEU off) or loss (validation loss, lower is better)",
+        choices=BEST_METRICS,
+    )
+    patience: int | None = setting(
+        None,
+        "stop when the validation score (--best-metric) has not improved for this many evaluations in a row, "
+        "as fairseq's --patience; none: never stop early",
+        at_least=1,
+        why="(or unset: never stop early)",
+    )
+    compilation_cache: str | None = setting(
+        None,
+        "folder of JAX's persistent compilation cache (compiled programs and GPU autotuning reused by later "
+        f"runs), or '{OFF}' (default: $JAX_COMPILATION_CACHE_DIR, else ~/.cache/jax_transformer/xla)",
+    )
+    compile_ahead: bool = setting(
+        True, "compile the train step, eval step and decoders ahead in parallel threads, each waited for when needed"
+    )
+    profile: str | None = setting(
+        None, "write a jax.profiler trace of steps START:STOP (e.g. 20:25) into <run>/profile (TensorBoard, Perfetto)"
+    )
+
+    def check(self) -> None:
+        if self.compilation_cache is not None and not self.compilation_cache.strip():
+            raise ConfigError(f"loop field 'compilation_cache' must be a folder or '{OFF}', got an empty string")
+        self.profile_steps()  # checks the form
+
+    def profile_steps(self) -> tuple[int, int] | None:
+        """`profile` as (first step, last step), both counted from 1 and traced; None when not asked for."""
+        if self.profile is None:
+            return None
+        try:
+            start, stop = (int(part) for part in str(self.profile).split(":"))
+        except ValueError:
+            start = stop = 0
+        if not 1 <= start <= stop:
+            raise ConfigError(
+                f"loop field 'profile' must be START:STOP with 1 <= START <= STOP (steps counted from 1), "
+                f"got {self.profile!r}"
+            )
+        return start, stop
+
+
+# =============================================================================================================
+# The devices and processes
+# =============================================================================================================
+
+# Timeouts (seconds) when none are given: short on one machine (loopback), JAX's own defaults between machines.
+LOOPBACK_TIMEOUTS = {"init": 30, "heartbeat": 10}
+NETWORK_TIMEOUTS = {"init": 300, "heartbeat": 100}
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelConfig(Settings):
+    """How one run uses devices and processes (`jax_transformer.distributed`). It describes the machine, not the
+    run: a resume may change every field. Every process of a multi-process run gets the same flags except
+    --process-id."""
+
+    kind = "parallel"
+    parallel: str = setting(
+        "auto",
+        "how a step uses the devices: jit (one device), pmap (this process's devices), sharded (jax.jit over a "
+        "mesh of all devices of all processes); auto: jit on one device, sharded on more",
+        choices=("auto",) + PARALLEL_MODES,
+    )
+    accumulate: int = setting(
+        1,
+        "gradient accumulation: split each batch into this many micro-batches run one after the other in one "
+        "compiled step (same update, about 1/K of the activation memory)",
+        at_least=1,
+    )
+    coordinator: str | None = setting(
+        None, "HOST:PORT where process 0 runs JAX's coordination service (multi-process runs; same on every process)"
+    )
+    num_processes: int | None = setting(None, "how many processes take part (with --coordinator)", at_least=1)
+    process_id: int | None = setting(
+        None, "this process's number, 0 .. num_processes - 1 (with --coordinator)", at_least=0
+    )
+    distributed: bool = setting(
+        False,
+        "call jax.distributed.initialize() and let it detect the cluster (TPU pods, Slurm, Open MPI); "
+        "--coordinator/--num-processes/--process-id, if given, are passed on",
+    )
+    init_timeout: int | None = setting(
+        None,
+        f"seconds to wait for the coordinator and every process to join; none: {LOOPBACK_TIMEOUTS['init']} on "
+        f"loopback, {NETWORK_TIMEOUTS['init']} otherwise",
+        at_least=1,
+    )
+    heartbeat_timeout: int | None = setting(
+        None,
+        "seconds without a heartbeat after which a process counts as dead and the others stop; none: "
+        f"{LOOPBACK_TIMEOUTS['heartbeat']} on loopback, {NETWORK_TIMEOUTS['heartbeat']} otherwise",
+        at_least=1,
+    )
+
+    def check(self) -> None:
+        if self.coordinator is not None:
+            host_port(self.coordinator)  # a clear error for a malformed address
+            missing = [
+                flag
+                for flag, v in (("--num-processes", self.num_processes), ("--process-id", self.process_id))
+                if v is None
+            ]
+            if missing and not self.distributed:
+                raise ConfigError(f"--coordinator {self.coordinator} needs {' and '.join(missing)} as well")
+        elif not self.distributed and (self.num_processes is not None or self.process_id is not None):
+            raise ConfigError("--num-processes and --process-id need --coordinator HOST:PORT (or --distributed)")
+        if self.num_processes is not None and self.process_id is not None and self.process_id >= self.num_processes:
+            raise ConfigError(
+                f"--process-id {self.process_id} is out of range for --num-processes {self.num_processes} "
+                f"(process ids are 0 .. {self.num_processes - 1})"
+            )
+        if self.multi_process and self.parallel in ("jit", "pmap"):
+            raise ConfigError(
+                f"--parallel {self.parallel} runs in one process; a multi-process run needs --parallel sharded "
+                f"(or auto)"
+            )
+
+    @property
+    def multi_process(self) -> bool:
+        """True when this run joins other processes through jax.distributed."""
+        return self.distributed or (self.coordinator is not None and (self.num_processes or 1) > 1)
+
+    def timeouts(self) -> dict[str, int]:
+        """{"init", "heartbeat"} in seconds: the given ones, else short on loopback, JAX's own otherwise."""
+        loopback = self.coordinator is not None and is_loopback(host_port(self.coordinator)[0])
+        defaults = LOOPBACK_TIMEOUTS if loopback else NETWORK_TIMEOUTS
+        return {
+            "init": self.init_timeout or defaults["init"],
+            "heartbeat": self.heartbeat_timeout or defaults["heartbeat"],
+        }
+
+
+def host_port(address: str) -> tuple[str, int]:
+    """ "HOST:PORT" (or "[IPv6]:PORT") -> (host, port); ConfigError naming the address when it is not one."""
+    host, sep, port = address.rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"--coordinator {address!r}: expected HOST:PORT with a port in 1..65535, e.g. 10.0.0.1:8476")
+    return host, int(port)
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+# =============================================================================================================
+# Recipes, and resolving a run's settings
+# =============================================================================================================
+
+GROUPS = {"model": TransformerConfig, "data": DataConfig, "optim": OptimConfig, "loop": LoopConfig}
+
+# The built-in numbers task: sized to reach a useful model on 2 CPU cores in about two minutes.
+NUMBERS_TASK_DEFAULTS: dict[str, dict[str, Any]] = {
+    "model": {"max_len": 32},
+    "data": {"vocab_size": 256, "tokenizer_type": "bpe", "max_tokens": 2048},
+    "optim": {"lr_scale": 2.0, "warmup_steps": 400},
+    "loop": {"steps": 1000, "eval_every": 500, "save_every": 500},
+}
+DEFAULT_PRESET = {"numbers": "tiny", "files": "small"}
+
+# Named recipes: the settings of a measured training command, by name (`train.py train --recipe NAME`). A recipe
+# fills each group below what is given; "preset" is the model preset it starts from. A JSON file of the same form
+# is a recipe too (`--recipe my-recipe.json`: {"about": ..., "preset": ..., "model": {...}, "data": {...},
+# "optim": {...}, "loop": {...}}, every key optional). Their measured results are in docs/quality.md.
+RECIPES: dict[str, dict[str, Any]] = {
+    "numbers": {
+        "about": "the built-in numbers task's defaults (tiny model, ~2 minutes on 2 CPU cores)",
+        "preset": "tiny",
+        **NUMBERS_TASK_DEFAULTS,
+    },
+    "multi30k": {
+        "about": "Multi30k de->en for a GPU: small preset, joint 6000-piece vocabulary, ~4096-token batches, "
+        "warmup 300, lr scale 0.5, clip 1.0, 50 minutes, greedy BLEU on 200 sentences every 500 steps",
+        "preset": "small",
+        "model": {},
+        "data": {"vocab_size": 6000, "max_tokens": 4096},
+        "optim": {"warmup_steps": 300, "lr_scale": 0.5, "clip_norm": 1.0},
+        "loop": {
+            "steps": 100000,
+            "max_minutes": 50.0,
+            "eval_every": 500,
+            "save_every": 250,
+            "eval_sentences": 200,
+            "eval_beam_size": 1,
+            "beam_size": 4,
+        },
+    },
+    "multi30k-cpu": {
+        "about": "Multi30k de->en in 60 minutes on 2 CPU cores: small preset with d_ff 512, 2048-token batches, "
+        "warmup 300, lr scale 0.5, clip 1.0, 56 minutes of training, greedy BLEU on 200 sentences every 250 "
+        "steps, beam 4 on all sentences at the end",
+        "preset": "small",
+        "model": {"d_ff": 512},
+        "data": {"vocab_size": 6000, "max_tokens": 2048},
+        "optim": {"warmup_steps": 300, "lr_scale": 0.5, "clip_norm": 1.0},
+        "loop": {
+            "steps": 100000,
+            "max_minutes": 56.0,
+            "eval_every": 250,
+            "save_every": 250,
+            "eval_sentences": 200,
+            "eval_beam_size": 1,
+            "beam_size": 4,
+        },
+    },
+}
+# The recipe a run gets when none is named: the numbers task's own; for data files none (the dataclass defaults
+# and the small preset): the measured recipes stop after a fixed number of minutes, which a run on other data
+# should not inherit without asking for it (`--recipe multi30k-cpu`).
+DEFAULT_RECIPE: dict[str, str | None] = {"numbers": "numbers", "files": None}
+
+# What an exact resume needs unchanged (validation files, the loop's budgets and the decoding may change).
+FROZEN_DATA_FIELDS = (
+    "src",
+    "tgt",
+    "tsv",
+    "vocab_size",
+    "tokenizer_type",
+    "max_tokens",
+    "row_multiple",
+    "batching",
+    "pack_length",
+    "on_empty",
+    "on_too_long",
+)
+
+
+def load_recipe(name: str) -> dict[str, Any]:
+    """RECIPES[name], or the recipe in the JSON file `name` (see RECIPES), checked: ConfigError naming the file
+    and the group for unknown keys or fields, or values the settings refuse."""
+    if name in RECIPES:
+        return RECIPES[name]
+    path = Path(name)
+    if not path.is_file():
+        raise ConfigError(f"unknown recipe {name!r}: neither one of {sorted(RECIPES)} nor a recipe JSON file")
+    try:
+        recipe = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"recipe {path}: cannot read it as JSON: {e}") from None
+    known = {"about", "preset", *GROUPS}
+    if not isinstance(recipe, dict) or set(recipe) - known:
+        unknown = sorted(set(recipe) - known) if isinstance(recipe, dict) else type(recipe).__name__
+        raise ConfigError(f"recipe {path}: a JSON object with keys among {sorted(known)} expected, got {unknown}")
+    if recipe.get("preset") is not None and recipe["preset"] not in PRESETS:
+        raise ConfigError(f"recipe {path}: unknown preset {recipe['preset']!r}; choose one of {sorted(PRESETS)}")
+    for group, cls in GROUPS.items():
+        values = recipe.get(group, {})
+        if not isinstance(values, dict):
+            raise ConfigError(f"recipe {path}: {group!r} must be a JSON object of {cls.__name__} fields")
+        cls.from_dict(values, source=f"recipe {path}, {group!r}")
+    return recipe
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSettings:
+    """A training run's settings, resolved (`resolve`). `model` holds the TransformerConfig fields chosen over the
+    preset's; the vocabulary sizes come later, from the tokenizer."""
+
+    preset: str
+    recipe: str | None
+    seed: int
+    model: dict[str, Any]
+    data: DataConfig
+    optim: OptimConfig
+    loop: LoopConfig
+    parallel: ParallelConfig
+
+    @property
+    def task(self) -> str:
+        """ "numbers" (the built-in task) or "files"."""
+        return "numbers" if self.data.uses_default_task else "files"
+
+
+def resolve(given: Mapping[str, Any], stored: Mapping[str, Any] | None = None) -> RunSettings:
+    """A run's settings, decided once: each field is the given value (a flag), else what a resumed checkpoint
+    stored (`stored`), else the recipe's, else the dataclass default; the preset likewise, its default the task's.
+
+    `given`: {"preset", "recipe", "seed"} and the groups {"model", "data", "optim", "loop", "parallel"}, each a
+    partial dict (missing or None: not given). On a resume, the recipe and every setting an exact continuation
+    depends on (the seed, the optimiser, the training data and its batching, the best-checkpoint metric) must be
+    left out or equal to the stored value, else a UsageError names it. `parallel` describes the machine and is
+    never restored."""
+    groups = {name: {k: v for k, v in (given.get(name) or {}).items() if v is not None} for name in GROUPS}
+    parallel = ParallelConfig.from_dict({k: v for k, v in (given.get("parallel") or {}).items() if v is not None})
+    recipe_name = _choose_recipe(given.get("recipe"), groups["data"], stored)
+    # A resume has every setting stored already; a fresh run takes what is not given from its recipe.
+    recipe = load_recipe(recipe_name) if recipe_name and stored is None else {}
+    below = {group: {**recipe.get(group, {}), **(stored or {}).get(group, {})} for group in ("optim", "loop")}
+    if stored is not None:
+        _check_frozen("seed", given.get("seed"), stored["seed"])
+        for name, value in groups["optim"].items():
+            _check_frozen(name, value, stored["optim"].get(name))
+        # The best checkpoint so far and early stopping's best score were chosen by the stored metric.
+        _check_frozen("best_metric", groups["loop"].get("best_metric"), stored["loop"].get("best_metric", "bleu"))
+    data = _resolve_data(groups["data"], stored, recipe.get("data", {}))
+    task = "numbers" if data.uses_default_task else "files"
+    preset_name = given.get("preset") or (stored or {}).get("preset") or recipe.get("preset") or DEFAULT_PRESET[task]
+    if preset_name not in PRESETS:
+        raise ConfigError(f"unknown preset {preset_name!r}; choose one of {sorted(PRESETS)}")
+    return RunSettings(
+        preset=preset_name,
+        recipe=recipe_name,
+        seed=stored["seed"] if stored is not None else (given.get("seed") or 0),
+        model={**recipe.get("model", {}), **groups["model"]},
+        data=data,
+        optim=OptimConfig.from_dict({**below["optim"], **groups["optim"]}, source="optimiser settings"),
+        loop=LoopConfig.from_dict({**below["loop"], **groups["loop"]}, source="loop settings"),
+        parallel=parallel,
+    )
+
+
+def _choose_recipe(name: str | None, given_data: Mapping[str, Any], stored: Mapping[str, Any] | None) -> str | None:
+    """The recipe of a run: the one named, else (on a resume) the stored one, else the task's default."""
+    if name is not None and stored is None:
+        load_recipe(name)  # fails early, naming what is wrong
+    if stored is not None:
+        saved = stored.get("recipe")
+        if name is not None and name != saved:
+            raise UsageError(
+                f"--resume: the run was started with recipe {saved!r}; a resume continues with its stored "
+                f"settings (leave out --recipe {name})"
+            )
+        if "recipe" in stored:
+            return saved
+        files = stored["data"].get("src") or stored["data"].get("tsv")  # a checkpoint from before recipes
+    else:
+        files = given_data.get("src") or given_data.get("tsv")
+    return name or DEFAULT_RECIPE["files" if files else "numbers"]
+
+
+def _resolve_data(given: Mapping[str, Any], stored: Mapping[str, Any] | None, recipe: Mapping[str, Any]) -> DataConfig:
+    """The run's DataConfig: given, else the recipe's. On a resume the stored files and batching stay; new
+    validation files may be given."""
+    if stored is None:
+        return DataConfig.from_dict({**recipe, **given})
+    # Runs from before packed batches existed batched by length buckets; before row_multiple was a setting, the
+    # rows of every batch were a multiple of the device count.
+    saved = {"batching": "buckets", "row_multiple": stored.get("devices") or 1, **stored["data"]}
+    for name in FROZEN_DATA_FIELDS:
+        if given.get(name) is not None:
+            value = str(Path(given[name]).absolute()) if name in ("src", "tgt", "tsv") else given[name]
+            _check_frozen(name, value, saved.get(name))
+    return DataConfig.from_dict({**saved, **{k: v for k, v in given.items() if k not in FROZEN_DATA_FIELDS}})
+
+
+def _check_frozen(name: str, given: Any, stored: Any) -> None:
+    if given is not None and given != stored:
+        raise UsageError(
+            f"--resume: the checkpoint was trained with {name}={stored!r}, but {name}={given!r} was "
+            f"given; an exact resume needs the same value (leave the flag out)"
+        )

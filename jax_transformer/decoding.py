@@ -61,7 +61,7 @@ from jax_transformer import checks
 from jax_transformer.checks import TokenError
 from jax_transformer.compilation import jit_by_config
 from jax_transformer.config import TransformerConfig
-from jax_transformer.data import DataError
+from jax_transformer.errors import DataError
 from jax_transformer.model import Transformer
 
 DEFAULT_MAX_LEN_A = 1.5

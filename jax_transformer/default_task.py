@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 from num2words import num2words
 
-from jax_transformer.data import Corpus
+from jax_transformer.corpus import Corpus
 
 ORIGIN = "built-in num2words en->fr task"
 NUMBER_RANGE = 1_000_000  # numbers 0 .. NUMBER_RANGE - 1

@@ -30,151 +30,23 @@ not reach Python, so no checkpoint is written: the run resumes from its last one
 
 from __future__ import annotations
 
-import dataclasses
-import ipaddress
 import socket
 import time
 import zlib
 from collections.abc import Callable, Mapping
-from typing import Any
 
 import jax
 import numpy as np
 
-from jax_transformer.config import ConfigError, OptimConfig, TransformerConfig, setting, settings_from_dict
+from jax_transformer.config import ConfigError, OptimConfig, ParallelConfig, TransformerConfig, host_port
 from jax_transformer.training import (
     DATA_AXIS,
-    PARALLEL_MODES,
     data_mesh,
     make_train_step,
     replicate,
     shard_batch,
     unreplicate,
 )
-
-# Timeouts (seconds) when none are given: short on one machine (loopback), JAX's own defaults between machines.
-LOOPBACK_TIMEOUTS = {"init": 30, "heartbeat": 10}
-NETWORK_TIMEOUTS = {"init": 300, "heartbeat": 100}
-
-
-# =============================================================================================================
-# 1. Settings
-# =============================================================================================================
-
-
-@dataclasses.dataclass(frozen=True)
-class ParallelConfig:
-    """How one run uses devices and processes. Every process of a multi-process run gets the same flags except
-    --process-id."""
-
-    parallel: str = setting(
-        "auto",
-        "how a step uses the devices: jit (one device), pmap (this process's devices), sharded (jax.jit over a "
-        "mesh of all devices of all processes); auto: jit on one device, sharded on more",
-        choices=("auto",) + PARALLEL_MODES,
-    )
-    accumulate: int = setting(
-        1,
-        "gradient accumulation: split each batch into this many micro-batches run one after the other in one "
-        "compiled step (same update, about 1/K of the activation memory)",
-    )
-    coordinator: str | None = setting(
-        None, "HOST:PORT where process 0 runs JAX's coordination service (multi-process runs; same on every process)"
-    )
-    num_processes: int | None = setting(None, "how many processes take part (with --coordinator)")
-    process_id: int | None = setting(None, "this process's number, 0 .. num_processes - 1 (with --coordinator)")
-    distributed: bool = setting(
-        False,
-        "call jax.distributed.initialize() and let it detect the cluster (TPU pods, Slurm, Open MPI); "
-        "--coordinator/--num-processes/--process-id, if given, are passed on",
-    )
-    init_timeout: int | None = setting(
-        None,
-        f"seconds to wait for the coordinator and every process to join; none: {LOOPBACK_TIMEOUTS['init']} on "
-        f"loopback, {NETWORK_TIMEOUTS['init']} otherwise",
-    )
-    heartbeat_timeout: int | None = setting(
-        None,
-        "seconds without a heartbeat after which a process counts as dead and the others stop; none: "
-        f"{LOOPBACK_TIMEOUTS['heartbeat']} on loopback, {NETWORK_TIMEOUTS['heartbeat']} otherwise",
-    )
-
-    def __post_init__(self) -> None:
-        if self.parallel not in ("auto",) + PARALLEL_MODES:
-            raise ConfigError(
-                f"parallel field 'parallel' must be one of {('auto',) + PARALLEL_MODES}, got {self.parallel!r}"
-            )
-        for name in ("accumulate", "num_processes", "init_timeout", "heartbeat_timeout"):
-            value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ConfigError(
-                    f"parallel field {name!r} (--{name.replace('_', '-')}) must be an int >= 1, got {value!r}"
-                )
-        if self.process_id is not None and (
-            isinstance(self.process_id, bool) or not isinstance(self.process_id, int) or self.process_id < 0
-        ):
-            raise ConfigError(f"--process-id must be an int >= 0, got {self.process_id!r}")
-        if self.coordinator is not None:
-            host_port(self.coordinator)  # a clear error for a malformed address
-            missing = [
-                flag
-                for flag, v in (("--num-processes", self.num_processes), ("--process-id", self.process_id))
-                if v is None
-            ]
-            if missing and not self.distributed:
-                raise ConfigError(f"--coordinator {self.coordinator} needs {' and '.join(missing)} as well")
-        elif not self.distributed and (self.num_processes is not None or self.process_id is not None):
-            raise ConfigError("--num-processes and --process-id need --coordinator HOST:PORT (or --distributed)")
-        if self.num_processes is not None and self.process_id is not None and self.process_id >= self.num_processes:
-            raise ConfigError(
-                f"--process-id {self.process_id} is out of range for --num-processes {self.num_processes} "
-                f"(process ids are 0 .. {self.num_processes - 1})"
-            )
-        if self.multi_process and self.parallel in ("jit", "pmap"):
-            raise ConfigError(
-                f"--parallel {self.parallel} runs in one process; a multi-process run needs --parallel sharded "
-                f"(or auto)"
-            )
-
-    @property
-    def multi_process(self) -> bool:
-        """True when this run joins other processes through jax.distributed."""
-        return self.distributed or (self.coordinator is not None and (self.num_processes or 1) > 1)
-
-    def timeouts(self) -> dict[str, int]:
-        """{"init", "heartbeat"} in seconds: the given ones, else short on loopback, JAX's own otherwise."""
-        loopback = self.coordinator is not None and _is_loopback(host_port(self.coordinator)[0])
-        defaults = LOOPBACK_TIMEOUTS if loopback else NETWORK_TIMEOUTS
-        return {
-            "init": self.init_timeout or defaults["init"],
-            "heartbeat": self.heartbeat_timeout or defaults["heartbeat"],
-        }
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, values: Mapping[str, Any], source: str = "parallel settings") -> ParallelConfig:
-        return settings_from_dict(cls, values, source)
-
-
-def host_port(address: str) -> tuple[str, int]:
-    """ "HOST:PORT" (or "[IPv6]:PORT") -> (host, port); ConfigError naming the address when it is not one."""
-    host, sep, port = address.rpartition(":")
-    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ConfigError(f"--coordinator {address!r}: expected HOST:PORT with a port in 1..65535, e.g. 10.0.0.1:8476")
-    return host, int(port)
-
-
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
 
 # =============================================================================================================
 # 2. Joining the processes

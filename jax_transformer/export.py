@@ -33,7 +33,7 @@ import numpy as np
 
 from jax_transformer.checkpoint import CheckpointError, check_config
 from jax_transformer.config import TransformerConfig
-from jax_transformer.data import Tokenizer
+from jax_transformer.tokenizer import Tokenizer
 
 TORCH_FORMAT = "jax_transformer.torch_export.v1"
 SAFETENSORS_FORMAT = "jax_transformer.safetensors_export.v1"

@@ -1,32 +1,17 @@
-"""Setting up and running a training run: the one function `train.py train` calls, usable from Python as well.
+"""Setting up a training run, in the order the data flows, and running it: what `train.py train` calls.
 
     from jax_transformer import run
-    result = run.train(run_dir="runs/de-en", preset="small",
+    result = run.train(run_dir="runs/de-en", preset_name="small",
                        data={"src": "train.de", "tgt": "train.en", "valid_src": "val.de", "valid_tgt": "val.en"},
                        optim={"warmup_steps": 300, "lr_scale": 0.5}, loop={"steps": 4000, "max_minutes": 50})
     result = run.train(resume="runs/de-en", loop={"steps": 8000})          # continue it, exactly
 
-Settings come in five groups, each the fields of one dataclass: `model` (`TransformerConfig`), `data`
-(`DataConfig`), `optim` (`OptimConfig`), `loop` (`LoopConfig`) and `parallel` (`ParallelConfig`); `train.py`'s
-flags are those field names. A group given as a partial dict is completed from, in this order of precedence:
-what is given; on a resume, what the checkpoint stored; the recipe (`RECIPES`: a measured set of settings by
-name, `--recipe NAME`; by default `DEFAULT_RECIPE` of the task: "numbers" for the built-in numbers task, whose
-small defaults are `NUMBERS_TASK_DEFAULTS`); the dataclass defaults. `parallel` describes the machine, not the
-run, and is never restored: a resume may use other devices.
-
-A multi-process run (`parallel` with a coordinator, see `jax_transformer.distributed`) calls `prepare` in every
-process with the same settings: all read and encode the data, process 0 alone trains the tokenizer and writes
-the run directory's files (the others wait for the tokenizer at a barrier and read it), and the processes check
-that they agree on every setting before training.
-
-`prepare` follows the data one way: read the corpus -> train (or restore) the tokenizer -> build (or restore,
-or import from PyTorch) the model config and weights -> encode and batch -> a `Trainer` ready to run. A resume
-checks that nothing an exact continuation depends on has changed (data, tokenizer, optimiser, seed, model) and
-names the setting that did.
-
-Faults: a run holds a lock on its directory (`lock_run_dir`), so a second training there refuses to start; a
-resume restores the newest checkpoint that verifies (`checkpoint.newest_intact`), moving damaged newer ones
-aside with a warning (or refusing, with strict_resume), and removes half-written saves left by a kill.
+`prepare` goes: join the processes -> lock the run directory -> restore the checkpoint a resume continues ->
+resolve the settings (`config.resolve`) -> read the corpora -> the tokenizer, model config and weights (trained,
+restored or imported from PyTorch) -> batches -> the train state -> a `loop.Run`. A resume checks that nothing
+an exact continuation depends on has changed (data, tokenizer, optimiser, seed, model) and names what did.
+In a multi-process run every process calls `prepare` with the same settings; process 0 alone trains the
+tokenizer and writes the run directory's files, and the processes check that they agree before training.
 """
 
 from __future__ import annotations
@@ -45,148 +30,44 @@ import jax
 
 from jax_transformer import checkpoint as ckpt_lib
 from jax_transformer import compilation, distributed
+from jax_transformer.batching import BatchStream, ValidationSet, encode_corpus
 from jax_transformer.config import (
     COMPUTE_FIELDS,
     PRESETS,
     ConfigError,
-    OptimConfig,
+    DataConfig,
+    ParallelConfig,
+    RunSettings,
     TransformerConfig,
     preset,
+    resolve,
 )
-from jax_transformer.data import (
-    BatchStream,
-    Corpus,
-    DataConfig,
-    DataError,
-    Tokenizer,
-    corpus_fingerprint,
-    encode_corpus,
-    load_corpus,
-)
-from jax_transformer.trainer import (
-    LoopConfig,
-    RunResult,
-    Trainer,
-    ValidationSet,
-    truncate_metrics,
-)
+from jax_transformer.corpus import Corpus, corpus_fingerprint, read_parallel, read_tsv
+from jax_transformer.errors import DataError, UsageError
+from jax_transformer.loop import Run, RunResult, train_loop, truncate_metrics
+from jax_transformer.tokenizer import Tokenizer
 from jax_transformer.training import TrainState, create_train_state, restore_train_state
 
-GROUPS = ("model", "data", "optim", "loop", "parallel")
-
-# The built-in numbers task: sized to reach a useful model on 2 CPU cores in about two minutes (README).
-NUMBERS_TASK_DEFAULTS: dict[str, dict[str, Any]] = {
-    "model": {"max_len": 32},
-    "data": {"vocab_size": 256, "tokenizer_type": "bpe", "max_tokens": 2048},
-    "optim": {"lr_scale": 2.0, "warmup_steps": 400},
-    "loop": {"steps": 1000, "eval_every": 500, "save_every": 500},
-}
-DEFAULT_PRESET = {"numbers": "tiny", "files": "small"}
-
-# Named recipes: the settings of a measured training command, by name (`train.py train --recipe NAME`). A recipe
-# fills each group below what is given; "preset" is the model preset it starts from. A JSON file of the same form
-# is a recipe too (`--recipe my-recipe.json`: {"about": ..., "preset": ..., "model": {...}, "data": {...},
-# "optim": {...}, "loop": {...}}, every key optional). To make a recipe the default for data files, name it in
-# DEFAULT_RECIPE["files"].
-RECIPES: dict[str, dict[str, Any]] = {
-    "numbers": {
-        "about": "the built-in numbers task's defaults (tiny model, ~2 minutes on 2 CPU cores)",
-        "preset": "tiny",
-        **NUMBERS_TASK_DEFAULTS,
-    },
-    "multi30k": {
-        "about": "Multi30k de->en for a GPU: small preset, joint 6000-piece vocabulary, ~4096-token batches, "
-        "warmup 300, lr scale 0.5, clip 1.0, 50 minutes, greedy BLEU on 200 sentences every 500 steps (41.4 BLEU "
-        "on an H100 within 3000 steps)",
-        "preset": "small",
-        "model": {},
-        "data": {"vocab_size": 6000, "max_tokens": 4096},
-        "optim": {"warmup_steps": 300, "lr_scale": 0.5, "clip_norm": 1.0},
-        "loop": {
-            "steps": 100000,
-            "max_minutes": 50.0,
-            "eval_every": 500,
-            "save_every": 250,
-            "eval_sentences": 200,
-            "eval_beam_size": 1,
-            "beam_size": 4,
-        },
-    },
-    "multi30k-cpu": {
-        "about": "Multi30k de->en in 60 minutes on 2 CPU cores (38.7 BLEU, README): small preset with d_ff 512, "
-        "2048-token batches, warmup 300, lr scale 0.5, clip 1.0, 56 minutes of training, greedy BLEU on 200 "
-        "sentences every 250 steps, beam 4 on all sentences at the end",
-        "preset": "small",
-        "model": {"d_ff": 512},
-        "data": {"vocab_size": 6000, "max_tokens": 2048},
-        "optim": {"warmup_steps": 300, "lr_scale": 0.5, "clip_norm": 1.0},
-        "loop": {
-            "steps": 100000,
-            "max_minutes": 56.0,
-            "eval_every": 250,
-            "save_every": 250,
-            "eval_sentences": 200,
-            "eval_beam_size": 1,
-            "beam_size": 4,
-        },
-    },
-}
-# The recipe a run gets when none is named: the numbers task's own; for data files none (the dataclass defaults
-# and the small preset): the measured recipes stop after a fixed number of minutes, which a run on other data
-# should not inherit without asking for it (`--recipe multi30k-cpu`).
-DEFAULT_RECIPE: dict[str, str | None] = {"numbers": "numbers", "files": None}
-
-# What an exact resume needs unchanged (validation files, the loop's budgets and the decoding may change).
-FROZEN_DATA_FIELDS = (
-    "src",
-    "tgt",
-    "tsv",
-    "vocab_size",
-    "tokenizer_type",
-    "max_tokens",
-    "row_multiple",
-    "batching",
-    "pack_length",
-    "on_empty",
-    "on_too_long",
-)
+__all__ = ["ConfigError", "UsageError", "prepare", "train"]
 
 
-class UsageError(ValueError):
-    """Settings that do not fit together (e.g. a resume asked to change what an exact resume needs unchanged)."""
-
-
-@dataclasses.dataclass
-class PreparedRun:
-    """Everything `prepare` built. `trainer.run()` trains; `checkpoints.close()` must follow (as `train` does)."""
-
-    trainer: Trainer
-    checkpoints: ckpt_lib.CheckpointManager
-    config: TransformerConfig
-    tokenizer: Tokenizer
-    run_dir: Path
-    settings: dict[str, Any]  # what the checkpoints store as the run's settings (see `_stored_settings`)
-    lock: RunLock | None = None  # the run directory's lock, released by `train` at the end
-
-    def close(self) -> None:
-        """Waits for the last save and releases the run directory."""
-        try:
-            self.checkpoints.close()
-        finally:
-            if self.lock is not None:
-                self.lock.release()
-
-
-def train(*, print_fn: Callable[[str], None] = print, **settings: Any) -> RunResult:
-    """Prepares a run (see `prepare` for the arguments), trains it to its end and closes its checkpoints."""
-    prepared = prepare(print_fn=print_fn, **settings)
+def train(*, print_fn: Callable[[str], None] = print, **arguments: Any) -> RunResult:
+    """Prepares a run (see `prepare` for the arguments), trains it to its end and closes it."""
+    run = prepare(print_fn=print_fn, **arguments)
     try:
-        result = prepared.trainer.run()
+        result = train_loop(run)
     finally:
-        prepared.close()
-    return dataclasses.replace(
-        result, checkpoint_dir=prepared.checkpoints.directory, best_step=prepared.checkpoints.best_step()
-    )
+        close(run)
+    return dataclasses.replace(result, checkpoint_dir=run.checkpoints.directory, best_step=run.checkpoints.best_step())
+
+
+def close(run: Run) -> None:
+    """Waits for the last save and releases the run directory."""
+    try:
+        run.checkpoints.close()
+    finally:
+        if run.lock is not None:
+            run.lock.release()
 
 
 def prepare(
@@ -195,261 +76,252 @@ def prepare(
     resume: str | os.PathLike | None = None,
     strict_resume: bool = False,
     lock: bool = True,
-    print_fn: Callable[[str], None] = print,
-    **settings: Any,
-) -> PreparedRun:
-    """Sets up a training run and returns it ready to run.
-
-    run_dir: where checkpoints, metrics.jsonl, loss_curve.png, tokenizer.model and config.json go (default
-      runs/<date-time>); resume: continue the run in this directory from its newest intact checkpoint (no
-      run_dir); strict_resume: refuse to resume when the newest checkpoint is damaged, instead of falling back;
-    lock: hold the run directory's lock (`lock_run_dir`) until the run ends; in a multi-process run process 0
-      alone takes it, and alone tidies the checkpoint folder on a resume;
-    init_from_torch: start from the weights of a PyTorch file (`jax_transformer.export`);
-    preset_name: "tiny", "small" or "base" (default: the recipe's, else tiny for the numbers task, small for files);
-    seed: of initialisation, dropout and data order (default 0);
-    model / data / optim / loop / parallel: partial dicts of TransformerConfig / DataConfig / OptimConfig /
-      LoopConfig / ParallelConfig fields (`distributed.ParallelConfig`: how many devices and processes);
-    recipe: a name in RECIPES, or a recipe JSON file, whose settings fill what is not given (default:
-      DEFAULT_RECIPE of the task); a resume keeps the settings it stored.
-    """
-    # First the processes join (before anything starts JAX's backends); from here on only process 0 prints.
-    parallel = distributed.ParallelConfig.from_dict(dict(settings.pop("parallel", None) or {}))
-    distributed.initialize(parallel, print_fn)
-    owner = lock and distributed.is_primary()
-    if not distributed.is_primary():
-        print_fn = _silent
-    if resume is None:
-        if run_dir is None and jax.process_count() > 1:
-            raise UsageError("a multi-process run needs --run-dir: every process must name the same directory")
-        run_dir = Path(run_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
-    held = None
-    if owner and (resume is None or Path(resume).is_dir()):  # a missing --resume folder is reported below
-        held = lock_run_dir(run_dir if resume is None else resume, print_fn)
-    try:
-        prepared = _prepare(
-            run_dir=run_dir,
-            resume=resume,
-            strict_resume=strict_resume,
-            owner=owner,
-            parallel=parallel.to_dict(),
-            print_fn=print_fn,
-            **settings,
-        )
-    except BaseException:
-        if held is not None:
-            held.release()
-        raise
-    prepared.lock = held
-    return prepared
-
-
-def _prepare(
-    *,
-    run_dir: str | os.PathLike | None = None,
-    resume: str | os.PathLike | None = None,
-    strict_resume: bool = False,
-    owner: bool = True,
     init_from_torch: str | os.PathLike | None = None,
     preset_name: str | None = None,
     seed: int | None = None,
+    recipe: str | None = None,
     model: Mapping[str, Any] | None = None,
     data: Mapping[str, Any] | None = None,
     optim: Mapping[str, Any] | None = None,
     loop: Mapping[str, Any] | None = None,
     parallel: Mapping[str, Any] | None = None,
-    recipe: str | None = None,
     start_time: float | None = None,
     print_fn: Callable[[str], None] = print,
-) -> PreparedRun:
-    """`prepare` once the processes have joined and the run directory is locked; `owner`: this process holds the
-    lock (process 0 of a multi-process run), so it alone tidies the checkpoint folder on a resume."""
+) -> Run:
+    """A training run ready for `loop.train_loop`; `close(run)` must follow (as `train` does).
+
+    run_dir: where checkpoints, metrics.jsonl, loss_curve.png, tokenizer.model and config.json go (default
+      runs/<date-time>); resume: continue the run in this directory from its newest intact checkpoint (no
+      run_dir); strict_resume: refuse to resume when the newest checkpoint is damaged, instead of falling back;
+    lock: hold the run directory's lock (`lock_run_dir`) until `close`; in a multi-process run process 0 alone
+      takes it, and alone tidies the checkpoint folder on a resume;
+    init_from_torch: start from the weights of a PyTorch file (`jax_transformer.export`);
+    preset_name, seed, recipe, and model / data / optim / loop / parallel (partial dicts of the fields of
+      TransformerConfig / DataConfig / OptimConfig / LoopConfig / ParallelConfig): what was asked for, completed
+      by `config.resolve` (a resumed checkpoint's settings, else the recipe's, else the defaults).
+    """
     start_time = time.time() if start_time is None else start_time
-    given = {"model": dict(model or {}), "data": dict(data or {}), "optim": dict(optim or {}), "loop": dict(loop or {})}
-    parallel_config = distributed.ParallelConfig.from_dict(dict(parallel or {}))
+    # First the processes join (before anything starts JAX's backends); from here on only process 0 prints.
+    parallel_config = ParallelConfig.from_dict({k: v for k, v in (parallel or {}).items() if v is not None})
+    distributed.initialize(parallel_config, print_fn)
+    owner = lock and distributed.is_primary()
+    print_fn = print_fn if distributed.is_primary() else _silent
+    run_dir, held = open_run_dir(run_dir, resume, init_from_torch, owner, print_fn)
+    try:
+        restored = (
+            None
+            if resume is None
+            else restore_for_resume(run_dir, strict=strict_resume, owner=owner, print_fn=print_fn)
+        )
+        stored = None if restored is None else stored_settings(restored)
+        given = dict(preset=preset_name, seed=seed, recipe=recipe, model=model, data=data, optim=optim, loop=loop)
+        settings = resolve({**given, "parallel": parallel_config.to_dict()}, stored)
+        corpus, valid_corpus, fingerprint = read_corpora(settings.data, stored, print_fn)
+        config, tokenizer, params = model_and_tokenizer(
+            settings, restored, init_from_torch, dict(model or {}), preset_name, corpus, run_dir, print_fn
+        )
+        cache_dir = compilation.use_cache(settings.loop.compilation_cache, print_fn)  # before anything compiles
+        devices = distributed.DataParallel.from_config(settings.parallel)
+        stream, valid = batches(settings, config, tokenizer, corpus, valid_corpus, devices, restored, print_fn)
+        state = initial_state(restored, config, settings, params)
+        stored_now = run_settings(settings, fingerprint, devices)
+        agree_and_write(stored_now, config, settings, tokenizer, run_dir, restored)
+        n_params = sum(x.size for x in jax.tree_util.tree_leaves(state.params))
+        print_fn(
+            f"model: {n_params:,} parameters, d_model {config.d_model}, {config.num_encoder_layers}+"
+            f"{config.num_decoder_layers} layers, vocabulary {config.src_vocab_size}; {devices.describe()}; "
+            f"{_describe_batches(stream)}; run directory {run_dir}; compilation cache {cache_dir or 'off'}"
+        )
+        return Run(
+            config=config,
+            optim=settings.optim,
+            loop=settings.loop,
+            tokenizer=tokenizer,
+            stream=stream,
+            state=state,
+            run_dir=run_dir,
+            checkpoints=ckpt_lib.CheckpointManager(run_dir / ckpt_lib.CHECKPOINT_SUBDIR, keep=settings.loop.keep),
+            valid=valid,
+            settings=stored_now,
+            devices=devices,
+            start_time=start_time,
+            print=print_fn,
+            loop_state=None if restored is None else restored.loop_state,
+            lock=held,
+        )
+    except BaseException:
+        if held is not None:
+            held.release()
+        raise
+
+
+# =============================================================================================================
+# The steps of `prepare`, in order
+# =============================================================================================================
+
+
+def open_run_dir(run_dir, resume, init_from_torch, owner: bool, print_fn) -> tuple[Path, RunLock | None]:
+    """The run directory (the resumed one, the given one, or runs/<date-time>) and its lock (held by the owner)."""
     if resume is not None and init_from_torch is not None:
         raise UsageError("--resume and --init-from-torch exclude each other: a resume already has weights")
     if resume is not None and run_dir is not None and Path(run_dir).absolute() != Path(resume).absolute():
         raise UsageError("--resume DIR continues in DIR; leave out --run-dir")
-
-    # --- where the run lives, and what a resume restores ------------------------------------------------------
-    restored, stored = None, None
-    if resume is not None:
-        run_dir = Path(resume)
-        if not (run_dir / ckpt_lib.CHECKPOINT_SUBDIR).is_dir():
+    if resume is None and run_dir is None and jax.process_count() > 1:
+        raise UsageError("a multi-process run needs --run-dir: every process must name the same directory")
+    run_dir = Path(resume if resume is not None else run_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
+    held = None
+    if owner and (resume is None or run_dir.is_dir()):  # a missing --resume folder is reported below
+        held = lock_run_dir(run_dir, print_fn)
+    try:
+        folder = run_dir / ckpt_lib.CHECKPOINT_SUBDIR
+        if resume is not None and not folder.is_dir():
             raise ckpt_lib.CheckpointError(
                 f"--resume {run_dir}: no {ckpt_lib.CHECKPOINT_SUBDIR}/ folder there; "
                 f"give the run directory of an earlier `train.py train`"
             )
-        restored = restore_for_resume(run_dir, strict=strict_resume, owner=owner, print_fn=print_fn)
-        if "averaged_from" in restored.run:
-            raise UsageError(
-                f"--resume {run_dir}: this is an average of checkpoints ({restored.run['averaged_from']}): it holds "
-                f"parameters only, no optimiser state or data position, so it cannot continue a run. Use it with "
-                f"evaluate/translate/export; resume the original run directory instead"
-            )
-        stored = stored_settings(restored)
-        print_fn(f"resuming {run_dir} from step {restored.step}")
-    else:
-        run_dir = Path(run_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
-        folder = run_dir / ckpt_lib.CHECKPOINT_SUBDIR
-        if folder.is_dir() and any(folder.iterdir()):
+        if resume is None and folder.is_dir() and any(folder.iterdir()):
             raise UsageError(
                 f"{run_dir} already holds checkpoints: continue it with --resume {run_dir}, or choose another --run-dir"
             )
+    except BaseException:
+        if held is not None:
+            held.release()
+        raise
+    return run_dir, held
 
-    # --- settings: given, else stored, else the recipe's ------------------------------------------------------------
-    recipe_name = _choose_recipe(recipe, given["data"], stored)
-    # A resume has every setting stored already; a fresh run takes what is not given from its recipe.
-    recipe_settings = load_recipe(recipe_name) if recipe_name and stored is None else {}
-    recipe_defaults = {group: dict(recipe_settings.get(group, {})) for group in GROUPS}
-    data_config = _resolve_data(given["data"], stored, recipe_defaults["data"])
-    task = "numbers" if data_config.uses_default_task else "files"
-    if stored is not None:
-        _check_frozen("seed", seed, stored["seed"])
-        for name, value in given["optim"].items():
-            _check_frozen(name, value, stored["optim"].get(name))
-        # The best checkpoint so far and early stopping's best score were chosen by the stored metric.
-        _check_frozen("best_metric", given["loop"].get("best_metric"), stored["loop"].get("best_metric", "bleu"))
-    seed = stored["seed"] if stored is not None else (0 if seed is None else seed)
-    optim_config = OptimConfig.from_dict(
-        {**recipe_defaults["optim"], **(stored or {}).get("optim", {}), **given["optim"]}, source="optimiser settings"
-    )
-    loop_config = LoopConfig.from_dict(
-        {**recipe_defaults["loop"], **(stored or {}).get("loop", {}), **given["loop"]}, source="loop settings"
-    )
 
-    # --- data ---------------------------------------------------------------------------------------------------
-    train_corpus = load_corpus(data_config, "train")
-    print_fn(f"training data: {train_corpus.describe()}")
-    fingerprint = corpus_fingerprint(train_corpus)
+def load_corpus(data: DataConfig, split: str = "train") -> Corpus | None:
+    """Reads the training ("train") or validation ("valid") pairs that `data` names (DataError naming the file
+    and line for bad input); None for "valid" when there are no validation files. No files at all: the built-in
+    numbers task."""
+    if split not in ("train", "valid"):
+        raise ValueError(f"split must be 'train' or 'valid', got {split!r}")
+    if data.uses_default_task:
+        from jax_transformer import default_task
+
+        return default_task.default_pairs(split)
+    prefix = "" if split == "train" else "valid_"
+    src, tgt, tsv = (getattr(data, prefix + name) for name in ("src", "tgt", "tsv"))
+    if tsv is not None:
+        return read_tsv(tsv, on_empty=data.on_empty)
+    if src is not None:
+        return read_parallel(src, tgt, on_empty=data.on_empty)
+    return None
+
+
+def read_corpora(data: DataConfig, stored: Mapping[str, Any] | None, print_fn) -> tuple[Corpus, Corpus | None, str]:
+    """The training and validation corpora, and the training data's fingerprint (a resume checks it is the same)."""
+    corpus = load_corpus(data, "train")
+    print_fn(f"training data: {corpus.describe()}")
+    fingerprint = corpus_fingerprint(corpus)
     if stored is not None and stored.get("train_fingerprint") not in (None, fingerprint):
         raise UsageError(
             f"--resume: the training data changed since the checkpoint was written "
-            f"({_describe_files(data_config)}); an exact resume needs the same data"
+            f"({_describe_files(data)}); an exact resume needs the same data"
         )
-    valid_corpus = load_corpus(data_config, "valid")
-    if valid_corpus is not None:
-        print_fn(f"validation data: {valid_corpus.describe()}")
+    valid = load_corpus(data, "valid")
+    if valid is not None:
+        print_fn(f"validation data: {valid.describe()}")
     else:
         print_fn(
             "no validation data (--valid-src/--valid-tgt or --valid-tsv): no BLEU, the best checkpoint is the last"
         )
+    return corpus, valid, fingerprint
 
-    # --- tokenizer, model config and initial weights --------------------------------------------------------------
-    explicit_preset = preset_name
-    recipe_preset = recipe_settings.get("preset")
-    preset_name = preset_name or (stored or {}).get("preset") or recipe_preset or DEFAULT_PRESET[task]
-    if preset_name not in PRESETS:
-        raise ConfigError(f"unknown preset {preset_name!r}; choose one of {sorted(PRESETS)}")
-    model_fields = {**recipe_defaults["model"], **given["model"]}
-    params = None
+
+def model_and_tokenizer(
+    settings: RunSettings, restored, init_from_torch, given_model: dict, given_preset, corpus, run_dir: Path, print_fn
+) -> tuple[TransformerConfig, Tokenizer, Any]:
+    """The model config, the tokenizer and initial weights (None: initialise): the checkpoint's on a resume (model
+    settings given then must describe the saved model), a PyTorch file's, or a new tokenizer and the preset."""
     if restored is not None:
-        tokenizer = restored.tokenizer
-        # Model settings given on a resume must describe the saved model: any difference is named.
-        changes = {**(PRESETS[explicit_preset] if explicit_preset else {}), **given["model"]}
+        changes = {**(PRESETS[given_preset] if given_preset else {}), **given_model}
         requested = restored.config.replace(**changes) if changes else restored.config
         ckpt_lib.check_config(restored.config, requested, where=f"checkpoint in {run_dir}")
         # The saved model, computed as asked: a bfloat16 run may go on in float32 and back (not bitwise then).
-        config = restored.config.replace(**requested.compute_settings())
-    elif init_from_torch is not None:
+        return restored.config.replace(**requested.compute_settings()), restored.tokenizer, None
+    if init_from_torch is not None:
         # Model settings describe the file's model; how to compute (dtype, attention kernel) is this run's choice.
-        compute = {k: v for k, v in model_fields.items() if k in COMPUTE_FIELDS}
         params, config, tokenizer = _init_from_torch(
             init_from_torch,
-            train_corpus,
-            data_config,
-            preset_name,
-            model_fields,
-            explicit=any(name not in COMPUTE_FIELDS for name in given["model"]),
+            corpus,
+            settings.data,
+            settings.preset,
+            settings.model,
+            explicit=any(name not in COMPUTE_FIELDS for name in given_model),
             run_dir=run_dir,
             print_fn=print_fn,
         )
-        config = config.replace(**compute)
-    else:
-        tokenizer = shared_tokenizer(train_corpus, data_config, run_dir, print_fn)
-        config = model_config(preset_name, tokenizer.vocab_size, model_fields)
+        compute = {k: v for k, v in settings.model.items() if k in COMPUTE_FIELDS}
+        return config.replace(**compute), tokenizer, params
+    tokenizer = shared_tokenizer(corpus, settings.data, run_dir, print_fn)
+    return model_config(settings.preset, tokenizer.vocab_size, settings.model), tokenizer, None
 
-    # --- batches: the global batch plan, the same on any number of devices ---------------------------------------
-    cache_dir = compilation.use_cache(loop_config.compilation_cache, print_fn)  # before the model's programs compile
-    devices = distributed.DataParallel.from_config(parallel_config)
-    encoded = encode_corpus(train_corpus, tokenizer, config.max_len, on_too_long=data_config.on_too_long)
+
+def batches(settings: RunSettings, config, tokenizer, corpus, valid_corpus, devices, restored, print_fn):
+    """The training stream (its global batch plan, the same on any number of devices; positioned where a resumed
+    run stopped) and the validation set."""
+    data = settings.data
+    encoded = encode_corpus(corpus, tokenizer, config.max_len, on_too_long=data.on_too_long)
     print_fn(f"training data: {encoded.describe()}")
     stream = BatchStream(
         encoded,
-        data_config.max_tokens,
-        batching=data_config.batching,
-        pack_length=data_config.pack_length,
-        row_multiple=data_config.row_multiple,
-        seed=seed,
+        data.max_tokens,
+        batching=data.batching,
+        pack_length=data.pack_length,
+        row_multiple=data.row_multiple,
+        seed=settings.seed,
         state=None if restored is None else restored.data_state,
     )
     for rows, length in stream.shapes:
         devices.check_rows(
-            rows,
-            f"a batch of length {length} (--max-tokens {data_config.max_tokens}, "
-            f"--row-multiple {data_config.row_multiple})",
+            rows, f"a batch of length {length} (--max-tokens {data.max_tokens}, --row-multiple {data.row_multiple})"
         )
-    valid = None
-    if valid_corpus is not None:
-        valid_encoded = encode_corpus(valid_corpus, tokenizer, config.max_len, on_too_long=data_config.on_too_long)
-        print_fn(f"validation data: {valid_encoded.describe()}")
-        valid = ValidationSet.from_encoded(
-            valid_encoded, valid_corpus, data_config.max_tokens, batching=data_config.batching
-        )
+    if valid_corpus is None:
+        return stream, None
+    valid_encoded = encode_corpus(valid_corpus, tokenizer, config.max_len, on_too_long=data.on_too_long)
+    print_fn(f"validation data: {valid_encoded.describe()}")
+    return stream, ValidationSet.from_encoded(valid_encoded, valid_corpus, data.max_tokens, batching=data.batching)
 
-    # --- state ------------------------------------------------------------------------------------------------
-    state = _initial_state(restored, config, optim_config, seed, params)
-    settings = {
-        "preset": preset_name,
-        "recipe": recipe_name,
-        "seed": seed,
-        "data": data_config.absolute().to_dict(),
-        "loop": loop_config.to_dict(),
+
+def initial_state(restored, config: TransformerConfig, settings: RunSettings, params) -> TrainState:
+    if restored is None:
+        return create_train_state(config, settings.optim, seed=settings.seed, params=params)
+    try:
+        return restore_train_state(restored.state, config, settings.optim)
+    except ValueError as e:
+        raise ckpt_lib.CheckpointError(f"{restored.directory} step {restored.step}: {e}") from None
+
+
+def run_settings(settings: RunSettings, fingerprint: str, devices) -> dict[str, Any]:
+    """What every checkpoint stores as the run's settings (with the config, optimiser and tokenizer apart)."""
+    return {
+        "preset": settings.preset,
+        "recipe": settings.recipe,
+        "seed": settings.seed,
+        "data": settings.data.absolute().to_dict(),
+        "loop": settings.loop.to_dict(),
         "train_fingerprint": fingerprint,
         "devices": devices.n_devices,  # for information: a resume may use another count
         "processes": jax.process_count(),
     }
-    # Every process must have the same settings, data and tokenizer (this is also the barrier after which
-    # process 0 writes into the run directory that the others have checked).
+
+
+def agree_and_write(stored: Mapping[str, Any], config, settings: RunSettings, tokenizer, run_dir: Path, restored):
+    """Every process must have the same settings, data and tokenizer (this is also the barrier after which process
+    0 writes into the run directory that the others have checked); then process 0 writes tokenizer.model and
+    config.json, and on a resume drops the metrics of the steps it trains again."""
+    parallel = {**settings.parallel.to_dict(), "process_id": None}
+    mine = [stored, config.to_dict(), settings.optim.to_dict(), parallel]
     distributed.all_same(
-        "settings, data or tokenizer",
-        json.dumps(
-            [settings, config.to_dict(), optim_config.to_dict(), {**parallel_config.to_dict(), "process_id": None}],
-            sort_keys=True,
-        ).encode()
-        + tokenizer.to_bytes(),
+        "settings, data or tokenizer", json.dumps(mine, sort_keys=True).encode() + tokenizer.to_bytes()
     )
-    manager = ckpt_lib.CheckpointManager(run_dir / ckpt_lib.CHECKPOINT_SUBDIR, keep=loop_config.keep)
     if distributed.is_primary():
         run_dir.mkdir(parents=True, exist_ok=True)
         tokenizer.save(run_dir / "tokenizer.model")
         (run_dir / "config.json").write_text(config.to_json() + "\n", encoding="utf-8")
         if restored is not None:
             truncate_metrics(run_dir / "metrics.jsonl", restored.step)
-    n_params = sum(x.size for x in jax.tree_util.tree_leaves(state.params))
-    print_fn(
-        f"model: {n_params:,} parameters, d_model {config.d_model}, {config.num_encoder_layers}+"
-        f"{config.num_decoder_layers} layers, vocabulary {config.src_vocab_size}; {devices.describe()}; "
-        f"{_describe_batches(stream)}; run directory {run_dir}; compilation cache {cache_dir or 'off'}"
-    )
-    trainer = Trainer(
-        config=config,
-        optim=optim_config,
-        tokenizer=tokenizer,
-        stream=stream,
-        state=state,
-        loop=loop_config,
-        run_dir=run_dir,
-        checkpoints=manager,
-        valid=valid,
-        run_settings=settings,
-        parallel=devices,
-        start_time=start_time,
-        print_fn=print_fn,
-        loop_state=None if restored is None else restored.loop_state,
-    )
-    return PreparedRun(trainer, manager, config, tokenizer, run_dir, settings)
 
 
 # =============================================================================================================
@@ -558,11 +430,18 @@ def restore_for_resume(
             f"warning: resuming from step {restored.step}, the newest intact checkpoint (pass --strict-resume to "
             f"refuse instead); the steps after it are trained again"
         )
+    if "averaged_from" in restored.run:
+        raise UsageError(
+            f"--resume {run_dir}: this is an average of checkpoints ({restored.run['averaged_from']}): it holds "
+            f"parameters only, no optimiser state or data position, so it cannot continue a run. Use it with "
+            f"evaluate/translate/export; resume the original run directory instead"
+        )
     if not restored.verified:
         print_fn(
             f"note: step {restored.step} is a format-{restored.format} checkpoint, written before checksums: "
             f"loaded without verifying its arrays"
         )
+    print_fn(f"resuming {run_dir} from step {restored.step}")
     return restored
 
 
@@ -614,15 +493,6 @@ def _silent(text: str = "") -> None:
     """The print function of processes other than process 0."""
 
 
-def _initial_state(restored, config: TransformerConfig, optim: OptimConfig, seed: int, params) -> TrainState:
-    if restored is None:
-        return create_train_state(config, optim, seed=seed, params=params)
-    try:
-        return restore_train_state(restored.state, config, optim)
-    except ValueError as e:
-        raise ckpt_lib.CheckpointError(f"{restored.directory} step {restored.step}: {e}") from None
-
-
 def _init_from_torch(
     path,
     corpus: Corpus,
@@ -657,69 +527,6 @@ def _init_from_torch(
     return params, config, tokenizer
 
 
-def load_recipe(name: str) -> dict[str, Any]:
-    """RECIPES[name], or the recipe in the JSON file `name` (see RECIPES), checked: ConfigError naming the file
-    and the group for unknown keys or fields, or values the settings refuse."""
-    if name in RECIPES:
-        return RECIPES[name]
-    path = Path(name)
-    if not path.is_file():
-        raise ConfigError(f"unknown recipe {name!r}: neither one of {sorted(RECIPES)} nor a recipe JSON file")
-    try:
-        recipe = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ConfigError(f"recipe {path}: cannot read it as JSON: {e}") from None
-    known = {"about", "preset", *GROUPS}
-    if not isinstance(recipe, dict) or set(recipe) - known:
-        unknown = sorted(set(recipe) - known) if isinstance(recipe, dict) else type(recipe).__name__
-        raise ConfigError(f"recipe {path}: a JSON object with keys among {sorted(known)} expected, got {unknown}")
-    if recipe.get("preset") is not None and recipe["preset"] not in PRESETS:
-        raise ConfigError(f"recipe {path}: unknown preset {recipe['preset']!r}; choose one of {sorted(PRESETS)}")
-    classes = {"model": TransformerConfig, "data": DataConfig, "optim": OptimConfig, "loop": LoopConfig}
-    for group, cls in classes.items():
-        values = recipe.get(group, {})
-        if not isinstance(values, dict):
-            raise ConfigError(f"recipe {path}: {group!r} must be a JSON object of {cls.__name__} fields")
-        cls.from_dict(values, source=f"recipe {path}, {group!r}")
-    return recipe
-
-
-def _choose_recipe(name: str | None, given_data: Mapping[str, Any], stored: Mapping[str, Any] | None) -> str | None:
-    """The recipe of a run: the one named, else (on a resume) the stored one, else the task's default."""
-    if name is not None and stored is None:
-        load_recipe(name)  # fails early, naming what is wrong
-    if stored is not None:
-        saved = stored.get("recipe")
-        if name is not None and name != saved:
-            raise UsageError(
-                f"--resume: the run was started with recipe {saved!r}; a resume continues with its stored "
-                f"settings (leave out --recipe {name})"
-            )
-        if "recipe" in stored:
-            return saved
-        files = stored["data"].get("src") or stored["data"].get("tsv")  # a checkpoint from before recipes
-    else:
-        files = given_data.get("src") or given_data.get("tsv")
-    return name or DEFAULT_RECIPE["files" if files else "numbers"]
-
-
-def _resolve_data(
-    given: Mapping[str, Any], stored: Mapping[str, Any] | None, defaults: Mapping[str, Any] | None = None
-) -> DataConfig:
-    """The run's DataConfig: given, else the recipe's `defaults`. On a resume the stored files and batching stay;
-    new validation files may be given."""
-    if stored is None:
-        return DataConfig.from_dict({**(defaults or {}), **given})
-    # Runs from before packed batches existed batched by length buckets; before row_multiple was a setting, the
-    # rows of every batch were a multiple of the device count.
-    saved = {"batching": "buckets", "row_multiple": stored.get("devices") or 1, **stored["data"]}
-    for name in FROZEN_DATA_FIELDS:
-        if name in given and given[name] is not None:
-            value = str(Path(given[name]).absolute()) if name in ("src", "tgt", "tsv") else given[name]
-            _check_frozen(name, value, saved.get(name))
-    return DataConfig.from_dict({**saved, **{k: v for k, v in given.items() if k not in FROZEN_DATA_FIELDS}})
-
-
 def _describe_batches(stream: BatchStream) -> str:
     share = f"{100 * stream.padding_efficiency:.0f}% of slots real"
     if stream.batching == "packed":
@@ -732,14 +539,6 @@ def _describe_batches(stream: BatchStream) -> str:
         f"bucketed batches of ~{stream.shapes[0][0] * stream.shapes[0][1]} token slots, {stream.batches_per_epoch} "
         f"per epoch, {len(stream.shapes)} shapes ({share})"
     )
-
-
-def _check_frozen(name: str, given: Any, stored: Any) -> None:
-    if given is not None and given != stored:
-        raise UsageError(
-            f"--resume: the checkpoint was trained with {name}={stored!r}, but {name}={given!r} was "
-            f"given; an exact resume needs the same value (leave the flag out)"
-        )
 
 
 def _describe_files(data: DataConfig) -> str:

@@ -38,7 +38,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jax_transformer import compilation
-from jax_transformer.config import OptimConfig, TransformerConfig
+from jax_transformer.config import PARALLEL_MODES, OptimConfig, TransformerConfig
 from jax_transformer.dropout import global_rows
 from jax_transformer.losses import loss_sums
 from jax_transformer.model import Transformer, init_params
@@ -265,9 +265,6 @@ def _laid_out(tree, mesh: Mesh | None, spec: P):
     """`tree` laid out over `mesh` as `spec` says (a constraint for the compiler inside jit); unchanged without
     a mesh."""
     return tree if mesh is None else lax.with_sharding_constraint(tree, NamedSharding(mesh, spec))
-
-
-PARALLEL_MODES = ("jit", "pmap", "sharded")
 
 
 def make_train_step(

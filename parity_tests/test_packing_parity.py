@@ -170,7 +170,8 @@ def real_packed_batch():
     """A batch cut by the data pipeline's packer (BatchStream, batching="packed") from real text: the built-in
     task's English -> French sentences, tokenized by a SentencePiece model trained on them. (config, batch)."""
     from jax_transformer import default_task
-    from jax_transformer.data import BatchStream, Tokenizer, encode_corpus
+    from jax_transformer.batching import BatchStream, encode_corpus
+    from jax_transformer.tokenizer import Tokenizer
 
     pairs = default_task.default_pairs("train", n=400)
     tokenizer = Tokenizer.train(pairs.sources + pairs.targets, 200, model_type=default_task.TOKENIZER_MODEL_TYPE)

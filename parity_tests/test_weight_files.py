@@ -15,10 +15,10 @@ from safetensors import safe_open
 import torch_reference
 from jax_transformer.checkpoint import CheckpointError
 from jax_transformer.config import ConfigError, TransformerConfig
-from jax_transformer.data import Tokenizer
 from jax_transformer.export import export_weights, import_weights
 from jax_transformer.model import Transformer, init_params
 from jax_transformer.port import PortError, flax_to_torch, torch_to_flax
+from jax_transformer.tokenizer import Tokenizer
 from tests.fixtures import PARITY_CONFIGS as CONFIGS
 from tests.fixtures import make_batch, max_abs_diff, t, twin_device
 

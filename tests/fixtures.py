@@ -315,7 +315,7 @@ def load_saved_model(name: str) -> SavedModel:
     tests/data/make_trained_tiny.py)."""
     from flax.traverse_util import unflatten_dict
 
-    from jax_transformer.data import Tokenizer
+    from jax_transformer.tokenizer import Tokenizer
 
     with np.load(name if name.endswith(".npz") else DATA / f"{name}.npz") as z:
         params = unflatten_dict({tuple(k.split("/")[1:]): z[k] for k in z.files if k.startswith("params/")})

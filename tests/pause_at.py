@@ -23,17 +23,18 @@ def _block(marker: Path, where: str) -> None:
 
 
 def pause_after_step(marker: Path, step: int) -> None:
-    from jax_transformer.trainer import Trainer
+    import dataclasses
 
-    original = Trainer._step
+    from jax_transformer import run
 
-    def one_step(self, bar):
-        original(self, bar)
-        if self.step == step:
-            self._drain(bar)  # the step has finished and is logged (the loop dispatches ahead otherwise)
+    original = run.prepare
+
+    def pause(done: int, drain) -> None:
+        if done == step:
+            drain()  # the step has finished and is logged (the loop dispatches ahead otherwise)
             _block(marker, f"after step {step}")
 
-    Trainer._step = one_step
+    run.prepare = lambda **arguments: dataclasses.replace(original(**arguments), on_step=pause)
 
 
 def pause_in_save(marker: Path, step: int) -> None:

@@ -207,7 +207,7 @@ def test_multi30k_benchmark_runs_the_multi30k_recipe_and_splits_old_runs_by_phas
     parses them to exactly the recipe's settings, only --max-minutes changed; and its phase split of a run without
     a summary record adds up to the wall time."""
     from benchmarks import multi30k
-    from jax_transformer.run import RECIPES
+    from jax_transformer.config import RECIPES
 
     ours = multi30k.readme_flags(Path("/data"), Path("/run"), 7)
     assert ours[-1] == "--no-progress"

@@ -12,7 +12,7 @@ import pytest
 from jax_transformer import checkpoint as ckpt_lib
 from jax_transformer import training
 from jax_transformer.config import ConfigError
-from jax_transformer.data import Tokenizer
+from jax_transformer.tokenizer import Tokenizer
 from tests.fixtures import flat, unit_batch, unit_config, unit_optim
 from tests.helpers_training import run_main, tiny_train_args, write_corpus
 
@@ -162,12 +162,16 @@ def test_resume_with_another_config_names_the_field(resumed_and_straight):
 def test_runs_from_before_packing_resume_with_length_buckets():
     """A checkpoint whose data settings predate `batching` was trained on length buckets: its resume keeps them, and
     asking for packed batches on that resume is refused (the data order would change)."""
-    from jax_transformer.run import UsageError, _resolve_data
+    from jax_transformer.config import UsageError, resolve
 
-    stored = {"data": {"tsv": "/data/train.tsv", "vocab_size": 100, "max_tokens": 512}}
-    assert _resolve_data({}, stored).batching == "buckets"
-    assert _resolve_data({}, {"data": {**stored["data"], "batching": "packed"}}).batching == "packed"
+    def data(given, stored_data):  # what a resume with these data flags continues with
+        stored = {"seed": 0, "optim": {}, "loop": {}, "data": stored_data}
+        return resolve({"data": given}, stored).data
+
+    old = {"tsv": "/data/train.tsv", "vocab_size": 100, "max_tokens": 512}
+    assert data({}, old).batching == "buckets"
+    assert data({}, {**old, "batching": "packed"}).batching == "packed"
     with pytest.raises(UsageError, match="batching='buckets'"):
-        _resolve_data({"batching": "packed"}, stored)
+        data({"batching": "packed"}, old)
     with pytest.raises(UsageError, match="pack_length=None"):
-        _resolve_data({"pack_length": 32}, {"data": {**stored["data"], "batching": "packed"}})
+        data({"pack_length": 32}, {**old, "batching": "packed"})

@@ -1,4 +1,5 @@
-"""Tests of the data pipeline (jax_transformer/data.py) and the built-in task (jax_transformer/default_task.py)."""
+"""Tests of the data pipeline (jax_transformer/corpus.py, tokenizer.py, batching.py) and the built-in task
+(jax_transformer/default_task.py)."""
 
 from __future__ import annotations
 
@@ -10,26 +11,19 @@ import numpy as np
 import pytest
 
 from jax_transformer import default_task
-from jax_transformer.config import TransformerConfig
-from jax_transformer.data import (
-    BOS_ID,
-    EOS_ID,
-    PAD_ID,
-    UNK_ID,
+from jax_transformer.batching import (
     BatchStream,
-    Corpus,
-    DataConfig,
-    DataError,
     EncodedCorpus,
-    Tokenizer,
     bucket_lengths,
     encode_corpus,
     eval_batches,
     padding_efficiency,
-    read_parallel,
-    read_tsv,
     rows_per_batch,
 )
+from jax_transformer.config import DataConfig, TransformerConfig
+from jax_transformer.corpus import Corpus, read_parallel, read_tsv
+from jax_transformer.errors import DataError
+from jax_transformer.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Tokenizer
 from tests.fixtures import packed_pairs
 
 SENTENCES = [
@@ -428,7 +422,8 @@ def test_packing_settings_are_checked():
 
 def test_modules_do_not_import_jax_or_torch():
     code = (
-        "import sys, jax_transformer.data, jax_transformer.default_task; "
+        "import sys, jax_transformer.config, jax_transformer.corpus, jax_transformer.tokenizer, "
+        "jax_transformer.batching, jax_transformer.default_task; "
         "print(sorted(m for m in ('jax', 'torch', 'flax') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -301,8 +301,8 @@ def test_length_rule():
 
 @pytest.fixture(scope="module")
 def tiny_translator():
-    from jax_transformer.data import Tokenizer
     from jax_transformer.default_task import TOKENIZER_MODEL_TYPE, default_pairs
+    from jax_transformer.tokenizer import Tokenizer
 
     pairs = default_pairs("train", n=300)
     tokenizer = Tokenizer.train(pairs.sources + pairs.targets, vocab_size=200, model_type=TOKENIZER_MODEL_TYPE)

@@ -15,10 +15,12 @@ PACKAGE = Path(__file__).resolve().parent.parent / "jax_transformer"
 
 # Lowest first. Modules on one line form one layer and may import each other.
 LAYERS = [
-    ("config",),  # the settings dataclasses, no jax, no torch
-    ("compilation",),  # jax's persistent compilation cache, compiling ahead, counting compiles
+    ("errors",),  # the errors a user can cause
+    ("config",),  # every setting: the dataclasses, their validation, recipes and `resolve`; no jax, no torch
+    ("compilation",),  # how programs compile: exact rounding in bfloat16, the persistent cache, compiling ahead
     ("positions", "masks", "checks"),  # checks: token ids and shapes at the entry points
-    ("data", "default_task"),  # text, tokenizer, batches (no jax); the built-in task is a data source
+    ("corpus", "tokenizer"),  # text in: reading files (file:line errors); the joint SentencePiece model
+    ("batching", "default_task"),  # ids and batches (packed rows or length buckets); the built-in task's pairs
     ("dropout", "losses"),
     ("model",),
     ("port",),  # numpy-only weight map
@@ -29,7 +31,7 @@ LAYERS = [
     ("export",),  # PyTorch / safetensors weight files
     ("distributed",),  # devices and processes: where state and batches live, jax.distributed, agreeing to stop
     ("averaging", "verify"),  # checkpoint averaging; a trained checkpoint against its PyTorch twin (via export)
-    ("trainer",),  # the run loop
+    ("loop",),  # the training loop
     ("run",),  # setting up a run
 ]
 
@@ -70,4 +72,4 @@ def test_imports_go_downwards_only():
 
 
 def test_the_checkpoint_module_knows_neither_loop_nor_optimiser():
-    assert not {"trainer", "run", "training"} & _imports(PACKAGE / "checkpoint.py")
+    assert not {"loop", "run", "training"} & _imports(PACKAGE / "checkpoint.py")

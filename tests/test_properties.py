@@ -12,18 +12,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from jax_transformer import checks
+from jax_transformer.batching import BatchStream, EncodedCorpus
 from jax_transformer.config import preset
-from jax_transformer.data import (
-    EOS_ID,
-    PAD_ID,
-    BatchStream,
-    DataError,
-    EncodedCorpus,
-    Tokenizer,
-    read_lines,
-    read_parallel,
-    read_tsv,
-)
+from jax_transformer.corpus import read_lines, read_parallel, read_tsv
+from jax_transformer.errors import DataError
+from jax_transformer.tokenizer import EOS_ID, PAD_ID, Tokenizer
 from tests.fixtures import fuzz
 
 # --- the readers --------------------------------------------------------------------------------------------------
@@ -139,7 +132,7 @@ def test_readers_refuse_directories_empty_files_and_utf16(tmp_path):
 
 
 def test_a_line_of_megabytes_is_read_and_then_skipped_as_too_long(tmp_path):
-    from jax_transformer.data import encode_corpus
+    from jax_transformer.batching import encode_corpus
 
     big = "wort " * 400_000  # 2 MB on one line
     (tmp_path / "a.de").write_text(f"eins zwei\n{big}\ndrei\n")

@@ -5,6 +5,7 @@ model of tests/helpers_training.py (runs in one process share their compiled ste
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -15,13 +16,14 @@ import numpy as np
 import pytest
 
 from jax_transformer import checkpoint as ckpt_lib
-from jax_transformer import trainer as trainer_lib
+from jax_transformer import config as config_lib
+from jax_transformer import run as run_lib
 from jax_transformer import training
 from jax_transformer.averaging import average_checkpoints, average_params
-from jax_transformer.data import Tokenizer
 from jax_transformer.default_task import number_pair
 from jax_transformer.evaluation import score_translations
 from jax_transformer.model import init_params
+from jax_transformer.tokenizer import Tokenizer
 from tests.fixtures import flat, unit_config, unit_optim
 from tests.helpers_training import N_TRAIN, run_main, tiny_train_args, write_corpus
 
@@ -71,15 +73,17 @@ def early_stopped(tmp_path_factory):
     # A SIGINT right after step 6, before its evaluation: the run saves step 6 unevaluated and exits; the resumed
     # run must make that evaluation up before its first step.
     run_dir = root / "interrupted_at_6"
-    real_step = trainer_lib.Trainer._step
+    real_prepare = run_lib.prepare
 
-    def step_then_interrupt(self, bar):
-        real_step(self, bar)
-        if self.step == 6:
+    def interrupt_after_step_6(step, drain):
+        if step == 6:
             os.kill(os.getpid(), signal.SIGINT)  # caught by the loop's StopSignals handler
 
+    def prepare_with_hook(**arguments):
+        return dataclasses.replace(real_prepare(**arguments), on_step=interrupt_after_step_6)
+
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(trainer_lib.Trainer, "_step", step_then_interrupt)
+        patch.setattr(run_lib, "prepare", prepare_with_hook)
         first = run_main(tiny_train_args(run_dir, train, steps=BUDGET, valid=valid, extra=flags))
     runs["evaluated_before_the_signal"] = [r["step"] for r in _eval_records(run_dir)]
     resumed = run_main(["train", "--resume", str(run_dir), "--no-progress"])
@@ -147,7 +151,7 @@ def test_patience_must_be_positive(tmp_path):
     code, out, err = run_main(
         tiny_train_args(tmp_path / "run", write_corpus(tmp_path), steps=1, extra=("--patience", "0"))
     )
-    assert code == 1 and "'patience' must be >= 1" in err
+    assert code == 1 and "'patience' must be an int >= 1" in err
 
 
 # --- a trained run with validation BLEU, shared by averaging, evaluate, verify ---------------------------------
@@ -396,15 +400,13 @@ def test_plot_runs_against_wall_clock_minutes(tmp_path):
 
 def test_recipes_fill_what_is_not_given(tmp_path):
     from jax_transformer import run
-    from jax_transformer.config import OptimConfig
-    from jax_transformer.data import DataConfig
-    from jax_transformer.trainer import LoopConfig
+    from jax_transformer.config import DataConfig, LoopConfig, OptimConfig
 
-    for name, recipe in run.RECIPES.items():  # every recipe names real fields with valid values
+    for name, recipe in config_lib.RECIPES.items():  # every recipe names real fields with valid values
         DataConfig.from_dict(recipe.get("data", {}), source=name)
         OptimConfig.from_dict(recipe.get("optim", {}), source=name)
         LoopConfig.from_dict(recipe.get("loop", {}), source=name)
-    assert run.DEFAULT_RECIPE["files"] is None  # data files keep the dataclass defaults until a recipe is measured
+    assert config_lib.DEFAULT_RECIPE["files"] is None  # data files keep the dataclass defaults until one is measured
 
     train = write_corpus(tmp_path)
     prepared = run.prepare(
@@ -415,14 +417,13 @@ def test_recipes_fill_what_is_not_given(tmp_path):
         loop={"steps": 0, "progress": False},
         print_fn=lambda s: None,
     )
-    prepared.checkpoints.close()
-    recipe = run.RECIPES["multi30k"]
-    trainer = prepared.trainer
+    run.close(prepared)
+    recipe = config_lib.RECIPES["multi30k"]
     assert prepared.settings["recipe"] == "multi30k" and prepared.settings["preset"] == "tiny"
     assert prepared.config.d_model == 32 and prepared.config.src_vocab_size <= 100
     assert prepared.settings["data"]["max_tokens"] == recipe["data"]["max_tokens"]
-    assert trainer.optim.warmup_steps == recipe["optim"]["warmup_steps"] and trainer.optim.clip_norm == 1.0
-    assert trainer.loop.eval_sentences == recipe["loop"]["eval_sentences"] and trainer.loop.steps == 0
+    assert prepared.optim.warmup_steps == recipe["optim"]["warmup_steps"] and prepared.optim.clip_norm == 1.0
+    assert prepared.loop.eval_sentences == recipe["loop"]["eval_sentences"] and prepared.loop.steps == 0
     with pytest.raises(run.ConfigError, match="unknown recipe 'nope'"):
         run.prepare(run_dir=tmp_path / "other", recipe="nope", print_fn=lambda s: None)
 

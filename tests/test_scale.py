@@ -238,7 +238,9 @@ def test_resumes_on_other_device_counts_continue_like_the_uninterrupted_run(runs
 
 def _stream_position_after(run, batches: int) -> dict:
     """The BatchStream position a run's settings reach after `batches` batches, computed afresh."""
-    from jax_transformer.data import BatchStream, DataConfig, encode_corpus, load_corpus
+    from jax_transformer.batching import BatchStream, encode_corpus
+    from jax_transformer.config import DataConfig
+    from jax_transformer.run import load_corpus
 
     loaded = ckpt_lib.load(run, "latest")
     data = DataConfig.from_dict(loaded.run["data"])
@@ -313,7 +315,7 @@ def test_bad_parallel_flags_are_clear_errors(tmp_path):
             ["--coordinator", "127.0.0.1:9", "--num-processes", "2", "--process-id", "2"],
             "--process-id 2 is out of range for --num-processes 2",
         ),
-        "accumulate 0": (["--accumulate", "0"], "'accumulate' (--accumulate) must be an int >= 1, got 0"),
+        "accumulate 0": (["--accumulate", "0"], "'accumulate' must be an int >= 1, got 0 (--accumulate)"),
         "rows not divisible": (["--accumulate", "3"], "rows, which do not split evenly over 1 device(s) x 3"),
         "malformed coordinator": (
             ["--coordinator", "localhost", "--num-processes", "2", "--process-id", "1"],
@@ -347,14 +349,17 @@ def test_bad_parallel_flags_are_clear_errors(tmp_path):
 def test_a_checkpoint_from_before_row_multiple_keeps_its_batch_plan():
     """Checkpoints written before --row-multiple existed rounded rows to their device count: a resume reads that
     count as the row multiple, so it sees the batches the run saw; given explicitly, another value is refused."""
-    from jax_transformer.data import DataConfig
-    from jax_transformer.run import UsageError, _resolve_data
+    from jax_transformer.config import DataConfig, UsageError, resolve
 
     saved = {k: v for k, v in DataConfig(tsv="/data/train.tsv").to_dict().items() if k != "row_multiple"}
-    assert _resolve_data({}, {"data": saved, "devices": 4}).row_multiple == 4
-    assert _resolve_data({}, {"data": saved, "devices": None}).row_multiple == 1
+
+    def data(given, devices):  # what a resume with these data flags continues with
+        return resolve({"data": given}, {"seed": 0, "optim": {}, "loop": {}, "data": saved, "devices": devices}).data
+
+    assert data({}, 4).row_multiple == 4
+    assert data({}, None).row_multiple == 1
     with pytest.raises(UsageError, match="row_multiple=4"):
-        _resolve_data({"row_multiple": 8}, {"data": saved, "devices": 4})
+        data({"row_multiple": 8}, 4)
 
 
 @pytest.mark.skipif(

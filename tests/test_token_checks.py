@@ -179,8 +179,11 @@ def test_trainer_checks_each_batch_before_the_step(tmp_path):
     """A bad batch is a DataError naming the batch, array, position and limit, raised before the compiled step
     sees it (so before the donated state is touched); the steps before it ran normally."""
     from jax_transformer import checkpoint as ckpt_lib
-    from jax_transformer import trainer as trainer_lib
-    from jax_transformer.data import DataError, Tokenizer
+    from jax_transformer import loop as loop_lib
+    from jax_transformer.batching import ValidationSet
+    from jax_transformer.config import LoopConfig
+    from jax_transformer.errors import DataError
+    from jax_transformer.tokenizer import Tokenizer
 
     class Batches:  # unit batches, the third one with a target id beyond the vocabulary
         index = 0
@@ -194,36 +197,43 @@ def test_trainer_checks_each_batch_before_the_step(tmp_path):
             return {"epoch": 0, "index": self.index, "batches_per_epoch": 1000}
 
     tokenizer = Tokenizer.train([f"w{i} v{i % 7}" for i in range(200)], 40, model_type="bpe")
-    trainer = trainer_lib.Trainer(
+    run = loop_lib.Run(
         config=CONFIG,
         optim=unit_optim(),
         tokenizer=tokenizer,
         stream=Batches(),
         state=training.create_train_state(CONFIG, unit_optim()),
-        loop=trainer_lib.LoopConfig(steps=10, save_every=100, progress=False),
+        loop=LoopConfig(steps=10, save_every=100, progress=False),
         run_dir=tmp_path / "run",
         checkpoints=ckpt_lib.CheckpointManager(tmp_path / "run" / "checkpoints"),
-        print_fn=lambda s: None,
+        print=lambda s: None,
     )
-    steps = []
-    real_step = trainer.train_step
-    trainer.train_step = lambda state, batch: (steps.append(1), real_step(state, batch))[1]
-    with pytest.raises(DataError, match=r"training batch 3\['tgt_out'\]\[1, 2\] = 50 is outside the target vocab"):
-        trainer.run()
-    trainer.checkpoints.close()
-    assert len(steps) == 2 and trainer.step == 2
-    assert all(np.isfinite(v).all() for v in flat(trainer.host_params()).values())
+    steps, after = [], {}  # each step called, and the step and parameters of the state it returned
+    real_step = run.train_step
 
-    # Validation batches are checked once, when the trainer is built.
-    valid = trainer_lib.ValidationSet([dict(unit_batch(0), src=_with(unit_batch(0)["src"], 0, 0, -2))], ["a"], ["b"])
+    def counted_step(state, batch):
+        steps.append(1)
+        state, sums = real_step(state, batch)
+        after.update(step=int(state.step), params=flat(jax.device_get(state.params)))  # before the next donates it
+        return state, sums
+
+    run.train_step = counted_step
+    with pytest.raises(DataError, match=r"training batch 3\['tgt_out'\]\[1, 2\] = 50 is outside the target vocab"):
+        loop_lib.train_loop(run)
+    run.checkpoints.close()
+    assert len(steps) == 2 and after["step"] == 2
+    assert all(np.isfinite(v).all() for v in after["params"].values())
+
+    # Validation batches are checked once, when the run is built.
+    valid = ValidationSet([dict(unit_batch(0), src=_with(unit_batch(0)["src"], 0, 0, -2))], ["a"], ["b"])
     with pytest.raises(DataError, match=r"validation batch 0\['src'\]\[0, 0\] = -2 is outside the source vocab"):
-        trainer_lib.Trainer(
+        loop_lib.Run(
             config=CONFIG,
             optim=unit_optim(),
             tokenizer=tokenizer,
             stream=Batches(),
             state=training.create_train_state(CONFIG, unit_optim()),
-            loop=trainer_lib.LoopConfig(steps=1, progress=False),
+            loop=LoopConfig(steps=1, progress=False),
             run_dir=tmp_path / "run2",
             checkpoints=None,
             valid=valid,

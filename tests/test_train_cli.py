@@ -11,8 +11,10 @@ import numpy as np
 import pytest
 
 from jax_transformer import checkpoint as ckpt_lib
-from jax_transformer import trainer as trainer_lib
+from jax_transformer import loop as loop_lib
+from jax_transformer import run as run_lib
 from jax_transformer import training
+from jax_transformer.config import LoopConfig
 from tests.fixtures import flat
 from tests.helpers_training import (
     REPO,
@@ -177,7 +179,7 @@ def test_nan_loss_stops_without_overwriting_the_last_good_checkpoint(tmp_path):
     the parameters (what a diverged update does). The run must stop with a TrainingError naming step 5, save
     nothing, leave checkpoint 4 as it was, and log steps 1-4 and the error of step 5. The loop dispatches steps
     without waiting for their losses, but checks them before any save, so step 6 may have been dispatched."""
-    from jax_transformer.data import Tokenizer
+    from jax_transformer.tokenizer import Tokenizer
     from tests.fixtures import unit_batch, unit_config, unit_optim
 
     class Batches:  # stands in for a BatchStream: the unit-test batches, so the compiled step is shared
@@ -193,18 +195,18 @@ def test_nan_loss_stops_without_overwriting_the_last_good_checkpoint(tmp_path):
     tokenizer = Tokenizer.train([f"w{i} v{i % 7}" for i in range(200)], 40, model_type="bpe")
     config, optim = unit_config(), unit_optim()
     manager = ckpt_lib.CheckpointManager(tmp_path / "run" / "checkpoints")
-    trainer = trainer_lib.Trainer(
+    run = loop_lib.Run(
         config=config,
         optim=optim,
         tokenizer=tokenizer,
         stream=Batches(),
         state=training.create_train_state(config, optim),
-        loop=trainer_lib.LoopConfig(steps=10, save_every=2, progress=False),
+        loop=LoopConfig(steps=10, save_every=2, progress=False),
         run_dir=tmp_path / "run",
         checkpoints=manager,
-        print_fn=lambda s: None,
+        print=lambda s: None,
     )
-    real_step, calls, saved = trainer.train_step, [], {}
+    real_step, calls, saved = run.train_step, [], {}
 
     def diverging_step(state, batch):
         calls.append(1)
@@ -216,13 +218,13 @@ def test_nan_loss_stops_without_overwriting_the_last_good_checkpoint(tmp_path):
             sums = dict(sums, loss=sums["loss"] * np.nan)
         return state, sums
 
-    trainer.train_step = diverging_step
+    run.train_step = diverging_step
     with pytest.raises(
-        trainer_lib.TrainingError,
+        loop_lib.TrainingError,
         match=r"step 5: the training loss is nan .* last good checkpoint "
         r"is step 4",
     ):
-        trainer.run()
+        loop_lib.train_loop(run)
     manager.close()
     assert len(calls) in (5, 6) and completed_steps(tmp_path / "run") == [2, 4]
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
@@ -236,10 +238,10 @@ def test_nan_loss_stops_without_overwriting_the_last_good_checkpoint(tmp_path):
 
 
 def test_training_error_exits_with_code_3(monkeypatch, tmp_path):
-    def diverge(self):
-        raise trainer_lib.TrainingError("step 7: the training loss is nan (not finite)")
+    def diverge(run):
+        raise loop_lib.TrainingError("step 7: the training loss is nan (not finite)")
 
-    monkeypatch.setattr(trainer_lib.Trainer, "run", diverge)
+    monkeypatch.setattr(run_lib, "train_loop", diverge)
     code, out, err = run_main(tiny_train_args(tmp_path / "run", write_corpus(tmp_path), steps=10))
     assert code == 3 and "error: step 7: the training loss is nan" in err and "Traceback" not in err
 
@@ -319,7 +321,8 @@ def test_export_and_import_round_trip(tmp_path):
     import torch
 
     import torch_reference
-    from jax_transformer.data import BatchStream, encode_corpus, read_tsv
+    from jax_transformer.batching import BatchStream, encode_corpus
+    from jax_transformer.corpus import read_tsv
 
     train = write_corpus(tmp_path)
     code, out, err = run_main(tiny_train_args(tmp_path / "run", train, steps=3))

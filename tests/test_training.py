@@ -126,7 +126,8 @@ def test_default_task_learns():
     frequencies stays near loss 4. Batches are 128 random pairs padded to 24 tokens (one shape, one compilation
     per dtype). Measured: see the print."""
     from jax_transformer import default_task
-    from jax_transformer.data import Tokenizer, encode_corpus, eval_batches
+    from jax_transformer.batching import encode_corpus, eval_batches
+    from jax_transformer.tokenizer import Tokenizer
 
     train, valid = default_task.default_pairs("train", n=3000), default_task.default_pairs("valid", n=100)
     tokenizer = Tokenizer.train(

@@ -29,9 +29,10 @@ from flax.traverse_util import flatten_dict
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from jax_transformer import decoding  # noqa: E402
+from jax_transformer.batching import encode_corpus
 from jax_transformer.config import OptimConfig, preset  # noqa: E402
-from jax_transformer.data import Tokenizer, encode_corpus  # noqa: E402
 from jax_transformer.default_task import TOKENIZER_MODEL_TYPE, TOKENIZER_VOCAB_SIZE, default_pairs  # noqa: E402
+from jax_transformer.tokenizer import Tokenizer
 from jax_transformer.training import create_train_state, make_train_step  # noqa: E402
 from tests.fixtures import corpus_batches, pad_rows  # noqa: E402
 

@@ -1,0 +1,261 @@
+"""Reading a parallel corpus: line-aligned files (or source<TAB>target lines) into a `Corpus` of string pairs, each
+with the 1-based line it came from, so that every later error can point at the line at fault. Bad input (invalid
+UTF-8, NUL bytes, a UTF-16 file, a missing side) is a DataError naming the file and line."""
+
+from __future__ import annotations
+
+import codecs
+import dataclasses
+import io
+import itertools
+import os
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+from jax_transformer.errors import DataError
+
+# How many line numbers of skipped pairs a Corpus / EncodedCorpus keeps for its report.
+MAX_REPORTED_LINES = 10
+_ON_EMPTY = ("skip", "error")
+
+
+@dataclasses.dataclass
+class Corpus:
+    """Sentence pairs read from disk (or built in memory), each with the line it came from.
+
+    `line_numbers[i]` is the 1-based line of pair i in the original file(s); skipped lines leave gaps.
+    `origin` names the file(s) in messages. Empty lines that were skipped are counted in `skipped_empty`, and
+    the first few of their line numbers are kept in `skipped_empty_lines` so a log can show where they were.
+    `stripped_boms` counts the files that began with a UTF-8 byte-order mark and `crlf_lines` the lines that
+    ended in CRLF: both are removed while reading (see `read_lines`) and reported by `describe`.
+    """
+
+    sources: list[str]
+    targets: list[str]
+    line_numbers: list[int]
+    origin: str
+    skipped_empty: int = 0
+    skipped_empty_lines: list[int] = dataclasses.field(default_factory=list)
+    stripped_boms: int = 0
+    crlf_lines: int = 0
+
+    def __post_init__(self) -> None:
+        if not len(self.sources) == len(self.targets) == len(self.line_numbers):
+            raise ValueError(
+                f"{self.origin}: Corpus needs as many sources ({len(self.sources)}) as targets "
+                f"({len(self.targets)}) and line numbers ({len(self.line_numbers)})"
+            )
+
+    def __len__(self) -> int:
+        return len(self.sources)
+
+    def describe(self) -> str:
+        """One line for a log: how many pairs were kept, how many empty lines skipped, and where; what the
+        reader removed (byte-order marks, CRLF line ends)."""
+        text = f"{self.origin}: {len(self)} pairs"
+        if self.skipped_empty:
+            text += f", skipped {self.skipped_empty} with an empty side{lines_hint(self.skipped_empty_lines)}"
+        if self.stripped_boms:
+            text += f", removed a UTF-8 byte-order mark ({self.stripped_boms} file{'s' * (self.stripped_boms > 1)})"
+        if self.crlf_lines:
+            text += f", removed CR from {self.crlf_lines} CRLF line end{'s' * (self.crlf_lines > 1)}"
+        return text
+
+
+def lines_hint(lines: Sequence[int]) -> str:
+    return f" (lines {', '.join(map(str, lines))}{', ...' if len(lines) == MAX_REPORTED_LINES else ''})"
+
+
+def location(origin: str | os.PathLike, line: int) -> str:
+    """The location prefix of every error message about one line."""
+    return f"{origin}, line {line}"
+
+
+def _check_readable(path: Path, *, allow_empty: bool = False) -> None:
+    # Checked up front so that a missing second file is reported before any line of the first is read.
+    if not path.exists():
+        raise DataError(f"{path}: file not found")
+    if path.is_dir():
+        raise DataError(f"{path}: is a directory, not a text file")
+    if not path.is_file():
+        raise DataError(f"{path}: not a regular file")
+    if not allow_empty and path.stat().st_size == 0:
+        raise DataError(f"{path}: the file is empty")
+
+
+@dataclasses.dataclass
+class ReadStats:
+    """What `read_lines` removed while reading: a UTF-8 byte-order mark (0 or 1) and CRs of CRLF line ends."""
+
+    stripped_boms: int = 0
+    crlf_lines: int = 0
+
+
+_UTF16_BOMS = (codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)
+
+
+def read_lines(
+    source: str | os.PathLike | io.BufferedIOBase, *, origin: str | None = None, stats: ReadStats | None = None
+) -> Iterator[tuple[int, str]]:
+    """Yields (1-based line number, text) for each line of UTF-8 text, a file path or a binary stream (stdin's
+    `sys.stdin.buffer`), one line at a time (memory: one line), with only the line ending removed.
+
+    Lines are split on b"\\n" only: str.splitlines() would also split on characters such as U+2028 that can occur
+    inside a sentence, and break the line alignment of a parallel corpus. Each line is decoded on its own, so
+    bad input is reported with its line and byte offset:
+    * a UTF-8 byte-order mark at the start (Windows editors write one) and the CR of CRLF line ends are removed
+      and counted in `stats`;
+    * invalid UTF-8 and NUL bytes (a binary or UTF-16 file) are a DataError naming the line and byte offset;
+      a UTF-16 byte-order mark gets its own message.
+    A line is read whole, however long (a line of megabytes is read, then counted as too long by
+    `encode_corpus`, or refused or truncated by `translate`).
+    """
+    if isinstance(source, (str, os.PathLike)):
+        path = Path(source)
+        _check_readable(path, allow_empty=True)
+        try:
+            with open(path, "rb") as f:
+                yield from read_lines(f, origin=origin or str(path), stats=stats)
+        except OSError as e:  # e.g. permission denied; a missing file was caught by _check_readable
+            raise DataError(f"{path}: cannot read: {e.strerror or e}") from e
+        return
+    origin = origin or getattr(source, "name", "input")
+    stats = stats if stats is not None else ReadStats()
+    offset = 0  # byte offset of the current line's start in the file
+    for number, raw in enumerate(source, start=1):
+        start, offset = offset, offset + len(raw)
+        if raw.endswith(b"\r\n"):
+            raw = raw[:-2]
+            stats.crlf_lines += 1
+        elif raw.endswith(b"\n"):
+            raw = raw[:-1]
+        if number == 1:
+            if raw.startswith(codecs.BOM_UTF8):
+                # Editors on Windows often start UTF-8 files with a byte-order mark; it is not text.
+                raw, start = raw[len(codecs.BOM_UTF8) :], start + len(codecs.BOM_UTF8)
+                stats.stripped_boms += 1
+            elif raw.startswith(_UTF16_BOMS):
+                raise DataError(
+                    f"{location(origin, 1)}: starts with a UTF-16 byte-order mark: the text is UTF-16, not UTF-8; "
+                    f"convert it, e.g. iconv -f UTF-16 -t UTF-8"
+                )
+        nul = raw.find(b"\0")
+        if nul >= 0:
+            raise DataError(
+                f"{location(origin, number)}: NUL byte at byte offset {start + nul} (byte {nul + 1} of the line): "
+                f"not UTF-8 text (a binary file, or UTF-16 without a byte-order mark?)"
+            )
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise DataError(
+                f"{location(origin, number)}: not valid UTF-8: byte 0x{raw[e.start]:02x} at byte offset "
+                f"{start + e.start} of the file (byte {e.start + 1} of the line): {e.reason}"
+            ) from None
+        yield number, text
+
+
+def count_lines(path: str | os.PathLike, block: int = 1 << 20) -> int:
+    """The number of lines `read_lines` yields for a file (a last line without "\\n" counts), read in blocks:
+    for a progress bar's total, without holding the file."""
+    _check_readable(Path(path), allow_empty=True)
+    lines, last = 0, b"\n"
+    with open(path, "rb") as f:
+        while chunk := f.read(block):
+            lines += chunk.count(b"\n")
+            last = chunk[-1:]
+    return lines + (last != b"\n")
+
+
+class _CorpusBuilder:
+    """Collects pairs, applying the empty-line policy, for both readers."""
+
+    def __init__(self, origin: str, on_empty: str) -> None:
+        if on_empty not in _ON_EMPTY:
+            raise ValueError(f"on_empty must be one of {_ON_EMPTY}, got {on_empty!r}")
+        self.corpus = Corpus([], [], [], origin)
+        self.on_empty = on_empty
+        self.stats = ReadStats()  # shared by the readers of every file of this corpus
+
+    def add(self, line: int, source: str, target: str, empty_error: str) -> None:
+        """Adds one pair; `empty_error` is the message to raise if a side is empty and on_empty is "error"."""
+        if source.strip() and target.strip():
+            self.corpus.sources.append(source)
+            self.corpus.targets.append(target)
+            self.corpus.line_numbers.append(line)
+        elif self.on_empty == "error":
+            raise DataError(empty_error + ' (pass on_empty="skip" to skip such pairs)')
+        else:
+            self.corpus.skipped_empty += 1
+            if len(self.corpus.skipped_empty_lines) < MAX_REPORTED_LINES:
+                self.corpus.skipped_empty_lines.append(line)
+
+    def finish(self, lines: int) -> Corpus:
+        """The corpus; a DataError if no pair is left (nothing could be trained or evaluated on)."""
+        corpus = self.corpus
+        corpus.stripped_boms, corpus.crlf_lines = self.stats.stripped_boms, self.stats.crlf_lines
+        if not len(corpus):
+            raise DataError(f"{corpus.origin}: no sentence pairs: all {lines} lines have an empty side")
+        return corpus
+
+
+def read_parallel(src_path: str | os.PathLike, tgt_path: str | os.PathLike, *, on_empty: str = "skip") -> Corpus:
+    """Reads two line-aligned UTF-8 files: line i of `src_path` translates to line i of `tgt_path`.
+
+    Only the line ending ("\\n" or "\\r\\n") is removed; other whitespace is kept (see `read_lines` for BOMs,
+    NUL bytes and invalid UTF-8). A pair with a side that is empty (after strip()) is skipped and counted
+    (on_empty="skip") or is a DataError (on_empty="error"). Files with different line counts are a DataError
+    naming both counts: the alignment is broken somewhere, and guessing where would train on mistranslations.
+    An empty file, or files without a single complete pair, are a DataError.
+    """
+    src, tgt = Path(src_path), Path(tgt_path)
+    _check_readable(src)
+    _check_readable(tgt)
+    builder = _CorpusBuilder(f"{src} + {tgt}", on_empty)
+    line = 0
+    for src_item, tgt_item in itertools.zip_longest(
+        read_lines(src, stats=builder.stats), read_lines(tgt, stats=builder.stats)
+    ):
+        if src_item is None or tgt_item is None:
+            n_src, n_tgt = count_lines(src), count_lines(tgt)
+            longer, shorter = (src, tgt) if n_src > n_tgt else (tgt, src)
+            raise DataError(
+                f"{src} has {n_src} lines but {tgt} has {n_tgt}: {shorter} ends after line {min(n_src, n_tgt)}, "
+                f"so line {min(n_src, n_tgt) + 1} of {longer} has no translation; the files must be line-aligned"
+            )
+        (line, source), (_, target) = src_item, tgt_item
+        if not source.strip():
+            message = f"{location(src, line)}: empty source line" + ("" if target.strip() else f" (and {tgt} too)")
+        else:
+            message = f"{location(tgt, line)}: empty target line"
+        builder.add(line, source, target, message)
+    return builder.finish(line)
+
+
+def read_tsv(path: str | os.PathLike, *, on_empty: str = "skip") -> Corpus:
+    """Reads `source<TAB>target` lines from one UTF-8 file; each line must hold exactly one tab.
+
+    Empty sides, empty files and bad bytes are handled as in `read_parallel`.
+    """
+    path = Path(path)
+    _check_readable(path)
+    builder = _CorpusBuilder(str(path), on_empty)
+    line = 0
+    for line, text in read_lines(path, stats=builder.stats):
+        tabs = text.count("\t")
+        if tabs != 1:
+            raise DataError(f"{location(path, line)}: expected exactly one tab between source and target, found {tabs}")
+        source, target = text.split("\t")
+        side = "source (left of the tab)" if not source.strip() else "target (right of the tab)"
+        builder.add(line, source, target, f"{location(path, line)}: empty {side}")
+    return builder.finish(line)
+
+
+def corpus_fingerprint(corpus: Corpus) -> str:
+    """A hash of the pairs' text: a resumed run checks that it sees the same training data."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for source, target in zip(corpus.sources, corpus.targets):
+        digest.update(source.encode("utf-8") + b"\t" + target.encode("utf-8") + b"\n")
+    return digest.hexdigest()[:16]

@@ -1,0 +1,16 @@
+"""The errors a user can cause, and that `train.py` reports as one line ("error: ...", exit status 1) instead of a
+traceback. Each message names what is at fault: the setting, or the file and line, the array and position."""
+
+from __future__ import annotations
+
+
+class ConfigError(ValueError):
+    """A setting has a value the program cannot use; the message names the setting (its field or flag)."""
+
+
+class DataError(ValueError):
+    """The data cannot be used as given. The message names the file (or corpus) and the 1-based line at fault."""
+
+
+class UsageError(ValueError):
+    """Settings that do not fit together, e.g. a resume asked to change what an exact resume needs unchanged."""
