@@ -421,7 +421,7 @@ def padding(args) -> dict:
         result[batching] = {
             "shapes": [list(shape) for shape in stream.shapes],
             "batches_per_epoch": len(batches),
-            "source_real": round(sum(int((b["src"] != data.PAD_ID).sum()) for b in batches) / slots, 4),
+            "source_real": round(sum(int((b["src"] != PAD_ID).sum()) for b in batches) / slots, 4),
             "target_real": round(target / slots, 4),
             "target_tokens_per_batch": round(target / len(batches)),
             "validation_batches": len(evaluation),
