@@ -1,39 +1,21 @@
-"""Running one training step on many devices and many processes: data parallelism and `jax.distributed`.
-
-Read top to bottom:
-
-1. `ParallelConfig`: the settings (`train.py train --parallel {auto,jit,pmap,sharded} --accumulate K
-   --coordinator HOST:PORT --num-processes N --process-id I`, or `--distributed` for the detection built into
-   `jax.distributed.initialize`: TPU pods, Slurm, Open MPI). They describe the machine, not the run: a resume may
-   change every one of them.
-2. `initialize`: joins the processes with JAX's own multi-controller runtime (`jax.distributed`), the distributed
-   engine every JAX user on a GPU cluster or TPU pod already has; this project launches nothing itself. Before
-   it, the coordinator's port is probed, so that an unreachable coordinator is a clear error, not an abort.
-3. `is_primary`, `barrier`, `all_same`, `agree_on_stop`: process 0 alone writes files and prints; every reason
-   to stop is agreed at a step boundary, so no process leaves the loop while the others wait in a collective.
-4. `DataParallel`: where the state and each batch live, and the compiled step, for the three ways to run a step:
-   - "jit": one device, the whole batch;
-   - "pmap": the local devices of one process, each a block of rows (`jax.pmap`, psum over devices);
-   - "sharded": all global devices of all processes as a one-axis `Mesh` ("data"), the state replicated
-     (`NamedSharding(mesh, P())`) and the batch one global array split by rows (`P("data")`); each process puts
-     only its own rows there (`jax.make_array_from_process_local_data`). The compiler adds the partial sums.
-   A batch from the data pipeline is the *global* batch; its rows must divide evenly over devices x
-   micro-batches (`check_rows`). All three compute the same update (`jax_transformer.training.train_step`).
-
-What a user sees when a process dies (jax 0.10.2, measured on CPU loopback): the others are blocked in their
-next collective, and JAX's coordination service, which has not heard a heartbeat from the dead process for
-`heartbeat_timeout` seconds, terminates them with `SIGABRT` (exit status 134, or -6 from a Python parent) and
-the log line "Terminating process because the JAX distributed service detected fatal errors. This most likely
-indicates that another task died ... The following tasks are unhealthy (stopped sending heartbeats)". It does
-not reach Python, so no checkpoint is written: the run resumes from its last one (`--resume`).
-"""
+"""Many devices and many processes: joining the processes (`jax.distributed`), agreeing across them, and where
+the state and each batch live for the three ways to run a step (`DataParallel`): "jit" (one device), "pmap" (this
+process's devices, a block of rows each) and "sharded" (a one-axis mesh of every device of every process, the
+batch one global array split by rows). All three compute the same update. Process 0 alone writes and prints; the
+reasons to stop are agreed at each step; a process that dies makes the others end with a message (`PeerWatch`)."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import socket
+import sys
+import threading
 import time
 import zlib
 from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
 
 import jax
 import numpy as np
@@ -49,7 +31,7 @@ from jax_transformer.training import (
 )
 
 # =============================================================================================================
-# 2. Joining the processes
+# Joining the processes
 # =============================================================================================================
 
 
@@ -98,6 +80,9 @@ def initialize(parallel: ParallelConfig, print_fn: Callable[[str], None] = print
             else ""
         )
         raise ConfigError(f"jax.distributed.initialize failed: {e}{hint}") from None
+    global _WATCH
+    if parallel.coordinator is not None:  # (with --distributed alone the address of process 0 is not known here)
+        _WATCH = PeerWatch.join(parallel.coordinator, jax.process_index(), jax.process_count(), timeouts["init"])
     print_fn(
         f"process {jax.process_index()} of {jax.process_count()}: {jax.local_device_count()} local device(s), "
         f"{jax.device_count()} in all (timeouts: join {timeouts['init']} s, heartbeat {timeouts['heartbeat']} s)"
@@ -137,7 +122,136 @@ def probe_coordinator(address: str, process_id: int, timeout: float) -> None:
 
 
 # =============================================================================================================
-# 3. Who writes, and agreeing across processes
+# When a process dies: the others end with a message, not an abort
+# =============================================================================================================
+
+# The exit status of a process that stops because another process of its run stopped answering.
+EXIT_PEER_LOST = 5
+# After a peer announces that it is ending with an error, how long this process may take to end on its own (the
+# same error reached at the same step: every process raises it) before it is stopped as left alone.
+ERROR_GRACE_SECONDS = 5.0
+
+
+class PeerWatch:
+    """Every process of a multi-process run holds one TCP connection to process 0, opened when the processes join.
+    When a process dies (kill -9, a crash), its operating system closes the connection at once; the process at
+    the other end then prints which process stopped answering, the newest complete checkpoint and the command that
+    resumes the run, and ends with EXIT_PEER_LOST, from a background thread, because its main thread is typically
+    blocked in a collective that will never complete. Process 0 tells the other survivors which process it lost.
+
+    Written by hand because JAX offers no hook: its coordination service aborts the survivors (SIGABRT, a fatal C++
+    log line) once the dead process misses its heartbeats, and `jax.distributed.initialize` takes no callback.
+    A process that ends as the run ends (any stop the processes agreed on) says so first ("end ok"), and one that
+    ends with an error says that ("end error: ..."); neither is taken for a death. A machine that vanishes without
+    closing its connections is still caught by JAX's heartbeats."""
+
+    def __init__(self, connections: dict[int, tuple[socket.socket, Any]], me: int, count: int) -> None:
+        """`connections`: {peer: (socket, its line reader)}."""
+        self.connections = {peer: connection for peer, (connection, _) in connections.items()}
+        self.me, self.count = me, count
+        self.run_dir: str | None = None
+        self.resume_hint = ""
+        self._ended = threading.Event()  # this process is ending on its own: report nothing
+        self._lock = threading.Lock()
+        for peer, (_, reader) in connections.items():
+            threading.Thread(target=self._listen, args=(peer, reader), name=f"peer-{peer}", daemon=True).start()
+
+    @classmethod
+    def join(cls, address: str, me: int, count: int, timeout: float) -> PeerWatch:
+        """Process 0 listens on a free port, every process learns it (a collective), the others connect."""
+        host, _ = host_port(address)
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        listener, port = None, 0
+        if me == 0:
+            listener = socket.socket(family)
+            listener.bind(("::" if family == socket.AF_INET6 else "", 0))
+            listener.listen(count)
+            port = listener.getsockname()[1]
+        port = int(_gather_words(np.array([port], np.uint32))[0, 0])
+        connections = {}
+        if me == 0:
+            listener.settimeout(timeout)
+            for _ in range(count - 1):
+                connection, _ = listener.accept()
+                connection.settimeout(None)
+                reader = connection.makefile("r", encoding="utf-8", errors="replace")
+                connections[int(reader.readline())] = (connection, reader)
+            listener.close()
+        else:
+            connection = socket.create_connection((host, port), timeout=timeout)
+            connection.settimeout(None)
+            connection.sendall(f"{me}\n".encode())
+            connections[0] = (connection, connection.makefile("r", encoding="utf-8", errors="replace"))
+        return cls(connections, me, count)
+
+    def _listen(self, peer: int, reader) -> None:
+        for line in reader:
+            word, _, rest = line.strip().partition(" ")
+            if word == "lost":  # process 0 lost another process and is about to end
+                self._lost(int(rest), f"process {rest} stopped answering")
+                return
+            if word == "end":
+                if rest.startswith("error"):  # let this process end on the same error by itself first
+                    if not self._ended.wait(ERROR_GRACE_SECONDS):
+                        self._lost(peer, f"process {peer} ended with an {rest}")
+                return
+        self._lost(
+            peer,
+            f"process {peer} stopped answering (its connection closed without the run ending: it was "
+            f"killed or crashed)",
+        )
+
+    def _lost(self, peer: int, what: str) -> None:
+        if self._ended.is_set():
+            return
+        with self._lock:
+            for other, connection in self.connections.items():
+                if other != peer:
+                    with contextlib.suppress(OSError):
+                        connection.sendall(f"lost {peer}\n".encode())
+            print(
+                f"error: {what}; process {self.me} of {self.count} stops too. {self._where_to_resume()}",
+                file=sys.stderr,
+                flush=True,
+            )
+            sys.stdout.flush()
+            os._exit(EXIT_PEER_LOST)
+
+    def _where_to_resume(self) -> str:
+        if self.run_dir is None:
+            return "The run had not started training."
+        from jax_transformer.checkpoint import CHECKPOINT_SUBDIR, committed_steps
+
+        steps = committed_steps(Path(self.run_dir) / CHECKPOINT_SUBDIR)
+        saved = f"the newest complete checkpoint is step {steps[-1]}" if steps else "no checkpoint was saved yet"
+        return f"In {self.run_dir} {saved}; resume the run with {self.resume_hint}"
+
+    def end(self, error: str | None = None) -> None:
+        """This process ends on its own: the run ended (error None) or an error stops it; the peers are told."""
+        self._ended.set()
+        message = "end ok\n" if error is None else f"end error: {' '.join(error.split())[:300]}\n"
+        for connection in self.connections.values():
+            with contextlib.suppress(OSError):
+                connection.sendall(message.encode())
+
+
+_WATCH: PeerWatch | None = None
+
+
+def watch_run(run_dir: str | os.PathLike, resume_hint: str) -> None:
+    """What a survivor's message names: the run directory (its newest checkpoint) and the command that resumes."""
+    if _WATCH is not None:
+        _WATCH.run_dir, _WATCH.resume_hint = str(run_dir), resume_hint
+
+
+def end_run(error: str | None = None) -> None:
+    """Tells the other processes that this one ends on its own (see `PeerWatch.end`); a no-op in one process."""
+    if _WATCH is not None:
+        _WATCH.end(error)
+
+
+# =============================================================================================================
+# Who writes, and agreeing across processes
 # =============================================================================================================
 
 
@@ -209,7 +323,7 @@ def agree_on_stop(reason: str | None) -> str | None:
 
 
 # =============================================================================================================
-# 4. Where state and batches live
+# Where state and batches live
 # =============================================================================================================
 
 

@@ -53,11 +53,16 @@ __all__ = ["ConfigError", "UsageError", "prepare", "train"]
 
 def train(*, print_fn: Callable[[str], None] = print, **arguments: Any) -> RunResult:
     """Prepares a run (see `prepare` for the arguments), trains it to its end and closes it."""
-    run = prepare(print_fn=print_fn, **arguments)
     try:
-        result = train_loop(run)
-    finally:
-        close(run)
+        run = prepare(print_fn=print_fn, **arguments)
+        try:
+            result = train_loop(run)
+        finally:
+            close(run)
+    except BaseException as e:
+        distributed.end_run(error=f"{type(e).__name__}: {e}")  # the other processes are told why this one ends
+        raise
+    distributed.end_run()
     return dataclasses.replace(result, checkpoint_dir=run.checkpoints.directory, best_step=run.checkpoints.best_step())
 
 
@@ -107,6 +112,7 @@ def prepare(
     owner = lock and distributed.is_primary()
     print_fn = print_fn if distributed.is_primary() else _silent
     run_dir, held = open_run_dir(run_dir, resume, init_from_torch, owner, print_fn)
+    distributed.watch_run(run_dir, resume_command(run_dir, parallel_config))
     try:
         restored = (
             None
@@ -188,6 +194,18 @@ def open_run_dir(run_dir, resume, init_from_torch, owner: bool, print_fn) -> tup
             held.release()
         raise
     return run_dir, held
+
+
+def resume_command(run_dir: Path, parallel: ParallelConfig) -> str:
+    """The command that resumes this run, in words (for messages)."""
+    command = f"`train.py train --resume {run_dir}"
+    if parallel.multi_process and parallel.coordinator is not None:
+        n = parallel.num_processes
+        return (
+            f"{command} --coordinator {parallel.coordinator} --num-processes {n} --process-id I` in each "
+            f"process I = 0 .. {n - 1}"
+        )
+    return command + "`"
 
 
 def load_corpus(data: DataConfig, split: str = "train") -> Corpus | None:
