@@ -19,7 +19,7 @@ Parts (--gpu-parts):
            shapes: flops.train_step_matmul_flops) with its share of the device's peak for the variant's matmul
            precision (machine.KNOWN_PEAKS: bf16 for bfloat16 and autocast, TF32 for JAX's default float32 on a GPU
            and torch TF32, FP32 for "highest" and torch float32). Ratios: bfloat16 over JAX's default float32
-           (issue 11's goal: >= 2x on the GPU), JAX over the twin's fastest mode of the same precision (goal
+           (the goal: >= 2x on the GPU), JAX over the twin's fastest mode of the same precision (goal
            1.5x), each attention kernel over the explicit path (keep a kernel only where this is > 1).
   decode   greedy and beam 4 search (greedy only with --quick) in float32 and bfloat16: JAX's cached jitted search,
            and the twin's cached greedy decoder on the same device; exactly --decode-new-tokens tokens per

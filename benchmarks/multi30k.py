@@ -43,7 +43,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 DATA = REPO / ".data" / "multi30k"  # git-ignored
 FILES = ("train.de", "train.en", "val.de", "val.en")
-# The commit before issue 11 (packed batches, compilation cache): "today's" code for the end-to-end comparison.
+# The commit before packed batches and the compilation cache: "today's" code for the end-to-end comparison.
 OLD_REF = "48ac2a0"
 # JAX_LOG_COMPILES lines: tracing, lowering and XLA compilation of one function, each with its seconds.
 COMPILE_LINE = re.compile(r"Finished (?:tracing|jaxpr to MLIR module conversion|XLA compilation) .* in ([0-9.e-]+) sec")
@@ -173,7 +173,7 @@ def compile_seconds(lines: list[tuple[float, str]]) -> float:
 
 
 def estimated_phases(records: list[dict], lines: list[tuple[float, str]], wall: float) -> dict[str, float]:
-    """The wall time by phase of a run whose metrics have no "summary" record (the code before issue 11), from the
+    """The wall time by phase of a run whose metrics have no "summary" record (the code before packed batches), from the
     times of its records (seconds since train.py started) and of its JAX_LOG_COMPILES lines (seconds since launch;
     that code compiled in the loop's own thread, so every compile second was waited for): setup until the first step
     began, eval from each evaluation's record back to its step's record, checkpoint the gaps after saving steps

@@ -1,25 +1,6 @@
-"""Checkpoint averaging: the parameters of the last K checkpoints of a run, averaged, as a checkpoint of their own.
-
-fairseq's `scripts/average_checkpoints.py` and tensor2tensor's `avg_checkpoints.py` do this: the mean of the last
-few checkpoints' weights often translates better than any one of them (the iterates of Adam wander around a
-minimum; their mean lies nearer its centre). Here:
-
-    average_checkpoints("runs/de-en", last=5, output="runs/de-en-avg5")
-
-writes `runs/de-en-avg5/` laid out like a run directory (`checkpoints/<step>/`, `config.json`,
-`tokenizer.model`), so that `train.py evaluate / translate / export / attention / verify --checkpoint
-runs/de-en-avg5` read it like any other. Its one step is numbered after the newest averaged step.
-
-What is averaged: the parameters only, each tensor's elementwise mean over the K checkpoints, summed in float64
-and rounded once to float32 (so the mean of K identical checkpoints is exactly that checkpoint, and the mean of
-two is the correctly rounded midpoint). The optimiser state (Adam's moments) is not averaged and not kept: it is
-not needed to translate, and an average of moments is no state any run was in. Without it, and without a data
-position, the output cannot continue a training run: `train.py train --resume` on it stops with an error saying
-so (the run settings in its metadata carry `averaged_from`).
-
-Which checkpoints exist: the run keeps the last `--keep` saved steps (every `--save-every` steps), plus the best.
-To average the last K, train with `--keep K` or more.
-"""
+"""Checkpoint averaging, as fairseq's average_checkpoints.py: the elementwise mean of the parameters of a run's last
+K checkpoints (summed in float64, rounded once), written as a run-like directory that evaluate, translate, export,
+attention and verify read; it holds no optimiser state, so it cannot be resumed. docs/internals.md#averaging."""
 
 from __future__ import annotations
 

@@ -1,40 +1,8 @@
-"""Checkpoints with orbax: a training run saved so that it can be resumed exactly, or used to translate.
-
-A checkpoint directory (one per run) holds numbered steps, each written atomically by orbax (into a temporary
-directory that is renamed when complete, so a process killed mid-save leaves the previous step loadable):
-
-    <run>/checkpoints/<step>/state   the train state as a nested dict of arrays: step, params, optimiser state,
-                                     the base dropout key's raw words (`training.state_for_saving`)
-    <run>/checkpoints/<step>/meta    JSON: model config, optimiser config, data position (BatchStream.state()),
-                                     run settings, the run loop's own state (`loop_state`: early stopping's
-                                     best score and counter) and the SentencePiece model (base64), so
-                                     translation later uses exactly the training vocabulary
-    <run>/checkpoints/<step>/metrics JSON: validation score of that step, when it was evaluated
-
-Which steps are kept: the last `keep` saved plus the best by validation score (orbax's LatestN and BestN
-preservation policies, combined with AnyPreservationPolicy). Saving is asynchronous: `save` returns once the
-state has been copied to host memory and writes to disk in the background; it waits for the previous save
-first, and `wait`/`close` block until everything is on disk (call before exit).
-
-This module knows the model config and the tokenizer, not the training loop or the optimiser: `restore` returns
-the saved arrays, and `jax_transformer.training.restore_train_state` rebuilds a TrainState from them.
-
-Integrity. orbax makes a save atomic (a kill mid-save leaves a `<step>.orbax-checkpoint-tmp` folder, never a
-numbered one), but nothing in its files notices a byte changed later: a flipped bit inside a compressed array
-file restores silently as different numbers. So every save stores in `meta` the SHA-256 of every saved array
-and of the metadata itself (`checksums`), and every restore recomputes and compares them. A damaged step (a
-truncated, altered or missing file, unreadable metadata) is a CheckpointError naming the step folder and the
-file or array at fault; `newest_intact` walks back to the newest step that verifies, which is what a resume
-uses (`jax_transformer.run`), and `quarantine` moves damaged steps out of the way. A save that fails (disk
-full, permission denied) is a CheckpointError naming the step, the cause and the newest intact step; its
-half-written temporary folder is never taken for a checkpoint (`partial_saves` lists such folders).
-
-Formats: 3 (this code) adds the checksums. 2 stored the run settings grouped as `{"data": ..., "optim": ...,
-"loop": ...}` without checksums; format 1 (before typed keys) stored them flat. All hold the same arrays (the
-dropout key as raw uint32 words), so all load; steps of formats 1 and 2 load unverified (`Checkpoint.verified`
-is False: orbax still reports unreadable files, but an altered byte inside an array file cannot be noticed).
-`jax_transformer.run` reads a format-1 run's settings when resuming it.
-"""
+"""Checkpoints with orbax: a training run saved so that it resumes exactly, or translates. Each step is written
+atomically, with the train state's arrays, the config, optimiser settings, tokenizer, data position and run
+settings, and the SHA-256 of every array, checked on every restore; a damaged step is an error naming the file at
+fault, and a resume falls back to the newest step that verifies. Layout, formats and integrity:
+docs/internals.md#checkpoint."""
 
 from __future__ import annotations
 

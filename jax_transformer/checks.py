@@ -1,37 +1,7 @@
-"""Token ids and shapes checked where they enter the model, so that bad input is an error, not wrong numbers.
-
-Without these checks a token id >= the vocabulary size gives NaN logits (XLA's gather fills out-of-range rows
-with NaN), a negative id silently reads another row of the embedding table, and a sequence longer than
-`max_len` fails deep inside XLA ("slice_sizes must be less than or equal to operand shape"). Every check here
-raises a `TokenError` that names the array, the position and the limit:
-
-    src[1, 3] = 50 is outside the source vocabulary [0, 50)
-    tgt_in has length 40, more than config.max_len=32 positions
-
-Where the checks run:
-* On concrete arrays (numpy, or jax arrays outside `jit`), on the host: `Transformer.apply` on concrete inputs
-  (see `jax_transformer.model`), the loss, decoding, translation, and the training loop, which checks every
-  batch (`check_batch`) before handing it to the compiled step. Host checks are a few numpy reductions over
-  (rows, L) int32 arrays; the compiled step itself is unchanged.
-* Under `jit` the values are tracers and cannot be looked at. Shapes are known while tracing, so a length
-  beyond `max_len` is still a TokenError, raised at trace time. Values get `checkify.debug_check`s, traced only
-  while the caller's function runs under `checkified` (below), which checkifies it:
-
-      err, logits = jax.jit(checks.checkified(lambda p, s, t: model.apply(p, s, t)))(params, src, tgt_in)
-      err.throw()  # JaxRuntimeError: src[1, 3] = 50 is outside the source vocabulary [0, 50) ...
-
-  Everywhere else (a plain `jit` / `pmap` / `scan`, the training step) they are not traced at all. Traced, a
-  debug check leaves nothing in the compiled program, but it does leave its error code in the lowered one, and
-  checkify numbers error codes process-wide in the order things are traced: two runs that trace their programs
-  in another order (the compile-ahead threads) would lower different programs and miss each other's entries in
-  the persistent compilation cache (seen on a 2-core EPYC: tests/test_compile.py).
-  (`checkify.check`, the non-debug kind, would make every plain `jit`, `pmap` and `scan` of the model fail
-  with "Cannot abstractly evaluate a checkify.check", which is why the model uses debug checks.)
-
-Packed rows (`training.PACKING_KEYS`): positions must lie in [0, max_len), segment ids are >= 0 and 0 exactly on
-padding, non-decreasing along a row, positions count 0, 1, 2, ... within each segment, and every target segment
-has a source segment of the same id in its row (else its cross-attention would have no keys).
-"""
+"""Token ids and shapes checked where they enter the model, so that bad input is an error naming the array, the
+position and the limit (`TokenError`), not NaN logits or a silently wrong embedding row. On concrete arrays the
+checks run on the host; under `jit`, lengths are checked while tracing and values by `checkify` debug checks that
+are traced only inside `checked`. Where each check runs, and why: docs/internals.md#checks."""
 
 from __future__ import annotations
 

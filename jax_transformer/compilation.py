@@ -1,26 +1,7 @@
-"""Compilation out of the way: JAX's persistent compilation cache, compiling ahead of time, and counting compiles.
-
-XLA compiles every jitted function once per input shape. On a GPU one training step takes 25 s to compile and
-about 5 ms to run, so a short run is mostly compilation (issue 11). Three things keep it out of the way:
-
-1. `use_cache(setting)`: JAX's persistent compilation cache, on by default for training runs. A compiled program is
-   stored on disk under a key of its HLO, the compile options, the device and the jax version; the next run that
-   needs the same program loads it (about a second) instead of compiling it. On GPUs XLA's autotuning results
-   (which kernel configuration is fastest for each fusion) are cached beside it (jax's
-   `jax_persistent_cache_enable_xla_caches` = "xla_gpu_per_fusion_autotune_cache_dir"). The default folder is
-   per user: $JAX_COMPILATION_CACHE_DIR if set, else $XDG_CACHE_HOME/jax_transformer/xla, else
-   ~/.cache/jax_transformer/xla. As jax's documentation warns, the cache is trusted code: never point it at a
-   folder others may write to.
-2. `CompileJobs(jobs)`: the programs a run needs (train step, eval step, decoders) compiled ahead, in parallel
-   threads (XLA's compiler releases the GIL; tracing does not), each waited for only when it is needed.
-   `jitted.lower(args).compile()` fills the same in-memory cache that a later call `jitted(args)` looks in, so
-   nothing compiles twice.
-3. `CompileLog`: counts compilations, their seconds and the persistent cache's hits and misses from
-   `jax.monitoring` events, so a run can report compilation time apart from training time.
-
-And one rule for what a compiled program computes: `jit` compiles a program of the model with the XLA options of
-its compute dtype (`compiler_options`), so a bfloat16 program rounds where the model says it rounds.
-"""
+"""How the model's programs compile: `jit` compiles them with the XLA options of their compute dtype (a bfloat16
+program rounds where the model says), `use_cache` turns on JAX's persistent compilation cache, `CompileJobs`
+compiles a run's programs ahead in threads, and `CompileLog` counts compilations so a run reports compile time
+apart from training time. Details: docs/internals.md#compilation."""
 
 from __future__ import annotations
 

@@ -1,45 +1,8 @@
-"""Fast decoding: greedy and beam search over the model's key/value cache, compiled whole with `jax.jit`.
-
-Decoding a sentence feeds the decoder one token at a time. Without a cache every step re-runs the decoder over
-the whole prefix (quadratic work); with it, each step computes one position and attends to the keys/values
-stored by the earlier steps (see `jax_transformer/model.py`). The encoder runs once per batch, and the
-cross-attention keys/values are projected from its output once, when the cache is created.
-
-The whole loop is one `lax.while_loop` inside `jax.jit`, which stops as soon as every sequence is finished.
-
-Conventions (shared with the PyTorch reference, `torch_reference/decoding.py`, which must give the same tokens):
-
-* `src` (B, S) int: source tokens + [EOS], right-padded with PAD (0). A row's source length n is its count of
-  non-PAD tokens (EOS included). An all-PAD row is a filler row: it is decoded for one token and ignored.
-* Length limit (fairseq's convention): a row may produce at most
-      max_new = min(config.max_len, max(1, floor(max_len_a * n + max_len_b)))
-  tokens, EOS included. Defaults a = 1.5, b = 10: generous for translation between European languages (the
-  default task's French is at most ~1.4x its English in tokens), and a cap that stops a degenerate model early.
-  `min_len` forbids EOS before that many tokens (fairseq's --min-len); benchmarks use it to force a length.
-* Output: tokens (B, L) without BOS, EOS included where one was emitted, PAD after; L = the largest max_new a
-  source of width S could get, min(config.max_len, max(1, floor(a * S + b))). A row that hits its length limit
-  stops without EOS.
-* PAD and BOS are never produced (they are never training targets): their log-prob is set to -inf, without
-  renormalising, as fairseq does for PAD; so is EOS's before `min_len`.
-* Greedy: the argmax of the log-probabilities (first index on ties); score = sum of the chosen log-probs.
-* Beam search (as in Flax's WMT example, GNMT length penalty): score = log P(y) / ((5 + |y|) / 6) ** alpha,
-  |y| counting EOS. Each step extends every live hypothesis by every token and keeps the 2K most probable
-  extensions (so K survive even if K of them end). Those that end (EOS, or the row's length limit) go to the
-  finished set if they rank among the first K of the 2K (fairseq's rule; lower-ranked ones are dropped), and
-  the K best that did not end stay live. Ties go to the lower index (earlier beam, then lower token id;
-  finished hypotheses found earlier win over later ones), exactly as `lax.top_k` orders them. A row is done
-  when it has K finished hypotheses and no live one can still beat the worst of them (Flax's WMT example): a
-  live hypothesis's score can at best reach log P(prefix) / penalty(max_new), because log-probs only fall as
-  tokens are added and the penalty only grows (alpha >= 0). The result is the best finished hypothesis.
-  With beam_size = 1 and alpha = 0 this is exactly greedy search.
-
-Compilation: the jitted cores take `config`, the output length L and the beam size as static arguments and
-everything else (parameters, sources, limits, the length-penalty table, hence alpha) as arrays, so `jax.jit`
-compiles once per (config, batch size, source width, L, beam size) and caches it. `translate` pads batches to a
-small fixed set of shapes (`translation_batches`: every batch `batch_size` rows, unless all the sentences fit in
-fewer; source widths 16, 32, 64, ... up to max_len), so a validation set compiles about three decoders, and
-`compile_translation` compiles them ahead of time.
-"""
+"""Fast decoding: greedy and beam search over the model's key/value cache, each compiled whole (`jax.jit` around a
+`lax.while_loop` that stops once every sentence is finished), and `translate` for text. The same semantics as the
+PyTorch twin's `torch_reference/decoding.py`, which must give the same tokens: fairseq's length limit, PAD and BOS
+never produced, GNMT's length penalty, fairseq's rule for which ending hypotheses finish, ties to the lower index.
+The conventions in full: docs/internals.md#decoding."""
 
 from __future__ import annotations
 

@@ -1,24 +1,7 @@
-"""The built-in task: translate English number words into French number words (no download needed).
-
-    "seventy-one thousand, two hundred and eighty"  ->  "soixante et onze mille deux cent quatre-vingts"
-
-Both sides come from num2words, so every pair is a correct translation. It is a real, if small, translation
-problem: French counts in twenties above sixty ("quatre-vingt-dix-neuf" is 4*20+10+9), joins with "et" only
-in 21, 31, ..., 71, and pluralises "cents" and "quatre-vingts" only at the end of a number ("deux cents" but
-"deux cent un", "quatre-vingt mille"). The model must learn to reorder and regroup words, not to copy them.
-
-Choices, made so that `python train.py` learns it on 2 CPU cores in about two minutes:
-
-* Numbers 0 .. 999,999. Sentences stay short, yet there are a million of them, so a model trained on 2% of
-  them must generalise. Measured on the default training set with a 256-piece BPE vocabulary: English
-  10.2 tokens on average (at most 14), French 8.9 (at most 19), before EOS / BOS.
-* The 100 numbers 0..99 are always in the training set: they hold every irregular word ("zéro", "onze",
-  "soixante et onze"...), and a word never seen in training cannot be produced.
-* The rest are sampled so that 3-, 4-, 5- and 6-digit numbers are equally likely; uniform sampling would make
-  90% of them six-digit numbers and leave short ones nearly unseen.
-* Validation numbers come from a reserved block that training never draws from, so held-out numbers never
-  appear in training whatever the two sizes are.
-"""
+"""The built-in task: English number words into French number words, from num2words, no download needed
+("seventy-one thousand, two hundred and eighty" -> "soixante et onze mille deux cent quatre-vingts"). Small, yet a
+real translation problem (French counts in twenties, "et" and the plural "s" follow rules), sized so that
+`python train.py` learns it on 2 CPU cores in about two minutes. docs/internals.md#default_task."""
 
 from __future__ import annotations
 

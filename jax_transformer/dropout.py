@@ -1,31 +1,6 @@
-"""Dropout (paper 5.4) with keep/drop bits from a keyed counter hash instead of `jax.random.bernoulli`.
-
-Why not flax's `nn.Dropout`: on CPU, `jax.random.bernoulli` runs threefry2x32 as a rolled `while` loop whose
-state is copied at every round. In a training step of the small preset (17 dropout sites, batch 16 x 32) the
-masks took ~10% of the step and ~30% of its compile time (README.md, Benchmarks, says how it was measured). A mask
-only needs bits that are uniform and unrelated between elements, sites and steps, not threefry's strength, so
-each element's 32 bits here are two rounds of MurmurHash3's 32-bit finaliser (`fmix32`, a bijection with full
-avalanche) over its flat index, keyed by the two words of the site's threefry key:
-
-    bits[i] = fmix32(fmix32(i ^ k0) + k1),    (k0, k1) = key_data(make_rng("dropout"))
-
-The key still comes from flax's `make_rng("dropout")` (fold_in of the step's key with the module's path), so
-masks differ between sites and steps and depend only on the step's key: a resumed run draws the same masks.
-The whole mask is one elementwise fusion: ~20x faster than threefry on CPU and as cheap on GPU/TPU.
-
-The index i is the element's place in the *global* batch, the batch of one optimiser step as the data pipeline
-built it, so a mask does not depend on how that batch is split over devices or micro-batches. Every dropout
-site's leading axis is the batch row, so i = global_row * (elements per row) + place within the row. A step that
-sees the whole batch (one device, or `jax.jit` over a sharded global array) has global_row = its own row index;
-a step that sees a block of rows (a `pmap` device, a gradient-accumulation micro-batch) says which global rows
-they are with `global_rows(row_ids)` around the model call, while it is traced (`jax_transformer.training`).
-
-Why a context and not an argument: the row numbering belongs to how one training step splits its batch, not to
-the model. Threading it as an argument would add a parameter to every layer's call (and, for parity, to the
-PyTorch twin's), for a number only the step knows. The context is read at trace time, inside the same trace that
-set it, so the ids are an ordinary traced array of the step; outside any context (evaluation, decoding, tests)
-global_row = row, the behaviour of a whole batch.
-"""
+"""Dropout (paper 5.4) whose keep/drop bits are a keyed hash of each element's index in the global batch, instead of
+`jax.random.bernoulli`: one elementwise fusion, much cheaper on CPU, and the same masks however the batch is split
+over devices or micro-batches (`global_rows`). Why and how: docs/internals.md#dropout."""
 
 from __future__ import annotations
 

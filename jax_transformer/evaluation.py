@@ -1,14 +1,6 @@
-"""Translation quality: decode sentences with `jax_transformer.decoding` and score them with sacreBLEU.
-
-BLEU and chrF are sacreBLEU's defaults (13a tokenization, cased) on detokenized text, the numbers papers report
-as "sacreBLEU"; the signature sacreBLEU prints (e.g. `nrefs:1|case:mixed|eff:no|tok:13a|smooth:exp|version:2.6.0`)
-is returned with them so that a figure can always be traced to how it was computed.
-
-Beside them, `bleu_lc`: BLEU of the same text lowercased and 13a-tokenized (sacreBLEU's `BLEU(lowercase=True)`,
-signature `case:lc|tok:13a`), for comparison with tutorials that lowercase and tokenize (spaCy) before scoring
-with torchtext's `bleu_score`. It is close to those figures, not identical: spaCy also splits clitics ("dog's" ->
-"dog 's"), 13a does not.
-"""
+"""Translation quality: decode sentences (`jax_transformer.decoding`) and score them with sacreBLEU: BLEU and chrF
+on detokenized text with their signatures, and BLEU lowercased and 13a-tokenized for comparison with tutorials.
+docs/internals.md#evaluation."""
 
 from __future__ import annotations
 

@@ -1,20 +1,6 @@
-"""Weight files for PyTorch: the one place that reads and writes them, as torch.save files or safetensors files.
-
-`export_weights` writes Flax parameters as a `torch_reference` state_dict (float32, torch_reference names) with the
-model config and the tokenizer inside, in one of two formats:
-
-    "torch"        torch.save of {"format", "config" (JSON), "state_dict", "tokenizer" (SentencePiece bytes)}
-    "safetensors"  the state_dict as tensors; metadata {"format", "config" (JSON), "tokenizer" (base64)}
-
-`import_weights` reads either back into Flax parameters, telling the two apart by the file's content. The name map
-itself is `jax_transformer.port` (numpy only).
-
-Why safetensors: loading a .pt file runs pickle, and even `torch.load(weights_only=True)` is a (restricted)
-unpickler, a large attack surface for a file from elsewhere. A safetensors file is a JSON header and raw
-little-endian arrays: reading it runs no code from the file, and writing or reading it needs no torch at all
-(`safetensors.numpy`). torch is imported only for the torch format (and to convert bfloat16 when asked), so
-importing this module does not import torch.
-"""
+"""Weight files for PyTorch, the one place that reads and writes them: `export_weights` writes Flax parameters as a
+`torch_reference` state_dict with the config and tokenizer inside, as a torch.save file or a safetensors file (no
+pickle: reading it runs no code from the file), and `import_weights` reads either back. docs/internals.md#export."""
 
 from __future__ import annotations
 

@@ -1,13 +1,5 @@
-"""Attention masks. Polarity, everywhere in this project: True means "may attend", False means "masked out".
-
-Shapes broadcast against attention scores (B, H, T_query, T_key):
-  padding mask (B, 1, 1, T_key)   keys that are real tokens
-  causal mask  (1, 1, T, T)       query i sees keys j <= i (the decoder must not look ahead, paper 3.2.3)
-  segment mask (B, 1, Tq, Tk)     packed rows: query and key belong to the same sentence pair, the key is real
-
-A packed row holds several sentence pairs one after the other (as in Flax's WMT example); segment ids number
-them 1, 2, ... along the row and 0 marks padding, so attention never crosses from one pair into another.
-"""
+"""Attention masks, True = may attend everywhere: padding (B, 1, 1, Tk), causal (1, 1, T, T) and, for packed rows,
+segment masks (B, 1, Tq, Tk) that keep attention within one sentence pair."""
 
 import jax.numpy as jnp
 

@@ -1,41 +1,8 @@
-"""The encoder-decoder Transformer of "Attention Is All You Need" as Flax linen modules.
-
-Every module takes the one `TransformerConfig`. Parameter names are chosen to match the PyTorch twin in
-`torch_reference/model.py` name for name, so the weight map (`jax_transformer/port.py`) is a short list of rules.
-
-Shapes: B batch, S source length, T target length, D d_model, H heads, K head_dim, V vocabulary.
-
-Decoding reuses work through a `cache` collection (as in Flax's WMT example): call `decode(..., decode=True)` once
-with the full-length target shape to create the cache (the call's output is not meaningful), then once per new
-token with (B, 1) inputs. Self-attention keys/values are appended to the cache; cross-attention keys/values are
-projected from the encoder output once, when the cache is created.
-
-Attention probabilities of every layer and head are sown into the `intermediates` collection; apply with
-`mutable=["intermediates"]` and read them with `attention_maps`. When the collection is not mutable `sow` does
-nothing, so the main path is unchanged.
-
-Token ids and lengths are checked where they enter (`encode`, `decoder_hidden`; `jax_transformer.checks`): on
-concrete arrays an id outside the vocabulary or a length beyond `max_len` is a `TokenError` naming the array,
-the position and the limit; under `jit` the length is checked while tracing and the ids by `checkify` debug
-checks, which cost nothing unless the caller checkifies (`checks.checkified`).
-Precision (`config.dtype`): parameters are float32 and every matmul runs in the compute dtype, float32 or bfloat16
-(inputs cast at the matmul, result in that dtype). Everything else stays float32: the residual stream (embeddings,
-positions, residual sums, dropout on them), LayerNorm (its input, statistics and output), the attention scores
-after their matmul and the softmax, the feed-forward activation, and the logits: the output projection's operands
-are in the compute dtype but its result is the float32 accumulator (`matmul_float32_result`), so the loss and
-decoding's log-softmax run on unrounded logits. README's "GPU and TPU" section has the table; `torch_reference`
-follows the same policy.
-
-Attention (`config.attention_kernel`): "explicit" writes softmax(Q K^T / sqrt(d_k)) V out (the reference, and the
-only path that can sow probabilities or apply attention dropout); "xla" and "cudnn" call
-`jax.nn.dot_product_attention` (cuDNN's fused kernel needs a CUDA GPU and bfloat16) where no probabilities are asked
-for, attention dropout is off and the call is not a cached decoding step (one query against the cache).
-
-Packed batches (several sentence pairs per row, as in Flax's WMT example) pass segment ids and positions:
-`model(src, tgt_in, src_segments=..., tgt_segments=..., src_positions=..., tgt_positions=...)`, all (B, L) ints.
-Attention then stays within each pair (`masks.segment_mask`) and positions restart at each pair, so every pair
-gets the logits it would get alone. Without them a row is one pair, right-padded.
-"""
+"""The encoder-decoder Transformer of "Attention Is All You Need" as Flax linen modules, with parameter names that
+match the PyTorch twin (`torch_reference/model.py`) name for name. Beside teacher forcing it has a key/value cache
+for decoding, attention probabilities sown into `intermediates`, packed rows (segment ids and positions), bfloat16
+mixed precision (`config.dtype`) and fused attention kernels (`config.attention_kernel`): docs/internals.md#model.
+Shapes: B batch, S source length, T target length, D d_model, H heads, K head_dim, V vocabulary."""
 
 from __future__ import annotations
 

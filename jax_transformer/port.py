@@ -1,18 +1,6 @@
-"""Weights between the Flax model and PyTorch, on numpy arrays only (importing this never imports torch).
-
-The twin models use the same names, so the whole map between a Flax path and a PyTorch state_dict key is:
-
-    Flax                                   PyTorch (torch_reference)
-    .../layer_{i}/...                      .../layers.{i}/...             (nn.ModuleList numbering)
-    <Dense>/kernel  (in, out)              <Linear>.weight  (out, in)     TRANSPOSED: the only transpose
-    <Dense>/bias                           <Linear>.bias
-    <LayerNorm>/scale                      <LayerNorm>.weight
-    <Embed>/embedding (V, D)               <Embedding>.weight (V, D)
-    <Positions>/embedding (max_len, D)     <Positions>.weight (max_len, D)  (learned positions only)
-
-The sinusoidal table is a constant in both models and is not a weight. `from_nn_transformer` imports
-PyTorch's own `torch.nn.Transformer` (fused `in_proj_weight`, `linear1/2`, `norm1..3`, final norms).
-"""
+"""Weights between the Flax model and PyTorch, on numpy arrays only (importing this never imports torch): the twins
+use the same names, so the map is a few rules (layer numbering, the transposed Dense kernel, LayerNorm's scale);
+`from_nn_transformer` imports PyTorch's own `torch.nn.Transformer`. The table: docs/internals.md#port."""
 
 from __future__ import annotations
 

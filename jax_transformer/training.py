@@ -1,24 +1,7 @@
-"""Training the Transformer with optax: the paper's optimiser and schedule, the train and eval steps.
-
-The twin of `torch_reference/training.py`; read top to bottom, this module follows one optimisation step:
-
-1. `noam_rate`, `make_optimizer`: Adam(0.9, 0.98, 1e-9) with the warmup-then-inverse-square-root learning rate
-   of paper section 5.3, optional gradient clipping and decoupled weight decay (settings: `OptimConfig`).
-2. `TrainState`, `create_train_state`, `restore_train_state`: everything a step changes (step, params, optimiser
-   state) plus the base dropout key. One pytree, so a checkpoint saves it whole and a jitted step can donate it.
-3. `train_step` / `make_train_step`: label-smoothed cross-entropy summed over real target tokens, gradients of
-   that sum (added over gradient-accumulation micro-batches, and over devices: by `lax.psum` under pmap, by the
-   compiler under sharded jit), divided once by the *global* token count, one update. Every way of splitting
-   the batch (one device, pmap, a sharded global array, micro-batches) computes the same update.
-4. `make_eval_step`, `evaluate_loss`: loss / perplexity / accuracy on validation batches.
-
-The run loop around these (batches, evaluation, checkpoints, metrics) is `jax_transformer.trainer`.
-
-Randomness: the dropout key of step s is fold_in(base_key, s), so it depends only on the step number: a run
-resumed from a checkpoint draws exactly the same masks. Within a step a mask is a function of each element's row
-in the global batch (`jax_transformer.dropout`), so it does not depend on the number of devices either.
-Keys are typed (`jax.random.key`); a checkpoint stores their raw words (`jax.random.key_data`).
-"""
+"""The twin of `torch_reference/training.py`: Adam with the paper's schedule (section 5.3), the train state, the
+train step (label-smoothed cross-entropy summed over real target tokens, divided once by the global token count;
+under jit, pmap or sharded jit, with gradient accumulation, all computing the same update) and the eval step.
+Dropout keys are folded from the step number, so a resumed run draws the same masks. docs/internals.md#training."""
 
 from __future__ import annotations
 

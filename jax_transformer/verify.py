@@ -1,25 +1,6 @@
-"""Cross-framework verification of a trained model on real data: a Flax checkpoint against its PyTorch twin.
-
-The parity tests prove the two frameworks agree on random weights and random batches; this checks the same on
-a trained checkpoint and its validation set, the way a user would meet the model (`train.py verify`):
-
-1. The checkpoint's weights go to PyTorch the way `train.py export` writes them (`export.export_weights`, a
-   safetensors file) and load into `torch_reference.Transformer` strictly: the export path itself is checked.
-2. Teacher forcing over the validation batches: the largest |logit_flax - logit_torch| over real target
-   positions (padding positions are left out: nothing reads them), and each framework's largest distance from
-   the same model evaluated in float64 (the twin, `.double()`), which says which side a difference comes from:
-   two correct float32 implementations are each a few float32 roundings away from it.
-3. Greedy and beam search over every validation sentence in both (`jax_transformer.decoding` and
-   `torch_reference.decoding`, the same padded batches): the share of sentences decoded to identical tokens.
-   Tokens are argmaxes of log-probs that agree to ~1e-6, so a token flips only at a near tie; for each greedy
-   mismatch the report gives the log-prob gap between the two choices at the first differing token (torch
-   log-probs after the shared prefix), which says whether a near tie explains it.
-4. BLEU and chrF (sacreBLEU) of each framework's translations.
-
-Both run in float32 with full-precision matmuls (`jax_default_matmul_precision="highest"`; TF32 off in torch).
-`device` places the PyTorch twin ("cpu"; "cuda" once `torch_reference` decodes on a GPU); JAX runs on its
-default backend.
-"""
+"""A trained Flax checkpoint against its PyTorch twin on real data (`train.py verify`): the weights exported as
+`train.py export` writes them, teacher-forced logits of both (and each one's distance from a float64
+evaluation), identical tokens of greedy and beam search, and the BLEU of each. docs/internals.md#verify."""
 
 from __future__ import annotations
 

@@ -1,24 +1,6 @@
-"""Pictures: the training curves of a run (`plot_metrics`), quality against time for several runs
-(`plot_runs`) and attention heatmaps (`plot_attention`).
-
-`plot_metrics` draws `<run>/metrics.jsonl` (training loss, validation loss, BLEU/chrF) as `loss_curve.png`.
-`plot_runs` draws the validation BLEU and loss of several runs against wall-clock minutes in one picture (how
-quality grows with time: one recipe against another).
-
-Attention heatmaps show what each head of each layer looks at while the model translates one sentence.
-
-`plot_attention` translates a sentence greedily, runs the model once more over (source, produced target) with
-the `intermediates` collection mutable to collect every attention map, and draws a grid of heatmaps, one row
-per layer and one column per head, with the subword tokens on the axes, as the Annotated Transformer does:
-
-* "cross"   (decoder attention over the encoder output): source subwords on x; on y, the token each decoder
-            position produces (row i is the decoder reading <s>, y1 .. y(i-1) while it predicts yi).
-* "self"    (decoder self-attention): decoder inputs <s>, y1, ... on x; the produced tokens on y, as above.
-* "encoder" (encoder self-attention): source subwords on both axes.
-
-Rows of the grid are ordered by kind (in the order asked), then layer. Dark = 0, bright = 1 (each row of a map
-is a probability distribution over the x tokens).
-"""
+"""Pictures: a run's training curves (`plot_metrics`), quality against wall-clock time for several runs
+(`plot_runs`) and attention heatmaps of one sentence, one row per layer and one column per head
+(`plot_attention`). docs/internals.md#visualize."""
 
 from __future__ import annotations
 

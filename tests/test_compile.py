@@ -1,4 +1,4 @@
-"""Compilation out of the way (issue 11): a run compiles every program it needs before its first step and nothing
+"""Compilation out of the way: a run compiles every program it needs before its first step and nothing
 in the loop, the persistent compilation cache is written by one run and used by the next, and --profile writes a
 trace. Compilations are counted (jax.monitoring events, the cache's files), never timed."""
 

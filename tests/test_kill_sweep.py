@@ -27,7 +27,7 @@ from tests.helpers_training import (
 )
 
 STEPS, SAVE_EVERY = 12, 3
-SEED = 14  # the number: the kill points below are drawn from it, the same on every run
+SEED = 14  # the kill points below are drawn from it, the same on every run
 
 
 def kill_points(seed: int = SEED) -> tuple[int, int, int]:

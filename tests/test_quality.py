@@ -1,4 +1,4 @@
-"""The quality tools of issue 13: early stopping, checkpoint averaging, the decoding sweep and the sacreBLEU
+"""The quality tools: early stopping, checkpoint averaging, the decoding sweep and the sacreBLEU
 signature of `evaluate`, `verify` (a trained checkpoint against its PyTorch twin), the BLEU-against-minutes plot
 and named recipes. Everything through train.py where people use it through train.py, on the one-layer tiny
 model of tests/helpers_training.py (runs in one process share their compiled steps)."""

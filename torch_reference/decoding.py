@@ -1,21 +1,6 @@
-"""Greedy and beam search for the PyTorch twin: the reference the fast Flax decoder (`jax_transformer.decoding`)
-is tested against. Written to be read, not to be fast.
-
-The semantics are exactly those of `jax_transformer.decoding` (see its module docstring): the same length rule
-(a row of n source tokens may produce min(max_len, max(1, floor(a * n + b))) tokens, EOS included; 1 for an
-all-PAD row), the same banned tokens (PAD and BOS always, EOS before `min_len`), the same GNMT length penalty
-values, the same tie-breaking (lower index first: `torch.argmax` returns the first maximum and a stable
-descending sort keeps equal values in index order, as `lax.top_k` does), the same rule for which ending
-candidates finish (only the K best of the 2K), and the same early stop.
-
-By default each step re-runs the decoder over the whole prefix, as the Annotated Transformer's `greedy_decode`
-does: the simplest correct decoder, with no cache to get wrong. `use_cache=True` switches to
-`IncrementalDecoder`, a key/value cache written here on top of the twin's modules (the twin itself has none),
-which benchmarks compare with the Flax cache. Beam search handles one sentence at a time.
-
-Both searches run on the model's device (sources are moved there) in its config's compute dtype, and return
-tokens and scores on that device; scores are float32 in every dtype (the logits are, see torch_reference.model).
-"""
+"""Greedy and beam search for the PyTorch twin: the reference the fast Flax decoder is tested against, written to
+be read, not to be fast. The semantics of `jax_transformer.decoding` exactly; each step re-runs the decoder over
+the prefix by default, or uses a key/value cache (`use_cache=True`). docs/internals.md#torch_reference-decoding."""
 
 from __future__ import annotations
 

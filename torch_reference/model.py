@@ -1,21 +1,7 @@
-"""The PyTorch twin of `jax_transformer.model`: the same architecture, the same config, the same parameter names.
-
-A Flax parameter `encoder/layer_0/self_attention/query/kernel` is the PyTorch parameter
-`encoder.layers.0.self_attention.query.weight` (transposed); see `jax_transformer/port.py` for the full map.
-
-Shapes: B batch, S source length, T target length, D d_model, H heads, K head_dim, V vocabulary.
-Masks: True means "may attend" (the same polarity as `jax_transformer.masks`).
-
-Precision follows the Flax model's policy (`config.dtype`, README's "GPU and TPU" table) with explicit casts:
-parameters float32; every matmul in the compute dtype (`linear`: input, weight and bias cast, result in that
-dtype; the logits' matmul keeps its float32 accumulator, `MatmulFloat32Result`); the residual stream, LayerNorm,
-the attention scores after their matmul and the softmax, the feed-forward activation and the logits float32.
-Not `torch.autocast`: on CPU it leaves LayerNorm and softmax outputs in bfloat16 and on CUDA it does not, so it
-could not be the twin of one policy on both devices.
-
-Device: the model computes where its parameters are (`Transformer(config).to("cuda")`); masks and buffers
-follow the inputs, and `torch_reference.training` / `.decoding` move their inputs to the model's device.
-"""
+"""The PyTorch twin of `jax_transformer.model`: the same architecture, config and parameter names (a Flax
+`encoder/layer_0/self_attention/query/kernel` is `encoder.layers.0.self_attention.query.weight`, transposed), the
+same bfloat16 policy with explicit casts, on whatever device its parameters are. Masks: True = may attend.
+docs/internals.md#torch_reference-model."""
 
 from __future__ import annotations
 
