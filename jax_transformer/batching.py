@@ -47,6 +47,7 @@ class EncodedCorpus:
     max_len: int
     skipped_too_long: int = 0
     skipped_too_long_lines: list[int] = dataclasses.field(default_factory=list)
+    ids: SpecialIds = dataclasses.field(default_factory=lambda: SpecialIds())  # the tokenizer's pad, start, eos
 
     def __post_init__(self) -> None:
         if not len(self.src) == len(self.tgt) == len(self.line_numbers) == len(self.corpus_index):
@@ -69,6 +70,20 @@ class EncodedCorpus:
         return text
 
 
+@dataclasses.dataclass(frozen=True)
+class SpecialIds:
+    """The ids batches are built with: padding, the decoder's first input (tgt_in[0]) and the end of sentence
+    (appended to sources and to tgt_out). The joint SentencePiece tokenizer's: 0, 1, 2."""
+
+    pad: int = PAD_ID
+    start: int = BOS_ID
+    eos: int = EOS_ID
+
+    @classmethod
+    def of(cls, tokenizer) -> SpecialIds:
+        return cls(tokenizer.pad_id, tokenizer.start_id, tokenizer.eos_id)
+
+
 def encode_corpus(corpus: Corpus, tokenizer: Tokenizer, max_len: int, *, on_too_long: str = "skip") -> EncodedCorpus:
     """Tokenizes every pair and checks it fits in `max_len` positions on both sides.
 
@@ -81,9 +96,11 @@ def encode_corpus(corpus: Corpus, tokenizer: Tokenizer, max_len: int, *, on_too_
         raise ValueError(f"on_too_long must be one of {_ON_TOO_LONG}, got {on_too_long!r}")
     if max_len < 2:
         raise ValueError(f"max_len must be >= 2 (one token plus EOS), got {max_len}")
-    out = EncodedCorpus([], [], [], [], corpus.origin, max_len)
-    eos = np.array([EOS_ID], dtype=np.int32)
-    src_ids, tgt_ids = tokenizer.encode_batch(corpus.sources), tokenizer.encode_batch(corpus.targets)
+    ids = SpecialIds.of(tokenizer)
+    out = EncodedCorpus([], [], [], [], corpus.origin, max_len, ids=ids)
+    eos = np.array([ids.eos], dtype=np.int32)
+    src_ids = tokenizer.encode_batch(corpus.sources, side="source")
+    tgt_ids = tokenizer.encode_batch(corpus.targets, side="target")
     for index, (s, t, line) in enumerate(zip(src_ids, tgt_ids, corpus.line_numbers)):
         if len(s) + 1 > max_len or len(t) + 1 > max_len:
             if on_too_long == "error":
@@ -172,16 +189,17 @@ class _Buckets:
         """One padded batch: src, tgt_in, tgt_out, each of shape (rows, bucket length), dtype int32."""
         bucket, pair_indices = item
         shape = (len(pair_indices), self.lengths[bucket])
-        src, tgt_in, tgt_out = (np.full(shape, PAD_ID, dtype=np.int32) for _ in range(3))
+        ids = self.encoded.ids
+        src, tgt_in, tgt_out = (np.full(shape, ids.pad, dtype=np.int32) for _ in range(3))
         for row, i in enumerate(pair_indices):
             if i < 0:
                 continue
             s, t = self.encoded.src[i], self.encoded.tgt[i]
             src[row, : len(s)] = s
-            tgt_in[row, 0] = BOS_ID
+            tgt_in[row, 0] = ids.start
             tgt_in[row, 1 : len(t) + 1] = t
             tgt_out[row, : len(t)] = t
-            tgt_out[row, len(t)] = EOS_ID
+            tgt_out[row, len(t)] = ids.eos
         return {"src": src, "tgt_in": tgt_in, "tgt_out": tgt_out}
 
     def index(self, item: tuple[int, np.ndarray]) -> np.ndarray:
@@ -296,7 +314,8 @@ class _Packing:
         pairs = np.array([i for members in rows for i in members], dtype=np.int64)  # in row order
         row = np.repeat(np.arange(len(rows)), [len(members) for members in rows])  # (pairs,) row of each pair
         segment = np.concatenate([np.arange(1, len(members) + 1) for members in rows if members] or [[]])
-        batch = {key: np.zeros((self.rows, self.length), dtype=np.int32) for key in ("src", "tgt_in", "tgt_out")}
+        ids = self.encoded.ids
+        batch = {key: np.full((self.rows, self.length), ids.pad, np.int32) for key in ("src", "tgt_in", "tgt_out")}
         for side, lengths in (("src", self.src_len[pairs]), ("tgt", self.tgt_len[pairs])):
             start = np.cumsum(lengths) - lengths  # where each pair's tokens start in the batch's concatenation
             position = np.arange(lengths.sum()) - np.repeat(start, lengths)  # 0, 1, ... within each pair
@@ -311,9 +330,9 @@ class _Packing:
             else:  # tgt_in = BOS, t_1 .. t_n and tgt_out = t_1 .. t_n, EOS: both read the target tokens t
                 first, last = position == 0, position == np.repeat(lengths - 1, lengths)
                 word = np.repeat(self._tgt_start[pairs], lengths) + position  # index of t_(position + 1)
-                batch["tgt_in"][where] = np.where(first, BOS_ID, self._tgt_tokens[np.maximum(word - 1, 0)])
+                batch["tgt_in"][where] = np.where(first, ids.start, self._tgt_tokens[np.maximum(word - 1, 0)])
                 batch["tgt_out"][where] = np.where(
-                    last, EOS_ID, self._tgt_tokens[np.minimum(word, len(self._tgt_tokens) - 1)]
+                    last, ids.eos, self._tgt_tokens[np.minimum(word, len(self._tgt_tokens) - 1)]
                 )
         return batch
 
@@ -352,7 +371,7 @@ def _plan_for(
     return _Packing(encoded, max_tokens, pack_length, row_multiple, seed)
 
 
-def padding_efficiency(batches: Iterable[Mapping[str, np.ndarray]]) -> float:
+def padding_efficiency(batches: Iterable[Mapping[str, np.ndarray]], pad_id: int = PAD_ID) -> float:
     """Fraction of token slots holding a real token (not PAD) in `src` and `tgt_out` of the given batches.
 
     1.0 means no padding at all; padding rows and the padding within rows both lower it.
@@ -360,7 +379,7 @@ def padding_efficiency(batches: Iterable[Mapping[str, np.ndarray]]) -> float:
     real = slots = 0
     for batch in batches:
         for key in ("src", "tgt_out"):
-            real += int(np.count_nonzero(batch[key] != PAD_ID))
+            real += int(np.count_nonzero(batch[key] != pad_id))
             slots += batch[key].size
     if slots == 0:
         raise ValueError("padding_efficiency: no batches given")

@@ -23,7 +23,9 @@ from jax_transformer.errors import ConfigError, DataError, UsageError
 __all__ = ["ConfigError", "DataError", "UsageError"]  # the errors settings raise, importable from here too
 
 POSITIONS = ("sinusoidal", "learned")
-ACTIVATIONS = ("relu", "gelu")
+SINUSOID_LAYOUTS = ("interleaved", "halves")
+SINUSOID_FREQUENCIES = ("paper", "tensor2tensor")
+ACTIVATIONS = ("relu", "gelu", "silu")
 DTYPES = ("float32", "bfloat16")
 ATTENTION_KERNELS = ("explicit", "xla", "cudnn")
 # How the model computes, not what it is: the same parameters serve every value, so checkpoints and weight files
@@ -158,8 +160,16 @@ class TransformerConfig(Settings):
     src_vocab_size: int = setting(32000, "source token ids are in [0, src_vocab_size)", at_least=1)
     tgt_vocab_size: int = setting(32000, "target token ids are in [0, tgt_vocab_size)", at_least=1)
     pad_id: int = setting(0, "padding id in both vocabularies; masked out of attention and of the loss", at_least=0)
-    bos_id: int = setting(1, "first decoder input token", at_least=0)
+    bos_id: int | None = setting(
+        1,
+        "beginning of sentence: the decoder's first input (unless decoder_start_id says otherwise), never produced by "
+        "decoding; none: the vocabulary has no such token (Marian)",
+        at_least=0,
+    )
     eos_id: int = setting(2, "end of sentence; decoding stops when every sequence has emitted it", at_least=0)
+    decoder_start_id: int | None = setting(
+        None, "the decoder's first input, if not bos_id: the pad id for Marian, eos for fairseq and FSMT", at_least=0
+    )
     # --- sizes (defaults: the paper's base model, Table 3) ------------------------------------------
     d_model: int = setting(512, "width of every residual stream", at_least=1)
     num_heads: int = setting(8, "attention heads; d_model must be divisible by it", at_least=1)
@@ -186,19 +196,33 @@ class TransformerConfig(Settings):
     norm_first: bool = setting(False, "pre-norm x + f(LN(x)) instead of the paper's post-norm x = LN(x + f(x))")
     final_norm: bool = setting(False, "a LayerNorm after the last encoder and decoder layer (usual with pre-norm)")
     layer_norm_eps: float = setting(1e-5, "LayerNorm epsilon (torch's default)", above=0)
-    positions: str = setting(
-        "sinusoidal", "position encoding: the paper's interleaved sin/cos table, or learned", choices=POSITIONS
+    positions: str = setting("sinusoidal", "position encoding: a fixed sinusoid table, or learned", choices=POSITIONS)
+    sinusoid_layout: str = setting(
+        "interleaved",
+        "the sinusoid table's columns: interleaved sin/cos (the paper, the Annotated Transformer) or halves, all "
+        "sines then all cosines (Marian, fairseq)",
+        choices=SINUSOID_LAYOUTS,
     )
+    sinusoid_frequencies: str = setting(
+        "paper",
+        "the sinusoids' frequencies: the paper's 10000^(-2i/d) or tensor2tensor's exp(-i ln(10000) / (d/2 - 1)), "
+        "computed in float32 as fairseq does (fairseq, FSMT)",
+        choices=SINUSOID_FREQUENCIES,
+    )
+    position_offset: int = setting(0, "the position of the first token (fairseq counts from pad_id + 1)", at_least=0)
     scale_embeddings: bool = setting(True, "multiply token embeddings by sqrt(d_model) (paper 3.4)")
     share_embeddings: bool = setting(False, "one embedding table for source and target (needs equal vocab sizes)")
     tie_output: bool = setting(True, "output projection = target embedding transposed, no bias (paper 3.4)")
     activation: str = setting(
-        "relu", "feed-forward activation: relu (the paper) or exact (erf) gelu", choices=ACTIVATIONS
+        "relu",
+        "feed-forward activation: relu (the paper), exact (erf) gelu, or silu (swish, Marian)",
+        choices=ACTIVATIONS,
     )
     qkv_bias: bool = setting(True, "bias on the query/key/value/output projections of attention")
     ffn_bias: bool = setting(True, "bias on the feed-forward layers linear1 and linear2")
     norm_bias: bool = setting(True, "bias (beta) of every LayerNorm, the final norms included")
     output_bias: bool = setting(True, "bias of the untied output projection (a tied output never has one)")
+    logits_bias: bool = setting(False, "a bias added to the logits of the tied output (Marian's final_logits_bias)")
     # --- how to compute (COMPUTE_FIELDS: run settings, not architecture) -------------------------------
     dtype: str = setting(
         "float32",
@@ -229,18 +253,33 @@ class TransformerConfig(Settings):
                 f"got {self.src_vocab_size} and {self.tgt_vocab_size}"
             )
         special = {"pad_id": self.pad_id, "bos_id": self.bos_id, "eos_id": self.eos_id}
-        smallest = min(self.src_vocab_size, self.tgt_vocab_size)
-        for name, value in special.items():
-            if value >= smallest:
+        special = {name: value for name, value in special.items() if value is not None}
+        limits = {
+            **dict.fromkeys(special, min(self.src_vocab_size, self.tgt_vocab_size)),
+            "decoder_start_id": self.tgt_vocab_size,
+        }
+        for name, value in {**special, "decoder_start_id": self.decoder_start_id}.items():
+            if value is not None and value >= limits[name]:
                 raise ConfigError(
-                    f"config field {name!r} ({value}) must be a valid id in both vocabularies (< {smallest})"
+                    f"config field {name!r} ({value}) must be a valid id in both vocabularies (< {limits[name]})"
                 )
-        if len(set(special.values())) != 3:
+        if len(set(special.values())) != len(special):
             raise ConfigError(f"config fields pad_id, bos_id, eos_id must differ, got {special}")
+        if self.bos_id is None and self.decoder_start_id is None:
+            raise ConfigError(
+                "config field 'decoder_start_id' must be set when there is no bos_id: the decoder needs a first input"
+            )
+        if self.logits_bias and not self.tie_output:
+            raise ConfigError("config field 'logits_bias' is for a tied output; an untied one has 'output_bias'")
 
     @property
     def head_dim(self) -> int:
         return self.d_model // self.num_heads
+
+    @property
+    def start_id(self) -> int:
+        """The decoder's first input: decoder_start_id if set, else bos_id."""
+        return self.bos_id if self.decoder_start_id is None else self.decoder_start_id
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True)

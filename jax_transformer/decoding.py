@@ -119,11 +119,11 @@ def _check_options(config: TransformerConfig, max_len_a, max_len_b, min_len, bea
 # =============================================================================================================
 
 
-def _encode(model: Transformer, params, src):
+def encode_memory(model: Transformer, params, src):
     return model.apply({"params": params}, src, method=Transformer.encode)  # (B, S, D)
 
 
-def _create_cache(model: Transformer, params, memory, src, length: int):
+def create_cache(model: Transformer, params, memory, src, length: int):
     """The decoding cache for `length` target positions: one decode call on a dummy (B, length) target creates
     empty self-attention keys/values and projects the cross-attention keys/values from `memory`."""
     dummy = jnp.zeros((src.shape[0], length), dtype=jnp.int32)
@@ -133,7 +133,7 @@ def _create_cache(model: Transformer, params, memory, src, length: int):
     return variables["cache"]
 
 
-def _decode_step(model: Transformer, params, cache, memory, src, tokens):
+def decode_step(model: Transformer, params, cache, memory, src, tokens):
     """One decoder step: tokens (B,) at the cache's position -> logits (B, V) of the next token, new cache."""
     logits, variables = model.apply(
         {"params": params, "cache": cache},
@@ -149,14 +149,16 @@ def _decode_step(model: Transformer, params, cache, memory, src, tokens):
 
 def _next_log_probs(model, params, cache, memory, src, tokens, step, min_len, config: TransformerConfig):
     """Log-probs (B, V) of the token after `tokens` (see `_restrict` for the banned ones), and the new cache."""
-    logits, cache = _decode_step(model, params, cache, memory, src, tokens)
+    logits, cache = decode_step(model, params, cache, memory, src, tokens)
     return _restrict(jax.nn.log_softmax(logits, axis=-1), step, min_len, config), cache
 
 
 def _restrict(log_probs, step, min_len, config: TransformerConfig):
     """Tokens that may not be produced get log-prob -inf (no renormalisation, as fairseq does): PAD and BOS
     always (they are never training targets), EOS while fewer than `min_len` tokens have been produced."""
-    log_probs = log_probs.at[..., config.pad_id].set(-jnp.inf).at[..., config.bos_id].set(-jnp.inf)
+    log_probs = log_probs.at[..., config.pad_id].set(-jnp.inf)
+    if config.bos_id is not None:
+        log_probs = log_probs.at[..., config.bos_id].set(-jnp.inf)
     eos = log_probs[..., config.eos_id]
     return log_probs.at[..., config.eos_id].set(jnp.where(step < min_len, -jnp.inf, eos))
 
@@ -166,7 +168,7 @@ def _restrict(log_probs, step, min_len, config: TransformerConfig):
 # =============================================================================================================
 
 
-def _first_argmax(x):
+def first_argmax(x):
     """jnp.argmax over the last axis (the first index of the maximum) as two plain reductions, a max and a min
     over indices. XLA's CPU backend vectorises those but not argmax's single (value, index) reduction: over a
     (16, 8000) batch of log-probs this is 2-3x faster, ~10% of a greedy decoding step."""
@@ -180,8 +182,8 @@ def _greedy_core(params, src, max_new, min_len, *, config: TransformerConfig, le
     """src (B, S), max_new (B,) -> tokens (B, length), scores (B,)."""
     model = Transformer(config)
     B = src.shape[0]
-    memory = _encode(model, params, src)  # (B, S, D)
-    cache = _create_cache(model, params, memory, src, length)
+    memory = encode_memory(model, params, src)  # (B, S, D)
+    cache = create_cache(model, params, memory, src, length)
 
     def not_finished(state):
         step, _, _, _, done, _ = state
@@ -191,7 +193,7 @@ def _greedy_core(params, src, max_new, min_len, *, config: TransformerConfig, le
         step, last, tokens, scores, done, cache = state
         log_probs, cache = _next_log_probs(model, params, cache, memory, src, last, step, min_len, config)  # (B, V)
         # Greedy: take the most probable next token; finished rows emit PAD and add nothing to their score.
-        token = jnp.where(done, config.pad_id, _first_argmax(log_probs))  # (B,)
+        token = jnp.where(done, config.pad_id, first_argmax(log_probs))  # (B,)
         gained = jnp.take_along_axis(log_probs, token[:, None], axis=-1)[:, 0]
         scores = scores + jnp.where(done, 0.0, gained)
         tokens = tokens.at[:, step].set(token)
@@ -200,7 +202,7 @@ def _greedy_core(params, src, max_new, min_len, *, config: TransformerConfig, le
 
     state = (
         jnp.array(0, jnp.int32),
-        jnp.full((B,), config.bos_id, jnp.int32),
+        jnp.full((B,), config.start_id, jnp.int32),
         jnp.full((B, length), config.pad_id, jnp.int32),
         jnp.zeros((B,), jnp.float32),
         jnp.zeros((B,), bool),
@@ -257,12 +259,12 @@ class BeamState:
     cache: Any  # the decoder cache of the live hypotheses, batch axis B * K
 
 
-def _gather(x, index):
+def gather_beams(x, index):
     """x (B, N, ...), index (B, M) -> (B, M, ...): picks entries along axis 1, per row."""
     return jnp.take_along_axis(x, index.reshape(index.shape + (1,) * (x.ndim - 2)), axis=1)
 
 
-def _gather_cache(cache, parents, beam_size: int):
+def reorder_cache(cache, parents, beam_size: int):
     """Reorders the flat (B * K, ...) cache so that slot k of row b holds the cache of its parent beam."""
     B = parents.shape[0]
     flat = (jnp.arange(B)[:, None] * beam_size + parents).reshape(-1)  # (B * K,)
@@ -275,18 +277,18 @@ def _beam_core(params, src, max_new, min_len, penalties, *, config: TransformerC
     """src (B, S), max_new (B,), penalties (length + 1,) -> tokens (B, length), scores (B,)."""
     model = Transformer(config)
     B, K = src.shape[0], beam_size
-    memory = _encode(model, params, src)  # (B, S, D)
+    memory = encode_memory(model, params, src)  # (B, S, D)
     # Every row is searched with K hypotheses side by side: the decoder sees a batch of B * K rows.
     src_k = jnp.repeat(src, K, axis=0)  # (B * K, S)
     memory_k = jnp.repeat(memory, K, axis=0)  # (B * K, S, D)
-    cache = _create_cache(model, params, memory_k, src_k, length)
+    cache = create_cache(model, params, memory_k, src_k, length)
 
     def not_finished(s: BeamState):
         return (s.step < length) & ~jnp.all(s.done)
 
     def advance(s: BeamState) -> BeamState:
         t = s.step
-        last = jnp.where(t == 0, config.bos_id, s.live_tokens[:, :, jnp.maximum(t - 1, 0)])  # (B, K)
+        last = jnp.where(t == 0, config.start_id, s.live_tokens[:, :, jnp.maximum(t - 1, 0)])  # (B, K)
         log_probs, cache = _next_log_probs(
             model, params, s.cache, memory_k, src_k, last.reshape(-1), t, min_len, config
         )  # (B * K, V)
@@ -297,7 +299,7 @@ def _beam_core(params, src, max_new, min_len, penalties, *, config: TransformerC
         extended = s.live_log_probs[:, :, None] + log_probs  # (B, K, V)
         top_log_probs, top_index = lax.top_k(extended.reshape(B, K * V), 2 * K)  # (B, 2K)
         parents, new_tokens = top_index // V, top_index % V  # (B, 2K)
-        candidates = _gather(s.live_tokens, parents).at[:, :, t].set(new_tokens)  # (B, 2K, L)
+        candidates = gather_beams(s.live_tokens, parents).at[:, :, t].set(new_tokens)  # (B, 2K, L)
         # A candidate ends with EOS, or when its row reaches the length limit (then without EOS). Only the K
         # best candidates may finish (as in fairseq): an ending candidate ranked below them is dropped.
         ends = (new_tokens == config.eos_id) | (t + 1 >= max_new)[:, None]  # (B, 2K)
@@ -305,14 +307,14 @@ def _beam_core(params, src, max_new, min_len, penalties, *, config: TransformerC
 
         # Live set: the K most probable candidates that did not end.
         live_log_probs, pick = lax.top_k(jnp.where(ends, -jnp.inf, top_log_probs), K)  # (B, K)
-        live_tokens = _gather(candidates, pick)  # (B, K, L)
-        cache = _gather_cache(cache, jnp.take_along_axis(parents, pick, axis=1), K)
+        live_tokens = gather_beams(candidates, pick)  # (B, K, L)
+        cache = reorder_cache(cache, jnp.take_along_axis(parents, pick, axis=1), K)
 
         # Finished set: the K best of the old finished and the candidates that ended, by penalised score.
         new_scores = jnp.where(finishing, top_log_probs / penalties[t + 1], -jnp.inf)  # (B, 2K)
         scores, pick = lax.top_k(jnp.concatenate([s.finished_scores, new_scores], axis=1), K)  # (B, K)
-        tokens = _gather(jnp.concatenate([s.finished_tokens, candidates], axis=1), pick)
-        flags = _gather(jnp.concatenate([s.finished_flags, finishing], axis=1), pick)
+        tokens = gather_beams(jnp.concatenate([s.finished_tokens, candidates], axis=1), pick)
+        flags = gather_beams(jnp.concatenate([s.finished_flags, finishing], axis=1), pick)
         # Rows that were already done keep their finished set (their candidates could only lose, or come
         # from steps beyond their length limit).
         frozen = s.done[:, None]

@@ -15,8 +15,10 @@ def causal_mask(length: int) -> jnp.ndarray:
 
 
 def decoder_self_mask(tgt_in: jnp.ndarray, pad_id: int) -> jnp.ndarray:
-    """(B, T) decoder input ids -> (B, 1, T, T): causal and not padding."""
-    return padding_mask(tgt_in, pad_id) & causal_mask(tgt_in.shape[1])
+    """(B, T) decoder input ids -> (B, 1, T, T): causal and not padding. The first position is the decoder's start
+    token, a real key whatever its id (Marian starts the decoder from the pad id)."""
+    first = jnp.arange(tgt_in.shape[1]) == 0
+    return (padding_mask(tgt_in, pad_id) | first[None, None, None, :]) & causal_mask(tgt_in.shape[1])
 
 
 def segment_mask(query_segments: jnp.ndarray, key_segments: jnp.ndarray) -> jnp.ndarray:

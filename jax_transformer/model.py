@@ -17,7 +17,7 @@ from jax_transformer import checks
 from jax_transformer.config import ConfigError, TransformerConfig
 from jax_transformer.dropout import Dropout
 from jax_transformer.masks import decoder_masks, encoder_mask
-from jax_transformer.positions import sinusoidal_table
+from jax_transformer.positions import position_table
 
 # Xavier-uniform for every matrix, zeros for biases (as the Annotated Transformer initialises).
 xavier_uniform = nn.initializers.xavier_uniform()
@@ -199,7 +199,7 @@ class FeedForward(nn.Module):
         cfg = self.config
         h = _dense(cfg, cfg.d_ff, "linear1", cfg.ffn_bias)(x).astype(jnp.float32)  # (B, T, F)
         # The activation and dropout in float32; linear2 casts the result to the compute dtype.
-        h = nn.relu(h) if cfg.activation == "relu" else nn.gelu(h, approximate=False)
+        h = {"relu": nn.relu, "gelu": lambda y: nn.gelu(y, approximate=False), "silu": nn.silu}[cfg.activation](h)
         h = Dropout(cfg.activation_dropout)(h, deterministic=deterministic)
         return _dense(cfg, cfg.d_model, "linear2", cfg.ffn_bias)(h)  # (B, T, D), compute dtype
 
@@ -280,7 +280,7 @@ class Positions(nn.Module):
         if cfg.positions == "learned":
             table = self.param("embedding", xavier_uniform, (cfg.max_len, cfg.d_model))
         else:
-            table = jnp.asarray(sinusoidal_table(cfg.max_len, cfg.d_model))
+            table = jnp.asarray(position_table(cfg))
         if positions is not None:
             return x + jnp.take(table, positions, axis=0)  # (B, T, D)
         return x + lax.dynamic_slice_in_dim(table, offset, x.shape[1], axis=0)[None]  # (B, T, D)
@@ -363,6 +363,8 @@ class Transformer(nn.Module):
         self.decoder = Decoder(cfg)
         if not cfg.tie_output:
             self.output_proj = _dense(cfg, cfg.tgt_vocab_size, None, cfg.output_bias, float32_result=True)
+        elif cfg.logits_bias:  # Marian's final_logits_bias, on the tied output
+            self.logits_bias = self.param("logits_bias", nn.initializers.zeros_init(), (cfg.tgt_vocab_size,))
 
     def _embedding(self, side: str) -> nn.Embed:
         if self.config.share_embeddings:
@@ -414,8 +416,12 @@ class Transformer(nn.Module):
         dtype = compute_dtype(self.config)
         table = self._embedding("target").embedding  # (V, D) float32
         if dtype == jnp.float32:
-            return jnp.dot(hidden, table.T)  # what nn.Embed.attend computes
-        return matmul_float32_result(hidden.astype(dtype), table.astype(dtype).T)  # (B, T, V)
+            logits = jnp.dot(hidden, table.T)  # what nn.Embed.attend computes
+        else:
+            logits = matmul_float32_result(hidden.astype(dtype), table.astype(dtype).T)  # (B, T, V)
+        if self.config.logits_bias:  # added as a projection's bias is (cast to the compute dtype, then float32)
+            logits = logits + self.logits_bias.astype(dtype).astype(jnp.float32)
+        return logits
 
     def decode(self, memory, src, tgt_in, deterministic: bool = True, decode: bool = False, **packing):
         """memory (B, S, D), src (B, S), tgt_in (B, T) -> logits (B, T, V); `packing` as for `decoder_hidden`."""

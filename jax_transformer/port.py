@@ -26,7 +26,7 @@ def torch_name(flax_path: tuple[str, ...]) -> str:
     """("encoder", "layer_0", "self_attention", "query", "kernel") -> "encoder.layers.0.self_attention.query.weight"."""
     *modules, leaf = flax_path
     modules = [re.sub(r"^layer_(\d+)$", r"layers.\1", m) for m in modules]
-    return ".".join(modules + [_LEAF_TO_TORCH[leaf]])
+    return ".".join(modules + [_LEAF_TO_TORCH.get(leaf, leaf)])  # logits_bias keeps its name
 
 
 def _is_transposed(flax_path: tuple[str, ...]) -> bool:

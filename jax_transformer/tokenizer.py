@@ -1,10 +1,13 @@
-"""The tokenizer: one joint SentencePiece model for both languages, as the paper shares one subword vocabulary
-between source and target (section 5.1), which is what lets the model share its embedding tables. Its special
-ids are fixed: pad 0, bos 1, eos 2 (TransformerConfig's defaults), unk 3."""
+"""The tokenizers. This project trains one joint SentencePiece model for both languages, as the paper shares one
+subword vocabulary between source and target (section 5.1), which is what lets the model share its embedding
+tables; its special ids are fixed: pad 0, bos 1, eos 2 (TransformerConfig's defaults), unk 3. Imported models bring
+theirs (`MarianTokenizer`, `FsmtTokenizer`); `load_tokenizer` reads any of them back from a checkpoint."""
 
 from __future__ import annotations
 
+import base64
 import io
+import json
 import os
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
@@ -134,18 +137,24 @@ class Tokenizer:
         Path(path).write_bytes(self._bytes)
 
     # --- using -------------------------------------------------------------------------------------------------
+    kind = "sentencepiece"
+    pad_id, start_id, eos_id = PAD_ID, BOS_ID, EOS_ID  # start: the decoder's first input
+
     @property
     def vocab_size(self) -> int:
-        """Number of ids, specials included: ids are in [0, vocab_size)."""
+        """Number of ids, specials included: ids are in [0, vocab_size), on both sides (one joint vocabulary)."""
         return self._processor.get_piece_size()
 
-    def encode(self, text: str) -> list[int]:
-        """Subword ids of one sentence, without BOS or EOS (see the module docstring for where they go)."""
+    src_vocab_size = tgt_vocab_size = vocab_size
+
+    def encode(self, text: str, side: str = "source") -> list[int]:
+        """Subword ids of one sentence, without BOS or EOS (see the module docstring for where they go); `side`
+        ("source" or "target") does not matter to a joint vocabulary."""
         if not isinstance(text, str):
             raise TypeError(f"Tokenizer.encode takes one str, got {type(text).__name__}; use encode_batch")
         return self._processor.encode(text)
 
-    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+    def encode_batch(self, texts: Sequence[str], side: str = "source") -> list[list[int]]:
         """`encode` for many sentences in one call (faster than a Python loop)."""
         return self._processor.encode(list(texts))
 
@@ -169,3 +178,234 @@ class Tokenizer:
     def pieces(self, text: str) -> list[str]:
         """The subword strings of `text` (for looking at what the tokenizer does)."""
         return self._processor.encode(text, out_type=str)
+
+
+# =============================================================================================================
+# The tokenizers of imported models, and reading any tokenizer back
+# =============================================================================================================
+
+
+class _Bundle:
+    """A tokenizer made of files (an imported model's), serialised as one JSON object: its kind, its options and
+    every file's bytes (base64), so a checkpoint carries it as it carries the SentencePiece model."""
+
+    kind = "bundle"
+
+    def __init__(self, files: dict[str, bytes], options: dict) -> None:
+        self.files, self.options = dict(files), dict(options)
+
+    def to_bytes(self) -> bytes:
+        files = {name: base64.b64encode(data).decode("ascii") for name, data in sorted(self.files.items())}
+        return json.dumps({"kind": self.kind, "options": self.options, "files": files}, sort_keys=True).encode()
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Writes the bundle as one JSON file (the run directory's `tokenizer.model`)."""
+        Path(path).write_bytes(self.to_bytes())
+
+    def decode_batch(self, rows: Iterable[Iterable[int]]) -> list[str]:
+        return [self.decode(row) for row in rows]
+
+
+class MarianTokenizer(_Bundle):
+    """The tokenizer of transformers' MarianMTModel (OPUS-MT), without transformers: a SentencePiece model per
+    side (`source.spm`, `target.spm`) whose pieces are mapped to ids by `vocab.json` (and `target_vocab.json` when
+    the vocabularies are separate); an unknown piece is <unk>, a leading language code such as >>fr<< is a token
+    of its own, and the literal strings of the special tokens (</s>, <unk>, <pad>) in a text are those tokens, as
+    transformers' MarianTokenizer does. The decoder starts from <pad>."""
+
+    kind = "marian"
+    SPECIALS = ("</s>", "<unk>", "<pad>")
+
+    def __init__(self, files: dict[str, bytes], options: dict | None = None) -> None:
+        super().__init__(files, options or {})
+        self.separate = bool(self.options.get("separate_vocabs", False))
+        self.source_vocab = json.loads(files["vocab.json"])
+        self.target_vocab = json.loads(files["target_vocab.json"]) if self.separate else self.source_vocab
+        self.spm = {}
+        for side, name in (("source", "source.spm"), ("target", "target.spm")):
+            processor = spm.SentencePieceProcessor()
+            processor.LoadFromSerializedProto(files[name])
+            self.spm[side] = processor
+        self.pad_id, self.eos_id = self.source_vocab["<pad>"], self.source_vocab["</s>"]
+        self.unk_id = self.source_vocab["<unk>"]
+        self.start_id = self.pad_id
+        self._pieces = {index: piece for piece, index in self.target_vocab.items()}
+
+    @property
+    def src_vocab_size(self) -> int:
+        return len(self.source_vocab)
+
+    @property
+    def tgt_vocab_size(self) -> int:
+        return len(self.target_vocab)
+
+    vocab_size = src_vocab_size
+
+    def encode(self, text: str, side: str = "source") -> list[int]:
+        vocab = self.source_vocab if side == "source" else self.target_vocab
+        unk = vocab["<unk>"]
+        ids: list[int] = []
+        for chunk, special in _split_specials(text, self.SPECIALS):
+            if special:
+                ids.append(vocab[chunk])
+                continue
+            code = []
+            if chunk.startswith(">>") and (end := chunk.find("<<")) != -1:  # a target-language code, e.g. >>fr<<
+                code, chunk = [chunk[: end + 2]], chunk[end + 2 :]
+            pieces = code + (self.spm[side].encode(chunk, out_type=str) if chunk else [])
+            ids.extend(vocab.get(piece, unk) for piece in pieces)
+        return ids
+
+    def encode_batch(self, texts: Sequence[str], side: str = "source") -> list[list[int]]:
+        return [self.encode(text, side) for text in texts]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """Text of a model output row (target side): stops at the first EOS, leaves out the special tokens."""
+        pieces = []
+        for i in (int(x) for x in ids):
+            if i == self.eos_id:
+                break
+            piece = self._pieces.get(i) or self.spm["target"].IdToPiece(i) or "<unk>"
+            if piece not in self.SPECIALS:
+                pieces.append(piece)
+        return self.spm["target"].decode_pieces(pieces).replace("\u2581", " ").strip()
+
+
+class FsmtTokenizer(_Bundle):
+    """The tokenizer of transformers' FSMT and of fairseq's translation models: Moses (sacremoses: punctuation
+    normalised, tokenized with aggressive dash splits, HTML-escaped) then BPE with the model's merges, one vocabulary
+    per side (fairseq's dictionaries: <s> 0, <pad> 1, </s> 2, <unk> 3). It needs sacremoses and, for the two Moses
+    clean-up steps transformers ported from Moses' perl scripts, transformers' FSMT tokenizer module (the
+    `pretrained` extra); the BPE is written out here. The decoder starts from </s>, as fairseq's does."""
+
+    kind = "fsmt"
+    SPECIALS = ("<s>", "</s>", "<unk>", "<pad>")
+
+    def __init__(self, files: dict[str, bytes], options: dict | None = None) -> None:
+        super().__init__(files, options or {})
+        self.langs = list(self.options.get("langs", ["en", "de"]))
+        self.lower = bool(self.options.get("do_lower_case", False))
+        self.source_vocab = json.loads(files["vocab-src.json"])
+        self.target_vocab = json.loads(files["vocab-tgt.json"])
+        merges = [tuple(line.split()[:2]) for line in files["merges.txt"].decode("utf-8").splitlines() if line]
+        self.ranks = {pair: rank for rank, pair in enumerate(merges)}
+        self.pad_id, self.eos_id, self.unk_id = (
+            self.source_vocab.get(t, i) for t, i in (("<pad>", 1), ("</s>", 2), ("<unk>", 3))
+        )
+        self.start_id = self.eos_id
+        self._pieces = {index: piece for piece, index in self.target_vocab.items()}
+        self._moses = {}
+
+    @property
+    def src_vocab_size(self) -> int:
+        return len(self.source_vocab)
+
+    @property
+    def tgt_vocab_size(self) -> int:
+        return len(self.target_vocab)
+
+    vocab_size = src_vocab_size
+
+    def _tools(self, lang: str):
+        if lang not in self._moses:
+            try:
+                import sacremoses
+                from transformers.models.fsmt.tokenization_fsmt import remove_non_printing_char, replace_unicode_punct
+            except ImportError as e:
+                raise DataError(
+                    f"the FSMT/fairseq tokenizer needs sacremoses and transformers ({e}): pip install "
+                    f"-e '.[pretrained]'"
+                ) from None
+            normalize = sacremoses.MosesPunctNormalizer(lang=lang).normalize
+            tokenize = sacremoses.MosesTokenizer(lang=lang).tokenize
+            self._moses[lang] = (
+                lambda text: tokenize(
+                    remove_non_printing_char(normalize(replace_unicode_punct(text))),
+                    aggressive_dash_splits=True,
+                    return_str=False,
+                    escape=True,
+                ),
+                sacremoses.MosesDetokenizer(lang=lang).detokenize,
+            )
+        return self._moses[lang]
+
+    def bpe(self, token: str) -> list[str]:
+        """The BPE pieces of one Moses token, merging the lowest-ranked pair first (the end of the word marked with
+        </w>, as in the merges fairseq's fastBPE learned)."""
+        word = list(token[:-1]) + [token[-1] + "</w>"]
+        while len(word) > 1:
+            pairs = {(a, b) for a, b in zip(word, word[1:])}
+            best = min(pairs, key=lambda pair: self.ranks.get(pair, float("inf")))
+            if best not in self.ranks:
+                break
+            merged, i = [], 0
+            while i < len(word):
+                if i < len(word) - 1 and (word[i], word[i + 1]) == best:
+                    merged.append(word[i] + word[i + 1])
+                    i += 2
+                else:
+                    merged.append(word[i])
+                    i += 1
+            word = merged
+        return word
+
+    def encode(self, text: str, side: str = "source") -> list[int]:
+        lang, vocab = (self.langs[0], self.source_vocab) if side == "source" else (self.langs[1], self.target_vocab)
+        unk, ids = vocab.get("<unk>", self.unk_id), []
+        for chunk, special in _split_specials(text, self.SPECIALS):
+            if special:
+                ids.append(vocab.get(chunk, unk))
+                continue
+            chunk = chunk.lower() if self.lower else chunk
+            tokens = self._tools(lang)[0](chunk) if chunk else []
+            ids.extend(vocab.get(piece, unk) for token in tokens if token for piece in self.bpe(token))
+        return ids
+
+    def encode_batch(self, texts: Sequence[str], side: str = "source") -> list[list[int]]:
+        return [self.encode(text, side) for text in texts]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """Text of a model output row (target side): stops at the first EOS, leaves out the special tokens (as
+        transformers' decode with skip_special_tokens), joins the BPE pieces and Moses-detokenizes."""
+        pieces = []
+        for i in (int(x) for x in ids):
+            if i == self.eos_id:
+                break
+            piece = self._pieces.get(i, "<unk>")
+            if piece not in self.SPECIALS:
+                pieces.append(piece)
+        words = "".join(piece.replace("</w>", " ") for piece in pieces).split()
+        return self._tools(self.langs[1])[1](words)
+
+
+def _split_specials(text: str, specials: Sequence[str]) -> list[tuple[str, bool]]:
+    """`text` cut around the literal special-token strings in it: [(chunk, is_special)], in order."""
+    out, start = [], 0
+    while True:
+        hits = [(text.find(s, start), s) for s in specials if text.find(s, start) != -1]
+        if not hits:
+            break
+        at, special = min(hits)
+        if at > start:
+            out.append((text[start:at], False))
+        out.append((special, True))
+        start = at + len(special)
+    if start < len(text) or not out:
+        out.append((text[start:], False))
+    return out
+
+
+KINDS = {"marian": MarianTokenizer, "fsmt": FsmtTokenizer}
+
+
+def load_tokenizer(data: bytes, source: str = "tokenizer"):
+    """Any tokenizer from its bytes (`to_bytes`): a JSON bundle of an imported model's files, or a SentencePiece
+    model (this project's own, and every checkpoint written before imported models existed)."""
+    if data[:1] == b"{":
+        try:
+            bundle = json.loads(data)
+            files = {name: base64.b64decode(value) for name, value in bundle["files"].items()}
+            return KINDS[bundle["kind"]](files, bundle.get("options", {}))
+        except (ValueError, KeyError, TypeError) as e:
+            raise DataError(f"{source}: not a tokenizer bundle this project reads ({type(e).__name__}: {e})") from None
+    return Tokenizer(data, source=source)

@@ -163,7 +163,7 @@ def _greedy_gap(torch_model, src_row: np.ndarray, prefix: list[int], a: int, b: 
     """|log p(a) - log p(b)| after the shared prefix, from the PyTorch twin: how near a tie the flip was."""
     import torch
 
-    tgt_in = torch.tensor([[config.bos_id, *prefix]], dtype=torch.long, device=device)
+    tgt_in = torch.tensor([[config.start_id, *prefix]], dtype=torch.long, device=device)
     with torch.no_grad():
         log_probs = torch.log_softmax(torch_model(torch.from_numpy(src_row[None]).long().to(device), tgt_in), -1)
     last = log_probs[0, -1].float().cpu().numpy()

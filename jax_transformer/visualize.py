@@ -32,7 +32,7 @@ KINDS = {
 
 def token_labels(tokenizer, ids: Sequence[int], config: TransformerConfig) -> list[str]:
     """A readable label per id: <s>, </s>, <pad> for the specials, otherwise the subword's text."""
-    specials = {config.bos_id: "<s>", config.eos_id: "</s>", config.pad_id: "<pad>"}
+    specials = {config.start_id: "<s>", config.eos_id: "</s>", config.pad_id: "<pad>"}
     return [specials.get(int(i)) or tokenizer.decode([int(i)]) or f"#{int(i)}" for i in ids]
 
 
@@ -110,7 +110,7 @@ def sentence_attention(
     src = encode_sources(tokenizer, [sentence], config)[0][None]  # (1, S): tokens + EOS
     tokens, _ = greedy_search(params, config, src, max_len_a=max_len_a, max_len_b=max_len_b)
     produced = [int(t) for t in tokens[0] if t != config.pad_id]  # y1 .. ym, EOS included if emitted
-    decoder_in = np.array([[config.bos_id] + produced[:-1]], dtype=np.int32)  # (1, m): row i predicts yi
+    decoder_in = np.array([[config.start_id] + produced[:-1]], dtype=np.int32)  # (1, m): row i predicts yi
     labels = {
         "source": token_labels(tokenizer, src[0], config),
         "decoder_in": token_labels(tokenizer, decoder_in[0], config),

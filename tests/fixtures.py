@@ -70,6 +70,18 @@ PARITY_CONFIGS: dict[str, TransformerConfig] = {
     "post_shared_unscaled_final": TransformerConfig(
         **{**_SMALL, "tgt_vocab_size": 97}, share_embeddings=True, scale_embeddings=False, final_norm=True
     ),
+    # what imported models need (Marian, fairseq): sinusoids in halves with tensor2tensor's frequencies counted
+    # from position 2, silu, a bias on the tied logits, no BOS (the decoder starts from the pad id)
+    "pretrained_variants": TransformerConfig(
+        **_SMALL,
+        sinusoid_layout="halves",
+        sinusoid_frequencies="tensor2tensor",
+        position_offset=2,
+        activation="silu",
+        logits_bias=True,
+        bos_id=None,
+        decoder_start_id=0,
+    ),
 }
 
 # The paper's base model (512, 8 heads, 2048, 6+6, post-norm, sinusoidal, ReLU) with a small vocabulary: the
@@ -130,7 +142,7 @@ def preset_config(name: str, vocab: int) -> TransformerConfig:
 def _first_word(config: TransformerConfig) -> int:
     """The lowest id a random word may take: past PAD, BOS, EOS and the unknown token after them (4 with the
     default ids 0, 1, 2)."""
-    return max(config.pad_id, config.bos_id, config.eos_id) + 2
+    return max(config.pad_id, config.start_id, config.eos_id) + 2
 
 
 def make_src(
@@ -182,7 +194,7 @@ def make_batch(
     if layout not in LAYOUTS:
         raise ValueError(f"unknown layout {layout!r}; choose from {LAYOUTS}")
     rng = np.random.default_rng(seed)
-    pad, bos, eos, first = config.pad_id, config.bos_id, config.eos_id, _first_word(config)
+    pad, bos, eos, first = config.pad_id, config.start_id, config.eos_id, _first_word(config)
     filled = rows - 1 if padding_row else rows
     if layout == "noise":
         src = rng.integers(first, config.src_vocab_size, (rows, src_len)).astype(np.int32)
@@ -273,7 +285,7 @@ def corpus_batches(
         for row, i in enumerate(rng.choice(len(encoded), rows, replace=False)):
             source, target = encoded.src[i], encoded.tgt[i]
             batch["src"][row, : len(source)] = source
-            batch["tgt_in"][row, : len(target) + 1] = np.concatenate([[config.bos_id], target])
+            batch["tgt_in"][row, : len(target) + 1] = np.concatenate([[config.start_id], target])
             batch["tgt_out"][row, : len(target) + 1] = np.concatenate([target, [config.eos_id]])
         yield batch
 
@@ -450,7 +462,7 @@ def packed_batch(config: TransformerConfig, pairs: Sequence[Sequence[tuple[int, 
             batch["src"][r, s : s + n_src + 1] = np.append(
                 rng.integers(first, config.src_vocab_size, n_src), config.eos_id
             )
-            batch["tgt_in"][r, t : t + n_tgt + 1] = np.append(config.bos_id, words)
+            batch["tgt_in"][r, t : t + n_tgt + 1] = np.append(config.start_id, words)
             batch["tgt_out"][r, t : t + n_tgt + 1] = np.append(words, config.eos_id)
             batch["src_segments"][r, s : s + n_src + 1] = segment
             batch["tgt_segments"][r, t : t + n_tgt + 1] = segment

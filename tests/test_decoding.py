@@ -122,10 +122,10 @@ def cached_and_full_logits(params, src, tgt_in, *, config, cache_len):
     model = Transformer(config)
     full = model.apply({"params": params}, src, tgt_in)
     memory = model.apply({"params": params}, src, method=Transformer.encode)
-    cache = decoding._create_cache(model, params, memory, src, cache_len)
+    cache = decoding.create_cache(model, params, memory, src, cache_len)
 
     def step(cache, tokens):  # tokens (B,)
-        logits, cache = decoding._decode_step(model, params, cache, memory, src, tokens)
+        logits, cache = decoding.decode_step(model, params, cache, memory, src, tokens)
         return cache, logits
 
     _, stepped = jax.lax.scan(step, cache, tgt_in.T)  # (T, B, V)
@@ -407,4 +407,4 @@ def test_first_argmax_is_argmax_with_its_tie_break():
     x[:8, 5] = x[:8, 200] = 10.0  # ties: the first index wins, as in argmax
     x[8:16] = 0.0  # a whole row tied
     x[16:24, :100] = -np.inf  # -inf entries (banned tokens) are never the maximum
-    np.testing.assert_array_equal(np.asarray(decoding._first_argmax(jnp.asarray(x))), np.argmax(x, axis=-1))
+    np.testing.assert_array_equal(np.asarray(decoding.first_argmax(jnp.asarray(x))), np.argmax(x, axis=-1))

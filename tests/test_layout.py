@@ -24,8 +24,10 @@ LAYERS = [
     ("dropout", "losses"),
     ("model",),
     ("port",),  # numpy-only weight map
+    ("pretrained",),  # Marian, FSMT and fairseq configs and weight maps (numpy only)
     ("training",),  # optimiser, train state, train/eval steps: the twin of torch_reference/training.py
     ("decoding",),
+    ("generate",),  # decoding with transformers' rules, for imported models
     ("evaluation", "visualize"),
     ("checkpoint",),
     ("export",),  # PyTorch / safetensors weight files

@@ -46,7 +46,7 @@ class PrefixDecoder:
 
     def __init__(self, model: Transformer, memory: torch.Tensor, src: torch.Tensor):
         self.model, self.memory, self.src = model, memory, src
-        self.prefix = torch.full((src.shape[0], 1), model.cfg.bos_id, dtype=torch.long, device=src.device)  # (B, t+1)
+        self.prefix = torch.full((src.shape[0], 1), model.cfg.start_id, dtype=torch.long, device=src.device)  # (B, t+1)
 
     def step(self) -> torch.Tensor:
         """Log-probs (B, V) of the token after the current prefix."""
@@ -81,7 +81,7 @@ class IncrementalDecoder:
         empty = torch.zeros(B, 0, cfg.num_heads, cfg.head_dim, dtype=compute_dtype(cfg), device=memory.device)
         self.keys = [empty for _ in model.decoder.layers]
         self.values = [empty for _ in model.decoder.layers]
-        self.last = torch.full((B,), cfg.bos_id, dtype=torch.long, device=src.device)
+        self.last = torch.full((B,), cfg.start_id, dtype=torch.long, device=src.device)
         self.position = 0
 
     def _self_attention(self, i: int, module: MultiHeadAttention, h: torch.Tensor) -> torch.Tensor:
@@ -141,7 +141,8 @@ def _restrict(log_probs: torch.Tensor, step: int, min_len: int, cfg: Transformer
     """PAD and BOS are never produced; EOS not before min_len tokens. Set to -inf, not renormalised."""
     log_probs = log_probs.clone()
     log_probs[..., cfg.pad_id] = -math.inf
-    log_probs[..., cfg.bos_id] = -math.inf
+    if cfg.bos_id is not None:
+        log_probs[..., cfg.bos_id] = -math.inf
     if step < min_len:
         log_probs[..., cfg.eos_id] = -math.inf
     return log_probs

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from jax_transformer.config import TransformerConfig
-from jax_transformer.positions import sinusoidal_table
+from jax_transformer.positions import position_table
 
 # --- masks (True = may attend) -----------------------------------------------------------------------
 
@@ -30,8 +30,10 @@ def causal_mask(length: int, device=None) -> torch.Tensor:
 
 
 def decoder_self_mask(tgt_in: torch.Tensor, pad_id: int) -> torch.Tensor:
-    """(B, T) decoder input ids -> (B, 1, T, T): causal and not padding."""
-    return padding_mask(tgt_in, pad_id) & causal_mask(tgt_in.shape[1], tgt_in.device)
+    """(B, T) decoder input ids -> (B, 1, T, T): causal and not padding; the first position (the decoder's start
+    token, whatever its id) is always a real key."""
+    first = torch.arange(tgt_in.shape[1], device=tgt_in.device) == 0
+    return (padding_mask(tgt_in, pad_id) | first[None, None, None, :]) & causal_mask(tgt_in.shape[1], tgt_in.device)
 
 
 def segment_mask(query_segments: torch.Tensor, key_segments: torch.Tensor) -> torch.Tensor:
@@ -139,7 +141,7 @@ class FeedForward(nn.Module):
         super().__init__()
         self.linear1 = nn.Linear(cfg.d_model, cfg.d_ff, bias=cfg.ffn_bias)
         self.linear2 = nn.Linear(cfg.d_ff, cfg.d_model, bias=cfg.ffn_bias)
-        self.activation = nn.ReLU() if cfg.activation == "relu" else nn.GELU(approximate="none")
+        self.activation = {"relu": nn.ReLU(), "gelu": nn.GELU(approximate="none"), "silu": nn.SiLU()}[cfg.activation]
         self.dropout = nn.Dropout(cfg.activation_dropout)
         self.compute_dtype = compute_dtype(cfg)
 
@@ -205,9 +207,7 @@ class Positions(nn.Module):
         if cfg.positions == "learned":
             self.weight = nn.Parameter(torch.empty(cfg.max_len, cfg.d_model))
         else:
-            self.register_buffer(
-                "table", torch.from_numpy(sinusoidal_table(cfg.max_len, cfg.d_model)), persistent=False
-            )
+            self.register_buffer("table", torch.from_numpy(position_table(cfg)), persistent=False)
 
     def forward(self, x: torch.Tensor, offset: int = 0, positions: torch.Tensor | None = None) -> torch.Tensor:
         """positions (B, T): each token's position within its pair (packed rows); else offset, offset + 1, ..."""
@@ -263,6 +263,8 @@ class Transformer(nn.Module):
         self.decoder = Decoder(cfg)
         if not cfg.tie_output:
             self.output_proj = nn.Linear(cfg.d_model, cfg.tgt_vocab_size, bias=cfg.output_bias)
+        elif cfg.logits_bias:  # Marian's final_logits_bias, on the tied output
+            self.logits_bias = nn.Parameter(torch.zeros(cfg.tgt_vocab_size))
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -301,7 +303,7 @@ class Transformer(nn.Module):
         the Flax model); the untied projection's bias, cast to the compute dtype, is added to it."""
         dtype = compute_dtype(self.cfg)
         weight, bias = (
-            (self._embedding("target").weight, None)
+            (self._embedding("target").weight, getattr(self, "logits_bias", None))
             if self.cfg.tie_output
             else (self.output_proj.weight, self.output_proj.bias)
         )

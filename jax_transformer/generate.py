@@ -1,0 +1,186 @@
+"""Decoding as transformers' `generate` does it, for the models imported from it (Marian, FSMT): greedy search and
+beam search with its rules, compiled whole like `jax_transformer.decoding` (whose cache and steps it reuses), so an
+imported model gives the tokens its PyTorch implementation gives.
+
+Where transformers' rules differ from this project's (GNMT's, `decoding.beam_search`): the output may be at most
+`max_length` tokens long counting the decoder's start token; at the last position only EOS may come
+(`forced_eos`, transformers' ForcedEOSTokenLogitsProcessor); `banned` ids (its bad_words_ids of one token) are never
+produced, nothing else is; a finished hypothesis scores log P / (generated tokens)^length_penalty; of the 2K best
+extensions, those among the first K that end (EOS, or the length limit) join the finished set, which keeps the K
+best; `early_stopping` True stops a sentence once K hypotheses are finished, False once the best running
+hypothesis's log P divided by its current length^length_penalty cannot beat the worst finished one, "never" (with
+a positive length_penalty) once it cannot at max_length. The search ends when no sentence can improve.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jax_transformer.compilation import jit_by_config
+from jax_transformer.config import TransformerConfig
+from jax_transformer.decoding import (
+    check_source,
+    create_cache,
+    decode_step,
+    encode_memory,
+    first_argmax,
+    gather_beams,
+    reorder_cache,
+)
+from jax_transformer.model import Transformer
+
+EARLY_STOPPING = ("false", "true", "never")
+NEG = -1.0e9  # transformers' "very large negative" for scores that must not be chosen
+
+
+def _processed(
+    log_probs, generated: int, max_length: int, config: TransformerConfig, banned: tuple, forced_eos, min_length
+):
+    """transformers' logits processors on next-token log-probs (B, V) after `generated` tokens: banned ids -inf;
+    EOS -inf before min_length; at the last position (the sequence would reach max_length) everything but EOS."""
+    for i in banned:
+        log_probs = log_probs.at[..., i].set(-jnp.inf)
+    eos = config.eos_id
+    log_probs = log_probs.at[..., eos].set(jnp.where(generated + 1 < min_length, -jnp.inf, log_probs[..., eos]))
+    if forced_eos:
+        last = generated + 1 == max_length - 1  # the sequence (start token included) is max_length - 1 long
+        only_eos = jnp.full_like(log_probs, -jnp.inf).at[..., eos].set(0.0)
+        log_probs = jnp.where(last, only_eos, log_probs)
+    return log_probs
+
+
+@functools.partial(jit_by_config, static_argnames=("config", "max_length", "banned", "forced_eos"))
+def _greedy_core(
+    params, src, min_length, *, config: TransformerConfig, max_length: int, banned: tuple, forced_eos: bool
+):
+    model, B, L = Transformer(config), src.shape[0], max_length - 1
+    memory = encode_memory(model, params, src)
+    cache = create_cache(model, params, memory, src, L)
+
+    def advance(state):
+        t, last, tokens, done, cache = state
+        logits, cache = decode_step(model, params, cache, memory, src, last)
+        scores = _processed(logits, t, max_length, config, banned, forced_eos, min_length)
+        token = jnp.where(done, config.pad_id, first_argmax(scores))  # finished rows get PAD, as transformers does
+        done = done | (token == config.eos_id) | (t + 2 >= max_length)
+        return t + 1, token, tokens.at[:, t].set(token), done, cache
+
+    state = (0, jnp.full((B,), config.start_id, jnp.int32), jnp.full((B, L), config.pad_id, jnp.int32),
+             jnp.zeros((B,), bool), cache)  # fmt: skip
+    state = lax.while_loop(lambda s: (s[0] < L) & ~jnp.all(s[3]), advance, state)
+    return state[2]
+
+
+@flax.struct.dataclass
+class _Beams:
+    t: jnp.ndarray  # () tokens generated so far
+    running: jnp.ndarray  # (B, K, L) running hypotheses
+    running_scores: jnp.ndarray  # (B, K) their log P (NEG: an empty slot)
+    finished: jnp.ndarray  # (B, K, L) finished hypotheses, best first
+    finished_scores: jnp.ndarray  # (B, K) their scores (NEG: an empty slot)
+    is_finished: jnp.ndarray  # (B, K) which finished slots hold a hypothesis
+    improvable: jnp.ndarray  # (B,) transformers' early-stop heuristic: can this sentence still improve?
+    all_stopped: jnp.ndarray  # () every candidate of the last step hit a stopping criterion
+    cache: Any
+
+
+@functools.partial(
+    jit_by_config, static_argnames=("config", "max_length", "beam_size", "early_stopping", "banned", "forced_eos")
+)
+def _beam_core(
+    params, src, min_length, length_penalty, *, config, max_length, beam_size, early_stopping, banned, forced_eos
+):
+    model, B, K, L = Transformer(config), src.shape[0], beam_size, max_length - 1
+    memory = encode_memory(model, params, src)
+    src_k, memory_k = jnp.repeat(src, K, axis=0), jnp.repeat(memory, K, axis=0)
+    cache = create_cache(model, params, memory_k, src_k, L)
+
+    def more(s: _Beams):
+        open_beam = ~(jnp.all(s.is_finished) & (early_stopping == "true"))
+        return (s.t < L) & jnp.any(s.improvable) & open_beam & ~s.all_stopped
+
+    def advance(s: _Beams) -> _Beams:
+        t = s.t
+        last = jnp.where(t == 0, config.start_id, s.running[:, :, jnp.maximum(t - 1, 0)]).reshape(-1)
+        logits, cache = decode_step(model, params, s.cache, memory_k, src_k, last)
+        log_probs = _processed(jax.nn.log_softmax(logits, -1), t, max_length, config, banned, forced_eos, min_length)
+        V = log_probs.shape[-1]
+        total = (log_probs.reshape(B, K, V) + s.running_scores[:, :, None]).reshape(B, K * V)
+        top_scores, top = lax.top_k(total, 2 * K)  # (B, 2K)
+        parents, tokens = top // V, top % V
+        candidates = gather_beams(s.running, parents).at[:, :, t].set(tokens)  # (B, 2K, L)
+        stops = (tokens == config.eos_id) | (t + 2 >= max_length)  # EOS, or the sequence reaches max_length
+        # Running: the K best candidates that did not stop.
+        running_scores, pick = lax.top_k(top_scores + stops * NEG, K)
+        running = gather_beams(candidates, pick)
+        cache = reorder_cache(cache, jnp.take_along_axis(parents, pick, axis=1), K)
+        # Finished: of the first K candidates, those that stopped, scored by length; the K best of old and new.
+        just_finished = stops & (jnp.arange(2 * K) < K)[None, :]
+        scores = top_scores / ((t + 1.0) ** length_penalty)
+        full = jnp.all(s.is_finished, axis=1, keepdims=True) & (early_stopping == "true")
+        scores = scores + full * NEG + (~s.improvable[:, None]) * NEG + (~just_finished) * NEG
+        merged = jnp.concatenate([s.finished_scores, scores], axis=1)
+        finished_scores, pick = lax.top_k(merged, K)
+        finished = gather_beams(jnp.concatenate([s.finished, candidates], axis=1), pick)
+        is_finished = gather_beams(jnp.concatenate([s.is_finished, just_finished], axis=1), pick)
+        # The heuristic, with the length after this step.
+        length = jnp.where((early_stopping == "never") & (length_penalty > 0), max_length - 1.0, t + 1.0)
+        best_possible = running_scores[:, 0] / (length**length_penalty)
+        worst = jnp.where(is_finished, jnp.min(finished_scores, axis=1, keepdims=True), NEG)
+        improvable = s.improvable & jnp.any(best_possible[:, None] > worst, axis=1)
+        return _Beams(t + 1, running, running_scores, finished, finished_scores, is_finished, improvable,
+                      jnp.all(stops), cache)  # fmt: skip
+
+    start = jnp.where(jnp.arange(K) == 0, 0.0, NEG)
+    state = _Beams(
+        t=jnp.array(0, jnp.int32),
+        running=jnp.full((B, K, L), config.pad_id, jnp.int32),
+        running_scores=jnp.tile(start, (B, 1)).astype(jnp.float32),
+        finished=jnp.full((B, K, L), config.pad_id, jnp.int32),
+        finished_scores=jnp.full((B, K), NEG, jnp.float32),
+        is_finished=jnp.zeros((B, K), bool),
+        improvable=jnp.ones((B,), bool),
+        all_stopped=jnp.array(False),
+        cache=cache,
+    )
+    final = lax.while_loop(more, advance, state)
+    return final.finished[:, 0], final.finished_scores[:, 0]
+
+
+def generate(
+    params,
+    config: TransformerConfig,
+    src,
+    *,
+    max_length: int,
+    num_beams: int = 1,
+    length_penalty: float = 1.0,
+    early_stopping: str = "false",
+    banned: tuple[int, ...] = (),
+    forced_eos: bool = False,
+    min_length: int = 0,
+) -> np.ndarray:
+    """transformers' `generate(num_beams=..., do_sample=False)` on right-padded sources (B, S): tokens (B,
+    max_length - 1) without the decoder's start token, PAD after the end. `early_stopping`: "false", "true" or
+    "never"; `banned`: ids never produced; `forced_eos`: only EOS at the last position."""
+    src = check_source(src, config)
+    if early_stopping not in EARLY_STOPPING:
+        raise ValueError(f"early_stopping must be one of {EARLY_STOPPING}, got {early_stopping!r}")
+    if not 2 <= max_length <= config.max_len + 1:
+        raise ValueError(f"max_length must be in [2, config.max_len + 1 = {config.max_len + 1}], got {max_length}")
+    options = dict(
+        config=config, max_length=int(max_length), banned=tuple(int(i) for i in banned), forced_eos=bool(forced_eos)
+    )
+    min_length = jnp.asarray(min_length, jnp.int32)
+    if num_beams == 1:
+        return np.asarray(_greedy_core(params, jnp.asarray(src), min_length, **options))
+    tokens, _ = _beam_core(params, jnp.asarray(src), min_length, jnp.asarray(length_penalty, jnp.float32),
+                           beam_size=int(num_beams), early_stopping=early_stopping, **options)  # fmt: skip
+    return np.asarray(tokens)
