@@ -9,6 +9,8 @@
     python train.py evaluate --checkpoint runs/my-run --beam-size 1 4 --alpha 0.6 1.0   # choose the decoding
     echo "ein Hund läuft" | python train.py translate --checkpoint runs/my-run
     python train.py export --checkpoint runs/my-run --output model.pt
+    python train.py import opus-mt-de-en/ --output runs/opus-de-en     # a transformers Marian/FSMT dir, or fairseq .pt
+    python train.py export --checkpoint runs/opus-de-en --format transformers --output opus-de-en-hf
     python train.py attention --checkpoint runs/my-run --sentence "ein Hund läuft" --output attention.png
     python train.py average --checkpoint runs/my-run --last 5 --output runs/my-run-avg5
     python train.py verify --checkpoint runs/my-run        # the PyTorch twin against Flax on the validation set
@@ -32,7 +34,7 @@ import time
 import typing
 from pathlib import Path
 
-COMMANDS = ("train", "evaluate", "translate", "export", "attention", "average", "verify", "plot")
+COMMANDS = ("train", "evaluate", "translate", "export", "import", "attention", "average", "verify", "plot")
 EXIT_ERROR, EXIT_DIVERGED, EXIT_NOT_VERIFIED = 1, 3, 4  # and distributed.EXIT_PEER_LOST (5)
 ALIASES = {"warmup_steps": ["--warmup"]}  # old spellings people have in their scripts
 
@@ -86,14 +88,22 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Run `train.py SUBCOMMAND --help` for the flags of each sub-command.",
     )
     sub = parser.add_subparsers(dest="command", metavar="SUBCOMMAND")
-    for add in (train_flags, evaluate_flags, translate_flags, export_flags, attention_flags, average_flags,
-                verify_flags, plot_flags):  # fmt: skip
+    for add in (train_flags, evaluate_flags, translate_flags, export_flags, import_flags, attention_flags,
+                average_flags, verify_flags, plot_flags):  # fmt: skip
         add(sub)
     return parser
 
 
 def train_flags(sub) -> None:
-    from jax_transformer.config import RECIPES, DataConfig, LoopConfig, OptimConfig, ParallelConfig, TransformerConfig
+    from jax_transformer.config import (
+        RECIPES,
+        DataConfig,
+        DecodeConfig,
+        LoopConfig,
+        OptimConfig,
+        ParallelConfig,
+        TransformerConfig,
+    )
 
     t = sub.add_parser(
         "train",
@@ -125,6 +135,12 @@ def train_flags(sub) -> None:
         "bare torch_reference state_dict described by the model flags)",
     )
     g.add_argument(
+        "--init-from",
+        metavar="DIR",
+        help="start from the best checkpoint of a run directory (e.g. one `train.py import` wrote from a pretrained "
+        "model): its weights, config, tokenizer and decoding; the data is encoded with its tokenizer",
+    )
+    g.add_argument(
         "--preset",
         choices=("tiny", "small", "base"),
         help="model size: tiny (2+2 layers, d_model 32), small (3+3, 256), base (6+6, 512, the paper's); model "
@@ -148,6 +164,7 @@ def train_flags(sub) -> None:
     )
     add_settings(t, OptimConfig, "optim", "optimiser (Adam, the paper's schedule, label smoothing)")
     add_settings(t, LoopConfig, "loop", "run loop: steps, evaluation, checkpoints")
+    add_settings(t, DecodeConfig, "decode", "decoding rules of the evaluations")
     add_settings(
         t,
         ParallelConfig,
@@ -175,12 +192,17 @@ def checkpoint_flags(p, *, compute: bool = False) -> None:
         add_settings(p, TransformerConfig, "model", "how to compute", only=COMPUTE_FIELDS, default="the checkpoint's")
 
 
-def decoding_flags(p, *, several: bool = False, more: tuple[str, ...] = ()) -> None:
-    """--beam-size and --alpha (LoopConfig's decoding settings) and the `more` LoopConfig fields named."""
-    from jax_transformer.config import LoopConfig
+def decoding_flags(p, *, several: bool = False, more: tuple[str, ...] = (), rules: bool = True) -> None:
+    """--beam-size and --alpha (LoopConfig's decoding settings), the `more` LoopConfig fields named and, with
+    `rules`, DecodeConfig's (default: what the checkpoint stored)."""
+    from jax_transformer.config import DecodeConfig, LoopConfig
 
     lists = ("beam_size", "alpha") if several else ()
-    add_settings(p, LoopConfig, "loop", "decoding", only=("beam_size", "alpha", *more), several=lists)
+    add_settings(
+        p, LoopConfig, "loop", "decoding", only=("beam_size", "alpha", *more), several=lists, default="the run's"
+    )
+    if rules:
+        add_settings(p, DecodeConfig, "decode", "decoding rules", default="the run's")
 
 
 def evaluation_data_flags(p) -> None:
@@ -247,10 +269,26 @@ def export_flags(sub) -> None:
     )
     x.add_argument(
         "--format",
-        choices=("torch", "safetensors"),
-        help="file format (default: safetensors for a .safetensors name, torch otherwise)",
+        choices=("torch", "safetensors", "transformers"),
+        help="torch or safetensors: a weight file for torch_reference (default: safetensors for a .safetensors name, "
+        "torch otherwise); transformers: a directory MarianMTModel (or, for a model imported from FSMT or fairseq, "
+        "FSMTForConditionalGeneration) and its tokenizer load with from_pretrained",
     )
     x.set_defaults(func=cmd_export)
+
+
+def import_flags(sub) -> None:
+    i = sub.add_parser(
+        "import",
+        help="a pretrained model (transformers Marian/FSMT directory, fairseq checkpoint) as a run directory",
+        description="Reads a transformers save_pretrained directory of a MarianMTModel (OPUS-MT) or "
+        "FSMTForConditionalGeneration, or a fairseq transformer checkpoint (.pt with dict.<lang>.txt and bpecodes "
+        "beside it), and writes a run directory that translate, evaluate, attention, export, verify and "
+        "train --init-from take: its weights, config, tokenizer and how it decodes (transformers' generate rules).",
+    )
+    i.add_argument("source", metavar="SOURCE", help="the transformers directory or the fairseq .pt file")
+    i.add_argument("--output", required=True, metavar="DIR", help="the run directory to write (new or empty)")
+    i.set_defaults(func=cmd_import)
 
 
 def attention_flags(sub) -> None:
@@ -299,7 +337,7 @@ def verify_flags(sub) -> None:
     )
     checkpoint_flags(v, compute=True)
     evaluation_data_flags(v)
-    decoding_flags(v, more=("progress",))
+    decoding_flags(v, more=("progress",), rules=False)
     v.add_argument("--sentences", type=int, metavar="N", help="verify on the first N sentence pairs only (default all)")
     v.add_argument(
         "--device",
@@ -360,9 +398,10 @@ def cmd_train(args, start_time: float) -> int:
         preset_name=args.preset,
         seed=args.seed,
         recipe=args.recipe,
+        init_from=args.init_from,
         start_time=start_time,
         print_fn=_print,
-        **{group: given(args, group) for group in ("model", "data", "optim", "loop", "parallel")},
+        **{group: given(args, group) for group in ("model", "data", "optim", "loop", "parallel", "decode")},
     )
     chosen = f"by validation {result.best_metric}" if result.best_metric else "the last: no validation data"
     _print(
@@ -379,15 +418,19 @@ def cmd_train(args, start_time: float) -> int:
     return 0
 
 
-def decoding(args, several: bool = False):
-    """(beam size, alpha) as given, else LoopConfig's defaults; lists when `several`."""
-    from jax_transformer.config import LoopConfig
+def decoding(args, loaded, several: bool = False):
+    """(beam size, alpha, DecodeConfig): as given, else as the run stored them, else the defaults; the beam sizes
+    and alphas as lists when `several`."""
+    from jax_transformer.config import DecodeConfig, LoopConfig
+    from jax_transformer.run import stored_settings
 
-    chosen, defaults = given(args, "loop"), LoopConfig()
-    beam, alpha = chosen.get("beam_size", defaults.beam_size), chosen.get("alpha", defaults.alpha)
+    stored = stored_settings(loaded)
+    loop = {**LoopConfig().to_dict(), **stored.get("loop", {}), **given(args, "loop")}
+    decode = DecodeConfig.from_dict({**stored.get("decode", {}), **given(args, "decode")}, source="decoding settings")
+    beam, alpha = loop["beam_size"], loop["alpha"]
     if several:
-        return [beam] if isinstance(beam, int) else beam, [alpha] if isinstance(alpha, float) else alpha
-    return beam, alpha
+        beam, alpha = (beam if isinstance(beam, list) else [beam]), (alpha if isinstance(alpha, list) else [alpha])
+    return beam, alpha, decode
 
 
 def _load(args):
@@ -462,10 +505,18 @@ def cmd_evaluate(args, start_time: float) -> int:
         f"{100 * result['accuracy']:.1f}% ({len(valid.sources)} sentences)"
     )
     rows, outputs = [], []
-    for beam, alpha in decoding_grid(*decoding(args, several=True)):
+    beams, alphas, decode = decoding(args, loaded, several=True)
+    for beam, alpha in decoding_grid(beams, alphas):
         began = time.time()
         scores, hypotheses = evaluation.evaluate_translations(
-            loaded.params, loaded.config, loaded.tokenizer, valid.sources, valid.references, beam_size=beam, alpha=alpha
+            loaded.params,
+            loaded.config,
+            loaded.tokenizer,
+            valid.sources,
+            valid.references,
+            beam_size=beam,
+            alpha=alpha,
+            decode=decode,
         )
         rows.append({**scores, "beam_size": beam, "alpha": alpha, "seconds": round(time.time() - began, 1)})
         outputs.append(hypotheses)
@@ -504,10 +555,10 @@ def cmd_evaluate(args, start_time: float) -> int:
 
 def cmd_translate(args, start_time: float) -> int:
     from jax_transformer.corpus import count_lines, read_lines
-    from jax_transformer.decoding import translate_lines
+    from jax_transformer.translation import translate_lines
 
     loaded = _load(args)
-    beam_size, alpha = decoding(args)
+    beam_size, alpha, decode = decoding(args, loaded)
     # Read, translated and written a chunk of lines at a time: memory does not grow with the input.
     if args.input:
         origin, lines, total = args.input, read_lines(args.input), count_lines(args.input)
@@ -528,6 +579,7 @@ def cmd_translate(args, start_time: float) -> int:
             progress=given(args, "loop").get("progress"),  # None: when stderr is a terminal
             beam_size=beam_size,
             alpha=alpha,
+            decode=decode,
         )
     finally:
         sys.stdout.flush()
@@ -539,8 +591,24 @@ def cmd_export(args, start_time: float) -> int:
     from jax_transformer import export
 
     loaded = _load(args)
+    if args.format == "transformers":
+        from jax_transformer import hub, run
+
+        settings = run.stored_settings(loaded)
+        path, kind = hub.export_transformers(loaded.params, loaded.config, loaded.tokenizer, settings, args.output)
+        model = {"marian": "MarianMTModel", "fsmt": "FSMTForConditionalGeneration"}[kind]
+        _print(f"wrote {path}: step {loaded.step} as a transformers {model} with its tokenizer (from_pretrained)")
+        return 0
     path = export.export_weights(args.output, loaded.params, loaded.config, loaded.tokenizer, format=args.format)
     _print(f"wrote {path}: the torch_reference state_dict of step {loaded.step} with its config and tokenizer")
+    return 0
+
+
+def cmd_import(args, start_time: float) -> int:
+    from jax_transformer import hub
+
+    path = hub.import_model(args.source, args.output, print_fn=_print)
+    _print(f"wrote {path}: translate, evaluate, export and train --init-from take it")
     return 0
 
 
@@ -620,7 +688,7 @@ def cmd_verify(args, start_time: float) -> int:
     # Measured under load on the 2-core machine: beam 4 over 30 sentences took 166 s with 2 threads, 23 s with 1.
     torch.set_num_threads(args.torch_threads)
     loaded = _load(args)
-    beam_size, alpha = decoding(args)
+    beam_size, alpha, _ = decoding(args, loaded)  # the frameworks compared with this project's search rules
     valid = _evaluation_data(args, loaded, limit=args.sentences)
     report = verify(
         loaded,

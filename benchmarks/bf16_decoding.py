@@ -101,18 +101,18 @@ def text_outputs(saved, dtype: str, path: str) -> dict[str, list[str]]:
     for evaluate the BLEU of each."""
     import torch
 
-    from jax_transformer import decoding, evaluation
+    from jax_transformer import evaluation, translation
     from tests.fixtures import pad_rows, t, torch_twin
     from torch_reference import decoding as torch_decoding
 
     config, tok = saved.config.replace(dtype=dtype), saved.tokenizer
     twin = torch_twin(config, saved.params, device="cpu")
-    src = pad_rows(decoding.encode_sources(tok, list(saved.source_texts), config))
+    src = pad_rows(translation.encode_sources(tok, list(saved.source_texts), config))
     with torch.no_grad():
         twin_tokens = torch_decoding.beam_search(twin, t(src), beam_size=4, alpha=0.6, use_cache=True)[0].numpy()
     twin_text = [tok.decode(_until_eos(row, config.eos_id, config.pad_id)) for row in twin_tokens]
     if path == "translate (beam 4, text)":
-        flax_text = decoding.translate(saved.params, config, tok, list(saved.source_texts), progress=False)
+        flax_text = translation.translate(saved.params, config, tok, list(saved.source_texts), progress=False)
         return {"flax": flax_text, "twin": twin_text}
     if path == "evaluate (beam 4, BLEU)":
         scores, flax_text = evaluation.evaluate_translations(

@@ -25,7 +25,7 @@ import orbax.checkpoint as ocp
 from orbax.checkpoint import checkpoint_managers as policies
 
 from jax_transformer.config import COMPUTE_FIELDS, ConfigError, TransformerConfig
-from jax_transformer.tokenizer import Tokenizer
+from jax_transformer.tokenizer import Tokenizer, load_tokenizer
 
 FORMAT_VERSION = 3
 READABLE_FORMATS = (1, 2, 3)
@@ -336,7 +336,9 @@ class CheckpointManager:
             raise self._damaged(step, "its metadata has no checksums, which every format-3 step has")
         try:
             config = TransformerConfig.from_dict(meta["config"], source=f"{self.directory} step {step} config")
-            tokenizer = Tokenizer.from_bytes(base64.b64decode(meta["tokenizer"]))
+            tokenizer = load_tokenizer(
+                base64.b64decode(meta["tokenizer"]), source=f"{self.directory} step {step} tokenizer"
+            )
         except (KeyError, ValueError, TypeError) as e:  # possible only for unverified (format 1, 2) metadata
             raise self._damaged(step, f"its metadata cannot be read: {_short(e)}") from None
         if expected_config is not None:

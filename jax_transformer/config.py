@@ -513,6 +513,50 @@ class LoopConfig(Settings):
         return start, stop
 
 
+DECODE_RULES = ("gnmt", "transformers")
+EARLY_STOPPING = ("false", "true", "never")
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeConfig(Settings):
+    """How beam search scores, finishes and limits hypotheses (the beam width and length penalty exponent are
+    LoopConfig's beam_size and alpha). Stored with a run: a model imported from transformers decodes as its
+    `generate` does."""
+
+    kind = "decode"
+    rules: str = setting(
+        "gnmt",
+        "gnmt: this project's beam search (log P / ((5+|y|)/6)^alpha, fairseq's finishing rule, outputs up to 1.5 x "
+        "the source + 10 tokens, PAD and BOS never produced); transformers: transformers' generate (log P / "
+        "|y|^alpha, its early stopping, max_length, banned ids and forced EOS), for imported models",
+        choices=DECODE_RULES,
+    )
+    early_stopping: str = setting(
+        "false", "transformers rules: true, false or never, as transformers' early_stopping", choices=EARLY_STOPPING
+    )
+    max_length: int | None = setting(
+        None,
+        "transformers rules: the longest output, the decoder's start token included (default: max_len)",
+        at_least=2,
+    )
+    banned: str = setting("", "transformers rules: ids never produced, comma-separated (its one-token bad_words_ids)")
+    forced_eos: bool = setting(
+        False, "transformers rules: only EOS may come at the last position (forced_eos_token_id)"
+    )
+    min_length: int = setting(
+        0, "transformers rules: no EOS before the output (start token included) is this long", at_least=0
+    )
+
+    def check(self) -> None:
+        self.banned_ids()  # checks the form
+
+    def banned_ids(self) -> tuple[int, ...]:
+        try:
+            return tuple(int(part) for part in self.banned.split(",") if part.strip())
+        except ValueError:
+            raise ConfigError(f"decode field 'banned' must be comma-separated ids, got {self.banned!r}") from None
+
+
 # =============================================================================================================
 # The devices and processes
 # =============================================================================================================
@@ -626,7 +670,13 @@ def is_loopback(host: str) -> bool:
 # Recipes, and resolving a run's settings
 # =============================================================================================================
 
-GROUPS = {"model": TransformerConfig, "data": DataConfig, "optim": OptimConfig, "loop": LoopConfig}
+GROUPS = {
+    "model": TransformerConfig,
+    "data": DataConfig,
+    "optim": OptimConfig,
+    "loop": LoopConfig,
+    "decode": DecodeConfig,
+}
 
 # The built-in numbers task: sized to reach a useful model on 2 CPU cores in about two minutes.
 NUMBERS_TASK_DEFAULTS: dict[str, dict[str, Any]] = {
@@ -743,6 +793,7 @@ class RunSettings:
     optim: OptimConfig
     loop: LoopConfig
     parallel: ParallelConfig
+    decode: DecodeConfig = DecodeConfig()
 
     @property
     def task(self) -> str:
@@ -750,9 +801,13 @@ class RunSettings:
         return "numbers" if self.data.uses_default_task else "files"
 
 
-def resolve(given: Mapping[str, Any], stored: Mapping[str, Any] | None = None) -> RunSettings:
+def resolve(
+    given: Mapping[str, Any], stored: Mapping[str, Any] | None = None, inherited: Mapping[str, Any] | None = None
+) -> RunSettings:
     """A run's settings, decided once: each field is the given value (a flag), else what a resumed checkpoint
-    stored (`stored`), else the recipe's, else the dataclass default; the preset likewise, its default the task's.
+    stored (`stored`), else what the model a run starts from decodes with (`inherited`: its "loop" beam_size and
+    alpha, its "decode" group; `train --init-from`), else the recipe's, else the dataclass default; the preset
+    likewise, its default the task's.
 
     `given`: {"preset", "recipe", "seed"} and the groups {"model", "data", "optim", "loop", "parallel"}, each a
     partial dict (missing or None: not given). On a resume, the recipe and every setting an exact continuation
@@ -764,7 +819,8 @@ def resolve(given: Mapping[str, Any], stored: Mapping[str, Any] | None = None) -
     recipe_name = _choose_recipe(given.get("recipe"), groups["data"], stored)
     # A resume has every setting stored already; a fresh run takes what is not given from its recipe.
     recipe = load_recipe(recipe_name) if recipe_name and stored is None else {}
-    below = {group: {**recipe.get(group, {}), **(stored or {}).get(group, {})} for group in ("optim", "loop")}
+    layers = (recipe, inherited or {}, stored or {})
+    below = {group: {k: v for layer in layers for k, v in layer.get(group, {}).items()} for group in GROUPS}
     if stored is not None:
         _check_frozen("seed", given.get("seed"), stored["seed"])
         for name, value in groups["optim"].items():
@@ -785,6 +841,7 @@ def resolve(given: Mapping[str, Any], stored: Mapping[str, Any] | None = None) -
         optim=OptimConfig.from_dict({**below["optim"], **groups["optim"]}, source="optimiser settings"),
         loop=LoopConfig.from_dict({**below["loop"], **groups["loop"]}, source="loop settings"),
         parallel=parallel,
+        decode=DecodeConfig.from_dict({**below["decode"], **groups["decode"]}, source="decoding settings"),
     )
 
 

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from jax_transformer.config import TransformerConfig
-from jax_transformer.decoding import translate
+from jax_transformer.translation import translate
 
 
 def spread_indices(n: int, k: int) -> list[int]:
@@ -47,10 +47,11 @@ def evaluate_translations(
     beam_size: int = 4,
     alpha: float = 0.6,
     progress: bool = True,
+    decode=None,
 ) -> tuple[dict[str, float | str], list[str]]:
     """Translates `sources` (beam search; beam_size=1 is greedy) and scores them against `references`:
     (scores as `score_translations` gives them, hypotheses)."""
     hypotheses = translate(
-        params, config, tokenizer, list(sources), beam_size=beam_size, alpha=alpha, progress=progress
+        params, config, tokenizer, list(sources), beam_size=beam_size, alpha=alpha, progress=progress, decode=decode
     )
     return score_translations(hypotheses, references), hypotheses

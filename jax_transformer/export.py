@@ -19,7 +19,7 @@ import numpy as np
 
 from jax_transformer.checkpoint import CheckpointError, check_config
 from jax_transformer.config import TransformerConfig
-from jax_transformer.tokenizer import Tokenizer
+from jax_transformer.tokenizer import Tokenizer, load_tokenizer
 
 TORCH_FORMAT = "jax_transformer.torch_export.v1"
 SAFETENSORS_FORMAT = "jax_transformer.safetensors_export.v1"
@@ -182,7 +182,7 @@ def _read_safetensors(path: Path, data: bytes, convert_dtypes: bool):
             model_bytes = base64.b64decode(metadata["tokenizer"], validate=True)
         except (binascii.Error, ValueError) as e:
             raise CheckpointError(f"{path}: tokenizer in the safetensors metadata is not base64: {e}") from None
-        tokenizer = Tokenizer(model_bytes, source=f"{path} tokenizer")
+        tokenizer = load_tokenizer(model_bytes, source=f"{path} tokenizer")
     return state_dict, config, tokenizer
 
 
@@ -210,5 +210,5 @@ def _read_torch(path: Path, data: bytes, recognised: bool = True):
     config = TransformerConfig.from_json(payload["config"], source=f"{path} config")
     tokenizer = None
     if payload.get("tokenizer") is not None:
-        tokenizer = Tokenizer(payload["tokenizer"], source=f"{path} tokenizer")
+        tokenizer = load_tokenizer(payload["tokenizer"], source=f"{path} tokenizer")
     return payload["state_dict"], config, tokenizer

@@ -72,8 +72,13 @@ def _greedy_core(
         done = done | (token == config.eos_id) | (t + 2 >= max_length)
         return t + 1, token, tokens.at[:, t].set(token), done, cache
 
-    state = (0, jnp.full((B,), config.start_id, jnp.int32), jnp.full((B, L), config.pad_id, jnp.int32),
-             jnp.zeros((B,), bool), cache)  # fmt: skip
+    state = (
+        0,
+        jnp.full((B,), config.start_id, jnp.int32),
+        jnp.full((B, L), config.pad_id, jnp.int32),
+        jnp.zeros((B,), bool),
+        cache,
+    )
     state = lax.while_loop(lambda s: (s[0] < L) & ~jnp.all(s[3]), advance, state)
     return state[2]
 
@@ -135,8 +140,9 @@ def _beam_core(
         best_possible = running_scores[:, 0] / (length**length_penalty)
         worst = jnp.where(is_finished, jnp.min(finished_scores, axis=1, keepdims=True), NEG)
         improvable = s.improvable & jnp.any(best_possible[:, None] > worst, axis=1)
-        return _Beams(t + 1, running, running_scores, finished, finished_scores, is_finished, improvable,
-                      jnp.all(stops), cache)  # fmt: skip
+        return _Beams(
+            t + 1, running, running_scores, finished, finished_scores, is_finished, improvable, jnp.all(stops), cache
+        )
 
     start = jnp.where(jnp.arange(K) == 0, 0.0, NEG)
     state = _Beams(
@@ -181,6 +187,49 @@ def generate(
     min_length = jnp.asarray(min_length, jnp.int32)
     if num_beams == 1:
         return np.asarray(_greedy_core(params, jnp.asarray(src), min_length, **options))
-    tokens, _ = _beam_core(params, jnp.asarray(src), min_length, jnp.asarray(length_penalty, jnp.float32),
-                           beam_size=int(num_beams), early_stopping=early_stopping, **options)  # fmt: skip
+    tokens, _ = _beam_core(
+        params,
+        jnp.asarray(src),
+        min_length,
+        jnp.asarray(length_penalty, jnp.float32),
+        beam_size=int(num_beams),
+        early_stopping=early_stopping,
+        **options,
+    )
     return np.asarray(tokens)
+
+
+def _options(config: TransformerConfig, decode) -> dict[str, Any]:
+    """generate's keyword arguments from a `DecodeConfig` (max_length defaults to the model's max_len + 1)."""
+    max_length = decode.max_length or config.max_len + 1
+    return dict(
+        max_length=min(max_length, config.max_len + 1),
+        early_stopping=decode.early_stopping,
+        banned=decode.banned_ids(),
+        forced_eos=decode.forced_eos,
+        min_length=decode.min_length,
+    )
+
+
+def generate_as(params, config: TransformerConfig, src, decode, *, num_beams: int, length_penalty: float) -> np.ndarray:
+    """`generate` with the settings of a `DecodeConfig` (its rules "transformers")."""
+    return generate(params, config, src, num_beams=num_beams, length_penalty=length_penalty, **_options(config, decode))
+
+
+def compile_generate(params, config: TransformerConfig, rows: int, width: int, num_beams: int, decode) -> Any:
+    """Compiles the program `generate_as` runs on (rows, width) sources, ahead of its first call."""
+    options = _options(config, decode)
+    src = jax.ShapeDtypeStruct((rows, width), jnp.int32)
+    scalar = jax.ShapeDtypeStruct((), jnp.int32)
+    static = dict(
+        config=config,
+        max_length=options["max_length"],
+        banned=tuple(options["banned"]),
+        forced_eos=bool(options["forced_eos"]),
+    )
+    if num_beams == 1:
+        return _greedy_core.lower(params, src, scalar, **static).compile()
+    penalty = jax.ShapeDtypeStruct((), jnp.float32)
+    return _beam_core.lower(
+        params, src, scalar, penalty, beam_size=int(num_beams), early_stopping=options["early_stopping"], **static
+    ).compile()

@@ -31,13 +31,13 @@ from jax_transformer.batching import ValidationSet
 from jax_transformer.checkpoint import CheckpointError, CheckpointManager
 from jax_transformer.checks import TokenError, check_batch
 from jax_transformer.compilation import CompileJobs, CompileLog
-from jax_transformer.config import LoopConfig, OptimConfig, TransformerConfig
-from jax_transformer.decoding import TRANSLATE_BATCH_SIZE, compile_translation, encode_sources, translation_shapes
+from jax_transformer.config import DecodeConfig, LoopConfig, OptimConfig, TransformerConfig
 from jax_transformer.distributed import DataParallel, agree_on_stop, is_primary
 from jax_transformer.errors import DataError
 from jax_transformer.evaluation import evaluate_translations, spread_indices
 from jax_transformer.tokenizer import Tokenizer
 from jax_transformer.training import TrainState, evaluate_loss, make_eval_step, noam_rate, state_for_saving, summarize
+from jax_transformer.translation import TRANSLATE_BATCH_SIZE, compile_translation, encode_sources, translation_shapes
 from jax_transformer.visualize import plot_metrics
 
 STEPS_AHEAD = 2  # steps the loop may dispatch before it waits for the oldest one's loss sums
@@ -70,6 +70,7 @@ class Run:
     loop_state: Mapping[str, Any] | None = None  # a restored checkpoint's (early stopping's best and count)
     on_step: Callable[[int, Callable[[], None]], None] | None = None  # after each step: (step, drain); tests
     lock: Any = None  # the run directory's lock (`run.lock_run_dir`), released by `run.close`
+    decode: DecodeConfig = dataclasses.field(default_factory=DecodeConfig)  # the rules evaluations decode by
 
     def __post_init__(self) -> None:
         self.run_dir = Path(self.run_dir)
@@ -477,7 +478,7 @@ def compile_jobs(run: Run, state, evaluator: Evaluator) -> dict[str, dict[str, C
         n = evaluator.sentences(final=when == "final")
         if n > 0:
             shapes = translation_shapes(lengths[:n], TRANSLATE_BATCH_SIZE, run.config.max_len)
-            jobs[when].update(compile_translation(params, run.config, shapes, beam_size=beam_size))
+            jobs[when].update(compile_translation(params, run.config, shapes, beam_size=beam_size, decode=run.decode))
     for name in jobs["eval"]:
         jobs["final"].pop(name, None)  # the same decoder, when the final evaluation uses the same beam
     return jobs
@@ -641,6 +642,7 @@ class Evaluator:
                 beam_size=beam_size,
                 alpha=self.loop.alpha,
                 progress=self.loop.progress,
+                decode=self.run.decode,
             )
         except Exception as e:  # a decoding failure must not end a long training run: warn, go on
             self.out.print(

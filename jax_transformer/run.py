@@ -82,6 +82,7 @@ def prepare(
     strict_resume: bool = False,
     lock: bool = True,
     init_from_torch: str | os.PathLike | None = None,
+    init_from: str | os.PathLike | None = None,
     preset_name: str | None = None,
     seed: int | None = None,
     recipe: str | None = None,
@@ -90,6 +91,7 @@ def prepare(
     optim: Mapping[str, Any] | None = None,
     loop: Mapping[str, Any] | None = None,
     parallel: Mapping[str, Any] | None = None,
+    decode: Mapping[str, Any] | None = None,
     start_time: float | None = None,
     print_fn: Callable[[str], None] = print,
 ) -> Run:
@@ -101,6 +103,8 @@ def prepare(
     lock: hold the run directory's lock (`lock_run_dir`) until `close`; in a multi-process run process 0 alone
       takes it, and alone tidies the checkpoint folder on a resume;
     init_from_torch: start from the weights of a PyTorch file (`jax_transformer.export`);
+    init_from: start from a run directory's best checkpoint (`train.py import` writes one from a pretrained model):
+      its weights, config and tokenizer, and the way it decodes;
     preset_name, seed, recipe, and model / data / optim / loop / parallel (partial dicts of the fields of
       TransformerConfig / DataConfig / OptimConfig / LoopConfig / ParallelConfig): what was asked for, completed
       by `config.resolve` (a resumed checkpoint's settings, else the recipe's, else the defaults).
@@ -111,6 +115,8 @@ def prepare(
     distributed.initialize(parallel_config, print_fn)
     owner = lock and distributed.is_primary()
     print_fn = print_fn if distributed.is_primary() else _silent
+    if sum(x is not None for x in (resume, init_from_torch, init_from)) > 1:
+        raise UsageError("--resume, --init-from-torch and --init-from exclude each other: each gives the weights")
     run_dir, held = open_run_dir(run_dir, resume, init_from_torch, owner, print_fn)
     distributed.watch_run(run_dir, resume_command(run_dir, parallel_config))
     try:
@@ -120,16 +126,24 @@ def prepare(
             else restore_for_resume(run_dir, strict=strict_resume, owner=owner, print_fn=print_fn)
         )
         stored = None if restored is None else stored_settings(restored)
+        start = None if init_from is None else ckpt_lib.load(init_from, "best")
+        inherited = None if start is None else inherited_settings(start)
         given = dict(preset=preset_name, seed=seed, recipe=recipe, model=model, data=data, optim=optim, loop=loop)
-        settings = resolve({**given, "parallel": parallel_config.to_dict()}, stored)
+        given.update(decode=decode)
+        settings = resolve({**given, "parallel": parallel_config.to_dict()}, stored, inherited)
         corpus, valid_corpus, fingerprint = read_corpora(settings.data, stored, print_fn)
         config, tokenizer, params = model_and_tokenizer(
-            settings, restored, init_from_torch, dict(model or {}), preset_name, corpus, run_dir, print_fn
+            settings, restored or start, init_from_torch, dict(model or {}), preset_name, corpus, run_dir, print_fn
         )
+        if start is not None:
+            print_fn(f"starting from {start.directory} step {start.step} (its weights, tokenizer and decoding)")
+            params, restored_for_state = start.params, None
+        else:
+            restored_for_state = restored
         cache_dir = compilation.use_cache(settings.loop.compilation_cache, print_fn)  # before anything compiles
         devices = distributed.DataParallel.from_config(settings.parallel)
         stream, valid = batches(settings, config, tokenizer, corpus, valid_corpus, devices, restored, print_fn)
-        state = initial_state(restored, config, settings, params)
+        state = initial_state(restored_for_state, config, settings, params)
         stored_now = run_settings(settings, fingerprint, devices)
         agree_and_write(stored_now, config, settings, tokenizer, run_dir, restored)
         n_params = sum(x.size for x in jax.tree_util.tree_leaves(state.params))
@@ -154,6 +168,7 @@ def prepare(
             print=print_fn,
             loop_state=None if restored is None else restored.loop_state,
             lock=held,
+            decode=settings.decode,
         )
     except BaseException:
         if held is not None:
@@ -194,6 +209,13 @@ def open_run_dir(run_dir, resume, init_from_torch, owner: bool, print_fn) -> tup
             held.release()
         raise
     return run_dir, held
+
+
+def inherited_settings(start: ckpt_lib.Checkpoint) -> dict[str, Any]:
+    """What a run started from a checkpoint (`--init-from`) takes over from it: how its model decodes."""
+    stored = stored_settings(start)
+    loop = {k: v for k, v in stored.get("loop", {}).items() if k in ("beam_size", "alpha")}
+    return {"loop": loop, "decode": dict(stored.get("decode", {}))}
 
 
 def resume_command(run_dir: Path, parallel: ParallelConfig) -> str:
@@ -319,6 +341,7 @@ def run_settings(settings: RunSettings, fingerprint: str, devices) -> dict[str, 
         "seed": settings.seed,
         "data": settings.data.absolute().to_dict(),
         "loop": settings.loop.to_dict(),
+        "decode": settings.decode.to_dict(),
         "train_fingerprint": fingerprint,
         "devices": devices.n_devices,  # for information: a resume may use another count
         "processes": jax.process_count(),

@@ -175,6 +175,10 @@ class Tokenizer:
             kept.append(i)
         return self._processor.decode(kept)
 
+    def piece(self, index: int) -> str:
+        """The subword string of one id."""
+        return self._processor.IdToPiece(int(index))
+
     def pieces(self, text: str) -> list[str]:
         """The subword strings of `text` (for looking at what the tokenizer does)."""
         return self._processor.encode(text, out_type=str)

@@ -17,10 +17,11 @@ from tqdm.auto import tqdm
 from jax_transformer import compilation
 from jax_transformer.batching import bucket_lengths
 from jax_transformer.checkpoint import Checkpoint
-from jax_transformer.decoding import beam_search, encode_sources, greedy_search
+from jax_transformer.decoding import beam_search, greedy_search
 from jax_transformer.evaluation import score_translations
 from jax_transformer.export import export_weights, import_weights
 from jax_transformer.model import Transformer
+from jax_transformer.translation import encode_sources
 
 
 @dataclasses.dataclass

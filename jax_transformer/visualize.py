@@ -20,8 +20,9 @@ import numpy as np  # noqa: E402
 
 from jax_transformer.compilation import jit_by_config  # noqa: E402
 from jax_transformer.config import TransformerConfig  # noqa: E402
-from jax_transformer.decoding import encode_sources, greedy_search  # noqa: E402
+from jax_transformer.decoding import greedy_search  # noqa: E402
 from jax_transformer.model import Transformer, attention_maps  # noqa: E402
+from jax_transformer.translation import encode_sources  # noqa: E402
 
 KINDS = {
     "cross": "decoder/layer_{}/cross_attention",

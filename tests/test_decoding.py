@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_transformer import decoding
+from jax_transformer import decoding, translation
 from jax_transformer.config import preset
 from jax_transformer.model import Transformer, init_params
 from tests.fixtures import DECODING_CONFIGS, compiled_functions, eos_biased, make_src, pad_rows
@@ -316,9 +316,9 @@ def test_translate_keeps_order_and_reuses_compilations(tiny_translator):
     lengths = [len(ids) for ids in tokenizer.encode_batch(sentences)]
     short = [s for s, n in zip(sentences, lengths) if 2 <= n <= 7]
     chosen = [short[i] for i in (40, 3, 25, 11, 60, 0, 17)]  # mixed lengths, unsorted
-    out = decoding.translate(params, config, tokenizer, chosen, beam_size=1, batch_size=4, progress=False)
+    out = translation.translate(params, config, tokenizer, chosen, beam_size=1, batch_size=4, progress=False)
     # Each translation equals the decoding of that sentence as a row of a padded batch of the same shape.
-    sources = decoding.encode_sources(tokenizer, chosen, config)
+    sources = translation.encode_sources(tokenizer, chosen, config)
     tokens = np.concatenate(
         [
             decoding.greedy_search(params, config, pad_rows(sources[:4], 16))[0],
@@ -328,27 +328,27 @@ def test_translate_keeps_order_and_reuses_compilations(tiny_translator):
     assert out == [tokenizer.decode(row) for row in tokens[:7]]
     # Other sentences of the same shapes: nothing new is compiled.
     compiled = decoding._greedy_core._cache_size()
-    decoding.translate(params, config, tokenizer, short[100:107], beam_size=1, batch_size=4, progress=False)
+    translation.translate(params, config, tokenizer, short[100:107], beam_size=1, batch_size=4, progress=False)
     assert decoding._greedy_core._cache_size() == compiled
     with pytest.raises(ValueError, match="sentence 1 has"):
-        decoding.translate(params, config, tokenizer, ["one", " ".join(["ninety"] * 40)], progress=False)
+        translation.translate(params, config, tokenizer, ["one", " ".join(["ninety"] * 40)], progress=False)
 
 
 def test_translation_batches_use_a_small_fixed_set_of_shapes():
-    assert decoding.decode_widths(128) == (16, 32, 64, 128)
-    assert decoding.decode_widths(24) == (16, 24) and decoding.decode_widths(16) == (16,)
+    assert translation.decode_widths(128) == (16, 32, 64, 128)
+    assert translation.decode_widths(24) == (16, 24) and translation.decode_widths(16) == (16,)
     # 150 sources of every length 2..51 (EOS included): three batches of 64 rows (the last one completed with
     # filler rows), widths by the longest source of each sorted batch; fewer sentences than batch_size: one batch
     # of the next power of two.
     lengths = [2 + i % 50 for i in range(150)]
-    batches = decoding.translation_batches(lengths, 64, 128)
+    batches = translation.translation_batches(lengths, 64, 128)
     assert [(rows, width) for _, rows, width in batches] == [(64, 32), (64, 64), (64, 64)]
     assert sorted(np.concatenate([chunk for chunk, _, _ in batches]).tolist()) == list(range(150))
     assert all(max(lengths[i] for i in chunk) <= width for chunk, _, width in batches)
-    assert decoding.translation_shapes(lengths, 64, 128) == [(64, 32), (64, 64)]
-    assert decoding.translation_shapes([5, 9, 3], 64, 128) == [(4, 16)]
+    assert translation.translation_shapes(lengths, 64, 128) == [(64, 32), (64, 64)]
+    assert translation.translation_shapes([5, 9, 3], 64, 128) == [(4, 16)]
     with pytest.raises(ValueError, match="batch_size must be an int >= 1"):
-        decoding.translation_batches([3], 0, 128)
+        translation.translation_batches([3], 0, 128)
 
 
 def test_translate_compiles_once_per_shape_and_ahead_of_time(tiny_translator):
@@ -361,19 +361,19 @@ def test_translate_compiles_once_per_shape_and_ahead_of_time(tiny_translator):
     lengths = [len(ids) + 1 for ids in tokenizer.encode_batch(texts)]
     chosen = [s for n in range(3, 21) for s in [s for s, m in zip(texts, lengths) if m == n][:3]]  # 3..20 tokens
     few = chosen[-3:]  # fewer sentences than batch_size: a batch of 4 rows
-    source_lengths = [len(s) for s in decoding.encode_sources(tokenizer, chosen, config)]
+    source_lengths = [len(s) for s in translation.encode_sources(tokenizer, chosen, config)]
     shapes = sorted(
-        {*decoding.translation_shapes(source_lengths, 8, 24), *decoding.translation_shapes([20] * 3, 8, 24)}
+        {*translation.translation_shapes(source_lengths, 8, 24), *translation.translation_shapes([20] * 3, 8, 24)}
     )
     assert shapes == [(4, 24), (8, 16), (8, 24)]  # widths 16 and max_len 24 (not 8, 16, 24); 3 sentences: 4 rows
     # Greedy here; beam search goes through the same shapes (tests/test_compile.py compiles its decoders ahead).
     with compiled_functions() as compiled:
-        for compile_job in decoding.compile_translation(params, config, shapes, beam_size=1).values():
+        for compile_job in translation.compile_translation(params, config, shapes, beam_size=1).values():
             compile_job()
     assert [name for name, _ in compiled] == ["jit(_greedy_core)"] * 3
     with compiled_functions() as compiled:
         for batch in (chosen, few):
-            decoding.translate(params, config, tokenizer, batch, beam_size=1, batch_size=8, progress=False)
+            translation.translate(params, config, tokenizer, batch, beam_size=1, batch_size=8, progress=False)
     assert "jit(_greedy_core)" not in {name for name, _ in compiled}  # nothing compiled again
 
 
@@ -386,7 +386,7 @@ def test_plot_attention_draws_every_layer_and_head(tiny_translator, tmp_path):
     # The grid: one axes per (kind, layer, head); cross-attention has the source subwords on x (ending with
     # </s>) and the produced tokens on y.
     result = visualize.sentence_attention(params, config, tokenizer, sentences[123])
-    src = decoding.encode_sources(tokenizer, [sentences[123]], config)[0]
+    src = translation.encode_sources(tokenizer, [sentences[123]], config)[0]
     assert result.labels["source"] == visualize.token_labels(tokenizer, src, config)
     assert result.labels["source"][-1] == "</s>"
     m = len(result.labels["produced"])

@@ -28,11 +28,13 @@ LAYERS = [
     ("training",),  # optimiser, train state, train/eval steps: the twin of torch_reference/training.py
     ("decoding",),
     ("generate",),  # decoding with transformers' rules, for imported models
+    ("translation",),  # text in, text out: batches of a few shapes, decoded by the model's rules
     ("evaluation", "visualize"),
     ("checkpoint",),
     ("export",),  # PyTorch / safetensors weight files
     ("distributed",),  # devices and processes: where state and batches live, jax.distributed, agreeing to stop
     ("averaging", "verify"),  # checkpoint averaging; a trained checkpoint against its PyTorch twin (via export)
+    ("hub",),  # pretrained models' files: import them as run directories, export them back
     ("loop",),  # the training loop
     ("run",),  # setting up a run
 ]

@@ -256,7 +256,7 @@ INPUT_LINE = st.one_of(
 @fuzz(25)
 @given(lines=st.lists(INPUT_LINE, max_size=12), chunk=st.integers(1, 5))
 def test_translate_writes_one_line_per_input_line(translator, lines, chunk):
-    from jax_transformer.decoding import translate_lines
+    from jax_transformer.translation import translate_lines
 
     config, params, tokenizer = translator
     out = []

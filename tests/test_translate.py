@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from jax_transformer import checkpoint as ckpt_lib
-from jax_transformer.decoding import translate, translate_lines
+from jax_transformer.translation import translate, translate_lines
 from tests.helpers_training import run_main, tiny_train_args, write_corpus
 
 

@@ -254,11 +254,12 @@ class Transformer(nn.Module):
     def __init__(self, cfg: TransformerConfig):
         super().__init__()
         self.cfg = cfg
+        # padding_idx: the pad row gets no gradient (as the Flax model's), whatever reset_parameters puts in it.
         if cfg.share_embeddings:
-            self.shared_embed = nn.Embedding(cfg.src_vocab_size, cfg.d_model)
+            self.shared_embed = nn.Embedding(cfg.src_vocab_size, cfg.d_model, padding_idx=cfg.pad_id)
         else:
-            self.source_embed = nn.Embedding(cfg.src_vocab_size, cfg.d_model)
-            self.target_embed = nn.Embedding(cfg.tgt_vocab_size, cfg.d_model)
+            self.source_embed = nn.Embedding(cfg.src_vocab_size, cfg.d_model, padding_idx=cfg.pad_id)
+            self.target_embed = nn.Embedding(cfg.tgt_vocab_size, cfg.d_model, padding_idx=cfg.pad_id)
         self.encoder = Encoder(cfg)
         self.decoder = Decoder(cfg)
         if not cfg.tie_output:

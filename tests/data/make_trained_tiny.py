@@ -28,7 +28,7 @@ from flax.traverse_util import flatten_dict
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from jax_transformer import decoding  # noqa: E402
+from jax_transformer import decoding, translation  # noqa: E402
 from jax_transformer.batching import encode_corpus
 from jax_transformer.config import OptimConfig, preset  # noqa: E402
 from jax_transformer.default_task import TOKENIZER_MODEL_TYPE, TOKENIZER_VOCAB_SIZE, default_pairs  # noqa: E402
@@ -50,7 +50,7 @@ def main(out: Path = OUT) -> None:
     opt = OptimConfig(lr_scale=2.0, warmup_steps=400)
     state, step = create_train_state(config, opt, seed=0), make_train_step(config, opt)
     valid = default_pairs("valid", n=SENTENCES)
-    src = pad_rows(decoding.encode_sources(tokenizer, valid.sources, config))
+    src = pad_rows(translation.encode_sources(tokenizer, valid.sources, config))
     for i in range(1, STEPS + 1):
         state, sums = step(state, next(batches))
         if i % 500 == 0 or i == STEPS:

@@ -1,0 +1,447 @@
+"""The files of pretrained models, in and out: a transformers `save_pretrained` directory of a Marian (OPUS-MT) or
+FSMT model, or a fairseq checkpoint with its dictionaries, becomes a run directory that `translate`, `evaluate`,
+`attention`, `export`, `verify` and `train --init-from` take (`import_model`); `export_transformers` writes a
+MarianMTModel or FSMTForConditionalGeneration directory back. safetensors, torch and transformers are imported
+here only, by the functions that need them (the `pretrained` extra)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from jax_transformer import pretrained
+from jax_transformer.config import ConfigError, DecodeConfig, OptimConfig, TransformerConfig
+from jax_transformer.errors import DataError, UsageError
+from jax_transformer.tokenizer import FsmtTokenizer, MarianTokenizer, Tokenizer
+
+MARIAN_TOKENIZER_FILES = ("source.spm", "target.spm", "vocab.json")
+FSMT_TOKENIZER_FILES = ("vocab-src.json", "vocab-tgt.json", "merges.txt")
+
+
+@dataclasses.dataclass
+class Pretrained:
+    """A pretrained model in this project's terms."""
+
+    family: str  # "marian", "fsmt" or "fairseq"
+    config: TransformerConfig
+    params: dict[str, Any]
+    tokenizer: Any
+    generation: dict[str, Any]  # how it decodes (`generation_settings`)
+    source: str
+
+
+# =============================================================================================================
+# Reading
+# =============================================================================================================
+
+
+def read_pretrained(source: str | Path) -> Pretrained:
+    """A transformers directory (config.json beside the weights) or a fairseq checkpoint (a .pt file)."""
+    path = Path(source)
+    if path.is_dir() and (path / "config.json").is_file():
+        return read_transformers(path)
+    if path.is_file():
+        return read_fairseq(path)
+    raise UsageError(
+        f"{path}: neither a transformers save_pretrained directory (config.json and model.safetensors) nor a fairseq "
+        f"checkpoint file"
+    )
+
+
+def _json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise DataError(f"{path}: file not found") from None
+    except (OSError, ValueError) as e:
+        raise DataError(f"{path}: cannot read it as JSON: {e}") from None
+
+
+def _weights(folder: Path) -> dict[str, np.ndarray]:
+    """The state_dict of a save_pretrained directory: model.safetensors (or its index of shards), else
+    pytorch_model.bin (read with torch, weights only)."""
+    index = folder / "model.safetensors.index.json"
+    files = sorted(set(_json(index)["weight_map"].values())) if index.is_file() else ["model.safetensors"]
+    if all((folder / name).is_file() for name in files):
+        from safetensors.numpy import load_file
+
+        state = {}
+        for name in files:
+            state.update(load_file(str(folder / name)))
+        return state
+    if (folder / "pytorch_model.bin").is_file():
+        import torch
+
+        loaded = torch.load(folder / "pytorch_model.bin", map_location="cpu", weights_only=True)
+        return {k: v.float().numpy() for k, v in loaded.items()}
+    raise DataError(f"{folder}: no model.safetensors or pytorch_model.bin")
+
+
+def generation_settings(config: dict, generation: dict | None) -> dict[str, Any]:
+    """How a transformers model decodes by default (its generation_config.json, else what transformers derives from
+    config.json): {"num_beams", "length_penalty", "early_stopping" ("true", "false", "never"), "max_length",
+    "banned" (ids never produced: its bad_words_ids of one token), "forced_eos", "min_length"}."""
+    g = {
+        **{
+            k: config[k]
+            for k in (
+                "num_beams",
+                "length_penalty",
+                "early_stopping",
+                "max_length",
+                "bad_words_ids",
+                "forced_eos_token_id",
+                "min_length",
+            )
+            if k in config
+        },
+        **(generation or {}),
+    }
+    bad = g.get("bad_words_ids") or []
+    if any(len(words) != 1 for words in bad):
+        raise ConfigError(f"bad_words_ids {bad}: only single-token bans are supported")
+    early = g.get("early_stopping", False)
+    return {
+        "num_beams": int(g.get("num_beams", 1)),
+        "length_penalty": float(g.get("length_penalty", 1.0)),
+        "early_stopping": early if early == "never" else str(bool(early)).lower(),
+        "max_length": int(g.get("max_length", 20)),
+        "banned": [int(words[0]) for words in bad],
+        "forced_eos": g.get("forced_eos_token_id") is not None,
+        "min_length": int(g.get("min_length", 0)),
+    }
+
+
+def read_transformers(folder: Path) -> Pretrained:
+    """A MarianMTModel or FSMTForConditionalGeneration directory (config.json, weights, tokenizer files)."""
+    hf = _json(folder / "config.json")
+    kind = hf.get("model_type")
+    generation = _json(folder / "generation_config.json") if (folder / "generation_config.json").is_file() else None
+    where = str(folder)
+    if kind == "marian":
+        config = pretrained.marian_config(hf, f"{folder}/config.json")
+        names = MARIAN_TOKENIZER_FILES + (("target_vocab.json",) if not config.share_embeddings else ())
+        options = _json(folder / "tokenizer_config.json") if (folder / "tokenizer_config.json").is_file() else {}
+        options = {
+            "separate_vocabs": bool(options.get("separate_vocabs", False)),
+            **{k: options[k] for k in ("source_lang", "target_lang") if k in options},
+        }
+        tokenizer = MarianTokenizer(_files(folder, names), options)
+    elif kind == "fsmt":
+        config = pretrained.fsmt_config(hf, f"{folder}/config.json")
+        options = _json(folder / "tokenizer_config.json") if (folder / "tokenizer_config.json").is_file() else {}
+        options = {"langs": options.get("langs", hf.get("langs")), "do_lower_case": options.get("do_lower_case", False)}
+        tokenizer = FsmtTokenizer(_files(folder, FSMT_TOKENIZER_FILES), options)
+    else:
+        raise ConfigError(f"{folder}/config.json: model_type {kind!r}; this project imports 'marian' and 'fsmt'")
+    state = _weights(folder)
+    if kind == "marian" and config.share_embeddings and "model.shared.weight" not in state:
+        state["model.shared.weight"] = state.get("model.encoder.embed_tokens.weight")  # a shared table saved untied
+        state = {k: v for k, v in state.items() if v is not None}
+    pretrained.check_copies(state, config, kind, where)
+    params = pretrained.to_params(state, config, kind, where)
+    _check_vocabulary(config, tokenizer, where)
+    return Pretrained(kind, config, params, tokenizer, generation_settings(hf, generation), where)
+
+
+def _files(folder: Path, names) -> dict[str, bytes]:
+    missing = [name for name in names if not (folder / name).is_file()]
+    if missing:
+        raise DataError(f"{folder}: tokenizer file(s) {missing} missing")
+    return {name: (folder / name).read_bytes() for name in names}
+
+
+def _check_vocabulary(config: TransformerConfig, tokenizer, where: str) -> None:
+    for side in ("src", "tgt"):
+        if getattr(tokenizer, f"{side}_vocab_size") > getattr(config, f"{side}_vocab_size"):
+            raise DataError(
+                f"{where}: the tokenizer's {side} vocabulary ({getattr(tokenizer, f'{side}_vocab_size')} ids) is "
+                f"larger than the model's ({getattr(config, f'{side}_vocab_size')})"
+            )
+
+
+def _fairseq_dictionary(path: Path) -> dict[str, int]:
+    """fairseq's dict.<lang>.txt: "<symbol> <count>" lines after the four specials <s> <pad> </s> <unk>."""
+    vocab = {"<s>": 0, "<pad>": 1, "</s>": 2, "<unk>": 3}
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except FileNotFoundError:
+        raise DataError(f"{path}: fairseq dictionary not found (dict.<lang>.txt beside the checkpoint)") from None
+    for number, line in enumerate(lines, start=1):
+        parts = line.rstrip().rsplit(" ", 2)
+        if len(parts) < 2:
+            raise DataError(f"{path}, line {number}: expected '<symbol> <count>', got {line!r}")
+        symbol = parts[0]
+        if symbol not in vocab or "#fairseq:overwrite" in line:
+            vocab[symbol] = len(vocab) if symbol not in vocab else vocab[symbol]
+    return vocab
+
+
+def read_fairseq(path: Path) -> Pretrained:
+    """A fairseq transformer checkpoint (`checkpoint_best.pt` and kin: "args" or "cfg", and "model", the
+    state_dict) with dict.<src>.txt and dict.<tgt>.txt beside it; bpecodes there (fastBPE) gives the Moses + BPE
+    tokenizer, with the dictionaries' @@-continued pieces rewritten to </w>-ended words as FSMT's are."""
+    import torch
+
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=False)  # fairseq pickles its argparse args
+    except Exception as e:  # noqa: BLE001 (torch raises many kinds for a file that is not a checkpoint)
+        raise DataError(f"{path}: cannot read it as a fairseq checkpoint: {type(e).__name__}: {e}") from None
+    if not isinstance(checkpoint, dict) or "model" not in checkpoint:
+        raise DataError(f"{path}: a fairseq checkpoint holds a dict with 'model' (and 'args' or 'cfg')")
+    args = checkpoint.get("args")
+    args = vars(args) if args is not None and not isinstance(args, dict) else args
+    if args is None:
+        cfg = checkpoint.get("cfg") or {}
+        args = {**dict(cfg.get("task", {})), **dict(cfg.get("model", {}))}
+    src, tgt = args.get("source_lang"), args.get("target_lang")
+    if not src or not tgt:
+        raise DataError(f"{path}: its args name no source_lang / target_lang, so its dictionaries cannot be found")
+    folder = path.parent
+    vocabs = {side: _fairseq_dictionary(folder / f"dict.{lang}.txt") for side, lang in (("src", src), ("tgt", tgt))}
+    config = pretrained.fairseq_config(args, len(vocabs["src"]), len(vocabs["tgt"]), str(path))
+    state = {
+        k: v.float().numpy() for k, v in checkpoint["model"].items() if hasattr(v, "numpy") and v.is_floating_point()
+    }
+    pretrained.check_copies(state, config, "fairseq", str(path))
+    params = pretrained.to_params(state, config, "fairseq", str(path))
+    tokenizer = None
+    if (folder / "bpecodes").is_file():
+        rewrite = (
+            lambda vocab: {  # noqa: E731  fastBPE's "hel@@ lo" pieces as FSMT's "hel lo</w>"
+                (k[:-2] if k.endswith("@@") else k if k in ("<s>", "<pad>", "</s>", "<unk>") else k + "</w>"): v
+                for k, v in vocab.items()
+            }
+        )
+        merges = "".join(" ".join(line.split()[:2]) + "\n" for line in (folder / "bpecodes").read_text().splitlines())
+        files = {
+            "vocab-src.json": json.dumps(rewrite(vocabs["src"])).encode(),
+            "vocab-tgt.json": json.dumps(rewrite(vocabs["tgt"])).encode(),
+            "merges.txt": merges.encode(),
+        }
+        tokenizer = FsmtTokenizer(files, {"langs": [src, tgt], "do_lower_case": False})
+    generation = {
+        "num_beams": 5,
+        "length_penalty": 1.0,
+        "early_stopping": "false",
+        "max_length": 200,
+        "banned": [],
+        "forced_eos": True,
+        "min_length": 0,
+    }  # (what transformers' FSMT conversion writes)
+    return Pretrained("fairseq", config, params, tokenizer, generation, str(path))
+
+
+# =============================================================================================================
+# A run directory from a pretrained model
+# =============================================================================================================
+
+
+def import_model(source: str | Path, output: str | Path, print_fn=print) -> Path:
+    """Writes `output` as a run directory (checkpoints/0 with the parameters, config, tokenizer and how the model
+    decodes; config.json; tokenizer.model) from a pretrained model."""
+    from jax_transformer.checkpoint import CheckpointManager
+    from jax_transformer.training import create_train_state, state_for_saving
+
+    output = Path(output)
+    if output.exists() and any(output.iterdir()):
+        raise UsageError(f"--output {output} already exists and is not empty; choose a new directory")
+    model = read_pretrained(source)
+    if model.tokenizer is None:
+        raise DataError(
+            f"{source}: no tokenizer beside it (bpecodes for a fairseq checkpoint): nothing could translate"
+        )
+    generation = model.generation
+    decode = {k: v for k, v in generation.items() if k not in ("num_beams", "length_penalty", "banned")}
+    run = {
+        "imported_from": {"source": str(source), "family": model.family},
+        "loop": {"beam_size": generation["num_beams"], "alpha": generation["length_penalty"]},
+        "decode": {"rules": "transformers", "banned": ",".join(map(str, generation["banned"])), **decode},
+    }
+    DecodeConfig.from_dict(run["decode"], source=f"{source} generation settings")  # checked before anything is written
+    state = state_for_saving(create_train_state(model.config, OptimConfig(), params=model.params))
+    manager = CheckpointManager(output / "checkpoints", keep=1, async_save=False)
+    try:
+        manager.save(0, state, config=model.config, optim=OptimConfig().to_dict(), tokenizer=model.tokenizer, run=run)
+    finally:
+        manager.close()
+    model.tokenizer.save(output / "tokenizer.model")
+    (output / "config.json").write_text(model.config.to_json() + "\n", encoding="utf-8")
+    n = sum(np.asarray(x).size for x in pretrained._flatten(model.params).values())
+    print_fn(
+        f"imported {model.family} model {source}: {n:,} parameters, vocabulary {model.config.src_vocab_size}/"
+        f"{model.config.tgt_vocab_size}; decodes as transformers' generate ({generation})"
+    )
+    return output
+
+
+# =============================================================================================================
+# Writing a transformers directory
+# =============================================================================================================
+
+
+def export_transformers(
+    params, config: TransformerConfig, tokenizer, run: dict, output: str | Path
+) -> tuple[Path, str]:
+    """Writes `output` for transformers: an imported FSMT (or fairseq) model as FSMTForConditionalGeneration, an
+    imported Marian model and this project's own (its model dimension permuted so its interleaved sinusoids become
+    Marian's halves) as MarianMTModel, each with its tokenizer files and generation_config.json. What Marian cannot
+    represent is a UsageError naming the setting."""
+    from safetensors.numpy import save_file
+
+    output = Path(output)
+    if output.exists() and any(output.iterdir()):
+        raise UsageError(f"--output {output} already exists and is not empty; choose a new directory")
+    family = (run.get("imported_from") or {}).get("family")
+    decode = run.get("decode") or {}
+    loop = run.get("loop") or {}
+    if family in ("fsmt", "fairseq"):
+        hf, state, files = _fsmt_files(params, config, tokenizer, loop, decode)
+        kind = "fsmt"
+    else:
+        hf, state, files = _marian_files(params, config, tokenizer, loop, decode, own=family is None)
+        kind = "marian"
+    output.mkdir(parents=True, exist_ok=True)
+    save_file(
+        {k: np.ascontiguousarray(v) for k, v in state.items()}, str(output / "model.safetensors"), {"format": "pt"}
+    )
+    (output / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    for name, data in files.items():
+        (output / name).write_bytes(data)
+    return output, kind
+
+
+def _generation_json(config: TransformerConfig, loop: dict, decode: dict) -> dict:
+    return {
+        "decoder_start_token_id": config.start_id,
+        "eos_token_id": config.eos_id,
+        "pad_token_id": config.pad_id,
+        "num_beams": int(loop.get("beam_size", 4)),
+        "length_penalty": float(loop.get("alpha", 1.0)),
+        "max_length": int(decode.get("max_length", config.max_len)),
+        "early_stopping": {"true": True, "false": False}.get(decode.get("early_stopping", "false"), "never"),
+        **({"forced_eos_token_id": config.eos_id} if decode.get("forced_eos", True) else {}),
+        **({"bad_words_ids": [[int(i)] for i in decode["banned"].split(",")]} if decode.get("banned") else {}),
+    }
+
+
+def _marian_files(params, config: TransformerConfig, tokenizer, loop, decode, own: bool):
+    if own:  # this project's own model, in Marian's shape: the same function
+        problems = pretrained.marian_refusals(config)
+        if problems:
+            raise UsageError("this model cannot be written as a MarianMTModel:\n  " + "\n  ".join(problems))
+        if not isinstance(tokenizer, Tokenizer):
+            raise UsageError(f"this model's tokenizer ({tokenizer.kind}) is not one MarianTokenizer reads")
+        if config.sinusoid_layout == "interleaved":
+            params = pretrained.permute_model_dimension(params, config, pretrained.interleaved_to_halves(config))
+        config = config.replace(
+            sinusoid_layout="halves",
+            qkv_bias=True,
+            ffn_bias=True,
+            norm_bias=True,
+            logits_bias=config.tie_output,
+            output_bias=not config.tie_output,
+        )
+        params = _complete(params, config)  # the biases the model was built without, as zeros
+    state = pretrained.from_params(params, config, "marian")
+    activation = {"silu": "swish"}.get(config.activation, config.activation)
+    hf = {
+        "architectures": ["MarianMTModel"],
+        "model_type": "marian",
+        "vocab_size": config.src_vocab_size,
+        "decoder_vocab_size": config.tgt_vocab_size,
+        "share_encoder_decoder_embeddings": config.share_embeddings,
+        "tie_word_embeddings": config.tie_output,
+        "d_model": config.d_model,
+        "encoder_layers": config.num_encoder_layers,
+        "decoder_layers": config.num_decoder_layers,
+        "encoder_attention_heads": config.num_heads,
+        "decoder_attention_heads": config.num_heads,
+        "encoder_ffn_dim": config.d_ff,
+        "decoder_ffn_dim": config.d_ff,
+        "max_position_embeddings": config.max_len,
+        "dropout": config.dropout,
+        "attention_dropout": config.attention_dropout,
+        "activation_dropout": config.activation_dropout,
+        "activation_function": activation,
+        "scale_embedding": config.scale_embeddings,
+        "pad_token_id": config.pad_id,
+        "eos_token_id": config.eos_id,
+        "bos_token_id": config.bos_id,
+        "decoder_start_token_id": config.start_id,
+        "forced_eos_token_id": config.eos_id,
+    }
+    files = {"generation_config.json": json.dumps(_generation_json(config, loop, decode), indent=2).encode()}
+    if isinstance(tokenizer, MarianTokenizer):
+        files.update({name: data for name, data in tokenizer.files.items()})
+        options = tokenizer.options
+    else:  # this project's joint SentencePiece model: the same model on both sides, its pieces as the vocabulary
+        model = tokenizer.to_bytes()
+        pieces = {tokenizer.piece(i): i for i in range(tokenizer.vocab_size)}  # <pad> 0, <s> 1, </s> 2, <unk> 3
+        files.update({"source.spm": model, "target.spm": model, "vocab.json": json.dumps(pieces).encode()})
+        options = {"separate_vocabs": False}
+    tokenizer_config = {
+        "tokenizer_class": "MarianTokenizer",
+        "separate_vocabs": bool(options.get("separate_vocabs")),
+        **{k: v for k, v in options.items() if k in ("source_lang", "target_lang")},
+    }
+    files["tokenizer_config.json"] = json.dumps(tokenizer_config, indent=2).encode()
+    return hf, state, files
+
+
+def _complete(params, config: TransformerConfig):
+    """Params for `config` with any parameter the source model did not have (biases it was built without, a zero
+    logits bias) filled in with zeros: the same function, in Marian's shape."""
+    from jax_transformer.port import _flatten, _unflatten, expected_param_shapes
+
+    flat = _flatten(params)
+    for path, shape in expected_param_shapes(config).items():
+        flat.setdefault(path, np.ones(shape, np.float32) if path[-1] == "scale" else np.zeros(shape, np.float32))
+    return _unflatten(flat)
+
+
+def _fsmt_files(params, config: TransformerConfig, tokenizer, loop, decode):
+    if not isinstance(tokenizer, FsmtTokenizer):
+        raise UsageError("only models imported from FSMT or fairseq are written as FSMT")
+    state = pretrained.from_params(params, config, "fsmt")
+    hf = {
+        "architectures": ["FSMTForConditionalGeneration"],
+        "model_type": "fsmt",
+        "langs": tokenizer.langs,
+        "src_vocab_size": config.src_vocab_size,
+        "tgt_vocab_size": config.tgt_vocab_size,
+        "d_model": config.d_model,
+        "encoder_layers": config.num_encoder_layers,
+        "decoder_layers": config.num_decoder_layers,
+        "encoder_attention_heads": config.num_heads,
+        "decoder_attention_heads": config.num_heads,
+        "encoder_ffn_dim": config.d_ff,
+        "decoder_ffn_dim": config.d_ff,
+        "max_position_embeddings": config.max_len,
+        "dropout": config.dropout,
+        "attention_dropout": config.attention_dropout,
+        "activation_dropout": config.activation_dropout,
+        "activation_function": config.activation,
+        "scale_embedding": config.scale_embeddings,
+        "tie_word_embeddings": config.tie_output,
+        "pad_token_id": config.pad_id,
+        "bos_token_id": config.bos_id,
+        "eos_token_id": config.eos_id,
+        "decoder_start_token_id": config.start_id,
+        "forced_eos_token_id": config.eos_id,
+        **{
+            k: v
+            for k, v in _generation_json(config, loop, decode).items()
+            if k in ("num_beams", "length_penalty", "early_stopping", "max_length")
+        },
+    }
+    files = {name: data for name, data in tokenizer.files.items()}
+    files["tokenizer_config.json"] = json.dumps(
+        {"tokenizer_class": "FSMTTokenizer", "langs": tokenizer.langs, "do_lower_case": tokenizer.lower}
+    ).encode()
+    files["generation_config.json"] = json.dumps(_generation_json(config, loop, decode), indent=2).encode()
+    return hf, state, files
