@@ -205,12 +205,16 @@ def _generate_both(folder, **options):
     for r, row in enumerate(rows):
         src[r, : len(row)] = row
     with torch.no_grad():
-        theirs = _their_model(folder).generate(
-            input_ids=torch.tensor(src, dtype=torch.long),
-            attention_mask=torch.tensor(src != config.pad_id, dtype=torch.long),
-            do_sample=False,
-            **options,
-        ).numpy()[:, 1:]
+        theirs = (
+            _their_model(folder)
+            .generate(
+                input_ids=torch.tensor(src, dtype=torch.long),
+                attention_mask=torch.tensor(src != config.pad_id, dtype=torch.long),
+                do_sample=False,
+                **options,
+            )
+            .numpy()[:, 1:]
+        )
     ours = generate(
         model.params,
         config,
