@@ -97,6 +97,9 @@ def check_packing(
         return
     seg = arrays[seg_name]
     real = tokens != config.pad_id
+    if side == "target" and config.start_id == config.pad_id:
+        # A decoder that starts from the pad id (Marian's) has a pad token at the start of every segment.
+        real |= (seg != 0) & (seg != np.pad(seg[:, :-1], ((0, 0), (1, 0)), constant_values=-1))
     problems = [
         (seg < 0, "is negative"),
         (real & (seg == 0), f"is 0 (padding) under a real token {names[0]} != pad_id {config.pad_id}"),

@@ -144,7 +144,7 @@ def prepare(
         devices = distributed.DataParallel.from_config(settings.parallel)
         stream, valid = batches(settings, config, tokenizer, corpus, valid_corpus, devices, restored, print_fn)
         state = initial_state(restored_for_state, config, settings, params)
-        stored_now = run_settings(settings, fingerprint, devices)
+        stored_now = run_settings(settings, fingerprint, devices, imported_from(restored or start))
         agree_and_write(stored_now, config, settings, tokenizer, run_dir, restored)
         n_params = sum(x.size for x in jax.tree_util.tree_leaves(state.params))
         print_fn(
@@ -333,9 +333,16 @@ def initial_state(restored, config: TransformerConfig, settings: RunSettings, pa
         raise ckpt_lib.CheckpointError(f"{restored.directory} step {restored.step}: {e}") from None
 
 
-def run_settings(settings: RunSettings, fingerprint: str, devices) -> dict[str, Any]:
+def imported_from(checkpoint) -> dict[str, Any] | None:
+    """The pretrained model a run's weights came from ({"source", "family"}: `train.py import`), kept by every run
+    that resumes or starts from it, so that `export --format transformers` writes the family it came from."""
+    return None if checkpoint is None else stored_settings(checkpoint).get("imported_from")
+
+
+def run_settings(settings: RunSettings, fingerprint: str, devices, origin: dict | None = None) -> dict[str, Any]:
     """What every checkpoint stores as the run's settings (with the config, optimiser and tokenizer apart)."""
     return {
+        **({"imported_from": origin} if origin else {}),
         "preset": settings.preset,
         "recipe": settings.recipe,
         "seed": settings.seed,

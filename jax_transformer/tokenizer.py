@@ -263,6 +263,10 @@ class MarianTokenizer(_Bundle):
     def encode_batch(self, texts: Sequence[str], side: str = "source") -> list[list[int]]:
         return [self.encode(text, side) for text in texts]
 
+    def piece(self, index: int, side: str = "target") -> str:
+        """The vocabulary entry of `index` on one side ("<unk>" for an id outside it)."""
+        return _piece(self, index, side)
+
     def decode(self, ids: Iterable[int]) -> str:
         """Text of a model output row (target side): stops at the first EOS, leaves out the special tokens."""
         pieces = []
@@ -368,6 +372,10 @@ class FsmtTokenizer(_Bundle):
     def encode_batch(self, texts: Sequence[str], side: str = "source") -> list[list[int]]:
         return [self.encode(text, side) for text in texts]
 
+    def piece(self, index: int, side: str = "target") -> str:
+        """The vocabulary entry of `index` on one side ("<unk>" for an id outside it)."""
+        return _piece(self, index, side)
+
     def decode(self, ids: Iterable[int]) -> str:
         """Text of a model output row (target side): stops at the first EOS, leaves out the special tokens (as
         transformers' decode with skip_special_tokens), joins the BPE pieces and Moses-detokenizes."""
@@ -380,6 +388,14 @@ class FsmtTokenizer(_Bundle):
                 pieces.append(piece)
         words = "".join(piece.replace("</w>", " ") for piece in pieces).split()
         return self._tools(self.langs[1])[1](words)
+
+
+def _piece(tokenizer, index: int, side: str) -> str:
+    if side == "target":
+        return tokenizer._pieces.get(int(index), "<unk>")
+    if not hasattr(tokenizer, "_source_pieces"):
+        tokenizer._source_pieces = {i: piece for piece, i in tokenizer.source_vocab.items()}
+    return tokenizer._source_pieces.get(int(index), "<unk>")
 
 
 def _split_specials(text: str, specials: Sequence[str]) -> list[tuple[str, bool]]:

@@ -241,7 +241,7 @@ GENERATE_CASES = {
     "greedy": dict(num_beams=1),
     "beam4": dict(num_beams=4),
     "beam4 early": dict(num_beams=4, early_stopping=True),
-    "beam3 never alpha0.8": dict(num_beams=3, early_stopping="never", length_penalty=0.8),
+    "beam3 never": dict(num_beams=3, early_stopping="never"),
     "beam4 alpha0.6 min5": dict(num_beams=4, length_penalty=0.6, min_length=5),
 }
 

@@ -720,6 +720,9 @@ def _trained_scale(model):
                 p.normal_(0.0, rows)
             elif p.dim() == 2:
                 p.normal_(0.0, p.shape[1] ** -0.5)
+        for module in model.modules():  # the pad rows stay zero, as in the released models
+            if isinstance(module, torch.nn.Embedding) and module.padding_idx is not None:
+                module.weight[module.padding_idx] = 0.0
     return model
 
 
