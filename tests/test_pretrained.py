@@ -130,8 +130,8 @@ def test_export_gives_back_the_same_model_files(imported, tmp_path):
 
 
 def test_fine_tune_an_imported_model_and_export_it(imported, tmp_path):
-    """train --init-from: the imported weights, tokenizer and decoding carry over, the loss falls on new data, and
-    the fine-tuned run exports as a MarianMTModel that computes what the Flax model computes."""
+    """train --init-from: the imported weights, tokenizer and decoding carry over, the loss falls on new data, the
+    run resumes, and the fine-tuned model exports as a MarianMTModel that computes what the Flax model computes."""
     from transformers import MarianMTModel
 
     _, _, run = imported
@@ -163,6 +163,11 @@ def test_fine_tune_an_imported_model_and_export_it(imported, tmp_path):
     records = [json.loads(line) for line in (tmp_path / "tuned" / "metrics.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in records if r["kind"] == "train"]
     assert np.mean(losses[-3:]) < np.mean(losses[:3]) - 0.5, losses  # it learned: not a frozen or reset model
+
+    code, out, err = run_main(["train", "--resume", str(tmp_path / "tuned"), "--steps", "14", "--no-progress"])
+    assert code == 0, out + err  # a resume as for any run: the same data, settings and origin
+    tuned = ckpt_lib.load(tmp_path / "tuned", "latest")
+    assert tuned.step == 14 and tuned.run["imported_from"] == start.run["imported_from"]
 
     exported = tmp_path / "exported"
     code, out, err = run_main(
