@@ -316,16 +316,22 @@ def export_transformers(
 
 
 def _generation_json(config: TransformerConfig, loop: dict, decode: dict) -> dict:
+    """generation_config.json: how the run decodes, in transformers' terms. A model decoding by this project's
+    own rules (GNMT's length penalty, which transformers does not have) gets its alpha as length_penalty and the pad
+    id banned, as its beam search bans it."""
+    banned = [int(i) for i in decode["banned"].split(",")] if decode.get("banned") else []
+    if decode.get("rules", "gnmt") == "gnmt" and config.pad_id not in banned:
+        banned.append(config.pad_id)
     return {
         "decoder_start_token_id": config.start_id,
         "eos_token_id": config.eos_id,
         "pad_token_id": config.pad_id,
         "num_beams": int(loop.get("beam_size", 4)),
         "length_penalty": float(loop.get("alpha", 1.0)),
-        "max_length": int(decode.get("max_length", config.max_len)),
+        "max_length": int(decode.get("max_length") or config.max_len + 1),  # (counting the start token)
         "early_stopping": {"true": True, "false": False}.get(decode.get("early_stopping", "false"), "never"),
         **({"forced_eos_token_id": config.eos_id} if decode.get("forced_eos", True) else {}),
-        **({"bad_words_ids": [[int(i)] for i in decode["banned"].split(",")]} if decode.get("banned") else {}),
+        **({"bad_words_ids": [[i] for i in banned]} if banned else {}),
     }
 
 

@@ -15,6 +15,7 @@ import torch
 from jax_transformer import checkpoint as ckpt_lib
 from jax_transformer import hub
 from jax_transformer.checks import TokenError, check_batch
+from jax_transformer.config import DecodeConfig
 from jax_transformer.default_task import default_pairs
 from jax_transformer.errors import DataError, UsageError
 from jax_transformer.generate import generate
@@ -207,12 +208,14 @@ def test_own_model_exports_as_marian(tmp_path):
     from transformers import MarianMTModel, MarianTokenizer
 
     saved = load_saved_model("trained_tiny")
-    path, kind = hub.export_transformers(
-        saved.params, saved.config, saved.tokenizer, {"loop": {"beam_size": 4, "alpha": 0.6}}, tmp_path / "own"
-    )
+    run = {"loop": {"beam_size": 4, "alpha": 0.6}, "decode": DecodeConfig().to_dict()}  # as a run stores them
+    path, kind = hub.export_transformers(saved.params, saved.config, saved.tokenizer, run, tmp_path / "own")
     assert kind == "marian"
     model = MarianMTModel.from_pretrained(path, attn_implementation="eager").eval()
     _assert_same_logits(model, saved.params, saved.config, saved.tokenizer)
+    generation = json.loads((path / "generation_config.json").read_text())
+    assert generation["num_beams"] == 4 and generation["max_length"] == saved.config.max_len + 1
+    assert generation["bad_words_ids"] == [[saved.config.pad_id]]
     texts = list(saved.source_texts[:100])
     theirs = MarianTokenizer.from_pretrained(path)(texts)["input_ids"]
     assert theirs == [saved.tokenizer.encode(t) + [saved.config.eos_id] for t in texts]
