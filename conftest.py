@@ -6,12 +6,13 @@
 On a machine without a GPU every setting below is a no-op (they are read by GPU code paths only), so the suite
 is unchanged there. On a GPU machine:
 - `--xla_gpu_deterministic_ops=true`: XLA's GPU reductions and scatters (the embedding gradient) are otherwise
-  not deterministic, and README promises a bitwise-exact resume (tests/test_checkpoint.py).
+  not deterministic, and docs/gpu-tpu.md promises a bitwise-exact resume (tests/test_checkpoint.py).
 - `XLA_PYTHON_CLIENT_PREALLOCATE=false`: JAX would take 75% of the GPU's memory at start and starve the PyTorch
   twin in the same process (and train.py in the tests' child processes).
 - `CUBLAS_WORKSPACE_CONFIG=:4096:8`: cuBLAS is deterministic only with it, and `torch.use_deterministic_algorithms`
   (parity_tests/conftest.py) refuses to run cuBLAS matmuls without it.
-Each is set only where the environment does not set it already.
+Each is set only where the environment does not set it already. Everywhere, `HF_HUB_OFFLINE=1`: the tests of
+pretrained models build theirs from configs, and nothing in the suite may reach the network.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ if "deterministic_ops" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {DETERMINISTIC_GPU_FLAG}".strip()
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 DEVICES = ("cpu", "cuda")
 
@@ -50,4 +52,4 @@ def pytest_configure(config):
 
         if not torch.cuda.is_available():
             raise pytest.UsageError("--device cuda (or TWIN_DEVICE=cuda): torch sees no CUDA GPU on this machine")
-    os.environ["TWIN_DEVICE"] = device  # read by tests/fixtures.py (twin_device) in this process and its children
+    os.environ["TWIN_DEVICE"] = device  # read by tests/helpers/twins.py (twin_device) in this process and its children

@@ -69,7 +69,7 @@ def token_outputs(saved, dtype: str, path: str) -> dict[str, list[tuple[int, ...
     import torch
 
     from jax_transformer import decoding
-    from tests.fixtures import t, torch_twin
+    from tests.helpers.twins import t, torch_twin
     from torch_reference import decoding as torch_decoding
 
     config, src = saved.config.replace(dtype=dtype), saved.sources
@@ -102,7 +102,8 @@ def text_outputs(saved, dtype: str, path: str) -> dict[str, list[str]]:
     import torch
 
     from jax_transformer import evaluation, translation
-    from tests.fixtures import pad_rows, t, torch_twin
+    from tests.helpers.batches import pad_rows
+    from tests.helpers.twins import t, torch_twin
     from torch_reference import decoding as torch_decoding
 
     config, tok = saved.config.replace(dtype=dtype), saved.tokenizer
@@ -226,7 +227,7 @@ def markdown(name: str, rows: list[dict]) -> str:
 def main() -> None:
     import torch
 
-    from tests.fixtures import load_saved_model
+    from tests.helpers.saved import load_saved_model
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", default=list(MODELS), help="tests/data names or .npz paths")

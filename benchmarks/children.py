@@ -39,10 +39,11 @@ from benchmarks.train_step import (
     set_torch_threads,
     training_batch,
 )
-from tests.fixtures import ported_params, preset_config
+from tests.helpers.configs import preset_config
+from tests.helpers.twins import ported_params
 
 if TYPE_CHECKING:
-    from benchmarks.run import Settings
+    from benchmarks.common import Settings
 
 REPO = Path(__file__).resolve().parent.parent
 RUN = Path(__file__).resolve().with_name("run.py")  # what a child process runs, with --child

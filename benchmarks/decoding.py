@@ -46,10 +46,11 @@ import numpy as np  # noqa: E402
 from benchmarks.machine import machine_info  # noqa: E402
 from benchmarks.report import add_ratio, figure_from_summary, ratio  # noqa: E402
 from jax_transformer.config import TransformerConfig  # noqa: E402
-from tests.fixtures import preset_config, twin_models  # noqa: E402
+from tests.helpers.configs import preset_config  # noqa: E402
+from tests.helpers.twins import twin_models  # noqa: E402
 
 if TYPE_CHECKING:
-    from benchmarks.run import Settings
+    from benchmarks.common import Settings
 
 IMPLEMENTATIONS = ("flax-cached", "torch-tutorial", "torch-reference", "torch-reference-cached")
 

@@ -18,10 +18,11 @@ import numpy as np
 from benchmarks.report import add_ratio, figure, ratio
 from benchmarks.train_step import JAX_LABEL, JaxTrain, interleaved, training_batch
 from jax_transformer.config import TransformerConfig
-from tests.fixtures import ported_params, preset_config
+from tests.helpers.configs import preset_config
+from tests.helpers.twins import ported_params
 
 if TYPE_CHECKING:
-    from benchmarks.run import Settings
+    from benchmarks.common import Settings
 
 
 def train_step_matmul_flops(config: TransformerConfig, batch_size: int, src_len: int, tgt_len: int) -> dict[str, float]:

@@ -1,14 +1,14 @@
 """Section "gpu" of the benchmark (`benchmarks/run.py --sections gpu`): the training step in every precision, JAX
 beside the PyTorch twin on the same device, as tokens/s and as a share of the device's matmul peak; decoding in
 float32 and bfloat16; the attention-kernel A/B; compilation cold and warm. Written for a GPU (benchmarks/gpu.sh
-runs it there, README "GPU and TPU"); it runs on a CPU too (the smoke test), where there is no TF32, no cuDNN and
+runs it there, docs/gpu-tpu.md); it runs on a CPU too (the smoke test), where there is no TF32, no cuDNN and
 no known peak.
 
 Parts (--gpu-parts):
   train    one training step of each variant, interleaved as in section 1 (same weights, batch, loss, dropout):
              JAX float32               XLA's default matmul precision: TF32 on an Ampere or Hopper GPU
              JAX float32 highest       jax.default_matmul_precision("highest"): true float32 matmuls (GPU only)
-             JAX bfloat16              config.dtype="bfloat16" (README's policy), explicit attention
+             JAX bfloat16              config.dtype="bfloat16" (docs/gpu-tpu.md's policy), explicit attention
              JAX bfloat16 + cudnn      the same with attention_kernel="cudnn" ("xla" on a CPU, not with --quick)
              torch float32             the twin on the same device, eager, TF32 off
              torch TF32                the twin, eager, TF32 matmuls (GPU only)
@@ -46,10 +46,12 @@ from benchmarks.flops import train_step_matmul_flops
 from benchmarks.machine import known_peak
 from benchmarks.report import add_ratio, figure, ratio
 from benchmarks.train_step import JaxTrain, TorchTrain, interleaved, training_batch
-from tests.fixtures import ported_params, preset_config, target_tokens
+from tests.helpers.batches import target_tokens
+from tests.helpers.configs import preset_config
+from tests.helpers.twins import ported_params
 
 if TYPE_CHECKING:
-    from benchmarks.run import Settings
+    from benchmarks.common import Settings
 
 GPU_PARTS = ("train", "decode", "compile")
 BEAM = 4
@@ -229,7 +231,7 @@ def _decode(s, figures, failures, kind, torch_device, on_gpu, peak) -> None:
     import torch
 
     from jax_transformer import decoding
-    from tests.fixtures import torch_twin
+    from tests.helpers.twins import torch_twin
     from torch_reference import decoding as torch_decoding
 
     new_tokens, src_len = s.decode_new_tokens, 24

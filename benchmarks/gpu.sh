@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU runs of issue 11 as steps that each end within 10 minutes, most important first (README, "GPU and TPU").
+# The GPU runs as steps that each end within 10 minutes, most important first (docs/gpu-tpu.md).
 #
 #   bash benchmarks/gpu.sh prepare             # HERE, once, on the development machine: see "prepare" below
 #   bash benchmarks/gpu.sh list                # the steps, in the order to run them
@@ -32,7 +32,7 @@ STEPS=(
   "suite-parity-2      parity_tests, second half, the twin on the GPU"
   "bf16-step-base      base preset 256 x 64 (16k token slots): JAX float32/TF32, highest, bf16, bf16+cuDNN vs the twin"
   "bf16-step-base-25k  base preset 512 x 64 (~25k target tokens, the paper's batch): the same variants"
-  "multi30k            README's Multi30k command: seconds from launch to BLEU 40, cold then warm compilation cache"
+  "multi30k            the multi30k recipe's command: seconds from launch to BLEU 40, cold then warm compilation cache"
   "bf16-step-small     small preset 128 x 32 (launch-bound): the same variants"
   "torch-compile-base  base 256 x 64 again with torch.compile (bf16 autocast) among the variants"
   "decode              greedy and beam 4, float32 and bfloat16, JAX vs the twin's cached decoder, batch 64 and 1"
@@ -92,7 +92,7 @@ bench() {  # bench NAME RUN.PY-ARGS...: benchmarks/run.py with its JSON and Mark
   logged "$name" "$PY" benchmarks/run.py "$@" --json "$OUT/$name.json" --markdown "$OUT/$name.md"
 }
 
-multi30k() {  # benchmarks/multi30k.py time-to-bleu: two runs of README's command (at most 4 minutes each),
+multi30k() {  # benchmarks/multi30k.py time-to-bleu: two runs of the multi30k recipe's command (at most 4 minutes each),
   # the first with an empty compilation cache, the second with the cache the first wrote; each stops at the first
   # evaluation during training (greedy, 200 sentences) with BLEU >= 40 and reports the seconds since launch.
   [ "$DRY_RUN" = 0 ] && [ ! -f "$DATA/train.de" ] && { echo "no $DATA: run 'bash benchmarks/gpu.sh prepare' here first"; exit 1; }

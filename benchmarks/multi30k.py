@@ -1,11 +1,11 @@
 #!/usr/bin/env python3
-"""README's Multi30k de->en training run, measured from launch to exit: throughput over a whole run (CPU) and time
-to BLEU 40 (GPU), each in fresh `train.py` processes.
+"""The multi30k recipe's de->en training run (docs/quality.md), measured from launch to exit: throughput over a
+whole run (CPU) and time to BLEU 40 (GPU), each in fresh `train.py` processes.
 
     # once: copy the corpus into the repository's git-ignored .data/multi30k (train/val .de/.en, 5 MB)
     python benchmarks/multi30k.py prepare-data /work/shared/data/multi30k
 
-    # the padding figures of README's "Batching and compilation" (a minute, no training) and docs/packing.png
+    # the padding figures of docs/training.md's "Batching and compilation" (a minute, no training) and docs/packing.png
     python benchmarks/multi30k.py padding --plot docs/packing.png
 
     # CPU: target tokens/s over whole runs of N minutes (evaluations and compilation included), this checkout's
@@ -15,7 +15,7 @@ to BLEU 40 (GPU), each in fresh `train.py` processes.
     # GPU: seconds from launch to validation BLEU >= 40 (greedy, 200 sentences), cold then warm compilation cache
     python benchmarks/multi30k.py time-to-bleu --json bleu40.json --plot bleu40.png   # two runs of <= 4 minutes
 
-Both run the `multi30k` recipe (`jax_transformer.run.RECIPES`, README's Multi30k command before the 60-minute
+Both run the `multi30k` recipe (`jax_transformer.run.RECIPES`, docs/quality.md's Multi30k command before the 60-minute
 CPU recipe `multi30k-cpu`), written out as flags so that the code before recipes runs it too (`readme_flags`:
 small preset, 6000-piece vocabulary, 4096 token slots, eval every 500 steps on 200 sentences, greedy) with only
 `--max-minutes`, `--run-dir` and the compilation cache changed, and read what happened from the run's
@@ -274,7 +274,7 @@ def end_to_end(args) -> dict:
                 code = old_code(args.old_ref, work / "old-code")
             else:
                 sys.exit(f"error: unknown variant {name!r}")
-            print(f"[{name}] {args.minutes} minutes of README's Multi30k run ...", flush=True)
+            print(f"[{name}] {args.minutes} minutes of the multi30k recipe's run ...", flush=True)
             process = TrainProcess(readme_flags(args.data, run_dir, args.minutes) + extra, code=code)
             code_ = process.wait(timeout=60 * args.minutes + 1800)
             if code_ != 0:
@@ -393,12 +393,12 @@ def plot_runs(runs: list[dict], path: Path, title: str) -> None:
 
 
 # =============================================================================================================
-# padding (no training): the figures of README's "Batching and compilation" table, and its picture
+# padding (no training): the figures of docs/training.md's "Batching and compilation" table, and its picture
 # =============================================================================================================
 
 
 def padding(args) -> dict:
-    """Tokenizes the corpus as README's command does and counts, for length buckets and packed rows, the batch
+    """Tokenizes the corpus as the recipe's command does and counts, for length buckets and packed rows, the batch
     shapes, batches per epoch, the share of source and target slots holding a real token, and the real target
     tokens per batch; with --plot, draws one batch of each (docs/packing.png)."""
     check_data(args.data)
@@ -483,7 +483,7 @@ def main(argv: list[str] | None = None) -> int:
     pad = sub.add_parser("padding", help="batch shapes and the share of real tokens, buckets against packed rows")
     pad.add_argument("--data", type=Path, default=DATA, help=f"folder with {', '.join(FILES)} (default {DATA})")
     pad.add_argument("--json", type=Path, help="also write the figures as JSON")
-    pad.add_argument("--plot", type=Path, help="draw one batch of each kind into this PNG (README: docs/packing.png)")
+    pad.add_argument("--plot", type=Path, help="draw one batch of each kind into this PNG (docs/packing.png)")
     for name, helptext in (
         ("end-to-end", "target tokens/s over whole runs, old and new batching (CPU)"),
         ("time-to-bleu", "seconds from launch to validation BLEU 40, cold and warm compilation cache (GPU)"),
@@ -513,7 +513,7 @@ def main(argv: list[str] | None = None) -> int:
     commands = {"padding": padding, "end-to-end": end_to_end, "time-to-bleu": time_to_bleu}
     result = commands[args.command](args)
     if args.command != "padding" and args.plot:
-        plot_runs(result["runs"], args.plot, f"README's Multi30k command: {result['benchmark']}")
+        plot_runs(result["runs"], args.plot, f"the multi30k recipe's command: {result['benchmark']}")
         print(f"wrote {args.plot}")
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")

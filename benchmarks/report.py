@@ -139,7 +139,7 @@ def text_table(result: dict) -> str:
 
 
 def markdown_table(result: dict) -> str:
-    """The same as text_table, as Markdown (--markdown; for README)."""
+    """The same as text_table, as Markdown (--markdown; for docs/benchmarks.md)."""
     lines = ["## Benchmarks", ""] + [f"- {line}" for line in machine_lines(result)]
     for section in SECTIONS:
         rows = [f for f in result["figures"] if f["section"] == section]

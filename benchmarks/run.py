@@ -60,6 +60,7 @@ if str(REPO) not in sys.path:  # `python benchmarks/run.py` puts benchmarks/ fir
 # Each section lives in its own module: train_step.py (1), flops.py (2), children.py (3 and 5, in child
 # processes), decoding.py (4), scale.py (6 and 7); report.py holds the figures and tables.
 from benchmarks.children import child_first_step, child_pmap, section_first_step, section_pmap  # noqa: E402
+from benchmarks.common import Settings  # noqa: E402
 from benchmarks.decoding import section_decode  # noqa: E402
 from benchmarks.flops import section_flops  # noqa: E402
 from benchmarks.gpu import GPU_PARTS, child_compile, section_gpu  # noqa: E402
@@ -75,30 +76,6 @@ SCHEMA = "jax-transformer-benchmark/1"
 # =============================================================================================================
 # Settings
 # =============================================================================================================
-
-
-@dataclasses.dataclass(frozen=True)
-class Settings:
-    presets: tuple[str, ...]  # model sizes for the train, flops and first-step sections
-    aux_presets: tuple[str, ...]  # model sizes for the decode, pmap, accumulate and multihost sections
-    sections: tuple[str, ...]
-    gpu_parts: tuple[str, ...]  # of the gpu section: train, decode, compile
-    batch_size: int  # rows per training batch
-    length: int  # source and target width of the training batch, in tokens (rows are padded to it)
-    vocab: int  # source and target vocabulary size (shared)
-    repeats: dict[str, int]  # timed steps per preset
-    warmup: int  # untimed steps per variant before timing (the first includes compilation)
-    first_step_runs: int  # fresh processes per preset and framework in the first-step section
-    torch_variants: tuple[str, ...]
-    decode_batch_sizes: tuple[int, ...]
-    decode_new_tokens: int
-    peak_size: int  # n of the n x n float32 matmuls that measure the peak
-    peak_repeats: int
-    torch_threads: int
-    quick: bool
-
-    def repeats_for(self, preset_name: str) -> int:
-        return self.repeats.get(preset_name, min(self.repeats.values()))
 
 
 # Timed repeats per preset. The base model takes seconds per step on a 2-core CPU, so it gets fewer.
@@ -118,7 +95,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, S
         "minutes on a quiet machine",
     )
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
-    p.add_argument("--markdown", metavar="FILE", help="also write the table as Markdown (for README)")
+    p.add_argument("--markdown", metavar="FILE", help="also write the table as Markdown (for docs/benchmarks.md)")
     p.add_argument(
         "--presets",
         default="small,base",

@@ -23,10 +23,11 @@ from typing import TYPE_CHECKING
 from benchmarks.children import RUN, child_args, child_env, run_child
 from benchmarks.report import add_ratio, figure, ratio
 from benchmarks.train_step import JaxTrain, interleaved, training_batch
-from tests.fixtures import ported_params, preset_config
+from tests.helpers.configs import preset_config
+from tests.helpers.twins import ported_params
 
 if TYPE_CHECKING:
-    from benchmarks.run import Settings
+    from benchmarks.common import Settings
 
 ACCUMULATE = 4
 MULTIHOST_DEVICES = 4

@@ -24,10 +24,12 @@ import numpy as np
 
 from benchmarks.report import add_ratio, figure, ratio
 from jax_transformer.config import TransformerConfig
-from tests.fixtures import make_batch, ported_params, preset_config, target_tokens
+from tests.helpers.batches import make_batch, target_tokens
+from tests.helpers.configs import preset_config
+from tests.helpers.twins import ported_params
 
 if TYPE_CHECKING:
-    from benchmarks.run import Settings
+    from benchmarks.common import Settings
 
 TORCH_VARIANTS = {  # variant -> how the PyTorch reference step is run
     "default": "torch eager, Adam (default: for-loop on CPU)",
@@ -75,7 +77,7 @@ def interleaved(
 def training_batch(config: TransformerConfig, batch_size: int, length: int) -> dict[str, np.ndarray]:
     """The benchmark's batch (seed 0), as the data pipeline makes them: src (B, L) words, tgt_in (B, L) = BOS +
     words, tgt_out (B, L) = words + EOS, padded with 0. Each row's source and target lengths are drawn in [L/2, L]
-    (tests/fixtures.py's make_batch, layout "drawn"), so some positions are padding and `target_tokens` (non-pad
+    (tests/helpers/batches.py's make_batch, layout "drawn"), so some positions are padding and `target_tokens` (non-pad
     tgt_out) is less than B * L."""
     return make_batch(config, 0, batch_size, length, length, layout="drawn", padding_row=False, src_eos=False)
 

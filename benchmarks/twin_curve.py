@@ -8,10 +8,10 @@ Both start from the same weights (Flax's initialisation, ported to torch_referen
 same order (real Multi30k de->en pairs from `--data`, default /work/shared/data/multi30k, or the built-in numbers
 task when that folder is missing), with every dropout off, and take the paper's Adam steps
 (`jax_transformer.training` against `torch_reference.training`, the same `OptimConfig`; the peak learning rate of
-README's Multi30k recipe). The parity tests check three such steps; here they run for hundreds. The script draws
-both loss curves and their relative gap |loss_a - loss_b| / loss_b per step (`docs/twin_training_curve.png`), and
-prints the largest gap and how far apart the parameters end (per tensor: ||p_a - p_b|| / ||p_a - p_initial||, the
-movement-relative measure of parity_tests/test_training_parity.py).
+the multi30k recipe, docs/quality.md). The parity tests check three such steps; here they run for hundreds. The
+script draws both loss curves and their relative gap |loss_a - loss_b| / loss_b per step
+(`docs/twin_training_curve.png`), and prints the largest gap and how far apart the parameters end (per tensor:
+||p_a - p_b|| / ||p_a - p_initial||, the movement-relative measure of parity_tests/test_training_parity.py).
 
 How large a gap should be: training amplifies any difference. Adam divides each gradient by its own root mean
 square, so an element whose gradient is mostly rounding noise steps by ~lr in a direction the noise decides, and
@@ -42,7 +42,7 @@ if str(REPO) not in sys.path:  # `python benchmarks/twin_curve.py` puts benchmar
 import numpy as np  # noqa: E402
 
 DEFAULT_DATA = Path("/work/shared/data/multi30k")
-# The peak learning rate of README's Multi30k recipe (d_model 256, warmup 300, lr scale 0.5: 1.8e-3), reached here
+# The peak learning rate of the multi30k recipe (d_model 256, warmup 300, lr scale 0.5: 1.8e-3), reached here
 # by the d_model 64 model at step 100: 0.144 * 64**-0.5 * 100**-0.5 = 1.8e-3.
 LR_SCALE = 0.144
 
@@ -156,7 +156,8 @@ def run(comparison: str, steps: int, data: str, rows: int, width: int, seed: int
     import jax
     import torch
 
-    from tests.fixtures import corpus_batches, ported_params
+    from tests.helpers.batches import corpus_batches
+    from tests.helpers.twins import ported_params
 
     title, left, right, dtype = COMPARISONS[comparison]
     jax.config.update("jax_default_matmul_precision", "highest")

@@ -1,4 +1,4 @@
-"""The original encoder-decoder Transformer in Flax linen (see README.md for the API tour).
+"""The original encoder-decoder Transformer in Flax linen (docs/design.md: the tour).
 
 Importing this package imports neither jax nor torch: `jax_transformer.config` and `jax_transformer.data` are
 plain Python/numpy, and the PyTorch twin reads the same config. Flax pieces load on first use.

@@ -14,8 +14,8 @@ def sinusoidal_table(
     """(max_len, d_model) float32: the rows of positions offset .. offset + max_len - 1.
 
     "paper" frequencies are computed in float64 and rounded once, as Marian does (so its halves table and the
-    interleaved one are column permutations of each other, bit for bit); "tensor2tensor" frequencies in float32,
-    as fairseq computes its table. An odd d_model leaves its last column 0 in the halves layout, as both do."""
+    interleaved one are column permutations of each other, bit for bit); "tensor2tensor" frequencies and angles in
+    float32, as fairseq computes its table. An odd d_model leaves its last column 0 in the halves layout, as both do."""
     position = np.arange(offset, offset + max_len)
     half = d_model // 2
     if frequencies == "paper":
@@ -24,7 +24,9 @@ def sinusoidal_table(
         sines, cosines = np.sin(angles), np.cos(angles[:, :half])
     elif frequencies == "tensor2tensor":
         step = np.float32(-math.log(10000) / (half - 1))
-        inv_freq = np.exp(np.arange(half, dtype=np.float32) * step)  # (d/2,) float32
+        # exp of the float32 exponents, correctly rounded to float32 (torch's float32 exp gives these; numpy's is
+        # an ulp off on some), then float32 angles: fairseq's table to within an ulp of its sin and cos
+        inv_freq = np.exp((np.arange(half, dtype=np.float32) * step).astype(np.float64)).astype(np.float32)
         angles = position[:, None].astype(np.float32) * inv_freq[None, :]
         sines, cosines = np.sin(angles), np.cos(angles)
     else:

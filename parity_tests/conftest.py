@@ -8,7 +8,7 @@ orders. The twin runs on `pytest --device` (conftest.py at the repository root; 
 Every check records the largest difference it saw with `parity_report`; the table is printed at the end of the
 run (also without -s), so parity is shown as numbers and not only as a pass.
 
-The configurations, batches and twin models themselves come from tests/fixtures.py (shared with tests/ and
+The configurations, batches and twin models themselves come from tests/helpers/ (shared with tests/ and
 benchmarks/); this file holds the pytest side: precision settings, the report, the `config_case` fixture.
 """
 
@@ -29,7 +29,7 @@ torch.backends.cudnn.allow_tf32 = False
 torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
 torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
 
-from tests.fixtures import PARITY_CONFIGS  # noqa: E402
+from tests.helpers.configs import PARITY_CONFIGS  # noqa: E402
 
 _REPORT: list[tuple[str, str, float, float]] = []
 
@@ -58,10 +58,10 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.write_line(f"{check:<42} {case:<28} {observed:>10.3e} {tolerance:>10.0e}")
 
 
-# --- the configurations every check runs over (tests/fixtures.py holds them, and the batches and twins) ----
+# --- the configurations every check runs over (tests/helpers/configs.py holds them) ----
 
 
 @pytest.fixture(params=list(PARITY_CONFIGS), ids=list(PARITY_CONFIGS))
 def config_case(request):
-    """(name, config) for each of tests/fixtures.py's PARITY_CONFIGS."""
+    """(name, config) for each of tests/helpers/configs.py's PARITY_CONFIGS."""
     return request.param, PARITY_CONFIGS[request.param]

@@ -25,7 +25,10 @@ import pytest
 from jax_transformer import losses
 from jax_transformer.model import Transformer, init_params
 from parity_tests.test_packing_parity import _packed
-from tests.fixtures import PARITY_CONFIGS, flat, gradient_tolerance, logit_tolerance, make_batch, max_abs_diff
+from tests.helpers.batches import make_batch
+from tests.helpers.configs import PARITY_CONFIGS
+from tests.helpers.tolerances import gradient_tolerance, logit_tolerance
+from tests.helpers.twins import flat, max_abs_diff
 
 LOGIT_ATOL = 1e-5  # float32: see the module docstring
 GRAD_RTOL = 1e-4

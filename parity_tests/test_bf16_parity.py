@@ -1,7 +1,7 @@
 """bfloat16 parity: the Flax model and the PyTorch twin both in bfloat16 mixed precision (`config.dtype`), compared
 like with like: logits, loss and every gradient. (Decoded tokens of a trained model: test_decoding_parity.py.)
 
-What both compute: the policy of README's "GPU and TPU" table, the twin with explicit casts. Every matmul takes
+What both compute: the policy of docs/gpu-tpu.md's table, the twin with explicit casts. Every matmul takes
 bfloat16 operands and gives a bfloat16 result (a projection's bias added to the float32 accumulator first, then
 rounded once); the residual stream, LayerNorm, the softmax, the logits and the loss are float32. So the twins round
 the same values to bfloat16 at the same places, and the lowered-program and dtype tests (tests/test_precision.py)
@@ -42,18 +42,10 @@ import torch
 from jax_transformer import compilation, losses
 from jax_transformer.model import Transformer
 from jax_transformer.port import flax_to_torch
-from tests.fixtures import (
-    PARITY_CONFIGS,
-    gradient_tolerance,
-    layers,
-    logit_tolerance,
-    make_batch,
-    max_abs_diff,
-    t,
-    to_numpy,
-    torch_twin,
-    twin_models,
-)
+from tests.helpers.batches import make_batch
+from tests.helpers.configs import PARITY_CONFIGS
+from tests.helpers.tolerances import gradient_tolerance, layers, logit_tolerance
+from tests.helpers.twins import max_abs_diff, t, to_numpy, torch_twin, twin_models
 from torch_reference import losses as torch_losses
 
 

@@ -28,10 +28,13 @@ import torch
 
 from jax_transformer import decoding
 from jax_transformer.model import init_params
-from tests.fixtures import DECODING_CONFIGS as CONFIGS
-from tests.fixtures import DECODING_MAX_LEN as MAX_LEN
-from tests.fixtures import DECODING_VOCAB as VOCAB
-from tests.fixtures import eos_biased, load_saved_model, logit_tolerance, make_src, t, torch_twin
+from tests.helpers.batches import make_src
+from tests.helpers.configs import DECODING_CONFIGS as CONFIGS
+from tests.helpers.configs import DECODING_MAX_LEN as MAX_LEN
+from tests.helpers.configs import DECODING_VOCAB as VOCAB
+from tests.helpers.saved import load_saved_model
+from tests.helpers.tolerances import logit_tolerance
+from tests.helpers.twins import eos_biased, t, torch_twin
 from torch_reference import decoding as torch_decoding
 
 LENGTHS = (MAX_LEN, 3, 1, 9, 5, 12)  # a full-width source, an empty one (EOS only), padded ones

@@ -17,8 +17,10 @@ import torch
 import torch_reference
 from jax_transformer import masks
 from jax_transformer.model import MultiHeadAttention, attention_maps
-from tests.fixtures import BASE, make_batch, max_abs_diff, t, twin_models
-from tests.fixtures import PARITY_CONFIGS as CONFIGS
+from tests.helpers.batches import make_batch
+from tests.helpers.configs import BASE
+from tests.helpers.configs import PARITY_CONFIGS as CONFIGS
+from tests.helpers.twins import max_abs_diff, t, twin_models
 
 ATOL = 1e-5  # see module docstring
 

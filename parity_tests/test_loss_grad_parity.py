@@ -21,7 +21,9 @@ import pytest
 
 from jax_transformer import losses
 from jax_transformer.port import flax_to_torch
-from tests.fixtures import BASE, make_batch, t, twin_models
+from tests.helpers.batches import make_batch
+from tests.helpers.configs import BASE
+from tests.helpers.twins import t, twin_models
 from torch_reference import losses as torch_losses
 
 LOSS_ATOL = 1e-5
@@ -102,6 +104,7 @@ def test_loss_ignores_padding_and_smooths_labels():
     assert float(sums["tokens"]) == real.sum()
 
 
+@pytest.mark.slow
 def test_base_model_gradients(parity_report):
     """The paper's base configuration: loss and every gradient, same tolerances."""
     loss, grads, torch_loss, torch_grads = _loss_and_grads(BASE, seed=0, smoothing=0.1)

@@ -19,8 +19,9 @@ import torch
 from jax_transformer.losses import loss_sums
 from jax_transformer.model import Transformer, init_params
 from jax_transformer.port import flax_to_torch
-from tests.fixtures import PARITY_CONFIGS as CONFIGS
-from tests.fixtures import max_abs_diff, packed_pairs, t, torch_twin, twin_models, unpacked
+from tests.helpers.batches import packed_pairs, unpacked
+from tests.helpers.configs import PARITY_CONFIGS as CONFIGS
+from tests.helpers.twins import max_abs_diff, t, torch_twin, twin_models
 from torch_reference.losses import loss_sums as torch_loss_sums
 
 LOGIT_TOL = 1e-5  # float32 summation order only (see the module docstring)

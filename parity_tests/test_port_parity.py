@@ -19,8 +19,9 @@ from jax_transformer.port import (
     torch_name,
     torch_to_flax,
 )
-from tests.fixtures import PARITY_CONFIGS as CONFIGS
-from tests.fixtures import flat, make_batch, max_abs_diff, t, twin_device, twin_models
+from tests.helpers.batches import make_batch
+from tests.helpers.configs import PARITY_CONFIGS as CONFIGS
+from tests.helpers.twins import flat, max_abs_diff, t, twin_device, twin_models
 
 ATOL = 1e-5  # forward quantities: see test_forward_parity.py
 

@@ -6,7 +6,7 @@ Random tiny models of each family stand in for the real ones (no download in the
 real one has: Marian's shared or separate vocabularies, scaled embeddings, swish, final_logits_bias, sinusoids in
 halves from position 0, the decoder starting from the pad id; FSMT's two vocabularies, tensor2tensor frequencies
 counted from pad + 1, the decoder starting from EOS. Their vocabularies and tokenizer files are real ones learned
-on the built-in task (tests/fixtures.py).
+on the built-in task (tests/helpers/pretrained.py).
 
 Tolerance for logits: absolute 1e-5, as for the twin (parity_tests/test_forward_parity.py): the same float32
 formulas summed in different orders give differences of a few ulp per layer (~1e-6 here), while a wrong mapping
@@ -27,7 +27,7 @@ from jax_transformer import hub, pretrained
 from jax_transformer.default_task import default_pairs
 from jax_transformer.generate import generate
 from jax_transformer.model import Transformer
-from tests.fixtures import (
+from tests.helpers.pretrained import (
     end_at_various_lengths,
     fsmt_tokenizer_files,
     marian_tokenizer_files,
@@ -47,7 +47,7 @@ MAX_LENGTH = 18
 
 def _saved(model, folder, decoded=True):
     """Saves `model` to `folder` (beside its tokenizer files); a model the generate tests decode with its EOS
-    raised so that SOURCES' outputs end at several lengths (tests/fixtures.py: end_at_various_lengths)."""
+    raised so that SOURCES' outputs end at several lengths (tests/helpers/pretrained.py: end_at_various_lengths)."""
     if decoded:
         batch = _their_tokenizer(folder, model.config.model_type)(SOURCES, return_tensors="pt", padding=True)
         end_at_various_lengths(model, batch["input_ids"], batch["attention_mask"], MAX_LENGTH)

@@ -32,8 +32,9 @@ import torch
 import torch_reference
 from jax_transformer import training
 from jax_transformer.port import flax_to_torch
-from tests.fixtures import PARITY_CONFIGS as CONFIGS
-from tests.fixtures import make_batch, t, twin_device, twin_models
+from tests.helpers.batches import make_batch
+from tests.helpers.configs import PARITY_CONFIGS as CONFIGS
+from tests.helpers.twins import t, twin_device, twin_models
 from torch_reference import training as torch_training
 
 STEPS = 3

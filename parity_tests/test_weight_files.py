@@ -19,8 +19,9 @@ from jax_transformer.export import export_weights, import_weights
 from jax_transformer.model import Transformer, init_params
 from jax_transformer.port import PortError, flax_to_torch, torch_to_flax
 from jax_transformer.tokenizer import Tokenizer
-from tests.fixtures import PARITY_CONFIGS as CONFIGS
-from tests.fixtures import make_batch, max_abs_diff, t, twin_device
+from tests.helpers.batches import make_batch
+from tests.helpers.configs import PARITY_CONFIGS as CONFIGS
+from tests.helpers.twins import max_abs_diff, t, twin_device
 
 ATOL = 1e-5  # forward quantities: see test_forward_parity.py
 SUFFIX = {"torch": ".pt", "safetensors": ".safetensors"}

@@ -1,1 +1,1 @@
-"""Tests of the Flax model, its training, decoding and tooling; tests/fixtures.py holds the shared helpers."""
+"""Tests of the Flax model, its training, decoding and tooling; tests/helpers/ holds the shared helpers."""

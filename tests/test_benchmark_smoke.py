@@ -74,6 +74,7 @@ def smoke(tmp_path_factory):
     }
 
 
+@pytest.mark.slow
 def test_json_describes_the_machine(smoke):
     machine = smoke["json"]["machine"]
     assert isinstance(machine["cpu_model"], str) and machine["cpu_model"]
@@ -243,7 +244,7 @@ def test_bf16_decoding_benchmark_counts_identical_sentences():
     import dataclasses
 
     from benchmarks import bf16_decoding
-    from tests.fixtures import load_saved_model
+    from tests.helpers.saved import load_saved_model
 
     saved = load_saved_model("trained_tiny")
     saved = dataclasses.replace(saved, sources=saved.sources[:4], source_texts=saved.source_texts[:4])

@@ -13,8 +13,10 @@ from jax_transformer import checkpoint as ckpt_lib
 from jax_transformer import training
 from jax_transformer.config import ConfigError
 from jax_transformer.tokenizer import Tokenizer
-from tests.fixtures import flat, unit_batch, unit_config, unit_optim
-from tests.helpers_training import run_main, tiny_train_args, write_corpus
+from tests.helpers.batches import unit_batch
+from tests.helpers.configs import unit_config, unit_optim
+from tests.helpers.training import run_main, tiny_train_args, write_corpus
+from tests.helpers.twins import flat
 
 CONFIG = unit_config()
 OPTIM = unit_optim()

@@ -12,8 +12,8 @@ import sys
 import pytest
 
 from jax_transformer import compilation
-from tests.fixtures import compiled_functions
-from tests.helpers_training import REPO, run_main, tiny_train_args, write_corpus
+from tests.helpers.tooling import compiled_functions
+from tests.helpers.training import REPO, run_main, tiny_train_args, write_corpus
 
 # The names jax gives the run's programs: train and eval steps are jitted lambdas, the decoders named functions.
 RUN_PROGRAMS = {"jit(<lambda>)", "jit(_greedy_core)", "jit(_beam_core)"}
@@ -78,6 +78,7 @@ def test_profile_writes_a_trace_of_the_asked_steps(evaluated_run):
     assert "profile of steps 2:3 written to" in out
 
 
+@pytest.mark.slow
 def test_the_compilation_cache_is_written_by_one_run_and_used_by_the_next(tmp_path):
     """Two train.py processes with one cache folder: the first compiles and stores its programs, the second loads
     every one of them and stores nothing new (jax caches only programs that took over 1 s to compile unless told

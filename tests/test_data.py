@@ -24,7 +24,7 @@ from jax_transformer.config import DataConfig, TransformerConfig
 from jax_transformer.corpus import Corpus, read_parallel, read_tsv
 from jax_transformer.errors import DataError
 from jax_transformer.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Tokenizer
-from tests.fixtures import packed_pairs
+from tests.helpers.batches import packed_pairs
 
 SENTENCES = [
     "the cat sat on the mat",
@@ -375,7 +375,7 @@ def test_packed_resume_mid_epoch_is_exact():
 
 
 def test_packing_fills_more_slots_than_buckets():
-    # Real Multi30k (README): 94% of source and 89% of target slots real, against 77% and 74% with buckets.
+    # Real Multi30k (docs/training.md): 94% of source and 89% of target slots real, against 77% and 74% with buckets.
     encoded = synthetic(realistic_lengths(3000, 256), max_len=256)
     packed = BatchStream(encoded, max_tokens=2048, batching="packed")
     buckets = BatchStream(encoded, max_tokens=2048, batching="buckets")

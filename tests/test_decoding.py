@@ -17,9 +17,12 @@ import pytest
 from jax_transformer import decoding, translation
 from jax_transformer.config import preset
 from jax_transformer.model import Transformer, init_params
-from tests.fixtures import DECODING_CONFIGS, compiled_functions, eos_biased, make_src, pad_rows
-from tests.fixtures import DECODING_MAX_LEN as MAX_LEN
-from tests.fixtures import DECODING_VOCAB as VOCAB
+from tests.helpers.batches import make_src, pad_rows
+from tests.helpers.configs import DECODING_CONFIGS
+from tests.helpers.configs import DECODING_MAX_LEN as MAX_LEN
+from tests.helpers.configs import DECODING_VOCAB as VOCAB
+from tests.helpers.tooling import compiled_functions
+from tests.helpers.twins import eos_biased
 
 jax.config.update("jax_default_matmul_precision", "highest")
 

@@ -17,8 +17,8 @@ import pytest
 
 from jax_transformer import checkpoint as ckpt_lib
 from jax_transformer import run as run_lib
-from tests.fixtures import flat
-from tests.helpers_training import REPO, completed_steps, run_main, tiny_train_args, write_corpus
+from tests.helpers.training import REPO, completed_steps, run_main, tiny_train_args, write_corpus
+from tests.helpers.twins import flat
 
 
 @pytest.fixture(scope="module")

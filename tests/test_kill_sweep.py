@@ -1,6 +1,6 @@
 """The kill sweep: a tiny training SIGKILLed at seeded points (after a training step, and inside a save, at the
 moment before orbax commits it), resumed after each kill, ends with exactly the parameters of a run never
-interrupted. Each kill lands at a hook (tests/pause_at.py) that the test reaches by polling, never by timing.
+interrupted. Each kill lands at a hook (tests/helpers/pause_at.py) that the test reaches by polling, never by timing.
 
 The chain (12 steps, a checkpoint every 3; the points drawn from a seed): run 1 is killed after step k1 (between
 saves); run 2 resumes it and is killed inside the save of step s (a fully written, uncommitted
@@ -14,10 +14,10 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import pytest
 
 from jax_transformer import checkpoint as ckpt_lib
-from tests.fixtures import flat
-from tests.helpers_training import (
+from tests.helpers.training import (
     completed_steps,
     kill_at_pause,
     run_main,
@@ -25,6 +25,7 @@ from tests.helpers_training import (
     tiny_train_args,
     write_corpus,
 )
+from tests.helpers.twins import flat
 
 STEPS, SAVE_EVERY = 12, 3
 SEED = 14  # the kill points below are drawn from it, the same on every run
@@ -46,6 +47,7 @@ def _losses(run_dir):
     return {r["step"]: r["loss"] for r in records if r["kind"] == "train"}
 
 
+@pytest.mark.slow
 def test_killed_at_seeded_points_and_resumed_equals_uninterrupted(tmp_path):
     train = write_corpus(tmp_path)
     cache = tmp_path / "xla-cache"  # compiled programs shared by the child processes

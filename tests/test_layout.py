@@ -11,6 +11,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 PACKAGE = Path(__file__).resolve().parent.parent / "jax_transformer"
 
 # Lowest first. Modules on one line form one layer and may import each other.
@@ -44,17 +46,18 @@ def _layer_of() -> dict[str, int]:
     return {name: i for i, names in enumerate(LAYERS) for name in names}
 
 
-def _imports(path: Path) -> set[str]:
-    """jax_transformer modules `path` imports, at any depth (inside functions too)."""
+def _imports(path: Path, package: str = "jax_transformer") -> set[str]:
+    """Modules of `package` (a dotted name) that `path` imports, at any depth (inside functions too)."""
     found = set()
+    depth = package.count(".") + 1
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
         if isinstance(node, ast.ImportFrom) and node.module:
-            if node.module == "jax_transformer":
+            if node.module == package:
                 found.update(alias.name for alias in node.names)
-            elif node.module.startswith("jax_transformer."):
-                found.add(node.module.split(".")[1])
+            elif node.module.startswith(package + "."):
+                found.add(node.module.split(".")[depth])
         elif isinstance(node, ast.Import):
-            found.update(a.name.split(".")[1] for a in node.names if a.name.startswith("jax_transformer."))
+            found.update(a.name.split(".")[depth] for a in node.names if a.name.startswith(package + "."))
     return found
 
 
@@ -77,3 +80,44 @@ def test_imports_go_downwards_only():
 
 def test_the_checkpoint_module_knows_neither_loop_nor_optimiser():
     assert not {"loop", "run", "training"} & _imports(PACKAGE / "checkpoint.py")
+
+
+def _cycles(folder: Path, package: str) -> list[list[str]]:
+    """Import cycles among the modules of `folder` (imports inside functions count: they are cycles a reader
+    follows all the same)."""
+    modules = {p.stem: p for p in folder.glob("*.py") if p.stem != "__init__"}
+    graph = {name: sorted(_imports(path, package) & set(modules) - {name}) for name, path in modules.items()}
+    found, state = [], {}
+
+    def visit(name: str, stack: list[str]) -> None:
+        state[name] = "open"
+        stack.append(name)
+        for other in graph[name]:
+            if state.get(other) == "open":
+                found.append(stack[stack.index(other) :] + [other])
+            elif other not in state:
+                visit(other, stack)
+        stack.pop()
+        state[name] = "done"
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name, [])
+    return found
+
+
+@pytest.mark.parametrize(
+    "folder, package",
+    [("jax_transformer", "jax_transformer"), ("benchmarks", "benchmarks"), ("tests/helpers", "tests.helpers")],
+)
+def test_no_import_cycles(folder, package):
+    """Modules of one layer may import each other, but never in a circle; the benchmark's sections share
+    benchmarks/common.py instead of importing their command line back."""
+    cycles = _cycles(PACKAGE.parent / folder, package)
+    assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
+
+
+def test_the_cycle_check_can_fail(tmp_path):
+    (tmp_path / "a.py").write_text("from pkg import b\n")
+    (tmp_path / "b.py").write_text("def f():\n    from pkg.a import x\n")
+    assert _cycles(tmp_path, "pkg") == [["a", "b", "a"]]

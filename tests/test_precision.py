@@ -2,7 +2,7 @@
 
 - The compiled program: every matmul (dot_general) of the bfloat16 training step and decoders multiplies bfloat16
   operands, so no float32 operand (a float32 constant such as the sinusoid table, a forgotten cast) promotes one.
-- The dtype table of README's "GPU and TPU" section, in both frameworks: what each kind of module returns, and in
+- The dtype table of docs/gpu-tpu.md, in both frameworks: what each kind of module returns, and in
   the PyTorch twin every matrix multiplication kernel it runs, forward and backward.
 - The settings: bad values are named; checkpoints and weight files ignore how to compute, so a bfloat16 run
   resumes and evaluates in float32 and back, and checkpoints hold float32 parameters.
@@ -26,8 +26,10 @@ from jax_transformer import checkpoint as ckpt_lib
 from jax_transformer import decoding, training
 from jax_transformer.config import ConfigError, preset
 from jax_transformer.model import Transformer, attention_maps, init_params
-from tests.fixtures import PARITY_CONFIGS, flat, make_batch, t, twin_models
-from tests.helpers_training import run_main, tiny_train_args, write_corpus
+from tests.helpers.batches import make_batch
+from tests.helpers.configs import PARITY_CONFIGS
+from tests.helpers.training import run_main, tiny_train_args, write_corpus
+from tests.helpers.twins import flat, t, twin_models
 
 CONFIG = PARITY_CONFIGS["pre_learned_untied_gelu_nobias"]  # every switch the other way from the paper's defaults
 
@@ -112,7 +114,8 @@ def test_compiled_bfloat16_programs_round_where_the_model_says():
     forward of the saved model below keeps float32 values where the model rounds to bfloat16, and its logits land
     farther from the op-by-op ones than that tolerance."""
     from jax_transformer import compilation, verify
-    from tests.fixtures import load_saved_model, logit_tolerance
+    from tests.helpers.saved import load_saved_model
+    from tests.helpers.tolerances import logit_tolerance
 
     saved = load_saved_model("bf16_beam_case")
     config = saved.config.replace(dtype="bfloat16")
@@ -130,7 +133,7 @@ def test_compiled_bfloat16_programs_round_where_the_model_says():
 
 # --- the dtype table, both frameworks ---------------------------------------------------------------------------
 
-# README's table: what each kind of module returns in bfloat16 mode (float32 mode: float32 everywhere).
+# docs/gpu-tpu.md's table: what each kind of module returns in bfloat16 mode (float32 mode: float32 everywhere).
 TABLE = {
     "embedding + positions (the residual stream)": "float32",
     "attention / feed-forward sub-layer output": "bfloat16",

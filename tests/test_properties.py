@@ -1,4 +1,4 @@
-"""Property-based tests (hypothesis, derandomized, a few dozen examples each; settings in tests/fixtures.fuzz):
+"""Property-based tests (hypothesis, derandomized, a few dozen examples each; settings in tests/helpers/tooling.fuzz):
 the corpus readers on fuzzed files, the tokenizer round trip, batching on fuzzed corpora, and translation's
 one-line-out-per-line-in rule on fuzzed input. Each test's example count is its `fuzz(n)`."""
 
@@ -17,7 +17,7 @@ from jax_transformer.config import preset
 from jax_transformer.corpus import read_lines, read_parallel, read_tsv
 from jax_transformer.errors import DataError
 from jax_transformer.tokenizer import EOS_ID, PAD_ID, Tokenizer
-from tests.fixtures import fuzz
+from tests.helpers.tooling import fuzz
 
 # --- the readers --------------------------------------------------------------------------------------------------
 

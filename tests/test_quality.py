@@ -1,7 +1,7 @@
 """The quality tools: early stopping, checkpoint averaging, the decoding sweep and the sacreBLEU
 signature of `evaluate`, `verify` (a trained checkpoint against its PyTorch twin), the BLEU-against-minutes plot
 and named recipes. Everything through train.py where people use it through train.py, on the one-layer tiny
-model of tests/helpers_training.py (runs in one process share their compiled steps)."""
+model of tests/helpers/training.py (runs in one process share their compiled steps)."""
 
 from __future__ import annotations
 
@@ -24,8 +24,9 @@ from jax_transformer.default_task import number_pair
 from jax_transformer.evaluation import score_translations
 from jax_transformer.model import init_params
 from jax_transformer.tokenizer import Tokenizer
-from tests.fixtures import flat, unit_config, unit_optim
-from tests.helpers_training import N_TRAIN, run_main, tiny_train_args, write_corpus
+from tests.helpers.configs import unit_config, unit_optim
+from tests.helpers.training import N_TRAIN, run_main, tiny_train_args, write_corpus
+from tests.helpers.twins import flat
 
 # --- early stopping ---------------------------------------------------------------------------------------------
 
@@ -445,6 +446,7 @@ def test_recipes_fill_what_is_not_given(tmp_path):
 # --- the twin's training curve (benchmarks/twin_curve.py) ---------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_twin_curve_script_runs(tmp_path):
     """Three steps on the built-in task, no baselines, in a child process (the script sets torch's thread count and
     jax's precision for its whole process). The loss curves agree as the training parity test requires after three
@@ -452,7 +454,7 @@ def test_twin_curve_script_runs(tmp_path):
     import subprocess
     import sys
 
-    from tests.helpers_training import REPO
+    from tests.helpers.training import REPO
 
     out = tmp_path / "curve.json"
     cmd = [sys.executable, str(REPO / "benchmarks" / "twin_curve.py"), "--steps", "3", "--data", "none", "--checks"]

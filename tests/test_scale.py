@@ -31,8 +31,7 @@ import pytest
 
 from jax_transformer import checkpoint as ckpt_lib
 from jax_transformer.distributed import EXIT_PEER_LOST
-from tests.fixtures import flat
-from tests.helpers_training import (
+from tests.helpers.training import (
     completed_steps,
     finish,
     free_port,
@@ -44,6 +43,7 @@ from tests.helpers_training import (
     wait_for,
     write_corpus,
 )
+from tests.helpers.twins import flat
 
 
 def _valid_file(directory: Path) -> Path:
@@ -94,7 +94,7 @@ def runs(tmp_path_factory):
     shutil.copytree(dirs["one"], dirs["one-on-four"])
     shutil.rmtree(dirs["one-on-four"] / "checkpoints" / "8")  # as if the 1-device run had stopped at step 5
     # run -> devices of its resume, and its flags: the two-process run goes on in 4 micro-batches (unpacked
-    # batches through --accumulate; tests/parallel_paths.py checks accumulation on packed ones)
+    # batches through --accumulate; tests/helpers/parallel_paths.py checks accumulation on packed ones)
     resumes = {"two-process": (1, ["--accumulate", "4"]), "four": (2, []), "one-on-four": (4, [])}
     resumed = [
         start(
@@ -151,6 +151,7 @@ def _start(run: Path) -> dict[str, np.ndarray]:
     return {f"['params']{k}": v for k, v in flat(state.params).items()}
 
 
+@pytest.mark.slow
 def test_two_processes_equal_one_process_on_four_devices_and_on_one(runs):
     """5 steps, dropout on: two processes x 2 devices == 1 process x 4 devices == 1 device (jit)."""
     dirs = runs["dirs"]
@@ -260,6 +261,7 @@ def _stream_position_after(run, batches: int) -> dict:
     return stream.state()
 
 
+@pytest.mark.slow
 def test_a_signal_to_one_process_stops_both_and_a_dead_peer_stops_the_other(tmp_path):
     """1. Two processes train; SIGTERM goes to process 1 only. Both must leave the loop at the same step (the
     reason is agreed at each step boundary), save that step together and exit with 128 + 15.

@@ -18,7 +18,10 @@ from jax_transformer import checks, training
 from jax_transformer.checks import TokenError
 from jax_transformer.losses import loss_sums
 from jax_transformer.model import Transformer, init_params
-from tests.fixtures import flat, fuzz, packed_batch, unit_batch, unit_config, unit_optim
+from tests.helpers.batches import packed_batch, unit_batch
+from tests.helpers.configs import unit_config, unit_optim
+from tests.helpers.tooling import fuzz
+from tests.helpers.twins import flat
 
 CONFIG = unit_config()  # vocabulary 50 on both sides, max_len 16
 V, MAX_LEN = CONFIG.src_vocab_size, CONFIG.max_len
@@ -175,7 +178,7 @@ def test_loss_checks_targets():
     assert float(loss_sums(logits, np.array([[1, 2, 3], [4, 5, 0]]), pad_id=0)["tokens"]) == 5.0
 
 
-def test_trainer_checks_each_batch_before_the_step(tmp_path):
+def test_the_loop_checks_each_batch_before_the_step(tmp_path):
     """A bad batch is a DataError naming the batch, array, position and limit, raised before the compiled step
     sees it (so before the donated state is touched); the steps before it ran normally."""
     from jax_transformer import checkpoint as ckpt_lib

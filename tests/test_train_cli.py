@@ -15,8 +15,7 @@ from jax_transformer import loop as loop_lib
 from jax_transformer import run as run_lib
 from jax_transformer import training
 from jax_transformer.config import LoopConfig
-from tests.fixtures import flat
-from tests.helpers_training import (
+from tests.helpers.training import (
     REPO,
     completed_steps,
     logged_steps,
@@ -26,6 +25,7 @@ from tests.helpers_training import (
     wait_for,
     write_corpus,
 )
+from tests.helpers.twins import flat
 
 # --- bad input: a clean message naming the file and line, exit code 1, no traceback ----------------------------
 
@@ -180,7 +180,8 @@ def test_nan_loss_stops_without_overwriting_the_last_good_checkpoint(tmp_path):
     nothing, leave checkpoint 4 as it was, and log steps 1-4 and the error of step 5. The loop dispatches steps
     without waiting for their losses, but checks them before any save, so step 6 may have been dispatched."""
     from jax_transformer.tokenizer import Tokenizer
-    from tests.fixtures import unit_batch, unit_config, unit_optim
+    from tests.helpers.batches import unit_batch
+    from tests.helpers.configs import unit_config, unit_optim
 
     class Batches:  # stands in for a BatchStream: the unit-test batches, so the compiled step is shared
         index = 0
@@ -249,6 +250,7 @@ def test_training_error_exits_with_code_3(monkeypatch, tmp_path):
 # --- kill -9 and SIGTERM ----------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_kill_9_leaves_the_last_checkpoint_loadable_and_sigterm_saves(tmp_path):
     """1. train.py saving every 2 steps is SIGKILLed as soon as a first checkpoint is complete (orbax writes each
     step into a temporary folder and renames it when done; the poll waits for that name, not for time). The last

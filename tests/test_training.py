@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 
 from jax_transformer import training
-from tests.fixtures import corpus_batches, unit_batch, unit_config, unit_optim
-from tests.helpers_training import REPO
+from tests.helpers.batches import corpus_batches, unit_batch
+from tests.helpers.configs import unit_config, unit_optim
+from tests.helpers.training import REPO
 
 CONFIG = unit_config()
 OPTIM = unit_optim()
@@ -76,19 +77,20 @@ def test_dropout_masks_depend_on_the_step_number_only():
 # --- sharded jit == pmap == jit, and accumulation == one big step ----------------------------------------------
 
 
+@pytest.mark.slow
 def test_every_parallel_path_equals_the_single_device_step():
-    """tests/parallel_paths.py with 4 simulated CPU devices, 5 steps, dropout on, batches of 8 rows: pmap (2 rows
-    per device), sharded jit (the same), both with 2 micro-batches of 1 row per device, and jit with 4 micro-batches
-    of 2 rows (`--accumulate 4` == one step on the 4x batch) must all take the steps of single-device jit on the
-    whole batch, within the tolerances of float summation order that `parallel_paths.check` states."""
-    from tests.parallel_paths import check
+    """tests/helpers/parallel_paths.py with 4 simulated CPU devices, 5 steps, dropout on, batches of 8 rows: pmap
+    (2 rows per device), sharded jit (the same), both with 2 micro-batches of 1 row per device, and jit with 4
+    micro-batches of 2 rows (`--accumulate 4` == one step on the 4x batch) must all take the steps of single-device
+    jit on the whole batch, within the tolerances of float summation order that `parallel_paths.check` states."""
+    from tests.helpers.parallel_paths import check
 
     # The simulated devices are CPU devices: ask for the CPU backend, which is not the default on a GPU machine.
     env = dict(
         os.environ, PYTHONPATH=str(REPO), XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu"
     )
     result = subprocess.run(
-        [sys.executable, "-m", "tests.parallel_paths"],
+        [sys.executable, "-m", "tests.helpers.parallel_paths"],
         capture_output=True,
         text=True,
         env=env,
@@ -118,6 +120,7 @@ def test_every_parallel_path_equals_the_single_device_step():
 BF16_ACCURACY_MARGIN = 0.05
 
 
+@pytest.mark.slow
 def test_default_task_learns():
     """200 steps of the tiny model on (a subset of) the built-in numbers task, with the default task's tokenizer
     settings, in float32 and again in bfloat16 (same start, same batches): the validation loss must fall from

@@ -11,7 +11,7 @@ import pytest
 
 from jax_transformer import checkpoint as ckpt_lib
 from jax_transformer.translation import translate, translate_lines
-from tests.helpers_training import run_main, tiny_train_args, write_corpus
+from tests.helpers.training import run_main, tiny_train_args, write_corpus
 
 
 @pytest.fixture(scope="module")

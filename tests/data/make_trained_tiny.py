@@ -11,7 +11,7 @@ sentences two searches agree on) would hold on one machine and fail on the next.
 
 The file holds the config (JSON), the float32 parameters (`params/<flax path>`), the tokenizer (the serialized
 SentencePiece model), the validation sources as padded ids (`sources`), their texts (`source_texts`) and the
-reference translations (`target_texts`); `tests.fixtures.load_saved_model` reads it.
+reference translations (`target_texts`); `tests.helpers.saved.load_saved_model` reads it.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from jax_transformer.config import OptimConfig, preset  # noqa: E402
 from jax_transformer.default_task import TOKENIZER_MODEL_TYPE, TOKENIZER_VOCAB_SIZE, default_pairs  # noqa: E402
 from jax_transformer.tokenizer import Tokenizer
 from jax_transformer.training import create_train_state, make_train_step  # noqa: E402
-from tests.fixtures import corpus_batches, pad_rows  # noqa: E402
+from tests.helpers.batches import corpus_batches, pad_rows  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "trained_tiny.npz"
 STEPS = int(sys.argv[1]) if len(sys.argv) > 1 else 150

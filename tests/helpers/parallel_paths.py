@@ -1,7 +1,7 @@
 """Every way of running a training step on the devices this process sees, against single-device jit.
 
-    XLA_FLAGS=--xla_force_host_platform_device_count=4 python -m tests.parallel_paths   # 4 simulated CPU devices
-    python -m tests.parallel_paths                                                      # on an accelerator
+    XLA_FLAGS=--xla_force_host_platform_device_count=4 python -m tests.helpers.parallel_paths   # 4 CPU devices
+    python -m tests.helpers.parallel_paths                                                      # an accelerator
 
 Five steps, dropout on, from the same state and the same global batches of packed rows (two sentence pairs per
 row, `training.PACKING_KEYS`; rows of unequal token counts; tests/test_scale.py runs unpacked batches through
@@ -24,7 +24,9 @@ import numpy as np
 
 from jax_transformer import training
 from jax_transformer.distributed import DataParallel
-from tests.fixtures import flat, make_batch, unit_config
+from tests.helpers.batches import make_batch
+from tests.helpers.configs import unit_config
+from tests.helpers.twins import flat
 
 STEPS = 5
 ROWS = 8  # global batch rows: 2 per device on 4 devices, 4 micro-batches of 2 rows on one

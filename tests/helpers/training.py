@@ -1,7 +1,7 @@
 """Shared pieces of the training tests: a tiny corpus on disk, train.py flags for a seconds-long run, and runners.
 
 The in-process unit-test model, optimiser and batch (unit_config, unit_optim, unit_batch) and `flat` are in
-tests/fixtures.py."""
+tests/helpers/configs.py and batches.py."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 # The numbers 0..299 as English -> French words (the built-in task's pairs): short sentences (one or two batch
 # shapes, so few compilations) and a tokenizer that trains in a fraction of a second.
@@ -116,7 +116,7 @@ def start_train_process(
     folder share compiled XLA programs (jax's persistent compilation cache, `--compilation-cache`; the tiny model's
     programs compile in under the 1 s jax caches by default, hence the threshold 0), so the second one starts
     fast. pause=(marker, "step" | "save", k): the process blocks after step k, or inside the save of step k, once
-    it has written `marker` (tests/pause_at.py), for a SIGKILL at exactly that point.
+    it has written `marker` (tests/helpers/pause_at.py), for a SIGKILL at exactly that point.
     `devices`: that many simulated CPU devices (XLA_FLAGS=--xla_force_host_platform_device_count)."""
     env = dict(os.environ, PYTHONPATH=str(REPO))
     # The parent's XLA flags pass on (on a GPU machine conftest.py's deterministic-ops flag, which the bitwise
@@ -133,7 +133,7 @@ def start_train_process(
     command = [sys.executable, str(REPO / "train.py")]
     if pause is not None:
         marker, kind, point = pause
-        command = [sys.executable, "-m", "tests.pause_at", str(marker), kind, str(point)]
+        command = [sys.executable, "-m", "tests.helpers.pause_at", str(marker), kind, str(point)]
     with open(log, "wb") as f:
         return subprocess.Popen([*command, *argv], stdout=f, stderr=subprocess.STDOUT, env=env, cwd=str(REPO))
 

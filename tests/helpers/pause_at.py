@@ -1,7 +1,7 @@
 """train.py with a pause at a chosen point, for tests that SIGKILL a training exactly there (the kill sweep).
 
-    python -m tests.pause_at MARKER step K   train.py-args...   # pauses after training step K is done
-    python -m tests.pause_at MARKER save S   train.py-args...   # pauses inside the save of step S
+    python -m tests.helpers.pause_at MARKER step K   train.py-args...   # pauses after training step K is done
+    python -m tests.helpers.pause_at MARKER save S   train.py-args...   # pauses inside the save of step S
 
 At the pause the process writes MARKER (its pid and where it is) and then blocks forever; the test polls for the
 marker and kills the process, so the kill lands at that exact point instead of wherever a timer happens to fall.
@@ -53,7 +53,7 @@ def pause_in_save(marker: Path, step: int) -> None:
 def main(argv: list[str]) -> int:
     marker, kind, point, *train_args = argv
     {"step": pause_after_step, "save": pause_in_save}[kind](Path(marker), int(point))
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
     import train
 
     return train.main(train_args)

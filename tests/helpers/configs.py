@@ -1,0 +1,105 @@
+"""The configurations the tests, parity tests and benchmarks share: the parity suite's, the paper's base model, the
+decoding tests' and the in-process unit-test model."""
+
+from __future__ import annotations
+
+from jax_transformer.config import TransformerConfig, preset
+
+_SMALL = dict(
+    d_model=64,
+    num_heads=4,
+    d_ff=128,
+    num_encoder_layers=2,
+    num_decoder_layers=2,
+    max_len=32,
+    src_vocab_size=97,
+    tgt_vocab_size=89,
+)
+
+
+# The configurations every parity check runs over (parity_tests/conftest.py's `config_case` fixture).
+PARITY_CONFIGS: dict[str, TransformerConfig] = {
+    # the paper: post-norm, sinusoidal, tied output, relu, biased projections
+    "post_sinusoidal_tied_relu": TransformerConfig(**_SMALL),
+    # the Annotated Transformer's layout: pre-norm with final norms; plus learned positions, untied, gelu, no bias
+    # (and no bias anywhere: attention, feed-forward, LayerNorms, the output head, as nn.Transformer(bias=False))
+    "pre_learned_untied_gelu_nobias": TransformerConfig(
+        **_SMALL,
+        norm_first=True,
+        final_norm=True,
+        positions="learned",
+        tie_output=False,
+        activation="gelu",
+        qkv_bias=False,
+        ffn_bias=False,
+        norm_bias=False,
+        output_bias=False,
+    ),
+    # one shared source/target table, unscaled embeddings, post-norm with final norms
+    "post_shared_unscaled_final": TransformerConfig(
+        **{**_SMALL, "tgt_vocab_size": 97}, share_embeddings=True, scale_embeddings=False, final_norm=True
+    ),
+    # what imported models need (Marian, fairseq): sinusoids in halves with tensor2tensor's frequencies counted
+    # from position 2, silu, a bias on the tied logits, no BOS (the decoder starts from the pad id)
+    "pretrained_variants": TransformerConfig(
+        **_SMALL,
+        sinusoid_layout="halves",
+        sinusoid_frequencies="tensor2tensor",
+        position_offset=2,
+        activation="silu",
+        logits_bias=True,
+        bos_id=None,
+        decoder_start_id=0,
+    ),
+}
+
+
+# The paper's base model (512, 8 heads, 2048, 6+6, post-norm, sinusoidal, ReLU) with a small vocabulary: the
+# vocabulary size does not change the per-element arithmetic, only the cost.
+BASE = preset("base", src_vocab_size=1000, tgt_vocab_size=1000, max_len=32)
+
+
+# The decoding tests' models (tests/test_decoding.py, parity_tests/test_decoding_parity.py): tiny, a 40-token
+# vocabulary and 16 positions, so that sources filling every position and outputs cut at max_len are cheap.
+DECODING_VOCAB = 40
+
+
+DECODING_MAX_LEN = 16
+
+
+DECODING_CONFIGS: dict[str, TransformerConfig] = {
+    # the paper: post-norm, sinusoidal; untied output, whose bias lets a test move EOS up (see eos_biased)
+    "post_sinusoidal_untied": preset(
+        "tiny", src_vocab_size=DECODING_VOCAB, tgt_vocab_size=DECODING_VOCAB, max_len=DECODING_MAX_LEN, tie_output=False
+    ),
+    # pre-norm with final norms, learned positions, one shared (tied) embedding table, gelu
+    "pre_learned_shared": preset(
+        "tiny",
+        src_vocab_size=DECODING_VOCAB,
+        tgt_vocab_size=DECODING_VOCAB,
+        max_len=DECODING_MAX_LEN,
+        norm_first=True,
+        final_norm=True,
+        positions="learned",
+        share_embeddings=True,
+        activation="gelu",
+    ),
+}
+
+
+def unit_config() -> TransformerConfig:
+    """The tiny preset with a 50-token vocabulary and 16 positions (dropout 0.1, label smoothing 0.1)."""
+    return preset("tiny", src_vocab_size=50, tgt_vocab_size=50, max_len=16)
+
+
+def unit_optim():
+    """The paper's Adam and schedule with a 10-step warmup (a jax_transformer.training.OptimConfig)."""
+    from jax_transformer.training import OptimConfig
+
+    return OptimConfig(warmup_steps=10)
+
+
+def preset_config(name: str, vocab: int) -> TransformerConfig:
+    """A preset with one vocabulary size for source and target (the benchmarks' models); dropout 0.1 and label
+    smoothing 0.1 are the defaults."""
+    return preset(name, src_vocab_size=vocab, tgt_vocab_size=vocab)
