@@ -255,3 +255,26 @@ def test_bf16_decoding_benchmark_counts_identical_sentences():
         assert all(row[column] == 4 for column in bf16_decoding.COLUMNS), row
     table = bf16_decoding.markdown("trained_tiny", rows)
     assert "| greedy batch 1 | 4 | 4 | 4 | 4 |" in table
+
+
+def test_ctranslate2_benchmark_runs_both_engines_on_the_same_weights():
+    """benchmarks/ctranslate2_decoding.py on the tiny shape: the model goes through the transformers export and
+    CTranslate2's converter, each decoder gives a row per search, and the engines give the same tokens (every output
+    has the same length, so no length rule can part them; with random weights a near-tie flipping a token needs a
+    logit gap below the engines' float32 difference, ~1e-6)."""
+    pytest.importorskip("ctranslate2")
+    pytest.importorskip("transformers")
+    from benchmarks import ctranslate2_decoding as bench
+
+    report = bench.benchmark(
+        "tiny", ["greedy:2", "beam4:2"], new_tokens=6, src_len=5, vocab=300, repeats=1, log=lambda line: None
+    )
+    rows = report["results"]
+    assert [(r["search"], r["decoder"]) for r in rows] == [
+        (search, decoder) for search in ("greedy", "beam4") for decoder in ("flax", "flax-generate", "ctranslate2")
+    ]
+    for row in rows:
+        assert row["batch"] == 2 and _positive(row["seconds_min"]) and row["seconds_min"] <= row["seconds_median"]
+        assert row["same_as_ctranslate2"] == "2/2", row
+    assert report["settings"]["ctranslate2"] and report["machine"]["cpu_model"]
+    assert "| beam4 | 2 | ctranslate2 |" in bench.table(report)

@@ -1,0 +1,364 @@
+#!/usr/bin/env python3
+"""Decoding speed against CTranslate2, the C++ engine people deploy this model family with, on the same weights.
+
+    python benchmarks/ctranslate2_decoding.py                 # small preset's shape, the six rows, 7 repeats
+    python benchmarks/ctranslate2_decoding.py --quick         # 3 repeats: a first look
+    python benchmarks/ctranslate2_decoding.py --rows greedy:1 --repeats 1 --preset tiny   # smoke test
+    python benchmarks/ctranslate2_decoding.py --run runs/m30k-marian --input test.de       # translate, end to end
+
+Needs the `ctranslate2` extra (`pip install -e ".[ctranslate2]"`) and transformers (the `pretrained` extra): the
+model is written with `export --format transformers` (jax_transformer.hub) and converted by CTranslate2's own
+TransformersConverter, so both engines run the very same float32 weights. Without ctranslate2 the script says so
+and exits 0 (it is an optional benchmark).
+
+The model: a preset's shape (small: d_model 256, 4 heads, d_ff 1024, 3+3 layers) with a vocabulary of 8,000 in
+Marian's conventions, which CTranslate2's Marian loader requires (pad the last id, a zero pad embedding that the
+decoder starts from, EOS 0, no BOS, sinusoids in halves); random weights, seed 0. Sources: random ids, 32 tokens
+per sentence (EOS last). Every call produces exactly `--new-tokens` tokens per sentence (EOS banned until then:
+the Flax decoders' min_len, CTranslate2's min_decoding_length = max_decoding_length), and includes encoding.
+Decoders: `flax` (jax_transformer.decoding, this project's own rules), `flax-generate` (jax_transformer.generate,
+transformers' rules, what imported models use) and `ctranslate2` (Translator.translate_batch, float32,
+`intra_threads` = the machine's cores). With every output of one length, the length penalties do not reorder the
+beam, so all three should give the same tokens: the table says how many sentences agree.
+
+Timing: the decoders are interleaved within each repeat in a rotating order (so drift on a shared machine hits all
+alike), after one untimed warm-up call each (Flax's compilation); each figure is the best and the median of the
+repeats; ratios are of medians, flax over ctranslate2 (> 1: this project is faster).
+
+--run: `train.py translate`'s path (translation.translate_lines: tokenizing, batching, beam search, detokenizing)
+on the lines of --input, against CTranslate2 translating the same lines with the same tokenizer, from a run
+directory whose model CTranslate2 can read (a model imported from Marian, or trained from one with --init-from):
+sentences/s, the share of identical translations.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:  # `python benchmarks/ctranslate2_decoding.py` puts benchmarks/ first on the path
+    sys.path.insert(0, str(REPO))
+
+import numpy as np  # noqa: E402
+
+from benchmarks.machine import machine_info  # noqa: E402
+
+ROWS = ("greedy:16", "greedy:64", "greedy:1", "beam4:16", "beam4:64", "beam4:1")
+
+
+def marian_shaped_model(preset_name: str, vocab: int, max_len: int, seed: int = 0):
+    """(config, params, tokenizer): random weights of `preset_name`'s shape in Marian's conventions, and a
+    MarianTokenizer whose vocabulary has `vocab` entries (a small SentencePiece model; the rest are placeholder
+    pieces), as `export --format transformers` needs one."""
+    import io
+
+    import sentencepiece as spm
+
+    from jax_transformer.config import preset
+    from jax_transformer.default_task import default_pairs
+    from jax_transformer.model import init_params
+    from jax_transformer.tokenizer import MarianTokenizer
+
+    pad = vocab - 1
+    config = preset(
+        preset_name,
+        src_vocab_size=vocab,
+        tgt_vocab_size=vocab,
+        max_len=max_len,
+        share_embeddings=True,
+        tie_output=True,
+        logits_bias=True,
+        pad_id=pad,
+        eos_id=0,
+        bos_id=None,
+        decoder_start_id=pad,
+        sinusoid_layout="halves",
+        dropout=0.0,
+        attention_dropout=0.0,
+        activation_dropout=0.0,
+        embedding_dropout=0.0,
+    )
+    params = init_params(config, seed)
+    embed = np.array(params["shared_embed"]["embedding"])
+    embed[pad] = 0.0  # Marian's pad row: the decoder's start embedding, zero
+    params = {**params, "shared_embed": {"embedding": embed}}
+    writer = io.BytesIO()  # a small SentencePiece model of the built-in task's sources (one thread: same bytes)
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(default_pairs("train", n=500).sources),
+        model_writer=writer,
+        vocab_size=100,
+        model_type="unigram",
+        minloglevel=2,
+        num_threads=1,
+        hard_vocab_limit=False,
+    )
+    model = writer.getvalue()
+    pieces = {"</s>": 0, "<unk>": 1}
+    processor = spm.SentencePieceProcessor()
+    processor.LoadFromSerializedProto(model)
+    for i in range(processor.get_piece_size()):
+        if processor.IdToPiece(i) not in ("<s>", "</s>", "<unk>"):
+            pieces.setdefault(processor.IdToPiece(i), len(pieces))
+    while len(pieces) < pad:
+        pieces[f"\u2581w{len(pieces)}"] = len(pieces)
+    pieces["<pad>"] = pad
+    files = {"source.spm": model, "target.spm": model, "vocab.json": json.dumps(pieces).encode()}
+    return config, params, MarianTokenizer(files, {"separate_vocabs": False})
+
+
+def convert(params, config, tokenizer, folder: Path, run: dict | None = None) -> Path:
+    """Writes the model as a MarianMTModel directory (jax_transformer.hub) and converts it with CTranslate2's
+    TransformersConverter; returns the CTranslate2 model folder."""
+    import ctranslate2
+
+    from jax_transformer import hub
+
+    run = run or {"imported_from": {"family": "marian"}, "loop": {"beam_size": 4, "alpha": 1.0}, "decode": {}}
+    hf = folder / "transformers"
+    hub.export_transformers(params, config, tokenizer, run, hf)
+    ct2 = folder / "ctranslate2"
+    ctranslate2.converters.TransformersConverter(str(hf)).convert(str(ct2), quantization="float32")
+    return ct2
+
+
+def decoders(config, params, translator, pieces, src: np.ndarray, beam: int, new_tokens: int) -> dict:
+    """name -> a zero-argument call that decodes `src` into (B, new_tokens) token ids."""
+    from jax_transformer import decoding
+    from jax_transformer.generate import generate
+
+    fixed = dict(max_len_a=0, max_len_b=new_tokens, min_len=new_tokens)
+    index = {piece: i for i, piece in enumerate(pieces)}
+    source = [[pieces[i] for i in row] for row in src]
+    limits = dict(min_decoding_length=new_tokens, max_decoding_length=new_tokens)
+
+    def ct2():
+        results = translator.translate_batch(source, beam_size=beam, **limits)
+        return np.array([[index[t] for t in r.hypotheses[0]] for r in results], np.int32)
+
+    def flax():
+        if beam == 1:
+            return decoding.greedy_search(params, config, src, **fixed)[0]
+        return decoding.beam_search(params, config, src, beam_size=beam, alpha=1.0, **fixed)[0]
+
+    def flax_generate():
+        return generate(
+            params,
+            config,
+            src,
+            max_length=new_tokens + 1,
+            min_length=new_tokens + 1,
+            num_beams=beam,
+            banned=(config.pad_id,),
+        )
+
+    return {"flax": flax, "flax-generate": flax_generate, "ctranslate2": ct2}
+
+
+def benchmark(
+    preset_name: str = "small",
+    rows: Sequence[str] = ROWS,
+    *,
+    new_tokens: int = 64,
+    src_len: int = 32,
+    vocab: int = 8000,
+    repeats: int = 7,
+    threads: int | None = None,
+    log: Callable[[str], None] = print,
+) -> dict:
+    import ctranslate2
+    import jax
+
+    threads = threads or os.cpu_count() or 1
+    config, params, tokenizer = marian_shaped_model(preset_name, vocab, max(new_tokens, src_len) + 1)
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        ct2_dir = convert(params, config, tokenizer, Path(tmp))
+        translator = ctranslate2.Translator(str(ct2_dir), device="cpu", compute_type="float32", intra_threads=threads)
+        pieces = [tokenizer.piece(i) for i in range(vocab - 1)]  # CTranslate2's vocabulary: all but <pad>
+        rng = np.random.default_rng(0)
+        for row in rows:
+            search, batch = row.split(":")
+            beam, batch = (1 if search == "greedy" else int(search.removeprefix("beam"))), int(batch)
+            src = rng.integers(2, vocab - 1, (batch, src_len)).astype(np.int32)
+            src[:, -1] = config.eos_id
+            calls = decoders(config, params, translator, pieces, src, beam, new_tokens)
+            outputs = {name: call() for name, call in calls.items()}  # warm-up (compilation), untimed
+            times = {name: [] for name in calls}
+            names = list(calls)
+            for r in range(repeats):
+                for name in names[r % len(names) :] + names[: r % len(names)]:
+                    start = time.perf_counter()
+                    calls[name]()
+                    times[name].append(time.perf_counter() - start)
+            for name in names:
+                best, median = min(times[name]), statistics.median(times[name])
+                same = int(np.sum(np.all(outputs[name] == outputs["ctranslate2"], axis=1)))
+                results.append(
+                    dict(
+                        search=search,
+                        batch=batch,
+                        decoder=name,
+                        seconds_min=best,
+                        seconds_median=median,
+                        tokens_per_s_best=batch * new_tokens / best,
+                        tokens_per_s_median=batch * new_tokens / median,
+                        same_as_ctranslate2=f"{same}/{batch}",
+                    )
+                )
+                log(
+                    f"{search:>7} batch {batch:>3}  {name:<14} {batch * new_tokens / median:>9.0f} tokens/s median "
+                    f"{batch * new_tokens / best:>9.0f} best   same tokens as ctranslate2: {same}/{batch}"
+                )
+    settings = dict(
+        preset=preset_name,
+        d_model=config.d_model,
+        d_ff=config.d_ff,
+        layers=[config.num_encoder_layers, config.num_decoder_layers],
+        vocab=vocab,
+        src_len=src_len,
+        new_tokens=new_tokens,
+        repeats=repeats,
+        ctranslate2_intra_threads=threads,
+        ctranslate2=ctranslate2.__version__,
+        jax_backend=jax.default_backend(),
+    )
+    return {"machine": machine_info(), "settings": settings, "results": results}
+
+
+def translate_run(run_dir: Path, input_path: Path, beam: int, repeats: int, log=print) -> dict:
+    """`train.py translate` (translation.translate_lines) against CTranslate2 on the lines of `input_path`, with
+    the run's tokenizer on both sides: sentences/s over the whole file, tokenizing and detokenizing included."""
+    import ctranslate2
+
+    from jax_transformer import checkpoint as ckpt_lib
+    from jax_transformer.run import stored_settings
+    from jax_transformer.translation import translate_lines
+
+    loaded = ckpt_lib.load(run_dir, "best")
+    config, tokenizer = loaded.config, loaded.tokenizer
+    from jax_transformer.config import DecodeConfig
+
+    decode = DecodeConfig.from_dict(stored_settings(loaded).get("decode", {}), source=str(run_dir))
+    lines = [line.rstrip("\n") for line in input_path.read_text(encoding="utf-8").splitlines()]
+    threads = os.cpu_count() or 1
+    with tempfile.TemporaryDirectory() as tmp:
+        ct2_dir = convert(loaded.params, config, tokenizer, Path(tmp), run=stored_settings(loaded))
+        translator = ctranslate2.Translator(str(ct2_dir), device="cpu", compute_type="float32", intra_threads=threads)
+        limit = (decode.max_length or config.max_len + 1) - 1
+
+        def ours():
+            out = []
+            translate_lines(
+                loaded.params, config, tokenizer, iter(lines), out.append, beam_size=beam, alpha=1.0, decode=decode
+            )
+            return out
+
+        def ct2():
+            source = [[tokenizer.piece(i, "source") for i in tokenizer.encode(x)] + ["</s>"] for x in lines]
+            results = translator.translate_batch(
+                source, beam_size=beam, max_batch_size=64, max_decoding_length=limit, min_decoding_length=0
+            )
+            index = tokenizer.target_vocab
+            return [tokenizer.decode([index[t] for t in r.hypotheses[0]]) for r in results]
+
+        calls = {"train.py translate": ours, "ctranslate2": ct2}
+        outputs = {name: call() for name, call in calls.items()}
+        times = {name: [] for name in calls}
+        for r in range(repeats):
+            for name in list(calls)[r % 2 :] + list(calls)[: r % 2]:
+                start = time.perf_counter()
+                calls[name]()
+                times[name].append(time.perf_counter() - start)
+    same = sum(a == b for a, b in zip(outputs["train.py translate"], outputs["ctranslate2"]))
+    results = []
+    for name in calls:
+        best, median = min(times[name]), statistics.median(times[name])
+        results.append(
+            dict(
+                decoder=name,
+                sentences=len(lines),
+                seconds_min=best,
+                seconds_median=median,
+                sentences_per_s_median=len(lines) / median,
+                sentences_per_s_best=len(lines) / best,
+            )
+        )
+        log(f"{name:<20} {len(lines) / median:>8.1f} sentences/s median, {len(lines) / best:>8.1f} best")
+    log(f"identical translations: {same}/{len(lines)}")
+    return {"machine": machine_info(), "results": results, "identical": f"{same}/{len(lines)}", "beam": beam}
+
+
+def table(report: dict) -> str:
+    rows = report["results"]
+    lines = [
+        "| search | batch | decoder | tokens/s (median) | tokens/s (best) | / ctranslate2 (medians) | same tokens |",
+        "|---|---:|---|---:|---:|---:|---:|",
+    ]
+    for row in rows:
+        key = (row["search"], row["batch"], "ctranslate2")
+        base = next(r for r in rows if (r["search"], r["batch"], r["decoder"]) == key)
+        lines.append(
+            f"| {row['search']} | {row['batch']} | {row['decoder']} | {row['tokens_per_s_median']:,.0f} | "
+            f"{row['tokens_per_s_best']:,.0f} | {base['seconds_median'] / row['seconds_median']:.2f} | "
+            f"{row['same_as_ctranslate2']} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", default="small", help="model shape (default: small)")
+    rows_help = f"comma-separated search:batch (default: {','.join(ROWS)})"
+    parser.add_argument("--rows", default=",".join(ROWS), help=rows_help)
+    parser.add_argument("--new-tokens", type=int, default=64, help="tokens produced per sentence (default: 64)")
+    parser.add_argument("--src-len", type=int, default=32, help="source tokens per sentence (default: 32)")
+    parser.add_argument("--vocab", type=int, default=8000, help="vocabulary size (default: 8000)")
+    parser.add_argument("--repeats", type=int, default=7, help="timed calls per decoder and row (default: 7)")
+    parser.add_argument("--quick", action="store_true", help="3 timed repeats")
+    parser.add_argument("--threads", type=int, help="CTranslate2's intra_threads (default: the machine's cores)")
+    parser.add_argument("--run", type=Path, help="a run directory: time translate end to end on --input instead")
+    parser.add_argument("--input", type=Path, help="text to translate with --run, one sentence per line")
+    parser.add_argument("--beam-size", type=int, default=4, help="beam size with --run (default: 4)")
+    parser.add_argument("--json", type=Path, help="also write the report here")
+    args = parser.parse_args(argv)
+    try:
+        import ctranslate2  # noqa: F401
+    except ImportError:
+        print("ctranslate2 is not installed (pip install -e '.[ctranslate2]'): this benchmark is skipped")
+        return 0
+    info = machine_info()
+    print(f"machine: {info['cpu_model']}, {info['cores']} cores; {info['libraries']}", flush=True)
+    if args.run:
+        if not args.input:
+            parser.error("--run needs --input")
+        report = translate_run(args.run, args.input, args.beam_size, 3 if args.quick else args.repeats)
+    else:
+        report = benchmark(
+            args.preset,
+            [r for r in args.rows.split(",") if r],
+            new_tokens=args.new_tokens,
+            src_len=args.src_len,
+            vocab=args.vocab,
+            repeats=3 if args.quick else args.repeats,
+            threads=args.threads,
+            log=lambda line: print(line, flush=True),
+        )
+        print()
+        print(table(report))
+    print(f"load average after: {machine_info()['load_average']}")
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2))
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
