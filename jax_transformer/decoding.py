@@ -117,10 +117,11 @@ def encode_memory(model: Transformer, params, src):
     return model.apply({"params": params}, src, method=Transformer.encode)  # (B, S, D)
 
 
-def create_cache(model: Transformer, params, memory, src, length: int):
-    """The decoding cache for `length` target positions: one decode call on a dummy (B, length) target creates
-    empty self-attention keys/values and projects the cross-attention keys/values from `memory`."""
-    dummy = jnp.zeros((src.shape[0], length), dtype=jnp.int32)
+def create_cache(model: Transformer, params, memory, src, length: int, beams: int = 1):
+    """The decoding cache for `length` target positions of `beams` hypotheses per source row: one decode call on
+    a dummy (B * beams, length) target creates empty self-attention keys/values, (B * beams, H, length, K), and
+    projects the cross-attention keys/values from `memory`, (B, H, S, K): the hypotheses of a sentence share them."""
+    dummy = jnp.zeros((src.shape[0] * beams, length), dtype=jnp.int32)
     _, variables = model.apply(
         {"params": params}, memory, src, dummy, decode=True, mutable=["cache"], method=Transformer.decode
     )
@@ -259,11 +260,14 @@ def gather_beams(x, index):
 
 
 def reorder_cache(cache, parents, beam_size: int):
-    """Reorders the flat (B * K, ...) cache so that slot k of row b holds the cache of its parent beam."""
+    """Gives hypothesis k of sentence b the history of its parent: of the cache, only the table of which slot
+    holds each position (B * K, T_max) has a row per hypothesis; the keys/values stay where they were written
+    (see MultiHeadAttention), and the cache index and position are shared by every row."""
+    if beam_size == 1:
+        return cache
     B = parents.shape[0]
     flat = (jnp.arange(B)[:, None] * beam_size + parents).reshape(-1)  # (B * K,)
-    # 0-d leaves (the cache index and position) are shared by every row and stay as they are.
-    return jax.tree_util.tree_map(lambda x: x if x.ndim == 0 else x[flat], cache)
+    return jax.tree_util.tree_map(lambda x: x[flat] if x.ndim and x.shape[0] == flat.shape[0] else x, cache)
 
 
 @functools.partial(jit_by_config, static_argnames=("config", "length", "beam_size"))
@@ -272,10 +276,9 @@ def _beam_core(params, src, max_new, min_len, penalties, *, config: TransformerC
     model = Transformer(config)
     B, K = src.shape[0], beam_size
     memory = encode_memory(model, params, src)  # (B, S, D)
-    # Every row is searched with K hypotheses side by side: the decoder sees a batch of B * K rows.
-    src_k = jnp.repeat(src, K, axis=0)  # (B * K, S)
-    memory_k = jnp.repeat(memory, K, axis=0)  # (B * K, S, D)
-    cache = create_cache(model, params, memory_k, src_k, length)
+    # Every row is searched with K hypotheses side by side: the decoder sees a batch of B * K rows (against the
+    # B sources: the K hypotheses of a sentence share its cross-attention keys/values).
+    cache = create_cache(model, params, memory, src, length, beams=K)
 
     def not_finished(s: BeamState):
         return (s.step < length) & ~jnp.all(s.done)
@@ -284,7 +287,7 @@ def _beam_core(params, src, max_new, min_len, penalties, *, config: TransformerC
         t = s.step
         last = jnp.where(t == 0, config.start_id, s.live_tokens[:, :, jnp.maximum(t - 1, 0)])  # (B, K)
         log_probs, cache = _next_log_probs(
-            model, params, s.cache, memory_k, src_k, last.reshape(-1), t, min_len, config
+            model, params, s.cache, memory, src, last.reshape(-1), t, min_len, config
         )  # (B * K, V)
         V = log_probs.shape[-1]
         log_probs = log_probs.reshape(B, K, V)

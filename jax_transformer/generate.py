@@ -104,8 +104,7 @@ def _beam_core(
 ):
     model, B, K, L = Transformer(config), src.shape[0], beam_size, max_length - 1
     memory = encode_memory(model, params, src)
-    src_k, memory_k = jnp.repeat(src, K, axis=0), jnp.repeat(memory, K, axis=0)
-    cache = create_cache(model, params, memory_k, src_k, L)
+    cache = create_cache(model, params, memory, src, L, beams=K)  # the K hypotheses share a source's keys/values
 
     def more(s: _Beams):
         open_beam = ~(jnp.all(s.is_finished) & (early_stopping == "true"))
@@ -114,7 +113,7 @@ def _beam_core(
     def advance(s: _Beams) -> _Beams:
         t = s.t
         last = jnp.where(t == 0, config.start_id, s.running[:, :, jnp.maximum(t - 1, 0)]).reshape(-1)
-        logits, cache = decode_step(model, params, s.cache, memory_k, src_k, last)
+        logits, cache = decode_step(model, params, s.cache, memory, src, last)
         log_probs = _processed(jax.nn.log_softmax(logits, -1), t, max_length, config, banned, forced_eos, min_length)
         V = log_probs.shape[-1]
         total = (log_probs.reshape(B, K, V) + s.running_scores[:, :, None]).reshape(B, K * V)

@@ -118,9 +118,15 @@ class MultiHeadAttention(nn.Module):
     cross: bool = False  # keys/values from the encoder output instead of from the queries' own sequence
 
     @nn.compact
-    def __call__(self, x, memory, mask, deterministic: bool = True, decode: bool = False):
+    def __call__(self, x, memory, mask, deterministic: bool = True, decode: bool = False, groups: int = 1):
         """x (B, Tq, D) queries' input; memory (B, Tk, D) keys' input for cross-attention (ignored otherwise);
-        mask broadcastable to (B, H, Tq, Tk), True = may attend. Returns (B, Tq, D)."""
+        mask broadcastable to (B, H, Tq, Tk), True = may attend. Returns (B, Tq, D).
+
+        Beam search decodes `groups` = G hypotheses of each sentence side by side, in consecutive rows. Their
+        queries then go together against keys/values kept once per sentence, (B / G, H, G * Tq, K): the
+        cross-attention's memory has B / G rows, and the self-attention's cache keeps slot g of a sentence for
+        its g-th hypothesis, so that no key or value moves when the search reorders its hypotheses (the mask,
+        from `Decoder`, says which slot holds each position of a hypothesis's history)."""
         cfg = self.config
         B, Tq, _ = x.shape
         H, K = cfg.num_heads, cfg.head_dim
@@ -130,26 +136,36 @@ class MultiHeadAttention(nn.Module):
             return y.reshape(inputs.shape[0], -1, H, K).transpose(0, 2, 1, 3)
 
         q = project("query", x)
+        k_transposed = False  # k as (B, H, K, Tk): the decoding cache's layout
         if self.cross:
             k, v = self._cross_keys_values(project, memory, decode)
         else:
             k, v = project("key", x), project("value", x)
             if decode:
-                k, v, mask = self._append_to_cache(k, v, mask)
+                k, v, k_transposed = self._append_to_cache(k, v, groups)
+
+        G = B // v.shape[0]  # query rows per key row: 1, or the G hypotheses of a sentence (see above)
+        if G > 1:  # the G rows' queries side by side against their sentence's keys: (B / G, H, G * Tq, K)
+            q = q.reshape(-1, G, H, Tq, K).transpose(0, 2, 1, 3, 4).reshape(-1, H, G * Tq, K)
 
         # The fused kernels return no probabilities and apply no dropout to them: used only where neither is needed.
         kernel = cfg.attention_kernel != "explicit" and not decode and not self.is_mutable_collection("intermediates")
         if kernel and (deterministic or cfg.attention_dropout == 0.0):
             out = fused_attention(q, k, v, mask, cfg.attention_kernel)  # (B, H, Tq, K)
         else:
-            out = self._attention(q, k, v, mask, deterministic)  # (B, H, Tq, K)
+            out = self._attention(q, k, v, mask, deterministic, k_transposed)  # (B, H, Tq, K)
+        if G > 1:
+            out = out.reshape(-1, H, G, Tq, K).transpose(0, 2, 1, 3, 4).reshape(B, H, Tq, K)
         out = out.transpose(0, 2, 1, 3).reshape(B, Tq, cfg.d_model)  # heads concatenated
         return _dense(cfg, cfg.d_model, "out", cfg.qkv_bias)(out)
 
-    def _attention(self, q, k, v, mask, deterministic: bool):
-        """The explicit computation: (B, H, Tq, K) queries, (B, H, Tk, K) keys and values -> (B, H, Tq, K)."""
+    def _attention(self, q, k, v, mask, deterministic: bool, k_transposed: bool = False):
+        """The explicit computation: (B, H, Tq, K) queries, (B, H, Tk, K) keys (or (B, H, K, Tk), transposed) and
+        values -> (B, H, Tq, K)."""
         # The scores leave the matmul in the compute dtype; scaling, masking and softmax run in float32.
-        scores = jnp.einsum("bhqk,bhsk->bhqs", q, k).astype(jnp.float32) / math.sqrt(q.shape[-1])  # (B, H, Tq, Tk)
+        scores = jnp.einsum("bhqk,bhks->bhqs" if k_transposed else "bhqk,bhsk->bhqs", q, k).astype(
+            jnp.float32
+        ) / math.sqrt(q.shape[-1])  # (B, H, Tq, Tk)
         # A large finite negative instead of -inf: a row whose keys are all masked (an all-padding sequence)
         # becomes a uniform distribution instead of NaN.
         scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
@@ -171,22 +187,25 @@ class MultiHeadAttention(nn.Module):
         self.variable("cache", "cached_value", lambda: v)
         return k, v
 
-    def _append_to_cache(self, k, v, mask):
-        """Self-attention while decoding: write this step's key/value at the cache index, attend to 0..index."""
+    def _append_to_cache(self, k, v, G: int):
+        """Self-attention while decoding: writes this call's keys/values (B, H, T, K) at the cache index, each row
+        in its sentence's slot for it, and returns all the sentence's slots: keys transposed (B / G, H, K, G *
+        T_max), values (B / G, H, G * T_max, K), column/row t * G + g holding position t of slot g."""
         created = self.has_variable("cache", "cached_key")
-        # Kept as (B, H, T_max, K), the layout both attention products read, so no step transposes the cache.
-        cached_k = self.variable("cache", "cached_key", jnp.zeros, k.shape, k.dtype)  # (B, H, T_max, K)
-        cached_v = self.variable("cache", "cached_value", jnp.zeros, v.shape, v.dtype)
+        B, H, T, K = k.shape
+        # Stored in the layouts the two attention products read, and position-major, so that a step writes one
+        # contiguous block (its G slots) and nothing transposes or copies the cache.
+        cached_k = self.variable("cache", "cached_key", jnp.zeros, (B // G, H, K, T * G), k.dtype)
+        cached_v = self.variable("cache", "cached_value", jnp.zeros, (B // G, H, T * G, K), v.dtype)
         index = self.variable("cache", "cache_index", lambda: jnp.array(0, dtype=jnp.int32))
         if not created:  # the call that creates the cache: plain attention over the given inputs
-            return k, v, mask
+            return k, v, False
         i = index.value
-        cached_k.value = lax.dynamic_update_slice(cached_k.value, k, (0, 0, i, 0))
-        cached_v.value = lax.dynamic_update_slice(cached_v.value, v, (0, 0, i, 0))
-        index.value = i + k.shape[2]
-        t_max = cached_k.value.shape[2]
-        step_mask = (jnp.arange(t_max) < i + k.shape[2])[None, None, None, :]  # (1, 1, 1, T_max)
-        return cached_k.value, cached_v.value, step_mask
+        as_slots = lambda x: x.reshape(B // G, G, H, T, K).transpose(0, 2, 3, 1, 4).reshape(B // G, H, T * G, K)
+        cached_k.value = lax.dynamic_update_slice(cached_k.value, as_slots(k).transpose(0, 1, 3, 2), (0, 0, 0, i * G))
+        cached_v.value = lax.dynamic_update_slice(cached_v.value, as_slots(v), (0, 0, i * G, 0))
+        index.value = i + T
+        return cached_k.value, cached_v.value, True
 
 
 class FeedForward(nn.Module):
@@ -243,13 +262,15 @@ class DecoderLayer(nn.Module):
     config: TransformerConfig
 
     @nn.compact
-    def __call__(self, x, memory, self_mask, cross_mask, deterministic: bool = True, decode: bool = False):
+    def __call__(
+        self, x, memory, self_mask, cross_mask, deterministic: bool = True, decode: bool = False, groups: int = 1
+    ):
         cfg = self.config
         self_attention = MultiHeadAttention(cfg, name="self_attention")
         x = _residual(
             cfg,
             x,
-            lambda h: self_attention(h, h, self_mask, deterministic, decode),
+            lambda h: self_attention(h, h, self_mask, deterministic, decode, groups),
             _layer_norm(cfg, "self_attention_norm"),
             deterministic,
         )
@@ -327,23 +348,42 @@ class Decoder(nn.Module):
     def __call__(
         self, x, memory, self_mask, cross_mask, deterministic: bool = True, decode: bool = False, positions=None
     ):
-        """x (B, T, D) embedded decoder inputs; memory (B, S, D). Returns hidden states (B, T, D)."""
+        """x (B, T, D) embedded decoder inputs; memory (B / G, S, D): G = 1, or beam search's G hypotheses of
+        each sentence in consecutive rows (see MultiHeadAttention). Returns hidden states (B, T, D)."""
         cfg = self.config
-        offset = 0
+        offset, G = 0, x.shape[0] // memory.shape[0]
         if decode:  # step-by-step decoding: this call's tokens start where the previous call's ended
             created = self.has_variable("cache", "position")
             position = self.variable("cache", "position", lambda: jnp.array(0, dtype=jnp.int32))
+            # slots[b, t]: the slot of its sentence that holds position t of row b's history. A row writes to its
+            # own slot (b mod G); beam search reorders this table, and only it, when it picks parents.
+            slots = self.variable("cache", "slots", jnp.zeros, x.shape[:2], jnp.int32)  # (B, T_max)
             if created:
                 offset = position.value
                 position.value = offset + x.shape[1]
                 _check_decoding_position(offset, x.shape[1], cfg.max_len)
+                self_mask = self._step_mask(slots, offset, x.shape[1], G)
         x = Positions(cfg, name="positions")(x, offset, positions)
         x = Dropout(cfg.embedding_dropout)(x, deterministic=deterministic)
         for i in range(cfg.num_decoder_layers):
-            x = DecoderLayer(cfg, name=f"layer_{i}")(x, memory, self_mask, cross_mask, deterministic, decode)
+            layer = DecoderLayer(cfg, name=f"layer_{i}")
+            x = layer(x, memory, self_mask, cross_mask, deterministic, decode, G)
         if cfg.final_norm:
             x = _layer_norm(cfg, "final_norm")(x)
         return x
+
+    @staticmethod
+    def _step_mask(slots, offset, n: int, G: int):
+        """Records that this call's n tokens go to each row's own slot at positions offset..offset + n - 1, and
+        returns the self-attention mask of their queries, (B / G, 1, G * n, G * T_max): the query of row b at
+        position p may see slot j at position t where t <= p and row b's history has slot j at t."""
+        B, t_max = slots.value.shape
+        own = jnp.broadcast_to((jnp.arange(B, dtype=jnp.int32) % G)[:, None], (B, n))
+        slots.value = lax.dynamic_update_slice(slots.value, own, (0, offset))
+        causal = jnp.arange(t_max)[None, :] <= offset + jnp.arange(n)[:, None]  # (n, T_max)
+        held = slots.value[:, :, None] == jnp.arange(G)  # (B, T_max, G)
+        mask = held[:, None, :, :] & causal[None, :, :, None]  # (B, n, T_max, G)
+        return mask.reshape(B // G, 1, G * n, t_max * G)
 
 
 class Transformer(nn.Module):
@@ -404,6 +444,11 @@ class Transformer(nn.Module):
         if tuple(memory.shape[:2]) != tuple(src.shape):
             raise checks.TokenError(
                 f"memory has shape {memory.shape} but src {src.shape}: memory must be the encoding of src, (B, S, D)"
+            )
+        if tgt_in.shape[0] % src.shape[0] or (tgt_segments is not None and tgt_in.shape[0] != src.shape[0]):
+            raise checks.TokenError(
+                f"tgt_in has {tgt_in.shape[0]} rows but src {src.shape[0]}: the target needs one row per source "
+                f"row, or G per source row (G hypotheses of each sentence, consecutive; not with packed rows)"
             )
         self_mask, cross_mask = decoder_masks(src, tgt_in, self.config.pad_id, src_segments, tgt_segments)
         return self.decoder(
