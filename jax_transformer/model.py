@@ -464,7 +464,9 @@ class Transformer(nn.Module):
         dtype = compute_dtype(self.config)
         table = self._embedding("target").embedding  # (V, D) float32
         if dtype == jnp.float32:
-            logits = jnp.dot(hidden, table.T)  # what nn.Embed.attend computes
+            # hidden @ table.T (what nn.Embed.attend computes), with the table read as it lies: written as a
+            # transpose, XLA may copy the whole table at every decoding step.
+            logits = jnp.einsum("...d,vd->...v", hidden, table)
         else:
             logits = matmul_float32_result(hidden.astype(dtype), table.astype(dtype).T)  # (B, T, V)
         if self.config.logits_bias:  # added as a projection's bias is (cast to the compute dtype, then float32)
