@@ -248,16 +248,30 @@ def translate_run(run_dir: Path, input_path: Path, beam: int, repeats: int, log=
 
     decode = DecodeConfig.from_dict(stored_settings(loaded).get("decode", {}), source=str(run_dir))
     lines = [line.rstrip("\n") for line in input_path.read_text(encoding="utf-8").splitlines()]
+    # Lines longer than the model takes are left out (translate would stop at them), and counted.
+    fits = [line for line in lines if len(tokenizer.encode(line)) < config.max_len]
+    if len(fits) < len(lines):
+        log(f"{len(lines) - len(fits)} of {len(lines)} lines are longer than the model takes: left out")
+    lines = fits
     threads = os.cpu_count() or 1
     with tempfile.TemporaryDirectory() as tmp:
         ct2_dir = convert(loaded.params, config, tokenizer, Path(tmp), run=stored_settings(loaded))
         translator = ctranslate2.Translator(str(ct2_dir), device="cpu", compute_type="float32", intra_threads=threads)
-        limit = (decode.max_length or config.max_len + 1) - 1
+        # generate counts the start token in max_length and, with forced_eos, ends at its last position with EOS
+        limit = (decode.max_length or config.max_len + 1) - 1 - int(decode.forced_eos)
 
         def ours():
             out = []
             translate_lines(
-                loaded.params, config, tokenizer, iter(lines), out.append, beam_size=beam, alpha=1.0, decode=decode
+                loaded.params,
+                config,
+                tokenizer,
+                iter(lines),
+                out.append,
+                beam_size=beam,
+                alpha=1.0,
+                decode=decode,
+                progress=False,
             )
             return out
 
@@ -293,7 +307,12 @@ def translate_run(run_dir: Path, input_path: Path, beam: int, repeats: int, log=
         )
         log(f"{name:<20} {len(lines) / median:>8.1f} sentences/s median, {len(lines) / best:>8.1f} best")
     log(f"identical translations: {same}/{len(lines)}")
-    return {"machine": machine_info(), "results": results, "identical": f"{same}/{len(lines)}", "beam": beam}
+    pairs = zip(lines, outputs["train.py translate"], outputs["ctranslate2"])
+    differ = [dict(source=x, ours=a, ctranslate2=b) for x, a, b in pairs if a != b][:3]
+    for d in differ:
+        log(f"differs: {d['source']!r}\n  ours:        {d['ours']!r}\n  ctranslate2: {d['ctranslate2']!r}")
+    report = {"machine": machine_info(), "results": results, "identical": f"{same}/{len(lines)}", "beam": beam}
+    return {**report, "first_differences": differ}
 
 
 def table(report: dict) -> str:

@@ -128,23 +128,46 @@ def create_cache(model: Transformer, params, memory, src, length: int, beams: in
     return variables["cache"]
 
 
-def decode_step(model: Transformer, params, cache, memory, src, tokens):
-    """One decoder step: tokens (B,) at the cache's position -> logits (B, V) of the next token, new cache."""
+def decode_step(model: Transformer, params, cache, memory, src, tokens, visible: int | None = None):
+    """One decoder step: tokens (B,) at the cache's position -> logits (B, V) of the next token, new cache.
+    `visible`: how many cache positions the step attends over (see `phases`)."""
     logits, variables = model.apply(
         {"params": params, "cache": cache},
         memory,
         src,
         tokens[:, None],
         decode=True,
+        visible=visible,
         mutable=["cache"],
         method=Transformer.decode,
     )
     return logits[:, 0], variables["cache"]  # (B, V)
 
 
-def _next_log_probs(model, params, cache, memory, src, tokens, step, min_len, config: TransformerConfig):
+def phases(length: int, first: int = 16) -> list[int]:
+    """The cache lengths a decoding loop goes through: 16, 32, 64, ... and `length` last. The loop runs as one
+    `while_loop` per phase, whose steps attend over the phase's length only: never more than twice the positions
+    written so far, where a single loop would attend over the whole cache (the model's max_len for generate's
+    rules) at every step. A few phases, so a few compiled loop bodies."""
+    ends = []
+    while first < length:
+        ends.append(first)
+        first *= 2
+    return ends + [length]
+
+
+def run_phases(not_finished, advance, state, length: int, step=lambda state: state[0]):
+    """`lax.while_loop(not_finished, advance, state)` as one loop per phase: advance(state, visible)."""
+    for end in phases(length):
+        state = lax.while_loop(
+            lambda s, end=end: not_finished(s) & (step(s) < end), functools.partial(advance, visible=end), state
+        )
+    return state
+
+
+def _next_log_probs(model, params, cache, memory, src, tokens, step, min_len, config: TransformerConfig, visible):
     """Log-probs (B, V) of the token after `tokens` (see `_restrict` for the banned ones), and the new cache."""
-    logits, cache = decode_step(model, params, cache, memory, src, tokens)
+    logits, cache = decode_step(model, params, cache, memory, src, tokens, visible)
     return _restrict(jax.nn.log_softmax(logits, axis=-1), step, min_len, config), cache
 
 
@@ -184,9 +207,9 @@ def _greedy_core(params, src, max_new, min_len, *, config: TransformerConfig, le
         step, _, _, _, done, _ = state
         return (step < length) & ~jnp.all(done)
 
-    def advance(state):
+    def advance(state, visible):
         step, last, tokens, scores, done, cache = state
-        log_probs, cache = _next_log_probs(model, params, cache, memory, src, last, step, min_len, config)  # (B, V)
+        log_probs, cache = _next_log_probs(model, params, cache, memory, src, last, step, min_len, config, visible)
         # Greedy: take the most probable next token; finished rows emit PAD and add nothing to their score.
         token = jnp.where(done, config.pad_id, first_argmax(log_probs))  # (B,)
         gained = jnp.take_along_axis(log_probs, token[:, None], axis=-1)[:, 0]
@@ -203,7 +226,7 @@ def _greedy_core(params, src, max_new, min_len, *, config: TransformerConfig, le
         jnp.zeros((B,), bool),
         cache,
     )
-    _, _, tokens, scores, _, _ = lax.while_loop(not_finished, advance, state)
+    _, _, tokens, scores, _, _ = run_phases(not_finished, advance, state, length)
     return tokens, scores
 
 
@@ -283,11 +306,11 @@ def _beam_core(params, src, max_new, min_len, penalties, *, config: TransformerC
     def not_finished(s: BeamState):
         return (s.step < length) & ~jnp.all(s.done)
 
-    def advance(s: BeamState) -> BeamState:
+    def advance(s: BeamState, visible: int) -> BeamState:
         t = s.step
         last = jnp.where(t == 0, config.start_id, s.live_tokens[:, :, jnp.maximum(t - 1, 0)])  # (B, K)
         log_probs, cache = _next_log_probs(
-            model, params, s.cache, memory, src, last.reshape(-1), t, min_len, config
+            model, params, s.cache, memory, src, last.reshape(-1), t, min_len, config, visible
         )  # (B * K, V)
         V = log_probs.shape[-1]
         log_probs = log_probs.reshape(B, K, V)
@@ -336,7 +359,7 @@ def _beam_core(params, src, max_new, min_len, penalties, *, config: TransformerC
         done=jnp.zeros((B,), bool),
         cache=cache,
     )
-    final = lax.while_loop(not_finished, advance, state)
+    final = run_phases(not_finished, advance, state, length, step=lambda s: s.step)
     # Every row ends done with at least one finished hypothesis (at the latest, its length limit finishes K).
     return final.finished_tokens[:, 0], final.finished_scores[:, 0]
 

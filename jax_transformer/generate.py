@@ -33,6 +33,7 @@ from jax_transformer.decoding import (
     first_argmax,
     gather_beams,
     reorder_cache,
+    run_phases,
 )
 from jax_transformer.model import Transformer
 
@@ -64,9 +65,9 @@ def _greedy_core(
     memory = encode_memory(model, params, src)
     cache = create_cache(model, params, memory, src, L)
 
-    def advance(state):
+    def advance(state, visible):
         t, last, tokens, done, cache = state
-        logits, cache = decode_step(model, params, cache, memory, src, last)
+        logits, cache = decode_step(model, params, cache, memory, src, last, visible)
         scores = _processed(logits, t, max_length, config, banned, forced_eos, min_length)
         token = jnp.where(done, config.pad_id, first_argmax(scores))  # finished rows get PAD, as transformers does
         done = done | (token == config.eos_id) | (t + 2 >= max_length)
@@ -79,7 +80,7 @@ def _greedy_core(
         jnp.zeros((B,), bool),
         cache,
     )
-    state = lax.while_loop(lambda s: (s[0] < L) & ~jnp.all(s[3]), advance, state)
+    state = run_phases(lambda s: (s[0] < L) & ~jnp.all(s[3]), advance, state, L)
     return state[2]
 
 
@@ -110,10 +111,10 @@ def _beam_core(
         open_beam = ~(jnp.all(s.is_finished) & (early_stopping == "true"))
         return (s.t < L) & jnp.any(s.improvable) & open_beam & ~s.all_stopped
 
-    def advance(s: _Beams) -> _Beams:
+    def advance(s: _Beams, visible: int) -> _Beams:
         t = s.t
         last = jnp.where(t == 0, config.start_id, s.running[:, :, jnp.maximum(t - 1, 0)]).reshape(-1)
-        logits, cache = decode_step(model, params, s.cache, memory, src, last)
+        logits, cache = decode_step(model, params, s.cache, memory, src, last, visible)
         log_probs = _processed(jax.nn.log_softmax(logits, -1), t, max_length, config, banned, forced_eos, min_length)
         V = log_probs.shape[-1]
         total = (log_probs.reshape(B, K, V) + s.running_scores[:, :, None]).reshape(B, K * V)
@@ -155,7 +156,7 @@ def _beam_core(
         all_stopped=jnp.array(False),
         cache=cache,
     )
-    final = lax.while_loop(more, advance, state)
+    final = run_phases(more, advance, state, L, step=lambda s: s.t)
     return final.finished[:, 0], final.finished_scores[:, 0]
 
 

@@ -118,7 +118,16 @@ class MultiHeadAttention(nn.Module):
     cross: bool = False  # keys/values from the encoder output instead of from the queries' own sequence
 
     @nn.compact
-    def __call__(self, x, memory, mask, deterministic: bool = True, decode: bool = False, groups: int = 1):
+    def __call__(
+        self,
+        x,
+        memory,
+        mask,
+        deterministic: bool = True,
+        decode: bool = False,
+        groups: int = 1,
+        visible: int | None = None,
+    ):
         """x (B, Tq, D) queries' input; memory (B, Tk, D) keys' input for cross-attention (ignored otherwise);
         mask broadcastable to (B, H, Tq, Tk), True = may attend. Returns (B, Tq, D).
 
@@ -126,7 +135,8 @@ class MultiHeadAttention(nn.Module):
         queries then go together against keys/values kept once per sentence, (B / G, H, G * Tq, K): the
         cross-attention's memory has B / G rows, and the self-attention's cache keeps slot g of a sentence for
         its g-th hypothesis, so that no key or value moves when the search reorders its hypotheses (the mask,
-        from `Decoder`, says which slot holds each position of a hypothesis's history)."""
+        from `Decoder`, says which slot holds each position of a hypothesis's history). While decoding, the
+        self-attention reads the first `visible` positions of its cache only (all of them by default)."""
         cfg = self.config
         B, Tq, _ = x.shape
         H, K = cfg.num_heads, cfg.head_dim
@@ -142,7 +152,7 @@ class MultiHeadAttention(nn.Module):
         else:
             k, v = project("key", x), project("value", x)
             if decode:
-                k, v, k_transposed = self._append_to_cache(k, v, groups)
+                k, v, k_transposed = self._append_to_cache(k, v, groups, visible)
 
         G = B // v.shape[0]  # query rows per key row: 1, or the G hypotheses of a sentence (see above)
         if G > 1:  # the G rows' queries side by side against their sentence's keys: (B / G, H, G * Tq, K)
@@ -187,10 +197,11 @@ class MultiHeadAttention(nn.Module):
         self.variable("cache", "cached_value", lambda: v)
         return k, v
 
-    def _append_to_cache(self, k, v, G: int):
+    def _append_to_cache(self, k, v, G: int, visible: int | None):
         """Self-attention while decoding: writes this call's keys/values (B, H, T, K) at the cache index, each row
         in its sentence's slot for it, and returns all the sentence's slots: keys transposed (B / G, H, K, G *
-        T_max), values (B / G, H, G * T_max, K), column/row t * G + g holding position t of slot g."""
+        T_max), values (B / G, H, G * T_max, K), column/row t * G + g holding position t of slot g; with
+        `visible`, the first `visible` positions only (G * visible columns/rows)."""
         created = self.has_variable("cache", "cached_key")
         B, H, T, K = k.shape
         # Stored in the layouts the two attention products read, and position-major, so that a step writes one
@@ -205,7 +216,8 @@ class MultiHeadAttention(nn.Module):
         cached_k.value = lax.dynamic_update_slice(cached_k.value, as_slots(k).transpose(0, 1, 3, 2), (0, 0, 0, i * G))
         cached_v.value = lax.dynamic_update_slice(cached_v.value, as_slots(v), (0, 0, i * G, 0))
         index.value = i + T
-        return cached_k.value, cached_v.value, True
+        n = cached_v.value.shape[2] if visible is None else visible * G
+        return cached_k.value[..., :n], cached_v.value[:, :, :n], True
 
 
 class FeedForward(nn.Module):
@@ -263,14 +275,22 @@ class DecoderLayer(nn.Module):
 
     @nn.compact
     def __call__(
-        self, x, memory, self_mask, cross_mask, deterministic: bool = True, decode: bool = False, groups: int = 1
+        self,
+        x,
+        memory,
+        self_mask,
+        cross_mask,
+        deterministic: bool = True,
+        decode: bool = False,
+        groups: int = 1,
+        visible: int | None = None,
     ):
         cfg = self.config
         self_attention = MultiHeadAttention(cfg, name="self_attention")
         x = _residual(
             cfg,
             x,
-            lambda h: self_attention(h, h, self_mask, deterministic, decode, groups),
+            lambda h: self_attention(h, h, self_mask, deterministic, decode, groups, visible),
             _layer_norm(cfg, "self_attention_norm"),
             deterministic,
         )
@@ -346,7 +366,15 @@ class Decoder(nn.Module):
 
     @nn.compact
     def __call__(
-        self, x, memory, self_mask, cross_mask, deterministic: bool = True, decode: bool = False, positions=None
+        self,
+        x,
+        memory,
+        self_mask,
+        cross_mask,
+        deterministic: bool = True,
+        decode: bool = False,
+        positions=None,
+        visible: int | None = None,
     ):
         """x (B, T, D) embedded decoder inputs; memory (B / G, S, D): G = 1, or beam search's G hypotheses of
         each sentence in consecutive rows (see MultiHeadAttention). Returns hidden states (B, T, D)."""
@@ -362,28 +390,30 @@ class Decoder(nn.Module):
                 offset = position.value
                 position.value = offset + x.shape[1]
                 _check_decoding_position(offset, x.shape[1], cfg.max_len)
-                self_mask = self._step_mask(slots, offset, x.shape[1], G)
+                self_mask = self._step_mask(slots, offset, x.shape[1], G, visible)
         x = Positions(cfg, name="positions")(x, offset, positions)
         x = Dropout(cfg.embedding_dropout)(x, deterministic=deterministic)
         for i in range(cfg.num_decoder_layers):
             layer = DecoderLayer(cfg, name=f"layer_{i}")
-            x = layer(x, memory, self_mask, cross_mask, deterministic, decode, G)
+            x = layer(x, memory, self_mask, cross_mask, deterministic, decode, G, visible)
         if cfg.final_norm:
             x = _layer_norm(cfg, "final_norm")(x)
         return x
 
     @staticmethod
-    def _step_mask(slots, offset, n: int, G: int):
+    def _step_mask(slots, offset, n: int, G: int, visible: int | None):
         """Records that this call's n tokens go to each row's own slot at positions offset..offset + n - 1, and
-        returns the self-attention mask of their queries, (B / G, 1, G * n, G * T_max): the query of row b at
-        position p may see slot j at position t where t <= p and row b's history has slot j at t."""
+        returns the self-attention mask of their queries over the first T = `visible` (default T_max) cache
+        positions, (B / G, 1, G * n, T * G): the query of row b at position p may see slot j at position t where
+        t <= p and row b's history has slot j at t."""
         B, t_max = slots.value.shape
         own = jnp.broadcast_to((jnp.arange(B, dtype=jnp.int32) % G)[:, None], (B, n))
         slots.value = lax.dynamic_update_slice(slots.value, own, (0, offset))
-        causal = jnp.arange(t_max)[None, :] <= offset + jnp.arange(n)[:, None]  # (n, T_max)
-        held = slots.value[:, :, None] == jnp.arange(G)  # (B, T_max, G)
-        mask = held[:, None, :, :] & causal[None, :, :, None]  # (B, n, T_max, G)
-        return mask.reshape(B // G, 1, G * n, t_max * G)
+        T = t_max if visible is None else visible
+        causal = jnp.arange(T)[None, :] <= offset + jnp.arange(n)[:, None]  # (n, T)
+        held = slots.value[:, :T, None] == jnp.arange(G)  # (B, T, G)
+        mask = held[:, None, :, :] & causal[None, :, :, None]  # (B, n, T, G)
+        return mask.reshape(B // G, 1, G * n, T * G)
 
 
 class Transformer(nn.Module):
@@ -436,8 +466,11 @@ class Transformer(nn.Module):
         src_segments=None,
         tgt_segments=None,
         tgt_positions=None,
+        visible: int | None = None,
     ):
-        """Decoder output before the vocabulary projection: (B, T, D). `src` (B, S) gives the padding mask."""
+        """Decoder output before the vocabulary projection: (B, T, D). `src` (B, S) gives the padding mask.
+        `visible` (decoding steps only): attend over the first `visible` cache positions only (they must hold
+        every position written so far; see decoding.phases)."""
         checks.check_model_input(
             "tgt_in", tgt_in, self.config, "target", positions=tgt_positions, segments=tgt_segments
         )
@@ -452,7 +485,7 @@ class Transformer(nn.Module):
             )
         self_mask, cross_mask = decoder_masks(src, tgt_in, self.config.pad_id, src_segments, tgt_segments)
         return self.decoder(
-            self._embed("target", tgt_in), memory, self_mask, cross_mask, deterministic, decode, tgt_positions
+            self._embed("target", tgt_in), memory, self_mask, cross_mask, deterministic, decode, tgt_positions, visible
         )
 
     def logits(self, hidden):
@@ -473,9 +506,10 @@ class Transformer(nn.Module):
             logits = logits + self.logits_bias.astype(dtype).astype(jnp.float32)
         return logits
 
-    def decode(self, memory, src, tgt_in, deterministic: bool = True, decode: bool = False, **packing):
-        """memory (B, S, D), src (B, S), tgt_in (B, T) -> logits (B, T, V); `packing` as for `decoder_hidden`."""
-        return self.logits(self.decoder_hidden(memory, src, tgt_in, deterministic, decode, **packing))
+    def decode(self, memory, src, tgt_in, deterministic: bool = True, decode: bool = False, **options):
+        """memory (B, S, D), src (B, S), tgt_in (B, T) -> logits (B, T, V); `options` (packing, visible) as for
+        `decoder_hidden`."""
+        return self.logits(self.decoder_hidden(memory, src, tgt_in, deterministic, decode, **options))
 
     def __call__(
         self,

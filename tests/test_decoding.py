@@ -119,8 +119,8 @@ def model_b():
 # --- 1. the cache ------------------------------------------------------------------------------------------
 
 
-@functools.partial(jax.jit, static_argnames=("config", "cache_len"))
-def cached_and_full_logits(params, src, tgt_in, *, config, cache_len):
+@functools.partial(jax.jit, static_argnames=("config", "cache_len", "visible"))
+def cached_and_full_logits(params, src, tgt_in, *, config, cache_len, visible=None):
     """Logits (B, T, V) of one full teacher-forced pass, and of the cached decoder fed tgt_in one token a step."""
     model = Transformer(config)
     full = model.apply({"params": params}, src, tgt_in)
@@ -128,16 +128,17 @@ def cached_and_full_logits(params, src, tgt_in, *, config, cache_len):
     cache = decoding.create_cache(model, params, memory, src, cache_len)
 
     def step(cache, tokens):  # tokens (B,)
-        logits, cache = decoding.decode_step(model, params, cache, memory, src, tokens)
+        logits, cache = decoding.decode_step(model, params, cache, memory, src, tokens, visible)
         return cache, logits
 
     _, stepped = jax.lax.scan(step, cache, tgt_in.T)  # (T, B, V)
     return full, stepped.transpose(1, 0, 2)
 
 
+@pytest.mark.parametrize("visible", [None, 10], ids=["whole cache", "first 10 positions"])
 @pytest.mark.parametrize("norm_first", [False, True], ids=["post-norm", "pre-norm"])
 @pytest.mark.parametrize("positions", ["sinusoidal", "learned"])
-def test_cached_steps_equal_full_forward(norm_first, positions):
+def test_cached_steps_equal_full_forward(norm_first, positions, visible):
     config = preset(
         "tiny",
         src_vocab_size=VOCAB,
@@ -150,11 +151,19 @@ def test_cached_steps_equal_full_forward(norm_first, positions):
     params, src = init_params(config, 3), make_src(config, LENGTHS, seed=3)
     tgt_in = np.random.default_rng(4).integers(3, VOCAB, (len(src), 10)).astype(np.int32)
     tgt_in[:, 0] = config.bos_id
-    # A cache longer than the 10 steps: its unused slots must not count.
-    full, stepped = cached_and_full_logits(params, src, tgt_in, config=config, cache_len=13)
+    # A cache longer than the 10 steps: its unused slots must not count, whether the steps attend over all of it
+    # or over the first 10 positions only (a decoding phase, see decoding.phases).
+    full, stepped = cached_and_full_logits(params, src, tgt_in, config=config, cache_len=13, visible=visible)
     worst = float(np.max(np.abs(np.asarray(full) - np.asarray(stepped))))
     print(f"cached vs full logits, max abs diff {worst:.2e}")
     assert worst < CACHE_ATOL
+
+
+def test_phases_double_up_to_the_cache_length():
+    assert decoding.phases(10) == [10]
+    assert decoding.phases(16) == [16]
+    assert decoding.phases(64) == [16, 32, 64]
+    assert decoding.phases(511) == [16, 32, 64, 128, 256, 511]
 
 
 # --- 2. greedy search --------------------------------------------------------------------------------------
