@@ -58,14 +58,12 @@ def marian_shaped_model(preset_name: str, vocab: int, max_len: int, seed: int = 
     """(config, params, tokenizer): random weights of `preset_name`'s shape in Marian's conventions, and a
     MarianTokenizer whose vocabulary has `vocab` entries (a small SentencePiece model; the rest are placeholder
     pieces), as `export --format transformers` needs one."""
-    import io
-
     import sentencepiece as spm
 
     from jax_transformer.config import preset
     from jax_transformer.default_task import default_pairs
     from jax_transformer.model import init_params
-    from jax_transformer.tokenizer import MarianTokenizer
+    from jax_transformer.tokenizer import MarianTokenizer, unigram_model_bytes
 
     pad = vocab - 1
     config = preset(
@@ -90,17 +88,7 @@ def marian_shaped_model(preset_name: str, vocab: int, max_len: int, seed: int = 
     embed = np.array(params["shared_embed"]["embedding"])
     embed[pad] = 0.0  # Marian's pad row: the decoder's start embedding, zero
     params = {**params, "shared_embed": {"embedding": embed}}
-    writer = io.BytesIO()  # a small SentencePiece model of the built-in task's sources (one thread: same bytes)
-    spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(default_pairs("train", n=500).sources),
-        model_writer=writer,
-        vocab_size=100,
-        model_type="unigram",
-        minloglevel=2,
-        num_threads=1,
-        hard_vocab_limit=False,
-    )
-    model = writer.getvalue()
+    model = unigram_model_bytes(default_pairs("train", n=500).sources, 100)  # a small SentencePiece model
     pieces = {"</s>": 0, "<unk>": 1}
     processor = spm.SentencePieceProcessor()
     processor.LoadFromSerializedProto(model)

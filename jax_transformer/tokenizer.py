@@ -36,6 +36,22 @@ _FIXED_TRAINER_OPTIONS = dict(
 )
 
 
+def unigram_model_bytes(texts: Iterable[str], vocab_size: int) -> bytes:
+    """A unigram SentencePiece model of `texts` with SentencePiece's own special ids (<unk> 0, <s> 1, </s> 2), as
+    Marian's source.spm / target.spm are: the serialized bytes, the same every time (one thread)."""
+    writer = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(texts),
+        model_writer=writer,
+        vocab_size=vocab_size,
+        model_type="unigram",
+        minloglevel=2,
+        num_threads=1,
+        hard_vocab_limit=False,
+    )
+    return writer.getvalue()
+
+
 class Tokenizer:
     """Subword tokenizer for both languages, with ids pad=0, bos=1, eos=2, unk=3.
 

@@ -10,24 +10,9 @@ from pathlib import Path
 
 import numpy as np
 
+from jax_transformer.tokenizer import unigram_model_bytes
 
-def sentencepiece_bytes(texts: Sequence[str], vocab_size: int) -> bytes:
-    """A unigram SentencePiece model trained on `texts` (one thread: the same bytes every time)."""
-    import io
-
-    import sentencepiece as spm
-
-    writer = io.BytesIO()
-    spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(texts),
-        model_writer=writer,
-        vocab_size=vocab_size,
-        model_type="unigram",
-        minloglevel=2,
-        num_threads=1,
-        hard_vocab_limit=False,
-    )
-    return writer.getvalue()
+sentencepiece_bytes = unigram_model_bytes  # the Marian-style SentencePiece models of these tests
 
 
 def marian_tokenizer_files(folder: Path, separate: bool = False) -> dict[str, int]:
