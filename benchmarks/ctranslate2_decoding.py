@@ -227,14 +227,14 @@ def translate_run(run_dir: Path, input_path: Path, beam: int, repeats: int, log=
     import ctranslate2
 
     from jax_transformer import checkpoint as ckpt_lib
+    from jax_transformer.config import DecodeConfig
+    from jax_transformer.generate import _options as generate_options
     from jax_transformer.run import stored_settings
     from jax_transformer.translation import translate_lines
 
     loaded = ckpt_lib.load(run_dir, "best")
-    config, tokenizer = loaded.config, loaded.tokenizer
-    from jax_transformer.config import DecodeConfig
-
-    decode = DecodeConfig.from_dict(stored_settings(loaded).get("decode", {}), source=str(run_dir))
+    config, tokenizer, settings = loaded.config, loaded.tokenizer, stored_settings(loaded)
+    decode = DecodeConfig.from_dict(settings.get("decode", {}), source=str(run_dir))
     lines = [line.rstrip("\n") for line in input_path.read_text(encoding="utf-8").splitlines()]
     # Lines longer than the model takes are left out (translate would stop at them), and counted.
     fits = [line for line in lines if len(tokenizer.encode(line)) < config.max_len]
@@ -243,10 +243,10 @@ def translate_run(run_dir: Path, input_path: Path, beam: int, repeats: int, log=
     lines = fits
     threads = os.cpu_count() or 1
     with tempfile.TemporaryDirectory() as tmp:
-        ct2_dir = convert(loaded.params, config, tokenizer, Path(tmp), run=stored_settings(loaded))
+        ct2_dir = convert(loaded.params, config, tokenizer, Path(tmp), run=settings)
         translator = ctranslate2.Translator(str(ct2_dir), device="cpu", compute_type="float32", intra_threads=threads)
         # generate counts the start token in max_length and, with forced_eos, ends at its last position with EOS
-        limit = (decode.max_length or config.max_len + 1) - 1 - int(decode.forced_eos)
+        limit = generate_options(config, decode)["max_length"] - 1 - int(decode.forced_eos)
 
         def ours():
             out = []

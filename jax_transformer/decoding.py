@@ -119,8 +119,9 @@ def encode_memory(model: Transformer, params, src):
 
 def create_cache(model: Transformer, params, memory, src, length: int, beams: int = 1):
     """The decoding cache for `length` target positions of `beams` hypotheses per source row: one decode call on
-    a dummy (B * beams, length) target creates empty self-attention keys/values, (B * beams, H, length, K), and
-    projects the cross-attention keys/values from `memory`, (B, H, S, K): the hypotheses of a sentence share them."""
+    a dummy (B * beams, length) target creates empty self-attention keys/values (a slot per hypothesis, see
+    MultiHeadAttention) and the table of slots, and projects the cross-attention keys/values from `memory` once
+    per source row: the hypotheses of a sentence share them."""
     dummy = jnp.zeros((src.shape[0] * beams, length), dtype=jnp.int32)
     _, variables = model.apply(
         {"params": params}, memory, src, dummy, decode=True, mutable=["cache"], method=Transformer.decode
@@ -290,7 +291,8 @@ def reorder_cache(cache, parents, beam_size: int):
         return cache
     B = parents.shape[0]
     flat = (jnp.arange(B)[:, None] * beam_size + parents).reshape(-1)  # (B * K,)
-    return jax.tree_util.tree_map(lambda x: x[flat] if x.ndim and x.shape[0] == flat.shape[0] else x, cache)
+    decoder = cache["decoder"]
+    return {**cache, "decoder": {**decoder, "slots": decoder["slots"][flat]}}
 
 
 @functools.partial(jit_by_config, static_argnames=("config", "length", "beam_size"))

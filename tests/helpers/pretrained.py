@@ -12,8 +12,6 @@ import numpy as np
 
 from jax_transformer.tokenizer import unigram_model_bytes
 
-sentencepiece_bytes = unigram_model_bytes  # the Marian-style SentencePiece models of these tests
-
 
 def marian_tokenizer_files(folder: Path, separate: bool = False) -> dict[str, int]:
     """MarianTokenizer's files for the built-in task (English -> French) in `folder`: source.spm, target.spm and
@@ -25,8 +23,8 @@ def marian_tokenizer_files(folder: Path, separate: bool = False) -> dict[str, in
 
     pairs = default_pairs("train", n=2000)
     models = {
-        "source.spm": sentencepiece_bytes(pairs.sources, 120),
-        "target.spm": sentencepiece_bytes(pairs.targets, 120),
+        "source.spm": unigram_model_bytes(pairs.sources, 120),
+        "target.spm": unigram_model_bytes(pairs.targets, 120),
     }
     import sentencepiece as spm
 
