@@ -129,15 +129,22 @@ def create_cache(model: Transformer, params, memory, src, length: int, beams: in
     return variables["cache"]
 
 
-def decode_step(model: Transformer, params, cache, memory, src, tokens, visible: int | None = None):
+def output_kernel(model: Transformer, params, rows: int):
+    """The output projection laid out for decoding steps of `rows` rows (Transformer.output_kernel), computed once
+    per loop; None for one row, whose matrix-vector product reads the (V, D) table as fast, without the copy."""
+    return model.apply({"params": params}, method=Transformer.output_kernel) if rows > 1 else None
+
+
+def decode_step(model: Transformer, params, cache, memory, src, tokens, visible: int | None = None, kernel=None):
     """One decoder step: tokens (B,) at the cache's position -> logits (B, V) of the next token, new cache.
-    `visible`: how many cache positions the step attends over (see `phases`)."""
+    `visible`: how many cache positions the step attends over (see `phases`); `kernel`: `output_kernel`'s."""
     logits, variables = model.apply(
         {"params": params, "cache": cache},
         memory,
         src,
         tokens[:, None],
         decode=True,
+        kernel=kernel,
         visible=visible,
         mutable=["cache"],
         method=Transformer.decode,
@@ -166,9 +173,11 @@ def run_phases(not_finished, advance, state, length: int, step=lambda state: sta
     return state
 
 
-def _next_log_probs(model, params, cache, memory, src, tokens, step, min_len, config: TransformerConfig, visible):
+def _next_log_probs(
+    model, params, cache, memory, src, tokens, step, min_len, config: TransformerConfig, visible, kernel
+):
     """Log-probs (B, V) of the token after `tokens` (see `_restrict` for the banned ones), and the new cache."""
-    logits, cache = decode_step(model, params, cache, memory, src, tokens, visible)
+    logits, cache = decode_step(model, params, cache, memory, src, tokens, visible, kernel)
     return _restrict(jax.nn.log_softmax(logits, axis=-1), step, min_len, config), cache
 
 
@@ -203,6 +212,7 @@ def _greedy_core(params, src, max_new, min_len, *, config: TransformerConfig, le
     B = src.shape[0]
     memory = encode_memory(model, params, src)  # (B, S, D)
     cache = create_cache(model, params, memory, src, length)
+    kernel = output_kernel(model, params, B)
 
     def not_finished(state):
         step, _, _, _, done, _ = state
@@ -210,7 +220,9 @@ def _greedy_core(params, src, max_new, min_len, *, config: TransformerConfig, le
 
     def advance(state, visible):
         step, last, tokens, scores, done, cache = state
-        log_probs, cache = _next_log_probs(model, params, cache, memory, src, last, step, min_len, config, visible)
+        log_probs, cache = _next_log_probs(
+            model, params, cache, memory, src, last, step, min_len, config, visible, kernel
+        )
         # Greedy: take the most probable next token; finished rows emit PAD and add nothing to their score.
         token = jnp.where(done, config.pad_id, first_argmax(log_probs))  # (B,)
         gained = jnp.take_along_axis(log_probs, token[:, None], axis=-1)[:, 0]
@@ -304,6 +316,7 @@ def _beam_core(params, src, max_new, min_len, penalties, *, config: TransformerC
     # Every row is searched with K hypotheses side by side: the decoder sees a batch of B * K rows (against the
     # B sources: the K hypotheses of a sentence share its cross-attention keys/values).
     cache = create_cache(model, params, memory, src, length, beams=K)
+    kernel = output_kernel(model, params, B * K)
 
     def not_finished(s: BeamState):
         return (s.step < length) & ~jnp.all(s.done)
@@ -312,7 +325,7 @@ def _beam_core(params, src, max_new, min_len, penalties, *, config: TransformerC
         t = s.step
         last = jnp.where(t == 0, config.start_id, s.live_tokens[:, :, jnp.maximum(t - 1, 0)])  # (B, K)
         log_probs, cache = _next_log_probs(
-            model, params, s.cache, memory, src, last.reshape(-1), t, min_len, config, visible
+            model, params, s.cache, memory, src, last.reshape(-1), t, min_len, config, visible, kernel
         )  # (B * K, V)
         V = log_probs.shape[-1]
         log_probs = log_probs.reshape(B, K, V)

@@ -32,6 +32,7 @@ from jax_transformer.decoding import (
     encode_memory,
     first_argmax,
     gather_beams,
+    output_kernel,
     reorder_cache,
     run_phases,
 )
@@ -64,10 +65,11 @@ def _greedy_core(
     model, B, L = Transformer(config), src.shape[0], max_length - 1
     memory = encode_memory(model, params, src)
     cache = create_cache(model, params, memory, src, L)
+    kernel = output_kernel(model, params, B)
 
     def advance(state, visible):
         t, last, tokens, done, cache = state
-        logits, cache = decode_step(model, params, cache, memory, src, last, visible)
+        logits, cache = decode_step(model, params, cache, memory, src, last, visible, kernel)
         scores = _processed(logits, t, max_length, config, banned, forced_eos, min_length)
         token = jnp.where(done, config.pad_id, first_argmax(scores))  # finished rows get PAD, as transformers does
         done = done | (token == config.eos_id) | (t + 2 >= max_length)
@@ -106,6 +108,7 @@ def _beam_core(
     model, B, K, L = Transformer(config), src.shape[0], beam_size, max_length - 1
     memory = encode_memory(model, params, src)
     cache = create_cache(model, params, memory, src, L, beams=K)  # the K hypotheses share a source's keys/values
+    kernel = output_kernel(model, params, B * K)
 
     def more(s: _Beams):
         open_beam = ~(jnp.all(s.is_finished) & (early_stopping == "true"))
@@ -114,7 +117,7 @@ def _beam_core(
     def advance(s: _Beams, visible: int) -> _Beams:
         t = s.t
         last = jnp.where(t == 0, config.start_id, s.running[:, :, jnp.maximum(t - 1, 0)]).reshape(-1)
-        logits, cache = decode_step(model, params, s.cache, memory, src, last, visible)
+        logits, cache = decode_step(model, params, s.cache, memory, src, last, visible, kernel)
         log_probs = _processed(jax.nn.log_softmax(logits, -1), t, max_length, config, banned, forced_eos, min_length)
         V = log_probs.shape[-1]
         total = (log_probs.reshape(B, K, V) + s.running_scores[:, :, None]).reshape(B, K * V)

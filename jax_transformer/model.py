@@ -488,15 +488,27 @@ class Transformer(nn.Module):
             self._embed("target", tgt_in), memory, self_mask, cross_mask, deterministic, decode, tgt_positions, visible
         )
 
-    def logits(self, hidden):
+    def output_kernel(self):
+        """The tied output projection as a (D, V) matrix in the compute dtype, for `logits(kernel=...)`; None for an
+        untied one (its Dense stores (D, V) already). Decoding loops compute it once, before the loop: at the few
+        rows of a decoding step XLA's CPU matmuls read a (D, V) operand faster than the (V, D) table, and a
+        transpose written inside the loop would be redone at every step."""
+        if not self.config.tie_output:
+            return None
+        return self._embedding("target").embedding.astype(compute_dtype(self.config)).T  # (D, V)
+
+    def logits(self, hidden, kernel=None):
         """(B, T, D) -> (B, T, V) float32. Tied: the target embedding matrix, transposed, is the projection (paper
-        3.4). The matmul's operands are in the compute dtype and its result is the float32 accumulator (not
-        rounded to bfloat16), so the loss and decoding's log-softmax see float32 logits."""
+        3.4); `kernel`, if given, is that transpose (`output_kernel`). The matmul's operands are in the compute
+        dtype and its result is the float32 accumulator (not rounded to bfloat16), so the loss and decoding's
+        log-softmax see float32 logits."""
         if not self.config.tie_output:
             return self.output_proj(hidden)  # (B, T, V)
         dtype = compute_dtype(self.config)
         table = self._embedding("target").embedding  # (V, D) float32
-        if dtype == jnp.float32:
+        if kernel is not None:
+            logits = matmul_float32_result(hidden.astype(dtype), kernel)  # (B, T, V)
+        elif dtype == jnp.float32:
             # hidden @ table.T (what nn.Embed.attend computes), with the table read as it lies: written as a
             # transpose, XLA may copy the whole table at every decoding step.
             logits = jnp.einsum("...d,vd->...v", hidden, table)
@@ -506,10 +518,10 @@ class Transformer(nn.Module):
             logits = logits + self.logits_bias.astype(dtype).astype(jnp.float32)
         return logits
 
-    def decode(self, memory, src, tgt_in, deterministic: bool = True, decode: bool = False, **options):
-        """memory (B, S, D), src (B, S), tgt_in (B, T) -> logits (B, T, V); `options` (packing, visible) as for
-        `decoder_hidden`."""
-        return self.logits(self.decoder_hidden(memory, src, tgt_in, deterministic, decode, **options))
+    def decode(self, memory, src, tgt_in, deterministic: bool = True, decode: bool = False, kernel=None, **options):
+        """memory (B, S, D), src (B, S), tgt_in (B, T) -> logits (B, T, V); `kernel` as for `logits`, `options`
+        (packing, visible) as for `decoder_hidden`."""
+        return self.logits(self.decoder_hidden(memory, src, tgt_in, deterministic, decode, **options), kernel)
 
     def __call__(
         self,
