@@ -236,7 +236,7 @@ class CheckpointManager:
         `loop_state`: JSON the run loop restores on resume (this module does not read it). A failure of this save or
         of the previous one is a CheckpointError (see `_save_failed`)."""
         self._finish_pending()  # one save at a time: the previous one is on disk before the next
-        # A host copy: the training step donates the device buffers of the live state, so the background
+        # A host copy: the training step may donate the device buffers of the live state, so the background
         # writer must not read them.
         host_state = jax.device_get(state)
         meta = {

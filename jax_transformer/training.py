@@ -100,7 +100,7 @@ def create_train_state(config: TransformerConfig, opt: OptimConfig, *, seed: int
     """A fresh state: params from `init_params(config, seed)` unless given (e.g. ported from PyTorch)."""
     if params is None:
         params = init_params(config, seed)
-    # A copy: the train step donates the state's buffers, which must not be the caller's arrays.
+    # A copy: the train step may donate the state's buffers, which must not be the caller's arrays.
     params = jax.tree_util.tree_map(lambda p: jnp.array(p, copy=True), params)
     tx = make_optimizer(config, opt)
     # The dropout key is derived from the seed but kept apart from the init key (fold_in 1).
@@ -239,8 +239,9 @@ def train_step(
         grads, sums = lax.psum((grads, sums), axis_name)
     tokens = jnp.maximum(sums["tokens"], 1.0)  # an all-padding batch has no tokens: avoid 0 / 0
     grads = jax.tree_util.tree_map(lambda g: g / tokens, grads)  # gradient of the mean loss per real token
-    updates, opt_state = tx.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
+    with jax.named_scope("optimizer"):  # names the update's ops in a profile (benchmarks/step_profile.py)
+        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
     return state.replace(step=state.step + 1, params=params, opt_state=opt_state), sums
 
 
@@ -259,8 +260,8 @@ def make_train_step(
     parallel: str = "auto",
     accumulate: int = 1,
 ):
-    """The compiled step, with the state argument donated (its buffers are reused for the new state, so callers
-    must not use the state they passed in after the call). `parallel`:
+    """The compiled step. Callers must not use the state they passed in after the call: on accelerators it is
+    donated (its buffers are reused for the new state; see `state_donation`). `parallel`:
     - "jit": `jax.jit` on one device (n_devices must be 1);
     - "pmap": `jax.pmap` over the first `n_devices` local devices; the state is replicated and the batch has a
       leading device axis (`replicate`, `shard_batch`);
@@ -279,24 +280,33 @@ def make_train_step(
     return _compiled_train_step(config, opt, n_devices, dropout, parallel, accumulate)
 
 
+def state_donation() -> tuple[int, ...]:
+    """The step's donated arguments: the state on GPU and TPU, where memory is scarce; nothing on CPU. There XLA,
+    given a donated state, copies every parameter that the backward pass reads before the update may write the
+    new value over it (all but the embeddings), which costs more step time than fresh buffers do (measured in
+    docs/benchmarks.md); a CPU host has the memory for a second copy of the state."""
+    return () if jax.default_backend() == "cpu" else (0,)
+
+
 @functools.lru_cache(maxsize=16)  # one compiled step per (config, optimiser, devices, options), reused by later runs
 def _compiled_train_step(
     config: TransformerConfig, opt: OptimConfig, n_devices: int, dropout: bool, parallel: str, accumulate: int
 ):
     tx = make_optimizer(config, opt)
     options = dict(config=config, tx=tx, label_smoothing=opt.label_smoothing, dropout=dropout, accumulate=accumulate)
+    donate = state_donation()
     if parallel == "jit":
-        return compilation.jit(functools.partial(train_step, **options), config.dtype, donate_argnums=0)
+        return compilation.jit(functools.partial(train_step, **options), config.dtype, donate_argnums=donate)
     if parallel == "pmap":
         # jax.pmap takes no compiler options: the pmapped step is compiled by an enclosing jit, which gives it its
         # options (jit of pmap is pmap's own program; its outputs keep pmap's sharding).
         pmapped = jax.pmap(functools.partial(train_step, axis_name=AXIS, **options), axis_name=AXIS)
-        return compilation.jit(pmapped, config.dtype, donate_argnums=0)
+        return compilation.jit(pmapped, config.dtype, donate_argnums=donate)
     mesh = data_mesh(n_devices)
     replicated, by_rows = NamedSharding(mesh, P()), NamedSharding(mesh, P(DATA_AXIS))
     fn = functools.partial(train_step, mesh=mesh, **options)
     shardings = dict(in_shardings=(replicated, by_rows), out_shardings=(replicated, replicated))
-    return compilation.jit(fn, config.dtype, donate_argnums=0, **shardings)
+    return compilation.jit(fn, config.dtype, donate_argnums=donate, **shardings)
 
 
 def data_mesh(n_devices: int) -> Mesh:

@@ -278,3 +278,50 @@ def test_ctranslate2_benchmark_runs_both_engines_on_the_same_weights():
         assert row["same_as_ctranslate2"] == "2/2", row
     assert report["settings"]["ctranslate2"] and report["machine"]["cpu_model"]
     assert "| beam4 | 2 | ctranslate2 |" in bench.table(report)
+
+
+_HLO = """HloModule step
+
+%fused_computation.1 (p0: f32[4,8]) -> f32[4,8] {
+  %p0 = f32[4,8]{1,0} parameter(0)
+  ROOT %exponential.1 = f32[4,8]{1,0} exponential(%p0), metadata={op_name="jit(step)/decode/log_softmax/exp"}
+}
+
+ENTRY %main (a: f32[4,8], b: f32[8,8]) -> f32[4,8] {
+  %a = f32[4,8]{1,0} parameter(0)
+  %b = f32[8,8]{1,0} parameter(1)
+  %ynn_fusion.3 = f32[4,8]{1,0} fusion(%a, %b), kind=kCustom, calls=%fused_computation.9
+  %loop_fusion.2 = f32[4,8]{1,0} fusion(%ynn_fusion.3), kind=kLoop, calls=%fused_computation.1
+  %copy.7 = f32[8,8]{1,0} copy(%b)
+  %multiply.4 = f32[8,8]{1,0} multiply(%copy.7, %copy.7), metadata={op_name="jit(step)/optimizer/mul"}
+  ROOT %add.5 = f32[4,8]{1,0} add(%loop_fusion.2, %a), metadata={op_name="jit(step)/layer_0/Dropout_1/mul"}
+}
+"""
+
+
+def test_step_profile_sorts_ops_into_categories_by_their_source_names():
+    """The training-step profile (benchmarks/step_profile.py) names each op's category from the HLO: a fusion by
+    the op names of what is fused into it; matmul fusions by their kind."""
+    from benchmarks.step_profile import category, hlo_ops
+
+    ops = hlo_ops(_HLO)
+    got = {
+        name: category(name, ops[name]) for name in ("ynn_fusion.3", "loop_fusion.2", "copy.7", "multiply.4", "add.5")
+    }
+    assert got == {
+        "ynn_fusion.3": "matmul",
+        "loop_fusion.2": "softmax/LayerNorm",  # from the exponential fused into it
+        "copy.7": "copies",
+        "multiply.4": "optimizer",
+        "add.5": "dropout",
+    }
+
+
+def test_step_profile_traces_the_tiny_step():
+    """One traced run on the tiny preset: every category is reported, matmuls take time, the rates are finite."""
+    from benchmarks.step_profile import CATEGORIES, profile_preset
+
+    row = profile_preset("tiny", 4, 8, steps=2, vocab=64, log=lambda _: None)
+    assert set(row["op_ms"]) == set(CATEGORIES)
+    assert row["op_ms"]["matmul"] > 0 and row["op_ms"]["optimizer"] > 0
+    assert _positive(row["wall_ms_median"]) and _positive(row["matmul_gflops_in_ops"])
