@@ -5,6 +5,7 @@
     python benchmarks/ctranslate2_decoding.py --quick         # 3 repeats: a first look
     python benchmarks/ctranslate2_decoding.py --rows greedy:1 --repeats 1 --preset tiny   # smoke test
     python benchmarks/ctranslate2_decoding.py --run runs/m30k-marian --input test.de       # translate, end to end
+    python benchmarks/ctranslate2_decoding.py --write-marian DIR --texts train.de train.en  # a model for --run
 
 Needs the `ctranslate2` extra (`pip install -e ".[ctranslate2]"`) and transformers (the `pretrained` extra): the
 model is written with `export --format transformers` (jax_transformer.hub) and converted by CTranslate2's own
@@ -54,10 +55,11 @@ from benchmarks.machine import machine_info  # noqa: E402
 ROWS = ("greedy:16", "greedy:64", "greedy:1", "beam4:16", "beam4:64", "beam4:1")
 
 
-def marian_shaped_model(preset_name: str, vocab: int, max_len: int, seed: int = 0):
+def marian_shaped_model(preset_name: str, vocab: int, max_len: int, seed: int = 0, texts: Sequence[str] = ()):
     """(config, params, tokenizer): random weights of `preset_name`'s shape in Marian's conventions, and a
-    MarianTokenizer whose vocabulary has `vocab` entries (a small SentencePiece model; the rest are placeholder
-    pieces), as `export --format transformers` needs one."""
+    MarianTokenizer whose vocabulary has `vocab` entries, as `export --format transformers` needs one: a
+    SentencePiece model of `texts` with up to `vocab` pieces, or without texts a small one of the built-in task
+    (the rest of the entries are placeholder pieces)."""
     import sentencepiece as spm
 
     from jax_transformer.config import preset
@@ -88,7 +90,10 @@ def marian_shaped_model(preset_name: str, vocab: int, max_len: int, seed: int = 
     embed = np.array(params["shared_embed"]["embedding"])
     embed[pad] = 0.0  # Marian's pad row: the decoder's start embedding, zero
     params = {**params, "shared_embed": {"embedding": embed}}
-    model = unigram_model_bytes(default_pairs("train", n=500).sources, 100)  # a small SentencePiece model
+    if texts:
+        model = unigram_model_bytes(texts, vocab)
+    else:
+        model = unigram_model_bytes(default_pairs("train", n=500).sources, 100)  # a small SentencePiece model
     pieces = {"</s>": 0, "<unk>": 1}
     processor = spm.SentencePieceProcessor()
     processor.LoadFromSerializedProto(model)
@@ -335,7 +340,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--input", type=Path, help="text to translate with --run, one sentence per line")
     parser.add_argument("--beam-size", type=int, default=4, help="beam size with --run (default: 4)")
     parser.add_argument("--json", type=Path, help="also write the report here")
+    parser.add_argument(
+        "--write-marian",
+        type=Path,
+        metavar="DIR",
+        help="write a random-weight model of --preset's shape in Marian's conventions as a transformers directory "
+        "(for `train.py import`, then `train --init-from`: a model CTranslate2 can read) and exit",
+    )
+    parser.add_argument("--texts", type=Path, nargs="+", default=(), help="with --write-marian: its vocabulary's text")
+    parser.add_argument("--max-len", type=int, default=128, help="with --write-marian: positions (default: 128)")
     args = parser.parse_args(argv)
+    if args.write_marian:
+        from jax_transformer import hub
+
+        texts = [line for path in args.texts for line in path.read_text(encoding="utf-8").splitlines()]
+        config, params, tokenizer = marian_shaped_model(args.preset, args.vocab, args.max_len, texts=texts)
+        run = {"imported_from": {"family": "marian"}, "loop": {"beam_size": 4, "alpha": 1.0}, "decode": {}}
+        hub.export_transformers(params, config, tokenizer, run, args.write_marian)
+        print(f"wrote {args.write_marian}: {args.preset} shape, vocabulary {args.vocab}, {args.max_len} positions")
+        return 0
     try:
         import ctranslate2  # noqa: F401
     except ImportError:

@@ -10,6 +10,8 @@ extensions, those among the first K that end (EOS, or the length limit) join the
 best; `early_stopping` True stops a sentence once K hypotheses are finished, False once the best running
 hypothesis's log P divided by its current length^length_penalty cannot beat the worst finished one, "never" (with
 a positive length_penalty) once it cannot at max_length. The search ends when no sentence can improve.
+A row of PAD only (a filler row of `translate`'s fixed batch shapes) is finished from the start and comes out all
+PAD: decoded, it could keep the whole batch's loop running to max_length.
 """
 
 from __future__ import annotations
@@ -79,7 +81,7 @@ def _greedy_core(
         0,
         jnp.full((B,), config.start_id, jnp.int32),
         jnp.full((B, L), config.pad_id, jnp.int32),
-        jnp.zeros((B,), bool),
+        jnp.all(src == config.pad_id, axis=1),  # done: filler rows from the start
         cache,
     )
     state = run_phases(lambda s: (s[0] < L) & ~jnp.all(s[3]), advance, state, L)
@@ -155,7 +157,7 @@ def _beam_core(
         finished=jnp.full((B, K, L), config.pad_id, jnp.int32),
         finished_scores=jnp.full((B, K), NEG, jnp.float32),
         is_finished=jnp.zeros((B, K), bool),
-        improvable=jnp.ones((B,), bool),
+        improvable=~jnp.all(src == config.pad_id, axis=1),  # filler rows have nothing to improve
         all_stopped=jnp.array(False),
         cache=cache,
     )

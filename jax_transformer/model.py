@@ -443,8 +443,9 @@ class Transformer(nn.Module):
 
     def _embed(self, side: str, tokens):
         x = self._embedding(side)(tokens)  # (B, T, D)
-        # The pad row gets no gradient (torch's padding_idx), so it stays what it is: zero in models imported from
-        # Marian, whose decoder starts from the pad token (elsewhere nothing reaches it anyway).
+        # The pad row gets no gradient here (torch's padding_idx): in models imported from Marian, whose decoder
+        # starts from the pad token, it is zero and stays zero (training.keep_start_row keeps the tied output
+        # projection's gradient off it too).
         x = jnp.where((tokens == self.config.pad_id)[..., None], lax.stop_gradient(x), x)
         # Embeddings are multiplied by sqrt(d_model) (paper 3.4) so they are not drowned by the positions.
         return x * math.sqrt(self.config.d_model) if self.config.scale_embeddings else x

@@ -239,10 +239,23 @@ def train_step(
         grads, sums = lax.psum((grads, sums), axis_name)
     tokens = jnp.maximum(sums["tokens"], 1.0)  # an all-padding batch has no tokens: avoid 0 / 0
     grads = jax.tree_util.tree_map(lambda g: g / tokens, grads)  # gradient of the mean loss per real token
+    grads = keep_start_row(grads, config)
     with jax.named_scope("optimizer"):  # names the update's ops in a profile (benchmarks/step_profile.py)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
     return state.replace(step=state.step + 1, params=params, opt_state=opt_state), sums
+
+
+def keep_start_row(grads, config: TransformerConfig):
+    """Marian's convention (the decoder starts from the pad token): the target embedding's pad row is the decoder's
+    start vector, which Marian and CTranslate2 hard-code as zero. Its lookup gets no gradient (Transformer._embed),
+    but a tied output projection would still train it as the pad token's output row; that gradient is zeroed, so
+    fine-tuning an imported model keeps the row zero and the exported model starts where those engines start."""
+    if config.decoder_start_id != config.pad_id or not config.tie_output:
+        return grads
+    name = "shared_embed" if config.share_embeddings else "target_embed"
+    table = grads[name]["embedding"]  # (V, D)
+    return {**grads, name: {**grads[name], "embedding": table.at[config.pad_id].set(0.0)}}
 
 
 def _laid_out(tree, mesh: Mesh | None, spec: P):

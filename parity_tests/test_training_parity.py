@@ -155,3 +155,32 @@ def test_three_optimizer_steps_match(case, optim_name, parity_report):
     assert key_bias_grad <= NOISE_GRADIENT  # the exclusion in check 4 is justified (see module docstring)
     assert relative[worst_tensor] <= TENSOR_RTOL, f"{worst_tensor}: {relative[worst_tensor]:.3e}"
     assert moved > 1e-3  # every tensor really moved: agreement is not the trivial "nothing changed"
+
+
+def test_marian_start_row_stays_zero_in_both_twins():
+    """Marian's convention (the decoder starts from the pad token, whose row Marian and CTranslate2 take to be
+    zero): two optimiser steps in each twin leave the tied table's pad row exactly zero (keep_start_row in both
+    training steps; without it the output projection's gradient moves it), and the twins' tables agree as the
+    end-to-end check above requires (relative to how far they moved, TENSOR_RTOL)."""
+    base = CONFIGS["post_sinusoidal_tied_relu"]
+    cfg = base.replace(
+        dropout=0.0, embedding_dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, decoder_start_id=base.pad_id
+    )
+    optim = OPTIMISERS["adam"]
+    _, params, torch_model = twin_models(cfg, seed=3)
+    name = "shared_embed" if cfg.share_embeddings else "target_embed"
+    table = np.array(params[name]["embedding"])
+    table[cfg.pad_id] = 0.0
+    params = {**params, name: {**params[name], "embedding": table}}
+    torch_reference.load_numpy_state_dict(torch_model, _as_torch_names(params))
+    torch_model.train()
+    state = training.create_train_state(cfg, optim, params=params)
+    jax_step = training.make_train_step(cfg, optim, dropout=False)
+    optimizer, scheduler = _torch_optimizer(torch_model, cfg, optim)
+    for batch in _batches(cfg)[:2]:
+        state, _ = jax_step(state, batch)
+        torch_training.train_step(torch_model, optimizer, scheduler, batch, optim)
+    key = f"{name}.weight"
+    ours, theirs = _as_torch_names(state.params)[key], torch_reference.numpy_state_dict(torch_model)[key]
+    assert not ours[cfg.pad_id].any() and not theirs[cfg.pad_id].any()
+    assert np.linalg.norm(ours - theirs) / np.linalg.norm(ours - table) <= TENSOR_RTOL

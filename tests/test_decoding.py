@@ -420,3 +420,19 @@ def test_first_argmax_is_argmax_with_its_tie_break():
     x[8:16] = 0.0  # a whole row tied
     x[16:24, :100] = -np.inf  # -inf entries (banned tokens) are never the maximum
     np.testing.assert_array_equal(np.asarray(decoding.first_argmax(jnp.asarray(x))), np.argmax(x, axis=-1))
+
+
+@pytest.mark.parametrize("num_beams", [1, 4])
+def test_generate_leaves_filler_rows_finished_from_the_start(num_beams, model_a):
+    """transformers-rules decoding (generate) of a batch with an all-PAD filler row, as `translate` pads its
+    batches: the filler row comes out all PAD (decoded, it produced tokens up to max_length and held up the batch's
+    loop), and the real rows come out as without it."""
+    from jax_transformer.generate import generate
+
+    config, params, src = model_a
+    filler = np.full((1, src.shape[1]), config.pad_id, np.int32)
+    options = dict(max_length=12, num_beams=num_beams, banned=(config.pad_id,))
+    alone = generate(params, config, src, **options)
+    with_filler = generate(params, config, np.concatenate([src, filler]), **options)
+    np.testing.assert_array_equal(with_filler[:-1], alone)
+    assert np.all(with_filler[-1] == config.pad_id)

@@ -166,6 +166,10 @@ def test_fine_tune_an_imported_model_and_export_it(imported, tmp_path):
     records = [json.loads(line) for line in (tmp_path / "tuned" / "metrics.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in records if r["kind"] == "train"]
     assert np.mean(losses[-3:]) < np.mean(losses[:3]) - 0.5, losses  # it learned: not a frozen or reset model
+    # The decoder's start vector (the pad row, zero in Marian) is still zero: Marian and CTranslate2 assume it.
+    table = np.asarray(tuned.params["shared_embed"]["embedding"])
+    assert not np.asarray(start.params["shared_embed"]["embedding"])[start.config.pad_id].any()
+    assert not table[tuned.config.pad_id].any()
 
     code, out, err = run_main(["train", "--resume", str(tmp_path / "tuned"), "--steps", "14", "--no-progress"])
     assert code == 0, out + err  # a resume as for any run: the same data, settings and origin

@@ -57,6 +57,18 @@ def _as_tensor(x, device: torch.device) -> torch.Tensor:
     return x.to(device=device, dtype=torch.long)
 
 
+def keep_start_row(model: nn.Module) -> None:
+    """Marian's convention (the decoder starts from the pad token): the pad row of the target embedding, the
+    decoder's start vector, gets no gradient through the tied output projection either (as
+    jax_transformer.training.keep_start_row), so that it stays zero as Marian and CTranslate2 take it to be."""
+    cfg = model.cfg
+    if cfg.decoder_start_id != cfg.pad_id or not cfg.tie_output:
+        return
+    grad = model._embedding("target").weight.grad
+    if grad is not None:
+        grad[cfg.pad_id] = 0.0
+
+
 def train_step(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -81,6 +93,7 @@ def train_step(
         logits = model(src, tgt_in, **packing)  # (B, T, V)
         sums = loss_sums(logits.float(), tgt_out, cfg.pad_id, opt.label_smoothing)
     (sums["loss"] / sums["tokens"].clamp(min=1.0)).backward()
+    keep_start_row(getattr(model, "_orig_mod", model))
     if opt.clip_norm is not None:
         torch.nn.utils.clip_grad_norm_(model.parameters(), opt.clip_norm)
     optimizer.step()
