@@ -1,8 +1,9 @@
 """Fast decoding: greedy and beam search over the model's key/value cache, each compiled whole (`jax.jit` around a
-`lax.while_loop` that stops once every sentence is finished), and `translate` for text. The same semantics as the
-PyTorch twin's `torch_reference/decoding.py`, which must give the same tokens: fairseq's length limit, PAD and BOS
-never produced, GNMT's length penalty, fairseq's rule for which ending hypotheses finish, ties to the lower index.
-The conventions in full: docs/internals.md#decoding."""
+`lax.while_loop` that stops once every sentence is finished, or once so few are left that they go on alone in a
+smaller batch: `decode_shrinking`). The same semantics as the PyTorch twin's `torch_reference/decoding.py`, which
+must give the same tokens: fairseq's length limit, PAD and BOS never produced, GNMT's length penalty, fairseq's
+rule for which ending hypotheses finish, ties to the lower index. The conventions in full:
+docs/internals.md#decoding."""
 
 from __future__ import annotations
 
@@ -165,12 +166,106 @@ def phases(length: int, first: int = 16) -> list[int]:
 
 
 def run_phases(not_finished, advance, state, length: int, step=lambda state: state[0]):
-    """`lax.while_loop(not_finished, advance, state)` as one loop per phase: advance(state, visible)."""
+    """`lax.while_loop(not_finished, advance, state)` as one loop per phase: advance(state, visible). A state
+    carried in from an earlier call (`decode_shrinking`) skips the phases it has passed."""
     for end in phases(length):
         state = lax.while_loop(
             lambda s, end=end: not_finished(s) & (step(s) < end), functools.partial(advance, visible=end), state
         )
     return state
+
+
+# =============================================================================================================
+# Shrinking the batch: finished sentences leave it
+# =============================================================================================================
+
+SHRINK = 8  # a batch shrinks when at most 1/SHRINK of its rows are still decoding
+
+
+def shrink_levels(rows: int) -> tuple[int, ...]:
+    """The row counts a decoding batch of `rows` rows shrinks through: rows, rows // 8, rows // 64, ..., >= 1.
+
+    A compiled loop has one batch shape, so a batch runs as long as its longest sentence (a greedy output that
+    repeats itself to the length limit holds up 63 finished ones). `decode_shrinking` stops the loop once at most
+    the next level's rows are unfinished and goes on with those rows only. A step costs about its rows' share
+    of the work above a few rows, and about the same below: shrinking 8-fold a time keeps the programs to
+    compile few (one per level: 64 -> 8 -> 1) while the tail of a batch of 64 runs on 1-8 rows."""
+    levels = [rows]
+    while levels[-1] // SHRINK >= 1:
+        levels.append(levels[-1] // SHRINK)
+    return tuple(levels)
+
+
+def select_rows(tree, index, beams: int = 1):
+    """Rows `index` (N,) of every leaf of a decoding state or cache whose first axis is the batch's sentences
+    (B, ...) or hypotheses (B * beams, ...; the cache's table of slots, named "slots"); scalars as they are."""
+    index = jnp.asarray(index)
+    hypotheses = (index[:, None] * beams + jnp.arange(beams)).reshape(-1)  # (N * beams,)
+
+    def select(path, leaf):
+        if jnp.ndim(leaf) == 0:
+            return leaf
+        is_slots = getattr(path[-1], "key", None) == "slots"
+        return jnp.take(leaf, hypotheses if is_slots else index, axis=0)
+
+    return jax.tree_util.tree_map_with_path(select, tree)
+
+
+def decode_shrinking(run, rows_args: tuple, unfinished, outputs, beams: int = 1) -> list[np.ndarray]:
+    """Decodes a batch whose finished sentences leave it (see `shrink_levels`), as CTranslate2 gathers its
+    unfinished ones. run(rows_args, leave_at, carried) -> (state, memory): a decoding program that stops once at
+    most `leave_at` rows are unfinished, on per-row arguments `rows_args` (src first), starting afresh (carried
+    None) or from a (state, memory) it returned before; unfinished(state) -> (B,) bool; outputs(state) -> per-row
+    results, as numpy arrays in the original row order. The rows are independent, so the results are those of
+    one loop over the whole batch (up to the float rounding of a smaller matrix product)."""
+    levels = shrink_levels(rows_args[0].shape[0])
+
+    def leave_at(rows: int):  # the next level below `rows` (an array: the programs take it as an argument)
+        return jnp.asarray(next((level for level in levels if level < rows), 0), jnp.int32)
+
+    owners = np.arange(levels[0])  # the original row of each row; -1: a filler copy of a finished row
+    state, memory = run(rows_args, leave_at(levels[0]), None)
+    results = None
+    while True:
+        current = [np.asarray(x) for x in outputs(state)]
+        if results is None:
+            results = [np.zeros((levels[0],) + x.shape[1:], x.dtype) for x in current]
+        real = owners >= 0
+        for result, x in zip(results, current):
+            result[owners[real]] = x[real]
+        going = np.asarray(unfinished(state)) & real
+        left = np.flatnonzero(going)
+        if len(left) == 0:
+            return results
+        rows = min(level for level in levels if level >= len(left))
+        if rows >= len(owners):  # a program stops early only at a level below the batch's rows
+            raise RuntimeError(f"decoding stopped with {len(left)} of {len(owners)} rows unfinished")
+        spare = np.flatnonzero(~going)[0]  # a finished row: its copies fill the level's remaining rows
+        index = np.concatenate([left, np.full(rows - len(left), spare)])
+        owners = np.concatenate([owners[left], np.full(rows - len(left), -1)])
+        state, memory, rows_args = select_rows((state, memory, rows_args), index, beams)
+        state, memory = run(rows_args, leave_at(rows), (state, memory))
+
+
+def shrinking_programs(core, params, rows: int, per_row, shared: tuple, static: dict) -> dict[int, Any]:
+    """Compile jobs for the programs `decode_shrinking` runs `core` as on a batch of `rows` rows, {rows of the
+    level: a function that compiles it}: the first level's starts afresh, the others go on from a carried state.
+    per_row(n): the per-row arguments' shapes (jax.ShapeDtypeStruct) at n rows; `shared`: the other arguments
+    before leave_at; `static`: the static keyword arguments. `lower(...).compile()` fills the cache calls look in."""
+    leave_at = jax.ShapeDtypeStruct((), jnp.int32)
+    jobs = {}
+    for level in shrink_levels(rows):
+        args = (params, *per_row(level), *shared, leave_at)
+        if level == rows:
+            jobs[level] = lambda args=args: core.lower(*args, None, **static).compile()
+        else:
+
+            def resume(args=args):
+                carried = jax.eval_shape(functools.partial(core, **static), *args)  # (state, memory) at this level
+                return core.lower(*args, carried, **static).compile()
+
+            jobs[level] = resume
+    return jobs
 
 
 def _next_log_probs(
@@ -206,17 +301,16 @@ def first_argmax(x):
 
 
 @functools.partial(jit_by_config, static_argnames=("config", "length"))
-def _greedy_core(params, src, max_new, min_len, *, config: TransformerConfig, length: int):
-    """src (B, S), max_new (B,) -> tokens (B, length), scores (B,)."""
+def _greedy_core(params, src, max_new, min_len, leave_at, carried=None, *, config: TransformerConfig, length: int):
+    """src (B, S), max_new (B,) -> (state, memory), once every row is finished or at most `leave_at` rows are
+    not (`decode_shrinking`); `carried`: a (state, memory) returned before, to go on from."""
     model = Transformer(config)
     B = src.shape[0]
-    memory = encode_memory(model, params, src)  # (B, S, D)
-    cache = create_cache(model, params, memory, src, length)
     kernel = output_kernel(model, params, B)
 
     def not_finished(state):
         step, _, _, _, done, _ = state
-        return (step < length) & ~jnp.all(done)
+        return (step < length) & (jnp.sum(~done) > leave_at)
 
     def advance(state, visible):
         step, last, tokens, scores, done, cache = state
@@ -231,16 +325,19 @@ def _greedy_core(params, src, max_new, min_len, *, config: TransformerConfig, le
         done = done | (token == config.eos_id) | (step + 1 >= max_new)
         return step + 1, token, tokens, scores, done, cache
 
-    state = (
-        jnp.array(0, jnp.int32),
-        jnp.full((B,), config.start_id, jnp.int32),
-        jnp.full((B, length), config.pad_id, jnp.int32),
-        jnp.zeros((B,), jnp.float32),
-        jnp.zeros((B,), bool),
-        cache,
-    )
-    _, _, tokens, scores, _, _ = run_phases(not_finished, advance, state, length)
-    return tokens, scores
+    if carried is None:
+        memory = encode_memory(model, params, src)  # (B, S, D)
+        state = (
+            jnp.array(0, jnp.int32),  # step
+            jnp.full((B,), config.start_id, jnp.int32),  # last tokens
+            jnp.full((B, length), config.pad_id, jnp.int32),  # tokens
+            jnp.zeros((B,), jnp.float32),  # scores
+            jnp.zeros((B,), bool),  # done
+            create_cache(model, params, memory, src, length),
+        )
+    else:
+        state, memory = carried
+    return run_phases(not_finished, advance, state, length), memory
 
 
 def greedy_search(
@@ -260,15 +357,15 @@ def greedy_search(
     src = check_source(src, config)
     _check_options(config, max_len_a, max_len_b, min_len)
     length = output_length(src.shape[1], config, max_len_a, max_len_b)
-    tokens, scores = _greedy_core(
-        params,
-        jnp.asarray(src),
-        jnp.asarray(max_new_tokens(src, config, max_len_a, max_len_b)),
-        jnp.asarray(min_len, jnp.int32),
-        config=config,
-        length=length,
-    )
-    return np.asarray(tokens), np.asarray(scores)
+    min_len = jnp.asarray(min_len, jnp.int32)
+
+    def run(rows, leave_at, carried):
+        src, max_new = rows
+        return _greedy_core(params, src, max_new, min_len, leave_at, carried, config=config, length=length)
+
+    rows = (jnp.asarray(src), jnp.asarray(max_new_tokens(src, config, max_len_a, max_len_b)))
+    tokens, scores = decode_shrinking(run, rows, unfinished=lambda s: ~s[4], outputs=lambda s: (s[2], s[3]))
+    return tokens, scores
 
 
 # =============================================================================================================
@@ -308,18 +405,19 @@ def reorder_cache(cache, parents, beam_size: int):
 
 
 @functools.partial(jit_by_config, static_argnames=("config", "length", "beam_size"))
-def _beam_core(params, src, max_new, min_len, penalties, *, config: TransformerConfig, length: int, beam_size: int):
-    """src (B, S), max_new (B,), penalties (length + 1,) -> tokens (B, length), scores (B,)."""
+def _beam_core(
+    params, src, max_new, min_len, penalties, leave_at, carried=None, *, config: TransformerConfig, length, beam_size
+):
+    """src (B, S), max_new (B,), penalties (length + 1,) -> (BeamState, memory), once every row is done or at
+    most `leave_at` rows are not (`decode_shrinking`); `carried`: a (state, memory) returned before."""
     model = Transformer(config)
     B, K = src.shape[0], beam_size
-    memory = encode_memory(model, params, src)  # (B, S, D)
     # Every row is searched with K hypotheses side by side: the decoder sees a batch of B * K rows (against the
     # B sources: the K hypotheses of a sentence share its cross-attention keys/values).
-    cache = create_cache(model, params, memory, src, length, beams=K)
     kernel = output_kernel(model, params, B * K)
 
     def not_finished(s: BeamState):
-        return (s.step < length) & ~jnp.all(s.done)
+        return (s.step < length) & (jnp.sum(~s.done) > leave_at)
 
     def advance(s: BeamState, visible: int) -> BeamState:
         t = s.step
@@ -363,20 +461,22 @@ def _beam_core(params, src, max_new, min_len, penalties, *, config: TransformerC
         done = s.done | (t + 1 >= max_new) | beaten
         return BeamState(t + 1, live_tokens, live_log_probs, tokens, scores, flags, done, cache)
 
-    first_beam_only = jnp.where(jnp.arange(K) == 0, 0.0, -jnp.inf)  # K copies of BOS: only one may extend
-    state = BeamState(
-        step=jnp.array(0, jnp.int32),
-        live_tokens=jnp.full((B, K, length), config.pad_id, jnp.int32),
-        live_log_probs=jnp.tile(first_beam_only, (B, 1)).astype(jnp.float32),
-        finished_tokens=jnp.full((B, K, length), config.pad_id, jnp.int32),
-        finished_scores=jnp.full((B, K), -jnp.inf, jnp.float32),
-        finished_flags=jnp.zeros((B, K), bool),
-        done=jnp.zeros((B,), bool),
-        cache=cache,
-    )
-    final = run_phases(not_finished, advance, state, length, step=lambda s: s.step)
-    # Every row ends done with at least one finished hypothesis (at the latest, its length limit finishes K).
-    return final.finished_tokens[:, 0], final.finished_scores[:, 0]
+    if carried is None:
+        memory = encode_memory(model, params, src)  # (B, S, D)
+        first_beam_only = jnp.where(jnp.arange(K) == 0, 0.0, -jnp.inf)  # K copies of BOS: only one may extend
+        state = BeamState(
+            step=jnp.array(0, jnp.int32),
+            live_tokens=jnp.full((B, K, length), config.pad_id, jnp.int32),
+            live_log_probs=jnp.tile(first_beam_only, (B, 1)).astype(jnp.float32),
+            finished_tokens=jnp.full((B, K, length), config.pad_id, jnp.int32),
+            finished_scores=jnp.full((B, K), -jnp.inf, jnp.float32),
+            finished_flags=jnp.zeros((B, K), bool),
+            done=jnp.zeros((B,), bool),
+            cache=create_cache(model, params, memory, src, length, beams=K),
+        )
+    else:
+        state, memory = carried
+    return run_phases(not_finished, advance, state, length, step=lambda s: s.step), memory
 
 
 def beam_search(
@@ -399,14 +499,20 @@ def beam_search(
     src = check_source(src, config)
     _check_options(config, max_len_a, max_len_b, min_len, beam_size, alpha)
     length = output_length(src.shape[1], config, max_len_a, max_len_b)
-    tokens, scores = _beam_core(
-        params,
-        jnp.asarray(src),
-        jnp.asarray(max_new_tokens(src, config, max_len_a, max_len_b)),
-        jnp.asarray(min_len, jnp.int32),
-        jnp.asarray(length_penalties(length, alpha)),
-        config=config,
-        length=length,
-        beam_size=int(beam_size),
+    min_len, penalties = jnp.asarray(min_len, jnp.int32), jnp.asarray(length_penalties(length, alpha))
+    static = dict(config=config, length=length, beam_size=int(beam_size))
+
+    def run(rows, leave_at, carried):
+        src, max_new = rows
+        return _beam_core(params, src, max_new, min_len, penalties, leave_at, carried, **static)
+
+    rows = (jnp.asarray(src), jnp.asarray(max_new_tokens(src, config, max_len_a, max_len_b)))
+    # Every row ends done with at least one finished hypothesis (at the latest, its length limit finishes K).
+    tokens, scores = decode_shrinking(
+        run,
+        rows,
+        unfinished=lambda s: ~s.done,
+        outputs=lambda s: (s.finished_tokens[:, 0], s.finished_scores[:, 0]),
+        beams=int(beam_size),
     )
-    return np.asarray(tokens), np.asarray(scores)
+    return tokens, scores

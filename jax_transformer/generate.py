@@ -1,6 +1,6 @@
 """Decoding as transformers' `generate` does it, for the models imported from it (Marian, FSMT): greedy search and
-beam search with its rules, compiled whole like `jax_transformer.decoding` (whose cache and steps it reuses), so an
-imported model gives the tokens its PyTorch implementation gives.
+beam search with its rules, compiled whole like `jax_transformer.decoding` (whose cache, steps and shrinking batches
+it reuses), so an imported model gives the tokens its PyTorch implementation gives.
 
 Where transformers' rules differ from this project's (GNMT's, `decoding.beam_search`): the output may be at most
 `max_length` tokens long counting the decoder's start token; at the last position only EOS may come
@@ -9,7 +9,7 @@ produced, nothing else is; a finished hypothesis scores log P / (generated token
 extensions, those among the first K that end (EOS, or the length limit) join the finished set, which keeps the K
 best; `early_stopping` True stops a sentence once K hypotheses are finished, False once the best running
 hypothesis's log P divided by its current length^length_penalty cannot beat the worst finished one, "never" (with
-a positive length_penalty) once it cannot at max_length. The search ends when no sentence can improve.
+a positive length_penalty) once it cannot at max_length. The search ends when no sentence can improve (`_open`).
 A row of PAD only (a filler row of `translate`'s fixed batch shapes) is finished from the start and comes out all
 PAD: decoded, it could keep the whole batch's loop running to max_length.
 """
@@ -30,6 +30,7 @@ from jax_transformer.config import TransformerConfig
 from jax_transformer.decoding import (
     check_source,
     create_cache,
+    decode_shrinking,
     decode_step,
     encode_memory,
     first_argmax,
@@ -37,6 +38,7 @@ from jax_transformer.decoding import (
     output_kernel,
     reorder_cache,
     run_phases,
+    shrinking_programs,
 )
 from jax_transformer.model import Transformer
 
@@ -62,11 +64,11 @@ def _processed(
 
 @functools.partial(jit_by_config, static_argnames=("config", "max_length", "banned", "forced_eos"))
 def _greedy_core(
-    params, src, min_length, *, config: TransformerConfig, max_length: int, banned: tuple, forced_eos: bool
+    params, src, min_length, leave_at, carried=None, *, config: TransformerConfig, max_length, banned, forced_eos
 ):
+    """src (B, S) -> (state, memory), once every row is done or at most `leave_at` rows are not
+    (`decoding.decode_shrinking`); `carried`: a (state, memory) returned before, to go on from."""
     model, B, L = Transformer(config), src.shape[0], max_length - 1
-    memory = encode_memory(model, params, src)
-    cache = create_cache(model, params, memory, src, L)
     kernel = output_kernel(model, params, B)
 
     def advance(state, visible):
@@ -77,15 +79,18 @@ def _greedy_core(
         done = done | (token == config.eos_id) | (t + 2 >= max_length)
         return t + 1, token, tokens.at[:, t].set(token), done, cache
 
-    state = (
-        0,
-        jnp.full((B,), config.start_id, jnp.int32),
-        jnp.full((B, L), config.pad_id, jnp.int32),
-        jnp.all(src == config.pad_id, axis=1),  # done: filler rows from the start
-        cache,
-    )
-    state = run_phases(lambda s: (s[0] < L) & ~jnp.all(s[3]), advance, state, L)
-    return state[2]
+    if carried is None:
+        memory = encode_memory(model, params, src)
+        state = (
+            jnp.array(0, jnp.int32),  # t
+            jnp.full((B,), config.start_id, jnp.int32),  # last tokens
+            jnp.full((B, L), config.pad_id, jnp.int32),  # tokens
+            jnp.all(src == config.pad_id, axis=1),  # done: filler rows from the start
+            create_cache(model, params, memory, src, L),
+        )
+    else:
+        state, memory = carried
+    return run_phases(lambda s: (s[0] < L) & (jnp.sum(~s[3]) > leave_at), advance, state, L), memory
 
 
 @flax.struct.dataclass
@@ -105,16 +110,27 @@ class _Beams:
     jit_by_config, static_argnames=("config", "max_length", "beam_size", "early_stopping", "banned", "forced_eos")
 )
 def _beam_core(
-    params, src, min_length, length_penalty, *, config, max_length, beam_size, early_stopping, banned, forced_eos
+    params,
+    src,
+    min_length,
+    length_penalty,
+    leave_at,
+    carried=None,
+    *,
+    config,
+    max_length,
+    beam_size,
+    early_stopping,
+    banned,
+    forced_eos,
 ):
+    """src (B, S) -> (_Beams, memory), once every sentence is done or at most `leave_at` are not
+    (`decoding.decode_shrinking`); `carried`: a (state, memory) returned before, to go on from."""
     model, B, K, L = Transformer(config), src.shape[0], beam_size, max_length - 1
-    memory = encode_memory(model, params, src)
-    cache = create_cache(model, params, memory, src, L, beams=K)  # the K hypotheses share a source's keys/values
     kernel = output_kernel(model, params, B * K)
 
     def more(s: _Beams):
-        open_beam = ~(jnp.all(s.is_finished) & (early_stopping == "true"))
-        return (s.t < L) & jnp.any(s.improvable) & open_beam & ~s.all_stopped
+        return jnp.sum(_open(s, L, early_stopping)) > leave_at
 
     def advance(s: _Beams, visible: int) -> _Beams:
         t = s.t
@@ -149,20 +165,30 @@ def _beam_core(
             t + 1, running, running_scores, finished, finished_scores, is_finished, improvable, jnp.all(stops), cache
         )
 
-    start = jnp.where(jnp.arange(K) == 0, 0.0, NEG)
-    state = _Beams(
-        t=jnp.array(0, jnp.int32),
-        running=jnp.full((B, K, L), config.pad_id, jnp.int32),
-        running_scores=jnp.tile(start, (B, 1)).astype(jnp.float32),
-        finished=jnp.full((B, K, L), config.pad_id, jnp.int32),
-        finished_scores=jnp.full((B, K), NEG, jnp.float32),
-        is_finished=jnp.zeros((B, K), bool),
-        improvable=~jnp.all(src == config.pad_id, axis=1),  # filler rows have nothing to improve
-        all_stopped=jnp.array(False),
-        cache=cache,
-    )
-    final = run_phases(more, advance, state, L, step=lambda s: s.t)
-    return final.finished[:, 0], final.finished_scores[:, 0]
+    if carried is None:
+        memory = encode_memory(model, params, src)
+        start = jnp.where(jnp.arange(K) == 0, 0.0, NEG)
+        state = _Beams(
+            t=jnp.array(0, jnp.int32),
+            running=jnp.full((B, K, L), config.pad_id, jnp.int32),
+            running_scores=jnp.tile(start, (B, 1)).astype(jnp.float32),
+            finished=jnp.full((B, K, L), config.pad_id, jnp.int32),
+            finished_scores=jnp.full((B, K), NEG, jnp.float32),
+            is_finished=jnp.zeros((B, K), bool),
+            improvable=~jnp.all(src == config.pad_id, axis=1),  # filler rows have nothing to improve
+            all_stopped=jnp.array(False),
+            cache=create_cache(model, params, memory, src, L, beams=K),  # a source's K hypotheses share its keys/values
+        )
+    else:
+        state, memory = carried
+    return run_phases(more, advance, state, L, step=lambda s: s.t), memory
+
+
+def _open(s: _Beams, L: int, early_stopping: str):
+    """(B,) the sentences whose finished set can still change: improvable, not yet full under early_stopping
+    True (transformers marks those done), before the length limit. The search ends when none is."""
+    full = jnp.all(s.is_finished, axis=1) & (early_stopping == "true")
+    return s.improvable & ~full & (s.t < L) & ~s.all_stopped
 
 
 def generate(
@@ -191,17 +217,26 @@ def generate(
     )
     min_length = jnp.asarray(min_length, jnp.int32)
     if num_beams == 1:
-        return np.asarray(_greedy_core(params, jnp.asarray(src), min_length, **options))
-    tokens, _ = _beam_core(
-        params,
-        jnp.asarray(src),
-        min_length,
-        jnp.asarray(length_penalty, jnp.float32),
-        beam_size=int(num_beams),
-        early_stopping=early_stopping,
-        **options,
+
+        def run(rows, leave_at, carried):
+            return _greedy_core(params, rows[0], min_length, leave_at, carried, **options)
+
+        (tokens,) = decode_shrinking(run, (jnp.asarray(src),), unfinished=lambda s: ~s[3], outputs=lambda s: (s[2],))
+        return tokens
+    length_penalty = jnp.asarray(length_penalty, jnp.float32)
+    options.update(beam_size=int(num_beams), early_stopping=early_stopping)
+
+    def run(rows, leave_at, carried):
+        return _beam_core(params, rows[0], min_length, length_penalty, leave_at, carried, **options)
+
+    (tokens,) = decode_shrinking(
+        run,
+        (jnp.asarray(src),),
+        unfinished=lambda s: _open(s, max_length - 1, early_stopping),
+        outputs=lambda s: (s.finished[:, 0],),
+        beams=int(num_beams),
     )
-    return np.asarray(tokens)
+    return tokens
 
 
 def _options(config: TransformerConfig, decode) -> dict[str, Any]:
@@ -221,20 +256,20 @@ def generate_as(params, config: TransformerConfig, src, decode, *, num_beams: in
     return generate(params, config, src, num_beams=num_beams, length_penalty=length_penalty, **_options(config, decode))
 
 
-def compile_generate(params, config: TransformerConfig, rows: int, width: int, num_beams: int, decode) -> Any:
-    """Compiles the program `generate_as` runs on (rows, width) sources, ahead of its first call."""
+def compile_generate(params, config: TransformerConfig, rows: int, width: int, num_beams: int, decode) -> dict:
+    """Compile jobs for the programs `generate_as` runs on (rows, width) sources, {rows of a level of
+    `decoding.shrink_levels`: a function that compiles it}: run them and its calls compile nothing."""
     options = _options(config, decode)
-    src = jax.ShapeDtypeStruct((rows, width), jnp.int32)
-    scalar = jax.ShapeDtypeStruct((), jnp.int32)
     static = dict(
         config=config,
         max_length=options["max_length"],
         banned=tuple(options["banned"]),
         forced_eos=bool(options["forced_eos"]),
     )
+    scalar = jax.ShapeDtypeStruct((), jnp.int32)
+    per_row = lambda n: (jax.ShapeDtypeStruct((n, width), jnp.int32),)  # noqa: E731
     if num_beams == 1:
-        return _greedy_core.lower(params, src, scalar, **static).compile()
+        return shrinking_programs(_greedy_core, params, rows, per_row, (scalar,), static)
+    static.update(beam_size=int(num_beams), early_stopping=options["early_stopping"])
     penalty = jax.ShapeDtypeStruct((), jnp.float32)
-    return _beam_core.lower(
-        params, src, scalar, penalty, beam_size=int(num_beams), early_stopping=options["early_stopping"], **static
-    ).compile()
+    return shrinking_programs(_beam_core, params, rows, per_row, (scalar, penalty), static)

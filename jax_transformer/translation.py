@@ -6,7 +6,6 @@ so compilations are few and reused) with the rules the model decodes with (`Deco
 from __future__ import annotations
 
 import dataclasses
-import functools
 import itertools
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -27,6 +26,7 @@ from jax_transformer.decoding import (
     beam_search,
     greedy_search,
     output_length,
+    shrinking_programs,
 )
 from jax_transformer.errors import DataError
 
@@ -97,40 +97,40 @@ def compile_translation(
     decode: DecodeConfig | None = None,
 ) -> dict[str, Any]:
     """Compile jobs for the decoder `translate` uses on batches of these (rows, width) shapes: {name: a function
-    that compiles it}. Run them (e.g. with `compilation.CompileJobs`) before decoding and `translate` compiles
-    nothing: `lower(...).compile()` fills the cache its calls look in (alpha is an array argument, any value)."""
-    if decode is not None and decode.rules == "transformers":
-        return {
-            f"generate {beam_size} {rows}x{width}": functools.partial(
-                generate.compile_generate, params, config, rows, width, beam_size, decode
-            )
-            for rows, width in shapes
-        }
+    that compiles it}, one per level a batch shrinks through as its sentences finish (`decoding.shrink_levels`).
+    Run them (e.g. with `compilation.CompileJobs`) before decoding and `translate` compiles nothing:
+    `lower(...).compile()` fills the cache its calls look in (alpha is an array argument, any value)."""
     jobs = {}
     for rows, width in shapes:
-        length = output_length(width, config, max_len_a, max_len_b)
-        src = jax.ShapeDtypeStruct((rows, width), jnp.int32)
-        max_new = jax.ShapeDtypeStruct((rows,), jnp.int32)
-        min_len = jax.ShapeDtypeStruct((), jnp.int32)
-        if beam_size == 1:
-            lower = functools.partial(_greedy_core.lower, params, src, max_new, min_len, config=config, length=length)
-            name = f"greedy search {rows}x{width}"
-        else:
-            penalties = jax.ShapeDtypeStruct((length + 1,), jnp.float32)
-            lower = functools.partial(
-                _beam_core.lower,
-                params,
-                src,
-                max_new,
-                min_len,
-                penalties,
-                config=config,
-                length=length,
-                beam_size=int(beam_size),
+        if decode is not None and decode.rules == "transformers":
+            name, levels = (
+                f"generate {beam_size}",
+                generate.compile_generate(params, config, rows, width, beam_size, decode),
             )
-            name = f"beam search {beam_size} {rows}x{width}"
-        jobs[name] = lambda lower=lower: lower().compile()
+        else:
+            name, levels = _compile_search(params, config, rows, width, beam_size, max_len_a, max_len_b)
+        # A level below the first goes on from a carried state: another program than a batch of that many rows.
+        jobs.update({f"{name} {n}x{width}" + ("" if n == rows else " resumed"): job for n, job in levels.items()})
     return jobs
+
+
+def _compile_search(params, config: TransformerConfig, rows: int, width: int, beam_size: int, max_len_a, max_len_b):
+    """(name, compile jobs by level) of this project's greedy or beam search on (rows, width) sources."""
+    length = output_length(width, config, max_len_a, max_len_b)
+    scalar = jax.ShapeDtypeStruct((), jnp.int32)
+
+    def per_row(n: int) -> tuple:
+        return jax.ShapeDtypeStruct((n, width), jnp.int32), jax.ShapeDtypeStruct((n,), jnp.int32)  # src, max_new
+
+    if beam_size == 1:
+        return "greedy search", shrinking_programs(
+            _greedy_core, params, rows, per_row, (scalar,), dict(config=config, length=length)
+        )
+    penalties = jax.ShapeDtypeStruct((length + 1,), jnp.float32)
+    static = dict(config=config, length=length, beam_size=int(beam_size))
+    return f"beam search {beam_size}", shrinking_programs(
+        _beam_core, params, rows, per_row, (scalar, penalties), static
+    )
 
 
 def encode_sources(tokenizer, sentences: Sequence[str], config: TransformerConfig) -> list[np.ndarray]:

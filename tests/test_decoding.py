@@ -380,9 +380,18 @@ def test_translate_compiles_once_per_shape_and_ahead_of_time(tiny_translator):
     assert shapes == [(4, 24), (8, 16), (8, 24)]  # widths 16 and max_len 24 (not 8, 16, 24); 3 sentences: 4 rows
     # Greedy here; beam search goes through the same shapes (tests/test_compile.py compiles its decoders ahead).
     with compiled_functions() as compiled:
-        for compile_job in translation.compile_translation(params, config, shapes, beam_size=1).values():
+        jobs = translation.compile_translation(params, config, shapes, beam_size=1)
+        for compile_job in jobs.values():
             compile_job()
-    assert [name for name, _ in compiled] == ["jit(_greedy_core)"] * 3
+    # A batch of 8 rows shrinks to 1 once 7 sentences are finished (decoding.shrink_levels): one more program each.
+    assert sorted(jobs) == [
+        "greedy search 1x16 resumed",
+        "greedy search 1x24 resumed",
+        "greedy search 4x24",
+        "greedy search 8x16",
+        "greedy search 8x24",
+    ]
+    assert [name for name, _ in compiled] == ["jit(_greedy_core)"] * 5
     with compiled_functions() as compiled:
         for batch in (chosen, few):
             translation.translate(params, config, tokenizer, batch, beam_size=1, batch_size=8, progress=False)
@@ -436,3 +445,46 @@ def test_generate_leaves_filler_rows_finished_from_the_start(num_beams, model_a)
     with_filler = generate(params, config, np.concatenate([src, filler]), **options)
     np.testing.assert_array_equal(with_filler[:-1], alone)
     assert np.all(with_filler[-1] == config.pad_id)
+
+
+@pytest.mark.parametrize("search", ["greedy", "beam 4", "generate greedy", "generate beam 4"])
+def test_finished_sentences_leave_the_batch_and_change_nothing(search, monkeypatch):
+    """A batch of 64 real sentences of a trained model (saved weights: their output lengths differ, so rows finish
+    at different steps) shrinks as they finish (64 -> 8 -> 1 rows, decoding.decode_shrinking) and gives the
+    tokens and scores of one loop over the whole batch, by both rule sets."""
+    from jax_transformer.generate import generate
+    from tests.helpers.saved import load_saved_model
+
+    saved = load_saved_model("trained_tiny")
+    config, params, src = saved.config, saved.params, saved.sources[64:128]
+    decoders = {
+        "greedy": lambda: decoding.greedy_search(params, config, src),
+        "beam 4": lambda: decoding.beam_search(params, config, src, beam_size=4, alpha=0.6),
+        "generate greedy": lambda: (generate(params, config, src, max_length=24, banned=(config.pad_id,)), None),
+        "generate beam 4": lambda: (generate(params, config, src, max_length=24, num_beams=4), None),
+    }
+    levels, select_rows = [], decoding.select_rows
+
+    def counted(tree, index, beams=1):  # decoding.select_rows, noting the level it shrinks to
+        levels.append(len(index))
+        return select_rows(tree, index, beams)
+
+    monkeypatch.setattr(decoding, "select_rows", counted)
+    if search in ("greedy", "beam 4"):  # the programs of every level compiled ahead, as translate does
+        beam_size = 1 if search == "greedy" else 4
+        for compile_job in translation.compile_translation(params, config, [src.shape], beam_size=beam_size).values():
+            compile_job()
+    with compiled_functions() as compiled:
+        tokens, scores = decoders[search]()
+    if search in ("greedy", "beam 4"):
+        assert not {name for name, _ in compiled} & {"jit(_greedy_core)", "jit(_beam_core)"}, compiled
+    assert levels in ([8], [8, 1], [1]), levels  # it shrank
+    monkeypatch.setattr(decoding, "SHRINK", 10**6)  # one level: the whole batch runs to the end
+    levels.clear()
+    whole_tokens, whole_scores = decoders[search]()
+    assert levels == []
+    np.testing.assert_array_equal(tokens, whole_tokens)
+    if scores is not None:
+        # The same sums of log-probs, computed in matrix products of fewer rows: float32 rounding of the
+        # products differs by a few ulps of log-probs ~1, summed over at most 33 tokens.
+        np.testing.assert_allclose(scores, whole_scores, rtol=0, atol=1e-5)

@@ -65,9 +65,9 @@ def _lowered_programs(config) -> dict[str, str]:
     src = jax.ShapeDtypeStruct((2, 6), jnp.int32)
     rows = jax.ShapeDtypeStruct((2,), jnp.int32)
     scalar = jax.ShapeDtypeStruct((), jnp.int32)
-    greedy = decoding._greedy_core.lower(params, src, rows, scalar, config=config, length=8)
+    greedy = decoding._greedy_core.lower(params, src, rows, scalar, scalar, config=config, length=8)
     penalties = jax.ShapeDtypeStruct((9,), jnp.float32)
-    beam = decoding._beam_core.lower(params, src, rows, scalar, penalties, config=config, length=8, beam_size=2)
+    beam = decoding._beam_core.lower(params, src, rows, scalar, penalties, scalar, config=config, length=8, beam_size=2)
     return {"train step": step.as_text(), "greedy": greedy.as_text(), "beam": beam.as_text()}
 
 
