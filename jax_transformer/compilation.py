@@ -44,17 +44,31 @@ def jit(fn: Callable, dtype: str, **jit_kwargs) -> Callable:
 
 class jit_by_config:  # noqa: N801 (used as a decorator, like jax.jit)
     """A decorator: `fn`, whose `config` keyword argument is static, jitted with the compiler options of
-    `config.dtype` (`compiler_options`), chosen at each call. `.lower` as for a jitted function."""
+    `config.dtype` (`compiler_options`), chosen at each call, and `cpu_options` besides where the backend is the CPU.
+    `.lower` as for a jitted function."""
 
-    def __init__(self, fn: Callable, *, static_argnames: tuple[str, ...]) -> None:
+    def __init__(self, fn: Callable, *, static_argnames: tuple[str, ...], cpu_options: Mapping | None = None) -> None:
         functools.update_wrapper(self, fn)
-        self._jitted = {dtype: jit(fn, dtype, static_argnames=static_argnames) for dtype in ("float32", "bfloat16")}
+        self._fn, self._static_argnames, self._cpu_options = fn, static_argnames, dict(cpu_options or {})
+        self._jitted: dict[str, Callable] = {}
+        self._lock = threading.Lock()  # compile-ahead threads may ask for the same dtype at once
+
+    def _for(self, dtype: str) -> Callable:
+        with self._lock:
+            if dtype not in self._jitted:  # made at the first call, once the backend is known
+                options = {**(compiler_options(dtype) or {})}
+                if jax.default_backend() == "cpu":
+                    options.update(self._cpu_options)
+                self._jitted[dtype] = jax.jit(
+                    self._fn, compiler_options=options or None, static_argnames=self._static_argnames
+                )
+            return self._jitted[dtype]
 
     def __call__(self, *args, config, **kwargs):
-        return self._jitted[config.dtype](*args, config=config, **kwargs)
+        return self._for(config.dtype)(*args, config=config, **kwargs)
 
     def lower(self, *args, config, **kwargs):
-        return self._jitted[config.dtype].lower(*args, config=config, **kwargs)
+        return self._for(config.dtype).lower(*args, config=config, **kwargs)
 
     def _cache_size(self) -> int:
         """Programs compiled so far, both dtypes together (as jax's jitted functions count them)."""

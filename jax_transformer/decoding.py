@@ -165,6 +165,14 @@ def phases(length: int, first: int = 16) -> list[int]:
     return ends + [length]
 
 
+# XLA:CPU options for the decoding loops. By default XLA:CPU's copy insertion copied the greedy loops' key/value
+# caches (every layer's, twice) at every step: it could not prove that writing a step's keys in place and reading
+# the cache do not clash. Its region analysis proves it and the copies go: 40 whole-cache copies of a greedy
+# program down to 4, 16-20% off a greedy call (64 rows, 128 positions: 1.79 -> 1.34-1.46 s); beam search, which
+# had no such copies, unchanged; compile time the same.
+LOOP_CPU_OPTIONS = {"xla_cpu_copy_insertion_use_region_analysis": True}
+
+
 def run_phases(not_finished, advance, state, length: int, step=lambda state: state[0]):
     """`lax.while_loop(not_finished, advance, state)` as one loop per phase: advance(state, visible). A state
     carried in from an earlier call (`decode_shrinking`) skips the phases it has passed."""
@@ -261,7 +269,8 @@ def shrinking_programs(core, params, rows: int, per_row, shared: tuple, static: 
         else:
 
             def resume(args=args):
-                carried = jax.eval_shape(functools.partial(core, **static), *args)  # (state, memory) at this level
+                # (state, memory) at this level; of the plain function (a jit with compiler options cannot nest)
+                carried = jax.eval_shape(functools.partial(core.__wrapped__, **static), *args)
                 return core.lower(*args, carried, **static).compile()
 
             jobs[level] = resume
@@ -300,7 +309,7 @@ def first_argmax(x):
     return jnp.min(jnp.where(is_max, index, x.shape[-1]), axis=-1)
 
 
-@functools.partial(jit_by_config, static_argnames=("config", "length"))
+@functools.partial(jit_by_config, static_argnames=("config", "length"), cpu_options=LOOP_CPU_OPTIONS)
 def _greedy_core(params, src, max_new, min_len, leave_at, carried=None, *, config: TransformerConfig, length: int):
     """src (B, S), max_new (B,) -> (state, memory), once every row is finished or at most `leave_at` rows are
     not (`decode_shrinking`); `carried`: a (state, memory) returned before, to go on from."""
@@ -404,7 +413,7 @@ def reorder_cache(cache, parents, beam_size: int):
     return {**cache, "decoder": {**decoder, "slots": decoder["slots"][flat]}}
 
 
-@functools.partial(jit_by_config, static_argnames=("config", "length", "beam_size"))
+@functools.partial(jit_by_config, static_argnames=("config", "length", "beam_size"), cpu_options=LOOP_CPU_OPTIONS)
 def _beam_core(
     params, src, max_new, min_len, penalties, leave_at, carried=None, *, config: TransformerConfig, length, beam_size
 ):

@@ -28,6 +28,7 @@ from jax import lax
 from jax_transformer.compilation import jit_by_config
 from jax_transformer.config import TransformerConfig
 from jax_transformer.decoding import (
+    LOOP_CPU_OPTIONS,
     check_source,
     create_cache,
     decode_shrinking,
@@ -62,7 +63,9 @@ def _processed(
     return log_probs
 
 
-@functools.partial(jit_by_config, static_argnames=("config", "max_length", "banned", "forced_eos"))
+@functools.partial(
+    jit_by_config, static_argnames=("config", "max_length", "banned", "forced_eos"), cpu_options=LOOP_CPU_OPTIONS
+)
 def _greedy_core(
     params, src, min_length, leave_at, carried=None, *, config: TransformerConfig, max_length, banned, forced_eos
 ):
@@ -107,7 +110,9 @@ class _Beams:
 
 
 @functools.partial(
-    jit_by_config, static_argnames=("config", "max_length", "beam_size", "early_stopping", "banned", "forced_eos")
+    jit_by_config,
+    static_argnames=("config", "max_length", "beam_size", "early_stopping", "banned", "forced_eos"),
+    cpu_options=LOOP_CPU_OPTIONS,
 )
 def _beam_core(
     params,
