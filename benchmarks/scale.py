@@ -3,7 +3,7 @@
 Accumulation (section_accumulate, in this process, one device): the same global batch in one step (K=1) and in
 K=4 micro-batches inside one compiled step (`train.py train --accumulate 4`), interleaved. Accumulation exists
 for memory, so the figures carry the compiled step's temporary memory (XLA's `memory_analysis()`: activations,
-gradients and other buffers of one call; the state, donated, is not counted) as a ratio and in the note.
+gradients and other buffers of one call; the state is not counted) as a ratio and in the note.
 
 Two processes (section_multihost): the sharded jit step on MULTIHOST_DEVICES simulated CPU devices, once in one
 process that sees them all and once as two processes on 127.0.0.1 with half of them each, joined by

@@ -83,7 +83,8 @@ def training_batch(config: TransformerConfig, batch_size: int, length: int) -> d
 
 
 class JaxTrain:
-    """The project's compiled step (jax_transformer.training.make_train_step), state donated from call to call.
+    """The project's compiled step (jax_transformer.training.make_train_step; its state donated from call to
+    call off the CPU, `training.state_donation`).
     `parallel` ("jit", "pmap", "sharded") and `accumulate` as in `train.py train --parallel --accumulate`."""
 
     def __init__(

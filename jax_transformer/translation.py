@@ -82,7 +82,8 @@ def translation_batches(lengths: Sequence[int], batch_size: int, max_len: int) -
 
 
 def translation_shapes(lengths: Sequence[int], batch_size: int, max_len: int) -> list[tuple[int, int]]:
-    """The distinct (rows, width) shapes `translate` decodes sources of these lengths in: one compilation each."""
+    """The distinct (rows, width) shapes `translate` decodes sources of these lengths in: each compiles one
+    program per level its batch can shrink to (`compile_translation`)."""
     return sorted({(rows, width) for _, rows, width in translation_batches(lengths, batch_size, max_len)})
 
 

@@ -451,18 +451,29 @@ def test_generate_leaves_filler_rows_finished_from_the_start(num_beams, model_a)
 def test_finished_sentences_leave_the_batch_and_change_nothing(search, monkeypatch):
     """A batch of 64 real sentences of a trained model (saved weights: their output lengths differ, so rows finish
     at different steps) shrinks as they finish (64 -> 8 -> 1 rows, decoding.decode_shrinking) and gives the
-    tokens and scores of one loop over the whole batch, by both rule sets."""
-    from jax_transformer.generate import generate
+    tokens and scores of one loop over the whole batch, by both rule sets; the programs of every level are those
+    `compile_translation` compiles ahead."""
+    from jax_transformer.config import DecodeConfig
+    from jax_transformer.generate import generate_as
     from tests.helpers.saved import load_saved_model
 
     saved = load_saved_model("trained_tiny")
     config, params, src = saved.config, saved.params, saved.sources[64:128]
-    decoders = {
-        "greedy": lambda: decoding.greedy_search(params, config, src),
-        "beam 4": lambda: decoding.beam_search(params, config, src, beam_size=4, alpha=0.6),
-        "generate greedy": lambda: (generate(params, config, src, max_length=24, banned=(config.pad_id,)), None),
-        "generate beam 4": lambda: (generate(params, config, src, max_length=24, num_beams=4), None),
-    }
+    transformers_rules = DecodeConfig(rules="transformers", max_length=24, banned=str(config.pad_id))
+    beam_size, rules = {
+        "greedy": (1, None),
+        "beam 4": (4, None),
+        "generate greedy": (1, transformers_rules),
+        "generate beam 4": (4, transformers_rules),
+    }[search]
+
+    def decode():
+        if rules is not None:
+            return generate_as(params, config, src, rules, num_beams=beam_size, length_penalty=1.0), None
+        if beam_size == 1:
+            return decoding.greedy_search(params, config, src)
+        return decoding.beam_search(params, config, src, beam_size=beam_size, alpha=0.6)
+
     levels, select_rows = [], decoding.select_rows
 
     def counted(tree, index, beams=1):  # decoding.select_rows, noting the level it shrinks to
@@ -470,18 +481,18 @@ def test_finished_sentences_leave_the_batch_and_change_nothing(search, monkeypat
         return select_rows(tree, index, beams)
 
     monkeypatch.setattr(decoding, "select_rows", counted)
-    if search in ("greedy", "beam 4"):  # the programs of every level compiled ahead, as translate does
-        beam_size = 1 if search == "greedy" else 4
-        for compile_job in translation.compile_translation(params, config, [src.shape], beam_size=beam_size).values():
-            compile_job()
+    # The programs of every level compiled ahead, as translate does: decoding compiles nothing more.
+    for compile_job in translation.compile_translation(
+        params, config, [src.shape], beam_size=beam_size, decode=rules
+    ).values():
+        compile_job()
     with compiled_functions() as compiled:
-        tokens, scores = decoders[search]()
-    if search in ("greedy", "beam 4"):
-        assert not {name for name, _ in compiled} & {"jit(_greedy_core)", "jit(_beam_core)"}, compiled
+        tokens, scores = decode()
+    assert not {name for name, _ in compiled} & {"jit(_greedy_core)", "jit(_beam_core)"}, compiled
     assert levels in ([8], [8, 1], [1]), levels  # it shrank
     monkeypatch.setattr(decoding, "SHRINK", 10**6)  # one level: the whole batch runs to the end
     levels.clear()
-    whole_tokens, whole_scores = decoders[search]()
+    whole_tokens, whole_scores = decode()
     assert levels == []
     np.testing.assert_array_equal(tokens, whole_tokens)
     if scores is not None:

@@ -59,7 +59,7 @@ def test_dropout_masks_depend_on_the_step_number_only():
     batch = _batch(1)
 
     def loss_at(step_number: int) -> float:
-        state = training.create_train_state(CONFIG, optim, seed=0)  # fresh: the step donates its input
+        state = training.create_train_state(CONFIG, optim, seed=0)  # fresh: off the CPU the step donates it
         state = state.replace(step=jax.numpy.array(step_number, jax.numpy.int32))
         _, sums = step(state, batch)
         return float(sums["loss"])
