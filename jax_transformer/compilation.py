@@ -37,9 +37,13 @@ def compiler_options(dtype: str) -> dict[str, Any] | None:
     return None if dtype == "float32" else {"xla_allow_excess_precision": False}
 
 
-def jit(fn: Callable, dtype: str, **jit_kwargs) -> Callable:
-    """`jax.jit(fn, **jit_kwargs)` for a program computing in `dtype`, compiled with `compiler_options(dtype)`."""
-    return jax.jit(fn, compiler_options=compiler_options(dtype), **jit_kwargs)
+def jit(fn: Callable, dtype: str, *, cpu_options: Mapping | None = None, **jit_kwargs) -> Callable:
+    """`jax.jit(fn, **jit_kwargs)` for a program computing in `dtype`, compiled with `compiler_options(dtype)`, and
+    `cpu_options` besides where the backend is the CPU."""
+    options = compiler_options(dtype)
+    if cpu_options and jax.default_backend() == "cpu":
+        options = {**(options or {}), **cpu_options}
+    return jax.jit(fn, compiler_options=options, **jit_kwargs)
 
 
 class jit_by_config:  # noqa: N801 (used as a decorator, like jax.jit)
@@ -56,11 +60,8 @@ class jit_by_config:  # noqa: N801 (used as a decorator, like jax.jit)
     def _for(self, dtype: str) -> Callable:
         with self._lock:
             if dtype not in self._jitted:  # made at the first call, once the backend is known
-                options = {**(compiler_options(dtype) or {})}
-                if jax.default_backend() == "cpu":
-                    options.update(self._cpu_options)
-                self._jitted[dtype] = jax.jit(
-                    self._fn, compiler_options=options or None, static_argnames=self._static_argnames
+                self._jitted[dtype] = jit(
+                    self._fn, dtype, cpu_options=self._cpu_options, static_argnames=self._static_argnames
                 )
             return self._jitted[dtype]
 
