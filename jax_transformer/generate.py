@@ -40,6 +40,7 @@ from jax_transformer.decoding import (
     reorder_cache,
     run_phases,
     shrinking_programs,
+    top_k,
 )
 from jax_transformer.model import Transformer
 
@@ -144,7 +145,7 @@ def _beam_core(
         log_probs = _processed(jax.nn.log_softmax(logits, -1), t, max_length, config, banned, forced_eos, min_length)
         V = log_probs.shape[-1]
         total = (log_probs.reshape(B, K, V) + s.running_scores[:, :, None]).reshape(B, K * V)
-        top_scores, top = lax.top_k(total, 2 * K)  # (B, 2K)
+        top_scores, top = top_k(total, 2 * K)  # (B, 2K)
         parents, tokens = top // V, top % V
         candidates = gather_beams(s.running, parents).at[:, :, t].set(tokens)  # (B, 2K, L)
         stops = (tokens == config.eos_id) | (t + 2 >= max_length)  # EOS, or the sequence reaches max_length

@@ -43,14 +43,14 @@ def test_every_program_is_compiled_ahead_and_nothing_in_the_loop(evaluated_run):
     (record,) = _records(run_dir, "compile")
     # One train step and one eval step (packed batches: one shape each), greedy decoders for the evaluations
     # during training, beam-2 decoders for the final one (20 and 300 short sentences: one shape each), each
-    # with the programs its batch goes on in as it shrinks (decoding.shrink_levels: 32 -> 4, 64 -> 8 -> 1 rows).
+    # with the programs its batch goes on in as it shrinks (decoding.shrink_levels: 32 -> 8, 64 -> 16 -> 4 rows).
     assert record["programs"] == [
-        "beam search 2 1x16 resumed",
+        "beam search 2 16x16 resumed",
+        "beam search 2 4x16 resumed",
         "beam search 2 64x16",
-        "beam search 2 8x16 resumed",
         "eval step (32, 16)",
         "greedy search 32x16",
-        "greedy search 4x16 resumed",
+        "greedy search 8x16 resumed",
         "train step (32, 16)",
     ]
     assert record["errors"] == {}
