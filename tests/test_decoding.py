@@ -429,16 +429,16 @@ def test_first_argmax_is_argmax_with_its_tie_break():
 @pytest.mark.parametrize("k", [1, 8])
 def test_top_k_is_lax_top_k_ties_and_infinities_included(k):
     """decoding.top_k's two passes pick what lax.top_k picks (the reference: XLA's own TopK), index for index:
-    few distinct values (ties within and across blocks), rows of -inf but a few entries, rows all -inf, and a
-    width it does not split into blocks of 64 (lax.top_k itself then)."""
+    few distinct values (ties within and across blocks), rows of -inf but a few entries, rows all -inf, widths
+    that are and are not a multiple of its blocks, and too few blocks (lax.top_k itself then)."""
     rng = np.random.default_rng(0)
-    for width in (64 * 50, 64 * 50 + 3):
-        x = rng.integers(0, 6, size=(12, width)).astype(np.float32)  # about 500 copies of each value per row
+    for width in (64 * 50, 64 * 50 + 3, 64 * 5 + 63, 64 * 7):
+        x = rng.integers(0, 6, size=(12, width)).astype(np.float32)  # many copies of each value per row
         x[3:6] = -np.inf
-        x[3, [5, 700, 701, 3000]] = [2.0, 2.0, 1.0, 2.0]  # fewer finite entries than k = 8
+        x[3, [5, 70, 71, width - 1]] = [2.0, 2.0, 1.0, 2.0]  # fewer finite entries than k = 8, one in the last block
         x[7] = rng.standard_normal(width)  # distinct values
         x[8, :] = 1.0
-        x[8, [64 * 7 + 5, 64 * 31]] = 9.0  # two blocks' maxima, all else tied
+        x[8, [64 * 3 + 5, width - 2]] = 9.0  # two blocks' maxima, all else tied
         want_values, want_index = jax.lax.top_k(jnp.asarray(x), k)
         values, index = jax.jit(decoding.top_k, static_argnums=1)(jnp.asarray(x), k)
         np.testing.assert_array_equal(np.asarray(values), np.asarray(want_values))
