@@ -199,9 +199,9 @@ def shrink_levels(rows: int) -> tuple[int, ...]:
     the next level's rows are unfinished and goes on with those rows only. A step costs about its rows' share
     of the work above a few rows and about the same below (at 1 row as at 4): so the levels stop at 4 rows, and
     shrinking 4-fold a time keeps the programs to compile few (one per level: 64 -> 16 -> 4; 16 -> 4; batches
-    of fewer than 16 rows do not shrink). Measured on 100 Multi30k sentences (transformers' rules, beam 4, two
-    batches of 64): 64 -> 8 -> 1 decoded them in 1.66-1.72 s, 64 -> 16 -> 4 in 1.55-1.58 s, 64 -> 16 -> 4 -> 1
-    in 1.51-1.57 s with one more program per shape, 64 -> 32 -> ... -> 1 in 1.44 s with seven."""
+    of fewer than 16 rows do not shrink). On 100 Multi30k sentences (transformers' rules, beam 4, two batches
+    of 64) 64 -> 16 -> 4 decoded 7-9% faster than 64 -> 8 -> 1, about as fast as 64 -> 16 -> 4 -> 1 (one more
+    program per shape); halving at every level was a few % faster still with seven programs (docs/benchmarks.md)."""
     levels = [rows]
     while levels[-1] // SHRINK >= SMALLEST_LEVEL:
         levels.append(levels[-1] // SHRINK)
