@@ -21,6 +21,7 @@ from jax_transformer.config import DecodeConfig, TransformerConfig
 from jax_transformer.decoding import (
     DEFAULT_MAX_LEN_A,
     DEFAULT_MAX_LEN_B,
+    SMALLEST_LEVEL,
     _beam_core,
     _greedy_core,
     beam_search,
@@ -65,20 +66,41 @@ def _bucket(n: int, sizes: Sequence[int]) -> int:
     return next(size for size in sizes if size >= n)
 
 
+def _tail_rows(n: int, batch_size: int) -> list[int]:
+    """Row counts for the last n < batch_size sentences: one batch of the next power of two, or two whose rows add
+    up to fewer: the largest power of two below n, and one for the rest. A step costs about its rows' share of
+    the work down to a few rows (`SMALLEST_LEVEL`) and about the same below, and filler rows decode like
+    real ones until the batch shrinks: 36 sentences decode as 32 + 4 rows, not as 64 (28 of them filler)."""
+    sizes = batch_buckets(batch_size)
+    whole = _bucket(n, sizes)
+    first = max(size for size in sizes if size <= n)
+    if first == n:
+        return [n]
+    second = _bucket(n - first, sizes)
+    floor = SMALLEST_LEVEL
+    return [first, second] if max(first, floor) + max(second, floor) < whole else [whole]
+
+
 def translation_batches(lengths: Sequence[int], batch_size: int, max_len: int) -> list[tuple[np.ndarray, int, int]]:
     """How `translate` batches sources of these lengths (EOS included): (sentence indices, rows, width) per batch.
 
-    Sentences are sorted by length (similar lengths share a batch) and taken `batch_size` at a time. Every batch
-    has `batch_size` rows (the last one is completed with all-PAD filler rows, which finish at once), unless all the
-    sentences fit in fewer: then the next power of two. The width is the first of `decode_widths(max_len)` that
-    holds the longest source of the batch."""
+    Sentences are sorted by length (similar lengths share a batch) and taken `batch_size` at a time. The last
+    ones, fewer than `batch_size`, go in one or two batches of a power of two rows (`_tail_rows`), completed with
+    all-PAD filler rows, which finish at once. The width is the first of `decode_widths(max_len)` that holds the
+    longest source of the batch."""
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
     order = np.argsort(np.asarray(lengths, dtype=np.int64), kind="stable")
-    rows = batch_size if len(order) >= batch_size else _bucket(max(1, len(order)), batch_buckets(batch_size))
+    full = len(order) // batch_size * batch_size
+    sizes = [batch_size] * (len(order) // batch_size)
+    rows = sizes + (_tail_rows(len(order) - full, batch_size) if full < len(order) else [])
     widths = decode_widths(max_len)
-    chunks = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
-    return [(chunk, rows, _bucket(max(int(lengths[i]) for i in chunk), widths)) for chunk in chunks]
+    batches, start = [], 0
+    for n in rows:
+        chunk = order[start : start + n]
+        start += len(chunk)
+        batches.append((chunk, n, _bucket(max(int(lengths[i]) for i in chunk), widths)))
+    return batches
 
 
 def translation_shapes(lengths: Sequence[int], batch_size: int, max_len: int) -> list[tuple[int, int]]:

@@ -349,16 +349,25 @@ def test_translate_keeps_order_and_reuses_compilations(tiny_translator):
 def test_translation_batches_use_a_small_fixed_set_of_shapes():
     assert translation.decode_widths(128) == (16, 32, 64, 128)
     assert translation.decode_widths(24) == (16, 24) and translation.decode_widths(16) == (16,)
-    # 150 sources of every length 2..51 (EOS included): three batches of 64 rows (the last one completed with
-    # filler rows), widths by the longest source of each sorted batch; fewer sentences than batch_size: one batch
-    # of the next power of two.
+    # 150 sources of every length 2..51 (EOS included): two batches of 64 rows, then the last 22 sentences in 16
+    # rows and 8 (2 filler rows) rather than 64 (42 filler rows); widths by the longest source of each sorted batch.
     lengths = [2 + i % 50 for i in range(150)]
     batches = translation.translation_batches(lengths, 64, 128)
-    assert [(rows, width) for _, rows, width in batches] == [(64, 32), (64, 64), (64, 64)]
+    assert [(len(chunk), rows, width) for chunk, rows, width in batches] == [
+        (64, 64, 32),
+        (64, 64, 64),
+        (16, 16, 64),
+        (6, 8, 64),
+    ]
     assert sorted(np.concatenate([chunk for chunk, _, _ in batches]).tolist()) == list(range(150))
     assert all(max(lengths[i] for i in chunk) <= width for chunk, _, width in batches)
-    assert translation.translation_shapes(lengths, 64, 128) == [(64, 32), (64, 64)]
+    assert translation.translation_shapes(lengths, 64, 128) == [(8, 64), (16, 64), (64, 32), (64, 64)]
+    # Fewer sentences than batch_size: one batch of the next power of two, or two whose rows add up to fewer
+    # (counting a batch of fewer than 4 rows as 4: a step costs about the same below).
+    rows = {n: [r for _, r, _ in translation.translation_batches([5] * n, 64, 128)] for n in (3, 5, 9, 36, 50, 63)}
+    assert rows == {3: [4], 5: [8], 9: [8, 1], 36: [32, 4], 50: [64], 63: [64]}
     assert translation.translation_shapes([5, 9, 3], 64, 128) == [(4, 16)]
+    assert translation.translation_batches([], 64, 128) == []
     with pytest.raises(ValueError, match="batch_size must be an int >= 1"):
         translation.translation_batches([3], 0, 128)
 
