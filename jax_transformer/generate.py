@@ -37,8 +37,9 @@ from jax_transformer.decoding import (
     first_argmax,
     gather_beams,
     output_kernel,
+    phases,
     reorder_cache,
-    run_phases,
+    run_phase,
     shrinking_programs,
     top_k,
 )
@@ -75,9 +76,9 @@ def _greedy_core(
     model, B, L = Transformer(config), src.shape[0], max_length - 1
     kernel = output_kernel(model, params, B)
 
-    def advance(state, visible):
+    def advance(state):
         t, last, tokens, done, cache = state
-        logits, cache = decode_step(model, params, cache, memory, src, last, visible, kernel)
+        logits, cache = decode_step(model, params, cache, memory, src, last, kernel)
         scores = _processed(logits, t, max_length, config, banned, forced_eos, min_length)
         token = jnp.where(done, config.pad_id, first_argmax(scores))  # finished rows get PAD, as transformers does
         done = done | (token == config.eos_id) | (t + 2 >= max_length)
@@ -90,11 +91,11 @@ def _greedy_core(
             jnp.full((B,), config.start_id, jnp.int32),  # last tokens
             jnp.full((B, L), config.pad_id, jnp.int32),  # tokens
             jnp.all(src == config.pad_id, axis=1),  # done: filler rows from the start
-            create_cache(model, params, memory, src, L),
+            create_cache(model, params, memory, src, phases(L)[0]),
         )
     else:
         state, memory = carried
-    return run_phases(lambda s: (s[0] < L) & (jnp.sum(~s[3]) > leave_at), advance, state, L), memory
+    return run_phase(lambda s: (s[0] < L) & (jnp.sum(~s[3]) > leave_at), advance, state), memory
 
 
 @flax.struct.dataclass
@@ -138,10 +139,10 @@ def _beam_core(
     def more(s: _Beams):
         return jnp.sum(_open(s, L, early_stopping)) > leave_at
 
-    def advance(s: _Beams, visible: int) -> _Beams:
+    def advance(s: _Beams) -> _Beams:
         t = s.t
         last = jnp.where(t == 0, config.start_id, s.running[:, :, jnp.maximum(t - 1, 0)]).reshape(-1)
-        logits, cache = decode_step(model, params, s.cache, memory, src, last, visible, kernel)
+        logits, cache = decode_step(model, params, s.cache, memory, src, last, kernel)
         log_probs = _processed(jax.nn.log_softmax(logits, -1), t, max_length, config, banned, forced_eos, min_length)
         V = log_probs.shape[-1]
         total = (log_probs.reshape(B, K, V) + s.running_scores[:, :, None]).reshape(B, K * V)
@@ -183,11 +184,12 @@ def _beam_core(
             is_finished=jnp.zeros((B, K), bool),
             improvable=~jnp.all(src == config.pad_id, axis=1),  # filler rows have nothing to improve
             all_stopped=jnp.array(False),
-            cache=create_cache(model, params, memory, src, L, beams=K),  # a source's K hypotheses share its keys/values
+            # a source's K hypotheses share its keys/values
+            cache=create_cache(model, params, memory, src, phases(L)[0], beams=K),
         )
     else:
         state, memory = carried
-    return run_phases(more, advance, state, L, step=lambda s: s.t), memory
+    return run_phase(more, advance, state, step=lambda s: s.t), memory
 
 
 def _open(s: _Beams, L: int, early_stopping: str):
@@ -227,7 +229,9 @@ def generate(
         def run(rows, leave_at, carried):
             return _greedy_core(params, rows[0], min_length, leave_at, carried, **options)
 
-        (tokens,) = decode_shrinking(run, (jnp.asarray(src),), unfinished=lambda s: ~s[3], outputs=lambda s: (s[2],))
+        (tokens,) = decode_shrinking(
+            run, (jnp.asarray(src),), unfinished=lambda s: ~s[3], outputs=lambda s: (s[2],), length=max_length - 1
+        )
         return tokens
     length_penalty = jnp.asarray(length_penalty, jnp.float32)
     options.update(beam_size=int(num_beams), early_stopping=early_stopping)
@@ -240,6 +244,7 @@ def generate(
         (jnp.asarray(src),),
         unfinished=lambda s: _open(s, max_length - 1, early_stopping),
         outputs=lambda s: (s.finished[:, 0],),
+        length=max_length - 1,
         beams=int(num_beams),
     )
     return tokens
@@ -275,7 +280,7 @@ def compile_generate(params, config: TransformerConfig, rows: int, width: int, n
     scalar = jax.ShapeDtypeStruct((), jnp.int32)
     per_row = lambda n: (jax.ShapeDtypeStruct((n, width), jnp.int32),)  # noqa: E731
     if num_beams == 1:
-        return shrinking_programs(_greedy_core, params, rows, per_row, (scalar,), static)
+        return shrinking_programs(_greedy_core, params, rows, per_row, (scalar,), static, static["max_length"] - 1)
     static.update(beam_size=int(num_beams), early_stopping=options["early_stopping"])
     penalty = jax.ShapeDtypeStruct((), jnp.float32)
-    return shrinking_programs(_beam_core, params, rows, per_row, (scalar, penalty), static)
+    return shrinking_programs(_beam_core, params, rows, per_row, (scalar, penalty), static, static["max_length"] - 1)

@@ -126,7 +126,6 @@ class MultiHeadAttention(nn.Module):
         deterministic: bool = True,
         decode: bool = False,
         groups: int = 1,
-        visible: int | None = None,
     ):
         """x (B, Tq, D) queries' input; memory (B, Tk, D) keys' input for cross-attention (ignored otherwise);
         mask broadcastable to (B, H, Tq, Tk), True = may attend. Returns (B, Tq, D).
@@ -135,8 +134,7 @@ class MultiHeadAttention(nn.Module):
         queries then go together against keys/values kept once per sentence, (B / G, H, G * Tq, K): the
         cross-attention's memory has B / G rows, and the self-attention's cache keeps slot g of a sentence for
         its g-th hypothesis, so that no key or value moves when the search reorders its hypotheses (the mask,
-        from `Decoder`, says which slot holds each position of a hypothesis's history). While decoding, the
-        self-attention reads the first `visible` positions of its cache only (all of them by default)."""
+        from `Decoder`, says which slot holds each position of a hypothesis's history)."""
         cfg = self.config
         B, Tq, _ = x.shape
         H, K = cfg.num_heads, cfg.head_dim
@@ -152,7 +150,7 @@ class MultiHeadAttention(nn.Module):
         else:
             k, v = project("key", x), project("value", x)
             if decode:
-                k, v, k_transposed = self._append_to_cache(k, v, groups, visible)
+                k, v, k_transposed = self._append_to_cache(k, v, groups)
 
         G = B // v.shape[0]  # query rows per key row: 1, or the G hypotheses of a sentence (see above)
         if G > 1:  # the G rows' queries side by side against their sentence's keys: (B / G, H, G * Tq, K)
@@ -197,11 +195,10 @@ class MultiHeadAttention(nn.Module):
         self.variable("cache", "cached_value", lambda: v)
         return k, v
 
-    def _append_to_cache(self, k, v, G: int, visible: int | None):
+    def _append_to_cache(self, k, v, G: int):
         """Self-attention while decoding: writes this call's keys/values (B, H, T, K) at the cache index, each row
         in its sentence's slot for it, and returns all the sentence's slots: keys transposed (B / G, H, K, G *
-        T_max), values (B / G, H, G * T_max, K), column/row t * G + g holding position t of slot g; with
-        `visible`, the first `visible` positions only (G * visible columns/rows)."""
+        T_max), values (B / G, H, G * T_max, K), column/row t * G + g holding position t of slot g."""
         created = self.has_variable("cache", "cached_key")
         B, H, T, K = k.shape
         # Stored in the layouts the two attention products read, and position-major, so that a step writes one
@@ -216,8 +213,7 @@ class MultiHeadAttention(nn.Module):
         cached_k.value = lax.dynamic_update_slice(cached_k.value, as_slots(k).transpose(0, 1, 3, 2), (0, 0, 0, i * G))
         cached_v.value = lax.dynamic_update_slice(cached_v.value, as_slots(v), (0, 0, i * G, 0))
         index.value = i + T
-        n = cached_v.value.shape[2] if visible is None else visible * G
-        return cached_k.value[..., :n], cached_v.value[:, :, :n], True
+        return cached_k.value, cached_v.value, True
 
 
 class FeedForward(nn.Module):
@@ -283,14 +279,13 @@ class DecoderLayer(nn.Module):
         deterministic: bool = True,
         decode: bool = False,
         groups: int = 1,
-        visible: int | None = None,
     ):
         cfg = self.config
         self_attention = MultiHeadAttention(cfg, name="self_attention")
         x = _residual(
             cfg,
             x,
-            lambda h: self_attention(h, h, self_mask, deterministic, decode, groups, visible),
+            lambda h: self_attention(h, h, self_mask, deterministic, decode, groups),
             _layer_norm(cfg, "self_attention_norm"),
             deterministic,
         )
@@ -374,7 +369,6 @@ class Decoder(nn.Module):
         deterministic: bool = True,
         decode: bool = False,
         positions=None,
-        visible: int | None = None,
     ):
         """x (B, T, D) embedded decoder inputs; memory (B / G, S, D): G = 1, or beam search's G hypotheses of
         each sentence in consecutive rows (see MultiHeadAttention). Returns hidden states (B, T, D)."""
@@ -390,28 +384,27 @@ class Decoder(nn.Module):
                 offset = position.value
                 position.value = offset + x.shape[1]
                 _check_decoding_position(offset, x.shape[1], cfg.max_len)
-                self_mask = self._step_mask(slots, offset, x.shape[1], G, visible)
+                self_mask = self._step_mask(slots, offset, x.shape[1], G)
         x = Positions(cfg, name="positions")(x, offset, positions)
         x = Dropout(cfg.embedding_dropout)(x, deterministic=deterministic)
         for i in range(cfg.num_decoder_layers):
             layer = DecoderLayer(cfg, name=f"layer_{i}")
-            x = layer(x, memory, self_mask, cross_mask, deterministic, decode, G, visible)
+            x = layer(x, memory, self_mask, cross_mask, deterministic, decode, G)
         if cfg.final_norm:
             x = _layer_norm(cfg, "final_norm")(x)
         return x
 
     @staticmethod
-    def _step_mask(slots, offset, n: int, G: int, visible: int | None):
+    def _step_mask(slots, offset, n: int, G: int):
         """Records that this call's n tokens go to each row's own slot at positions offset..offset + n - 1, and
-        returns the self-attention mask of their queries over the first T = `visible` (default T_max) cache
-        positions, (B / G, 1, G * n, T * G): the query of row b at position p may see slot j at position t where
-        t <= p and row b's history has slot j at t."""
-        B, t_max = slots.value.shape
+        returns the self-attention mask of their queries over the T cache positions, (B / G, 1, G * n, T * G):
+        the query of row b at position p may see slot j at position t where t <= p and row b's history has slot
+        j at t."""
+        B, T = slots.value.shape
         own = jnp.broadcast_to((jnp.arange(B, dtype=jnp.int32) % G)[:, None], (B, n))
         slots.value = lax.dynamic_update_slice(slots.value, own, (0, offset))
-        T = t_max if visible is None else visible
         causal = jnp.arange(T)[None, :] <= offset + jnp.arange(n)[:, None]  # (n, T)
-        held = slots.value[:, :T, None] == jnp.arange(G)  # (B, T, G)
+        held = slots.value[:, :, None] == jnp.arange(G)  # (B, T, G)
         mask = held[:, None, :, :] & causal[None, :, :, None]  # (B, n, T, G)
         return mask.reshape(B // G, 1, G * n, T * G)
 
@@ -467,11 +460,8 @@ class Transformer(nn.Module):
         src_segments=None,
         tgt_segments=None,
         tgt_positions=None,
-        visible: int | None = None,
     ):
-        """Decoder output before the vocabulary projection: (B, T, D). `src` (B, S) gives the padding mask.
-        `visible` (decoding steps only): attend over the first `visible` cache positions only (they must hold
-        every position written so far; see decoding.phases)."""
+        """Decoder output before the vocabulary projection: (B, T, D). `src` (B, S) gives the padding mask."""
         checks.check_model_input(
             "tgt_in", tgt_in, self.config, "target", positions=tgt_positions, segments=tgt_segments
         )
@@ -486,7 +476,7 @@ class Transformer(nn.Module):
             )
         self_mask, cross_mask = decoder_masks(src, tgt_in, self.config.pad_id, src_segments, tgt_segments)
         return self.decoder(
-            self._embed("target", tgt_in), memory, self_mask, cross_mask, deterministic, decode, tgt_positions, visible
+            self._embed("target", tgt_in), memory, self_mask, cross_mask, deterministic, decode, tgt_positions
         )
 
     def output_kernel(self):
@@ -521,7 +511,7 @@ class Transformer(nn.Module):
 
     def decode(self, memory, src, tgt_in, deterministic: bool = True, decode: bool = False, kernel=None, **options):
         """memory (B, S, D), src (B, S), tgt_in (B, T) -> logits (B, T, V); `kernel` as for `logits`, `options`
-        (packing, visible) as for `decoder_hidden`."""
+        (packing) as for `decoder_hidden`."""
         return self.logits(self.decoder_hidden(memory, src, tgt_in, deterministic, decode, **options), kernel)
 
     def __call__(

@@ -132,8 +132,11 @@ def compile_translation(
             )
         else:
             name, levels = _compile_search(params, config, rows, width, beam_size, max_len_a, max_len_b)
-        # A level below the first goes on from a carried state: another program than a batch of that many rows.
-        jobs.update({f"{name} {n}x{width}" + ("" if n == rows else " resumed"): job for n, job in levels.items()})
+        # A level below the first, or a longer cache, goes on from a carried state: another program than a
+        # fresh batch of that many rows.
+        first = min(end for _, end in levels)
+        for (n, end), job in levels.items():
+            jobs[f"{name} {n}x{width} cache {end}" + ("" if (n, end) == (rows, first) else " resumed")] = job
     return jobs
 
 
@@ -147,12 +150,12 @@ def _compile_search(params, config: TransformerConfig, rows: int, width: int, be
 
     if beam_size == 1:
         return "greedy search", shrinking_programs(
-            _greedy_core, params, rows, per_row, (scalar,), dict(config=config, length=length)
+            _greedy_core, params, rows, per_row, (scalar,), dict(config=config, length=length), length
         )
     penalties = jax.ShapeDtypeStruct((length + 1,), jnp.float32)
     static = dict(config=config, length=length, beam_size=int(beam_size))
     return f"beam search {beam_size}", shrinking_programs(
-        _beam_core, params, rows, per_row, (scalar, penalties), static
+        _beam_core, params, rows, per_row, (scalar, penalties), static, length
     )
 
 

@@ -119,26 +119,34 @@ def model_b():
 # --- 1. the cache ------------------------------------------------------------------------------------------
 
 
-@functools.partial(jax.jit, static_argnames=("config", "cache_len", "visible"))
-def cached_and_full_logits(params, src, tgt_in, *, config, cache_len, visible=None):
-    """Logits (B, T, V) of one full teacher-forced pass, and of the cached decoder fed tgt_in one token a step."""
+@functools.partial(jax.jit, static_argnames=("config", "cache_len", "grown"))
+def cached_and_full_logits(params, src, tgt_in, *, config, cache_len, grown=None):
+    """Logits (B, T, V) of one full teacher-forced pass, and of the cached decoder fed tgt_in one token a step;
+    `grown` (steps, length): after that many steps the cache is padded to `length` positions (a next phase)."""
     model = Transformer(config)
     full = model.apply({"params": params}, src, tgt_in)
     memory = model.apply({"params": params}, src, method=Transformer.encode)
     cache = decoding.create_cache(model, params, memory, src, cache_len)
 
     def step(cache, tokens):  # tokens (B,)
-        logits, cache = decoding.decode_step(model, params, cache, memory, src, tokens, visible)
+        logits, cache = decoding.decode_step(model, params, cache, memory, src, tokens)
         return cache, logits
 
-    _, stepped = jax.lax.scan(step, cache, tgt_in.T)  # (T, B, V)
+    if grown is None:
+        _, stepped = jax.lax.scan(step, cache, tgt_in.T)  # (T, B, V)
+    else:
+        steps, length = grown
+        cache, first = jax.lax.scan(step, cache, tgt_in[:, :steps].T)
+        assert decoding.cache_length(cache) == steps
+        _, rest = jax.lax.scan(step, decoding.grow_cache(cache, length), tgt_in[:, steps:].T)
+        stepped = jnp.concatenate([first, rest])
     return full, stepped.transpose(1, 0, 2)
 
 
-@pytest.mark.parametrize("visible", [None, 10], ids=["whole cache", "first 10 positions"])
+@pytest.mark.parametrize("grown", [None, (4, 13)], ids=["one cache", "grown after 4 steps"])
 @pytest.mark.parametrize("norm_first", [False, True], ids=["post-norm", "pre-norm"])
 @pytest.mark.parametrize("positions", ["sinusoidal", "learned"])
-def test_cached_steps_equal_full_forward(norm_first, positions, visible):
+def test_cached_steps_equal_full_forward(norm_first, positions, grown):
     config = preset(
         "tiny",
         src_vocab_size=VOCAB,
@@ -151,9 +159,10 @@ def test_cached_steps_equal_full_forward(norm_first, positions, visible):
     params, src = init_params(config, 3), make_src(config, LENGTHS, seed=3)
     tgt_in = np.random.default_rng(4).integers(3, VOCAB, (len(src), 10)).astype(np.int32)
     tgt_in[:, 0] = config.bos_id
-    # A cache longer than the 10 steps: its unused slots must not count, whether the steps attend over all of it
-    # or over the first 10 positions only (a decoding phase, see decoding.phases).
-    full, stepped = cached_and_full_logits(params, src, tgt_in, config=config, cache_len=13, visible=visible)
+    # A cache longer than the 10 steps: its unused positions must not count; or a cache of 4 positions, full
+    # after 4 steps, padded to 13 (decoding.phases) for the other 6.
+    cache_len = 13 if grown is None else grown[0]
+    full, stepped = cached_and_full_logits(params, src, tgt_in, config=config, cache_len=cache_len, grown=grown)
     worst = float(np.max(np.abs(np.asarray(full) - np.asarray(stepped))))
     print(f"cached vs full logits, max abs diff {worst:.2e}")
     assert worst < CACHE_ATOL
@@ -338,7 +347,13 @@ def test_translate_keeps_order_and_reuses_compilations(tiny_translator):
         ]
     )
     assert out == [tokenizer.decode(row) for row in tokens[:7]]
-    # Other sentences of the same shapes: nothing new is compiled.
+    # Other sentences of the same shapes compile at most the programs of that shape their outputs reach and the
+    # first ones did not (a level of the shrinking batch, a cache length: compile_translation lists them all);
+    # the same sentences again compile nothing.
+    planned = len(translation.compile_translation(params, config, [(4, 16)], beam_size=1))
+    compiled = decoding._greedy_core._cache_size()
+    translation.translate(params, config, tokenizer, short[100:107], beam_size=1, batch_size=4, progress=False)
+    assert decoding._greedy_core._cache_size() - compiled <= planned - 1
     compiled = decoding._greedy_core._cache_size()
     translation.translate(params, config, tokenizer, short[100:107], beam_size=1, batch_size=4, progress=False)
     assert decoding._greedy_core._cache_size() == compiled
@@ -392,10 +407,18 @@ def test_translate_compiles_once_per_shape_and_ahead_of_time(tiny_translator):
         jobs = translation.compile_translation(params, config, shapes, beam_size=1)
         for compile_job in jobs.values():
             compile_job()
-    # One program per shape: batches of fewer than 16 rows do not shrink (decoding.shrink_levels). The levels a
-    # bigger batch shrinks through: test_finished_sentences_leave_the_batch_and_change_nothing.
-    assert sorted(jobs) == ["greedy search 4x24", "greedy search 8x16", "greedy search 8x24"]
-    assert [name for name, _ in compiled] == ["jit(_greedy_core)"] * 3
+    # Two programs per shape: batches of fewer than 16 rows do not shrink (decoding.shrink_levels; the levels a
+    # bigger batch shrinks through: test_finished_sentences_leave_the_batch_and_change_nothing), and an output
+    # limit of 24 tokens (max_len) decodes with a cache of 16 positions, then one of 24 (decoding.phases).
+    assert sorted(jobs) == [
+        "greedy search 4x24 cache 16",
+        "greedy search 4x24 cache 24 resumed",
+        "greedy search 8x16 cache 16",
+        "greedy search 8x16 cache 24 resumed",
+        "greedy search 8x24 cache 16",
+        "greedy search 8x24 cache 24 resumed",
+    ]
+    assert [name for name, _ in compiled] == ["jit(_greedy_core)"] * 6
     with compiled_functions() as compiled:
         for batch in (chosen, few):
             translation.translate(params, config, tokenizer, batch, beam_size=1, batch_size=8, progress=False)
