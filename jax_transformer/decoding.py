@@ -153,13 +153,14 @@ def decode_step(model: Transformer, params, cache, memory, src, tokens, kernel=N
 
 
 def phases(length: int, first: int = 16) -> list[int]:
-    """The cache lengths a decoding batch goes through: 16, 32, 64, ... and `length` last. A program decodes
-    until its cache is full (or its batch should shrink: `decode_shrinking`), then the next goes on with the cache
-    padded to the next length. So a step attends over, and reads, never more than twice the positions written so
-    far, where one cache of the output limit's length would be read whole at every step (the model's max_len for
-    generate's rules): on 64 sentences x 4 beams, 16 steps took 18% longer over a 129-position cache than over 17."""
+    """The cache lengths a decoding batch goes through: 16, 32, 64, ... and `length` last (at most about twice the
+    one before: 16, 32, 65, not 16, 32, 64, 65). A program decodes until its cache is full (or its batch should
+    shrink: `decode_shrinking`), then the next goes on with the cache padded to the next length. So a step attends
+    over, and reads, never much more than twice the positions written so far, where one cache of the output
+    limit's length would be read whole at every step (the model's max_len for generate's rules): on 64 sentences x
+    4 beams, 16 steps took 18% longer over a 129-position cache than over 17."""
     ends = []
-    while first < length:
+    while first * 2 <= length:
         ends.append(first)
         first *= 2
     return ends + [length]
@@ -207,6 +208,9 @@ def grow_cache(tree, length: int):
     return jax.tree_util.tree_map_with_path(grow, tree)
 
 
+_grow_cache_jit = jax.jit(grow_cache, static_argnames="length")  # one dispatch between two programs, not one a leaf
+
+
 def run_phase(not_finished, advance, state, step=lambda state: state[0]):
     """`lax.while_loop(not_finished, advance, state)` until the state's cache is full: one phase of `phases`."""
     T = cache_length(state)
@@ -222,19 +226,19 @@ SMALLEST_LEVEL = 4  # ... down to this many rows, no fewer
 
 
 def shrink_levels(rows: int) -> tuple[int, ...]:
-    """The row counts a decoding batch of `rows` rows shrinks through: rows, rows // 4, rows // 16, ..., >= 4.
+    """The row counts a decoding batch of `rows` rows shrinks through: rows, rows // 4, rows // 16, ..., and 4.
 
     A compiled loop has one batch shape, so a batch runs as long as its longest sentence (a greedy output that
     repeats itself to the length limit holds up 63 finished ones). `decode_shrinking` stops the loop once at most
     the next level's rows are unfinished and goes on with those rows only. A step costs about its rows' share
     of the work above a few rows and about the same below (at 1 row as at 4): so the levels stop at 4 rows, and
-    shrinking 4-fold a time keeps the programs to compile few (one per level: 64 -> 16 -> 4; 16 -> 4; batches
-    of fewer than 16 rows do not shrink). On 100 Multi30k sentences (transformers' rules, beam 4, two batches
-    of 64) 64 -> 16 -> 4 decoded 7-9% faster than 64 -> 8 -> 1, about as fast as 64 -> 16 -> 4 -> 1 (one more
-    program per shape); halving at every level was a few % faster still with seven programs (docs/benchmarks.md)."""
+    shrinking 4-fold a time keeps the programs to compile few (one per level: 64 -> 16 -> 4; 32 -> 8 -> 4;
+    8 -> 4). On 100 Multi30k sentences (transformers' rules, beam 4, two batches of 64) 64 -> 16 -> 4 decoded
+    7-9% faster than 64 -> 8 -> 1, about as fast as 64 -> 16 -> 4 -> 1 (one more program per shape); halving at
+    every level was a few % faster still with seven programs (docs/benchmarks.md)."""
     levels = [rows]
-    while levels[-1] // SHRINK >= SMALLEST_LEVEL:
-        levels.append(levels[-1] // SHRINK)
+    while levels[-1] >= 2 * SMALLEST_LEVEL:
+        levels.append(max(levels[-1] // SHRINK, SMALLEST_LEVEL))
     return tuple(levels)
 
 
@@ -270,17 +274,18 @@ def decode_shrinking(run, rows_args: tuple, unfinished, outputs, length: int, be
     state, memory = run(rows_args, leave_at(levels[0]), None)
     results = None
     while True:
-        current = [np.asarray(x) for x in outputs(state)]
-        if results is None:
-            results = [np.zeros((levels[0],) + x.shape[1:], x.dtype) for x in current]
-        real = owners >= 0
-        for result, x in zip(results, current):
-            result[owners[real]] = x[real]
-        going = np.asarray(unfinished(state)) & real
+        going = np.asarray(unfinished(state)) & (owners >= 0)
         left = np.flatnonzero(going)
+        rows = min(level for level in levels if level >= len(left)) if len(left) else 0  # the next level
+        if rows < len(owners):  # rows leave the batch (or all are done): keep their results
+            current = [np.asarray(x) for x in outputs(state)]
+            if results is None:
+                results = [np.zeros((levels[0],) + x.shape[1:], x.dtype) for x in current]
+            for result, x in zip(results, current):
+                result[owners[owners >= 0]] = x[owners >= 0]
         if len(left) == 0:
             return results
-        rows, T = min(level for level in levels if level >= len(left)), cache_length(state)
+        T = cache_length(state)
         full = int(_leaf(state, "position")) >= T  # the program stopped because its cache is full
         if rows >= len(owners) and not (full and T < length):
             raise RuntimeError(f"decoding stopped with {len(left)} of {len(owners)} rows unfinished")
@@ -290,7 +295,7 @@ def decode_shrinking(run, rows_args: tuple, unfinished, outputs, length: int, be
             owners = np.concatenate([owners[left], np.full(rows - len(left), -1)])
             state, memory, rows_args = select_rows((state, memory, rows_args), index, beams)
         if full:
-            state = grow_cache(state, next(end for end in phases(length) if end > T))
+            state = _grow_cache_jit(state, next(end for end in phases(length) if end > T))
         state, memory = run(rows_args, leave_at(rows), (state, memory))
 
 

@@ -171,8 +171,9 @@ def test_cached_steps_equal_full_forward(norm_first, positions, grown):
 def test_phases_double_up_to_the_cache_length():
     assert decoding.phases(10) == [10]
     assert decoding.phases(16) == [16]
-    assert decoding.phases(64) == [16, 32, 64]
-    assert decoding.phases(511) == [16, 32, 64, 128, 256, 511]
+    assert decoding.phases(24) == [24] and decoding.phases(33) == [16, 33]
+    assert decoding.phases(64) == [16, 32, 64] and decoding.phases(65) == [16, 32, 65]
+    assert decoding.phases(511) == [16, 32, 64, 128, 511]
 
 
 # --- 2. greedy search --------------------------------------------------------------------------------------
@@ -407,18 +408,16 @@ def test_translate_compiles_once_per_shape_and_ahead_of_time(tiny_translator):
         jobs = translation.compile_translation(params, config, shapes, beam_size=1)
         for compile_job in jobs.values():
             compile_job()
-    # Two programs per shape: batches of fewer than 16 rows do not shrink (decoding.shrink_levels; the levels a
-    # bigger batch shrinks through: test_finished_sentences_leave_the_batch_and_change_nothing), and an output
-    # limit of 24 tokens (max_len) decodes with a cache of 16 positions, then one of 24 (decoding.phases).
+    # An output limit of 24 tokens (max_len) decodes with one cache of 24 positions (decoding.phases); batches
+    # of 8 rows shrink to 4 (decoding.shrink_levels), batches of 4 do not.
     assert sorted(jobs) == [
-        "greedy search 4x24 cache 16",
+        "greedy search 4x16 cache 24 resumed",
+        "greedy search 4x24 cache 24",
         "greedy search 4x24 cache 24 resumed",
-        "greedy search 8x16 cache 16",
-        "greedy search 8x16 cache 24 resumed",
-        "greedy search 8x24 cache 16",
-        "greedy search 8x24 cache 24 resumed",
+        "greedy search 8x16 cache 24",
+        "greedy search 8x24 cache 24",
     ]
-    assert [name for name, _ in compiled] == ["jit(_greedy_core)"] * 6
+    assert [name for name, _ in compiled] == ["jit(_greedy_core)"] * 5
     with compiled_functions() as compiled:
         for batch in (chosen, few):
             translation.translate(params, config, tokenizer, batch, beam_size=1, batch_size=8, progress=False)
@@ -536,7 +535,7 @@ def test_finished_sentences_leave_the_batch_and_change_nothing(search, monkeypat
         tokens, scores = decode()
     assert not {name for name, _ in compiled} & {"jit(_greedy_core)", "jit(_beam_core)"}, compiled
     assert levels in ([16], [16, 4], [4]), levels  # it shrank
-    monkeypatch.setattr(decoding, "SHRINK", 10**6)  # one level: the whole batch runs to the end
+    monkeypatch.setattr(decoding, "SMALLEST_LEVEL", 10**6)  # one level: the whole batch runs to the end
     levels.clear()
     whole_tokens, whole_scores = decode()
     assert levels == []
