@@ -211,10 +211,11 @@ def grow_cache(tree, length: int):
 _grow_cache_jit = jax.jit(grow_cache, static_argnames="length")  # one dispatch between two programs, not one a leaf
 
 
-def run_phase(not_finished, advance, state, step=lambda state: state[0]):
-    """`lax.while_loop(not_finished, advance, state)` until the state's cache is full: one phase of `phases`."""
+def run_phase(not_finished, advance, state):
+    """`lax.while_loop(not_finished, advance, state)` until the state's cache is full (its position, the steps
+    taken, reaches its length): one phase of `phases`."""
     T = cache_length(state)
-    return lax.while_loop(lambda s: not_finished(s) & (step(s) < T), advance, state)
+    return lax.while_loop(lambda s: not_finished(s) & (_leaf(s, "position") < T), advance, state)
 
 
 # =============================================================================================================
@@ -274,7 +275,8 @@ def decode_shrinking(run, rows_args: tuple, unfinished, outputs, length: int, be
     state, memory = run(rows_args, leave_at(levels[0]), None)
     results = None
     while True:
-        going = np.asarray(unfinished(state)) & (owners >= 0)
+        real = owners >= 0
+        going = np.asarray(unfinished(state)) & real
         left = np.flatnonzero(going)
         rows = min(level for level in levels if level >= len(left)) if len(left) else 0  # the next level
         if rows < len(owners):  # rows leave the batch (or all are done): keep their results
@@ -282,7 +284,7 @@ def decode_shrinking(run, rows_args: tuple, unfinished, outputs, length: int, be
             if results is None:
                 results = [np.zeros((levels[0],) + x.shape[1:], x.dtype) for x in current]
             for result, x in zip(results, current):
-                result[owners[owners >= 0]] = x[owners >= 0]
+                result[owners[real]] = x[real]
         if len(left) == 0:
             return results
         T = cache_length(state)
@@ -306,11 +308,11 @@ def shrinking_programs(core, params, rows: int, per_row, shared: tuple, static: 
     (jax.ShapeDtypeStruct) at n rows; `shared`: the other arguments before leave_at; `static`: the static keyword
     arguments. `lower(...).compile()` fills the cache calls look in."""
     leave_at = jax.ShapeDtypeStruct((), jnp.int32)
-    jobs = {}
+    ends, jobs = phases(length), {}
     for level in shrink_levels(rows):
         args = (params, *per_row(level), *shared, leave_at)
-        for end in phases(length):
-            if level == rows and end == phases(length)[0]:
+        for end in ends:
+            if (level, end) == (rows, ends[0]):
                 jobs[level, end] = lambda args=args: core.lower(*args, None, **static).compile()
                 continue
 
@@ -558,7 +560,7 @@ def _beam_core(
         )
     else:
         state, memory = carried
-    return run_phase(not_finished, advance, state, step=lambda s: s.step), memory
+    return run_phase(not_finished, advance, state), memory
 
 
 def beam_search(

@@ -189,7 +189,7 @@ def _beam_core(
         )
     else:
         state, memory = carried
-    return run_phase(more, advance, state, step=lambda s: s.t), memory
+    return run_phase(more, advance, state), memory
 
 
 def _open(s: _Beams, L: int, early_stopping: str):

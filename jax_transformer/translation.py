@@ -77,8 +77,7 @@ def _tail_rows(n: int, batch_size: int) -> list[int]:
     if first == n:
         return [n]
     second = _bucket(n - first, sizes)
-    floor = SMALLEST_LEVEL
-    return [first, second] if max(first, floor) + max(second, floor) < whole else [whole]
+    return [first, second] if max(first, SMALLEST_LEVEL) + max(second, SMALLEST_LEVEL) < whole else [whole]
 
 
 def translation_batches(lengths: Sequence[int], batch_size: int, max_len: int) -> list[tuple[np.ndarray, int, int]]:
@@ -91,9 +90,8 @@ def translation_batches(lengths: Sequence[int], batch_size: int, max_len: int) -
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
     order = np.argsort(np.asarray(lengths, dtype=np.int64), kind="stable")
-    full = len(order) // batch_size * batch_size
-    sizes = [batch_size] * (len(order) // batch_size)
-    rows = sizes + (_tail_rows(len(order) - full, batch_size) if full < len(order) else [])
+    whole, rest = divmod(len(order), batch_size)
+    rows = [batch_size] * whole + (_tail_rows(rest, batch_size) if rest else [])
     widths = decode_widths(max_len)
     batches, start = [], 0
     for n in rows:

@@ -44,7 +44,7 @@ def test_every_program_is_compiled_ahead_and_nothing_in_the_loop(evaluated_run):
     # One train step and one eval step (packed batches: one shape each), greedy decoders for the evaluations
     # during training (20 short sentences: batches of 16 and 4 rows), beam-2 decoders for the final one (300:
     # 4 x 64 rows, then 32 and 16), each with the programs its batch goes on in as it shrinks
-    # (decoding.shrink_levels: 64 -> 16 -> 4, 32 -> 8, 16 -> 4 rows); one cache length (16: the output limit).
+    # (decoding.shrink_levels: 64 -> 16 -> 4, 32 -> 8 -> 4, 16 -> 4 rows); one cache length (16: the output limit).
     assert record["programs"] == [
         "beam search 2 16x16 cache 16",
         "beam search 2 16x16 cache 16 resumed",
