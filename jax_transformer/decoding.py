@@ -152,13 +152,21 @@ def decode_step(model: Transformer, params, cache, memory, src, tokens, kernel=N
     return logits[:, 0], variables["cache"]  # (B, V)
 
 
-def phases(length: int, first: int = 16) -> list[int]:
-    """The cache lengths a decoding batch goes through: 16, 32, 64, ... and `length` last (at most about twice the
-    one before: 16, 32, 65, not 16, 32, 64, 65). A program decodes until its cache is full (or its batch should
-    shrink: `decode_shrinking`), then the next goes on with the cache padded to the next length. So a step attends
-    over, and reads, never much more than twice the positions written so far, where one cache of the output
-    limit's length would be read whole at every step (the model's max_len for generate's rules): on 64 sentences x
-    4 beams, 16 steps took 18% longer over a 129-position cache than over 17."""
+PHASED_FROM = 16  # hypotheses (rows x beams) from which a batch's cache grows by phases
+
+
+def phases(length: int, hypotheses: int, first: int = 16) -> list[int]:
+    """The cache lengths a decoding batch of `hypotheses` rows (sentences x beams) goes through: 16, 32, 64, ...
+    and `length` last (at most about twice the one before: 16, 32, 65, not 16, 32, 64, 65). A program decodes
+    until its cache is full (or its batch should shrink: `decode_shrinking`), then the next goes on with the cache
+    padded to the next length. So a step attends over, and reads, never much more than twice the positions
+    written so far, where one cache of the output limit's length would be read whole at every step (the model's
+    max_len for generate's rules): on 64 sentences x 4 beams, 16 steps took 18% longer over a 129-position cache
+    than over 17. Below PHASED_FROM hypotheses a step's attention is a small part of it, and each program a phase
+    adds costs more than it saves: one cache of `length` (64 tokens at one sentence: greedy 9-17% faster, at two
+    14-23%; at 16 hypotheses the phases were 2-5% ahead)."""
+    if hypotheses < PHASED_FROM:
+        return [length]
     ends = []
     while first * 2 <= length:
         ends.append(first)
@@ -174,10 +182,22 @@ def phases(length: int, first: int = 16) -> list[int]:
 LOOP_CPU_OPTIONS = {"xla_cpu_copy_insertion_use_region_analysis": True}
 
 
+def _key(path) -> str | None:
+    return getattr(path[-1], "key", None)
+
+
+def _is_self_attention_cache(path) -> bool:
+    """Whether the leaf at `path` is a self-attention layer's cached keys or values (MultiHeadAttention's layout:
+    a sentence's heads on the first axis, its slots' positions on the last (keys) or the one before (values))."""
+    return _key(path) in ("cached_key", "cached_value") and any(
+        getattr(p, "key", None) == "self_attention" for p in path
+    )
+
+
 def _leaf(tree, name: str):
     """The first leaf of `tree` whose path ends with key `name` (the cache's "slots" or "position")."""
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        if getattr(path[-1], "key", None) == name:
+        if _key(path) == name:
             return leaf
     raise KeyError(f"no {name!r} in the decoding state")
 
@@ -194,11 +214,10 @@ def grow_cache(tree, length: int):
     T = cache_length(tree)
 
     def grow(path, leaf):
-        keys = [getattr(p, "key", None) for p in path]
-        if keys[-1] == "slots":
+        if _key(path) == "slots":
             return jnp.pad(leaf, ((0, 0), (0, length - T)))
-        if "self_attention" in keys and keys[-1] in ("cached_key", "cached_value"):
-            axis = 3 if keys[-1] == "cached_key" else 2  # keys (B/G, H, K, T*G), values (B/G, H, T*G, K)
+        if _is_self_attention_cache(path):
+            axis = 2 if _key(path) == "cached_key" else 1  # keys (B/G * H, K, T*G), values (B/G * H, T*G, K)
             G = leaf.shape[axis] // T
             padding = [(0, 0)] * leaf.ndim
             padding[axis] = (0, (length - T) * G)
@@ -223,50 +242,61 @@ def run_phase(not_finished, advance, state):
 # =============================================================================================================
 
 SHRINK = 4  # a batch shrinks when at most 1/SHRINK of its rows are still decoding
-SMALLEST_LEVEL = 4  # ... down to this many rows, no fewer
+SMALLEST_LEVEL = 4  # ... down to this many sentences of a beam search, no fewer
+SMALLEST_GREEDY_LEVEL = 1  # ... and rows of a greedy search
 
 
-def shrink_levels(rows: int) -> tuple[int, ...]:
-    """The row counts a decoding batch of `rows` rows shrinks through: rows, rows // 4, rows // 16, ..., and 4.
+def shrink_levels(rows: int, beams: int = 1) -> tuple[int, ...]:
+    """The row counts a decoding batch of `rows` sentences shrinks through: rows, rows // 4, rows // 16, ..., down
+    to 4 sentences of a beam search, 1 row of a greedy one.
 
     A compiled loop has one batch shape, so a batch runs as long as its longest sentence (a greedy output that
     repeats itself to the length limit holds up 63 finished ones). `decode_shrinking` stops the loop once at most
     the next level's rows are unfinished and goes on with those rows only. A step costs about its rows' share
-    of the work above a few rows and about the same below (at 1 row as at 4): so the levels stop at 4 rows, and
-    shrinking 4-fold a time keeps the programs to compile few (one per level: 64 -> 16 -> 4; 32 -> 8 -> 4;
-    8 -> 4). On 100 Multi30k sentences (transformers' rules, beam 4, two batches of 64) 64 -> 16 -> 4 decoded
-    7-9% faster than 64 -> 8 -> 1, about as fast as 64 -> 16 -> 4 -> 1 (one more program per shape); halving at
-    every level was a few % faster still with seven programs (docs/benchmarks.md)."""
+    of the work above a few rows, and shrinking 4-fold a time keeps the programs to compile few (one per level:
+    64 -> 16 -> 4). Below, a beam search's step costs about the same at 1 sentence (4 hypotheses) as at 4: its
+    levels stop at 4 sentences (on 100 Multi30k sentences, beam 4, 64 -> 16 -> 4 decoded as fast as
+    64 -> 16 -> 4 -> 1, with one program fewer). A greedy step at one row multiplies vectors by the weight matrices,
+    which XLA:CPU does about twice as fast as its products of 2-8 rows: its levels go on to 1 row (64 -> 16 -> 4
+    -> 1, 32 -> 8 -> 2 -> 1), 15% faster on the same sentences, whose slowest outputs repeat to the length limit
+    (docs/benchmarks.md)."""
+    smallest = SMALLEST_GREEDY_LEVEL if beams == 1 else SMALLEST_LEVEL
     levels = [rows]
-    while levels[-1] >= 2 * SMALLEST_LEVEL:
-        levels.append(max(levels[-1] // SHRINK, SMALLEST_LEVEL))
+    while levels[-1] >= 2 * smallest:
+        levels.append(max(levels[-1] // SHRINK, smallest))
     return tuple(levels)
 
 
 def select_rows(tree, index, beams: int = 1):
     """Rows `index` (N,) of every leaf of a decoding state or cache whose first axis is the batch's sentences
-    (B, ...) or hypotheses (B * beams, ...; the cache's table of slots, named "slots"); scalars as they are."""
+    (B, ...), hypotheses (B * beams, ...; the cache's table of slots, named "slots") or sentences' heads (B * H,
+    ...; the self-attention keys and values); scalars as they are."""
     index = jnp.asarray(index)
     hypotheses = (index[:, None] * beams + jnp.arange(beams)).reshape(-1)  # (N * beams,)
+    sentences = _leaf(tree, "slots").shape[0] // beams
 
     def select(path, leaf):
         if jnp.ndim(leaf) == 0:
             return leaf
-        is_slots = getattr(path[-1], "key", None) == "slots"
-        return jnp.take(leaf, hypotheses if is_slots else index, axis=0)
+        if _key(path) == "slots":
+            return jnp.take(leaf, hypotheses, axis=0)
+        if _is_self_attention_cache(path):  # (B * H, ...) -> (B, H, ...) -> (N, H, ...) -> (N * H, ...)
+            heads = jnp.take(leaf.reshape(sentences, -1, *leaf.shape[1:]), index, axis=0)
+            return heads.reshape(-1, *leaf.shape[1:])
+        return jnp.take(leaf, index, axis=0)
 
     return jax.tree_util.tree_map_with_path(select, tree)
 
 
 def decode_shrinking(run, rows_args: tuple, unfinished, outputs, length: int, beams: int = 1) -> list[np.ndarray]:
     """Decodes a batch whose finished sentences leave it (see `shrink_levels`), as CTranslate2 gathers its
-    unfinished ones, and whose cache grows through `phases(length)`. run(rows_args, leave_at, carried) ->
+    unfinished ones, and whose cache grows through `phases(length, rows x beams)`. run(rows_args, leave_at, carried) ->
     (state, memory): a decoding program that stops once at most `leave_at` rows are unfinished or its cache is
     full, on per-row arguments `rows_args` (src first), starting afresh (carried None) or from a (state, memory)
     it returned before; unfinished(state) -> (B,) bool; outputs(state) -> per-row results, as numpy arrays in the
     original row order. The rows are independent, so the results are those of one loop over the whole batch (up
     to the float rounding of a smaller matrix product)."""
-    levels = shrink_levels(rows_args[0].shape[0])
+    levels = shrink_levels(rows_args[0].shape[0], beams)
 
     def leave_at(rows: int):  # the next level below `rows` (an array: the programs take it as an argument)
         return jnp.asarray(next((level for level in levels if level < rows), 0), jnp.int32)
@@ -297,7 +327,7 @@ def decode_shrinking(run, rows_args: tuple, unfinished, outputs, length: int, be
             owners = np.concatenate([owners[left], np.full(rows - len(left), -1)])
             state, memory, rows_args = select_rows((state, memory, rows_args), index, beams)
         if full:
-            state = _grow_cache_jit(state, next(end for end in phases(length) if end > T))
+            state = _grow_cache_jit(state, next(end for end in phases(length, levels[0] * beams) if end > T))
         state, memory = run(rows_args, leave_at(rows), (state, memory))
 
 
@@ -306,22 +336,27 @@ def shrinking_programs(core, params, rows: int, per_row, shared: tuple, static: 
     level, cache length): a function that compiles it}; the first level's at the first cache length starts
     afresh, the others go on from a carried state. per_row(n): the per-row arguments' shapes
     (jax.ShapeDtypeStruct) at n rows; `shared`: the other arguments before leave_at; `static`: the static keyword
-    arguments. `lower(...).compile()` fills the cache calls look in."""
+    arguments (a beam search's `beam_size` among them). `lower(...).compile()` fills the cache calls look in."""
     leave_at = jax.ShapeDtypeStruct((), jnp.int32)
-    ends, jobs = phases(length), {}
-    for level in shrink_levels(rows):
+    beams = static.get("beam_size", 1)
+    ends, jobs = phases(length, rows * beams), {}
+    first = (params, *per_row(rows), *shared, leave_at)
+
+    def fresh():  # (state, memory) as the first program returns it; of the plain function (a jit cannot nest)
+        return jax.eval_shape(functools.partial(core.__wrapped__, **static), *first)
+
+    for level in shrink_levels(rows, beams):
         args = (params, *per_row(level), *shared, leave_at)
         for end in ends:
             if (level, end) == (rows, ends[0]):
                 jobs[level, end] = lambda args=args: core.lower(*args, None, **static).compile()
                 continue
 
-            def resume(args=args, end=end):
-                # (state, memory) at this level and cache length; of the plain function (a jit with compiler
-                # options cannot nest)
-                fresh = jax.eval_shape(functools.partial(core.__wrapped__, **static), *args)
-                carried = jax.eval_shape(lambda tree: grow_cache(tree, end), fresh)
-                return core.lower(*args, carried, **static).compile()
+            def resume(args=args, level=level, end=end):
+                def carried(tree):  # what decode_shrinking carries: `level` rows of it, the cache grown to `end`
+                    return grow_cache(select_rows(tree, jnp.zeros(level, jnp.int32), beams), end)
+
+                return core.lower(*args, jax.eval_shape(carried, fresh()), **static).compile()
 
             jobs[level, end] = resume
     return jobs
@@ -388,7 +423,7 @@ def _greedy_core(params, src, max_new, min_len, leave_at, carried=None, *, confi
             jnp.full((B, length), config.pad_id, jnp.int32),  # tokens
             jnp.zeros((B,), jnp.float32),  # scores
             jnp.zeros((B,), bool),  # done
-            create_cache(model, params, memory, src, phases(length)[0]),
+            create_cache(model, params, memory, src, phases(length, B)[0]),
         )
     else:
         state, memory = carried
@@ -556,7 +591,7 @@ def _beam_core(
             finished_scores=jnp.full((B, K), -jnp.inf, jnp.float32),
             finished_flags=jnp.zeros((B, K), bool),
             done=jnp.zeros((B,), bool),
-            cache=create_cache(model, params, memory, src, phases(length)[0], beams=K),
+            cache=create_cache(model, params, memory, src, phases(length, B * K)[0], beams=K),
         )
     else:
         state, memory = carried

@@ -91,7 +91,7 @@ def _greedy_core(
             jnp.full((B,), config.start_id, jnp.int32),  # last tokens
             jnp.full((B, L), config.pad_id, jnp.int32),  # tokens
             jnp.all(src == config.pad_id, axis=1),  # done: filler rows from the start
-            create_cache(model, params, memory, src, phases(L)[0]),
+            create_cache(model, params, memory, src, phases(L, B)[0]),
         )
     else:
         state, memory = carried
@@ -185,7 +185,7 @@ def _beam_core(
             improvable=~jnp.all(src == config.pad_id, axis=1),  # filler rows have nothing to improve
             all_stopped=jnp.array(False),
             # a source's K hypotheses share its keys/values
-            cache=create_cache(model, params, memory, src, phases(L)[0], beams=K),
+            cache=create_cache(model, params, memory, src, phases(L, B * K)[0], beams=K),
         )
     else:
         state, memory = carried

@@ -144,15 +144,15 @@ class MultiHeadAttention(nn.Module):
             return y.reshape(inputs.shape[0], -1, H, K).transpose(0, 2, 1, 3)
 
         q = project("query", x)
-        k_transposed = False  # k as (B, H, K, Tk): the decoding cache's layout
         if self.cross:
             k, v = self._cross_keys_values(project, memory, decode)
         else:
             k, v = project("key", x), project("value", x)
             if decode:
-                k, v, k_transposed = self._append_to_cache(k, v, groups)
+                k, v = self._append_to_cache(k, v, groups)  # the cache's (B / G * H, K, Tk), (B / G * H, Tk, K)
 
-        G = B // v.shape[0]  # query rows per key row: 1, or the G hypotheses of a sentence (see above)
+        # Query rows per key row: 1, or the G hypotheses of a sentence (see above); the cache has H rows a sentence.
+        G = groups if v.ndim == 3 else B // v.shape[0]
         if G > 1:  # the G rows' queries side by side against their sentence's keys: (B / G, H, G * Tq, K)
             q = q.reshape(-1, G, H, Tq, K).transpose(0, 2, 1, 3, 4).reshape(-1, H, G * Tq, K)
 
@@ -161,26 +161,32 @@ class MultiHeadAttention(nn.Module):
         if kernel and (deterministic or cfg.attention_dropout == 0.0):
             out = fused_attention(q, k, v, mask, cfg.attention_kernel)  # (B, H, Tq, K)
         else:
-            out = self._attention(q, k, v, mask, deterministic, k_transposed)  # (B, H, Tq, K)
+            out = self._attention(q, k, v, mask, deterministic)  # (B, H, Tq, K)
         if G > 1:
             out = out.reshape(-1, H, G, Tq, K).transpose(0, 2, 1, 3, 4).reshape(B, H, Tq, K)
         out = out.transpose(0, 2, 1, 3).reshape(B, Tq, cfg.d_model)  # heads concatenated
         return _dense(cfg, cfg.d_model, "out", cfg.qkv_bias)(out)
 
-    def _attention(self, q, k, v, mask, deterministic: bool, k_transposed: bool = False):
-        """The explicit computation: (B, H, Tq, K) queries, (B, H, Tk, K) keys (or (B, H, K, Tk), transposed) and
-        values -> (B, H, Tq, K)."""
+    def _attention(self, q, k, v, mask, deterministic: bool):
+        """The explicit computation: (B, H, Tq, K) queries, (B, H, Tk, K) keys and values -> (B, H, Tq, K); or,
+        over the decoding cache (`_append_to_cache`), keys (B * H, K, Tk) and values (B * H, Tk, K)."""
+        B, H, Tq, K = q.shape
+        cached = k.ndim == 3  # the products read the cache as it lies, without a reshape (see _append_to_cache)
+        if cached:
+            q = q.reshape(B * H, Tq, K)
         # The scores leave the matmul in the compute dtype; scaling, masking and softmax run in float32.
-        scores = jnp.einsum("bhqk,bhks->bhqs" if k_transposed else "bhqk,bhsk->bhqs", q, k).astype(
-            jnp.float32
-        ) / math.sqrt(q.shape[-1])  # (B, H, Tq, Tk)
+        scores = jnp.einsum("...qk,...ks->...qs" if cached else "...qk,...sk->...qs", q, k)
+        scores = scores.reshape(B, H, Tq, -1).astype(jnp.float32) / math.sqrt(K)  # (B, H, Tq, Tk)
         # A large finite negative instead of -inf: a row whose keys are all masked (an all-padding sequence)
         # becomes a uniform distribution instead of NaN.
         scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
         probs = jax.nn.softmax(scores, axis=-1)  # (B, H, Tq, Tk) float32
         self.sow("intermediates", "attention", probs)
         probs = Dropout(self.config.attention_dropout)(probs, deterministic=deterministic)
-        return jnp.einsum("bhqs,bhsk->bhqk", probs.astype(v.dtype), v)  # (B, H, Tq, K)
+        probs = probs.astype(v.dtype)
+        if cached:
+            probs = probs.reshape(B * H, Tq, -1)
+        return jnp.einsum("...qs,...sk->...qk", probs, v).reshape(B, H, Tq, K)
 
     def _cross_keys_values(self, project, memory, decode):
         if not decode:
@@ -197,23 +203,26 @@ class MultiHeadAttention(nn.Module):
 
     def _append_to_cache(self, k, v, G: int):
         """Self-attention while decoding: writes this call's keys/values (B, H, T, K) at the cache index, each row
-        in its sentence's slot for it, and returns all the sentence's slots: keys transposed (B / G, H, K, G *
-        T_max), values (B / G, H, G * T_max, K), column/row t * G + g holding position t of slot g."""
+        in its sentence's slot for it, and returns all the sentence's slots: keys transposed (B / G * H, K, G *
+        T_max), values (B / G * H, G * T_max, K), column/row t * G + g holding position t of slot g."""
         created = self.has_variable("cache", "cached_key")
         B, H, T, K = k.shape
         # Stored in the layouts the two attention products read, and position-major, so that a step writes one
-        # contiguous block (its G slots) and nothing transposes or copies the cache.
-        cached_k = self.variable("cache", "cached_key", jnp.zeros, (B // G, H, K, T * G), k.dtype)
-        cached_v = self.variable("cache", "cached_value", jnp.zeros, (B // G, H, T * G, K), v.dtype)
+        # contiguous block (its G slots) and nothing transposes or copies the cache. A sentence's heads share the
+        # first axis: with one sentence, an axis of 1 would be stripped from the products by a reshape of the
+        # step's updated cache, and XLA:CPU then copied every layer's cache three times a step.
+        N = B // G * H
+        cached_k = self.variable("cache", "cached_key", jnp.zeros, (N, K, T * G), k.dtype)
+        cached_v = self.variable("cache", "cached_value", jnp.zeros, (N, T * G, K), v.dtype)
         index = self.variable("cache", "cache_index", lambda: jnp.array(0, dtype=jnp.int32))
         if not created:  # the call that creates the cache: plain attention over the given inputs
-            return k, v, False
+            return k, v
         i = index.value
-        as_slots = lambda x: x.reshape(B // G, G, H, T, K).transpose(0, 2, 3, 1, 4).reshape(B // G, H, T * G, K)
-        cached_k.value = lax.dynamic_update_slice(cached_k.value, as_slots(k).transpose(0, 1, 3, 2), (0, 0, 0, i * G))
-        cached_v.value = lax.dynamic_update_slice(cached_v.value, as_slots(v), (0, 0, i * G, 0))
+        as_slots = lambda x: x.reshape(B // G, G, H, T, K).transpose(0, 2, 3, 1, 4).reshape(N, T * G, K)
+        cached_k.value = lax.dynamic_update_slice(cached_k.value, as_slots(k).transpose(0, 2, 1), (0, 0, i * G))
+        cached_v.value = lax.dynamic_update_slice(cached_v.value, as_slots(v), (0, i * G, 0))
         index.value = i + T
-        return cached_k.value, cached_v.value, True
+        return cached_k.value, cached_v.value
 
 
 class FeedForward(nn.Module):

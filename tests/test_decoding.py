@@ -169,11 +169,24 @@ def test_cached_steps_equal_full_forward(norm_first, positions, grown):
 
 
 def test_phases_double_up_to_the_cache_length():
-    assert decoding.phases(10) == [10]
-    assert decoding.phases(16) == [16]
-    assert decoding.phases(24) == [24] and decoding.phases(33) == [16, 33]
-    assert decoding.phases(64) == [16, 32, 64] and decoding.phases(65) == [16, 32, 65]
-    assert decoding.phases(511) == [16, 32, 64, 128, 511]
+    wide = decoding.PHASED_FROM
+    assert decoding.phases(10, wide) == [10]
+    assert decoding.phases(16, wide) == [16]
+    assert decoding.phases(24, wide) == [24] and decoding.phases(33, wide) == [16, 33]
+    assert decoding.phases(64, wide) == [16, 32, 64] and decoding.phases(65, wide) == [16, 32, 65]
+    assert decoding.phases(511, wide) == [16, 32, 64, 128, 511]
+
+
+def test_batches_shrink_to_4_sentences_of_a_beam_search_and_1_row_of_a_greedy_one():
+    assert decoding.shrink_levels(64, beams=4) == (64, 16, 4)
+    assert decoding.shrink_levels(32, beams=4) == (32, 8, 4) and decoding.shrink_levels(4, beams=4) == (4,)
+    assert decoding.shrink_levels(64) == (64, 16, 4, 1) and decoding.shrink_levels(32) == (32, 8, 2, 1)
+    assert decoding.shrink_levels(2) == (2, 1) and decoding.shrink_levels(1) == (1,)
+
+
+def test_phases_below_a_few_hypotheses_are_one_cache():
+    assert decoding.phases(65, decoding.PHASED_FROM - 1) == [65]
+    assert decoding.phases(65, 1) == [65]
 
 
 # --- 2. greedy search --------------------------------------------------------------------------------------
@@ -409,15 +422,17 @@ def test_translate_compiles_once_per_shape_and_ahead_of_time(tiny_translator):
         for compile_job in jobs.values():
             compile_job()
     # An output limit of 24 tokens (max_len) decodes with one cache of 24 positions (decoding.phases); batches
-    # of 8 rows shrink to 4 (decoding.shrink_levels), batches of 4 do not.
+    # of 8 rows shrink to 2 and 1, batches of 4 to 1 (decoding.shrink_levels).
     assert sorted(jobs) == [
-        "greedy search 4x16 cache 24 resumed",
+        "greedy search 1x16 cache 24 resumed",
+        "greedy search 1x24 cache 24 resumed",
+        "greedy search 2x16 cache 24 resumed",
+        "greedy search 2x24 cache 24 resumed",
         "greedy search 4x24 cache 24",
-        "greedy search 4x24 cache 24 resumed",
         "greedy search 8x16 cache 24",
         "greedy search 8x24 cache 24",
     ]
-    assert [name for name, _ in compiled] == ["jit(_greedy_core)"] * 5
+    assert [name for name, _ in compiled] == ["jit(_greedy_core)"] * 7
     with compiled_functions() as compiled:
         for batch in (chosen, few):
             translation.translate(params, config, tokenizer, batch, beam_size=1, batch_size=8, progress=False)
@@ -525,17 +540,19 @@ def test_finished_sentences_leave_the_batch_and_change_nothing(search, monkeypat
         levels.append(len(index))
         return select_rows(tree, index, beams)
 
-    monkeypatch.setattr(decoding, "select_rows", counted)
     # The programs of every level compiled ahead, as translate does: decoding compiles nothing more.
     for compile_job in translation.compile_translation(
         params, config, [src.shape], beam_size=beam_size, decode=rules
     ).values():
         compile_job()
+    monkeypatch.setattr(decoding, "select_rows", counted)
     with compiled_functions() as compiled:
         tokens, scores = decode()
     assert not {name for name, _ in compiled} & {"jit(_greedy_core)", "jit(_beam_core)"}, compiled
-    assert levels in ([16], [16, 4], [4]), levels  # it shrank
+    below = decoding.shrink_levels(64, beam_size)[1:]  # 16, 4 (and 1 row of a greedy search)
+    assert levels and levels == sorted(set(levels), reverse=True) and set(levels) <= set(below), levels  # it shrank
     monkeypatch.setattr(decoding, "SMALLEST_LEVEL", 10**6)  # one level: the whole batch runs to the end
+    monkeypatch.setattr(decoding, "SMALLEST_GREEDY_LEVEL", 10**6)
     levels.clear()
     whole_tokens, whole_scores = decode()
     assert levels == []
