@@ -164,7 +164,7 @@ def phases(length: int, hypotheses: int, first: int = 16) -> list[int]:
     max_len for generate's rules): on 64 sentences x 4 beams, 16 steps took 18% longer over a 129-position cache
     than over 17. Below PHASED_FROM hypotheses a step's attention is a small part of it, and each program a phase
     adds costs more than it saves: one cache of `length` (64 tokens at one sentence: greedy 9-17% faster, at two
-    14-23%; at 16 hypotheses the phases were 2-5% ahead)."""
+    14-23%; at 16 hypotheses and more the phases were 1-10% ahead or even)."""
     if hypotheses < PHASED_FROM:
         return [length]
     ends = []
@@ -258,7 +258,7 @@ def shrink_levels(rows: int, beams: int = 1) -> tuple[int, ...]:
     levels stop at 4 sentences (on 100 Multi30k sentences, beam 4, 64 -> 16 -> 4 decoded as fast as
     64 -> 16 -> 4 -> 1, with one program fewer). A greedy step at one row multiplies vectors by the weight matrices,
     which XLA:CPU does about twice as fast as its products of 2-8 rows: its levels go on to 1 row (64 -> 16 -> 4
-    -> 1, 32 -> 8 -> 2 -> 1), 15% faster on the same sentences, whose slowest outputs repeat to the length limit
+    -> 1, 32 -> 8 -> 2 -> 1), about 15% faster on the same sentences, whose slowest outputs repeat to the length limit
     (docs/benchmarks.md)."""
     smallest = SMALLEST_GREEDY_LEVEL if beams == 1 else SMALLEST_LEVEL
     levels = [rows]
