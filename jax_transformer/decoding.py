@@ -268,9 +268,10 @@ def shrink_levels(rows: int, beams: int = 1) -> tuple[int, ...]:
 
 
 def select_rows(tree, index, beams: int = 1):
-    """Rows `index` (N,) of every leaf of a decoding state or cache whose first axis is the batch's sentences
-    (B, ...), hypotheses (B * beams, ...; the cache's table of slots, named "slots") or sentences' heads (B * H,
-    ...; the self-attention keys and values); scalars as they are."""
+    """Rows `index` (N,) of every leaf of a tree that holds a decoding cache (a state, a cache, with other per-row
+    arrays beside) whose first axis is the batch's sentences (B, ...), hypotheses (B * beams, ...; the cache's
+    table of slots, named "slots") or sentences' heads (B * H, ...; the self-attention keys and values); scalars
+    as they are."""
     index = jnp.asarray(index)
     hypotheses = (index[:, None] * beams + jnp.arange(beams)).reshape(-1)  # (N * beams,)
     sentences = _leaf(tree, "slots").shape[0] // beams
@@ -331,14 +332,15 @@ def decode_shrinking(run, rows_args: tuple, unfinished, outputs, length: int, be
         state, memory = run(rows_args, leave_at(rows), (state, memory))
 
 
-def shrinking_programs(core, params, rows: int, per_row, shared: tuple, static: dict, length: int) -> dict:
+def shrinking_programs(
+    core, params, rows: int, per_row, shared: tuple, static: dict, length: int, beams: int = 1
+) -> dict:
     """Compile jobs for the programs `decode_shrinking` runs `core` as on a batch of `rows` rows: {(rows of the
     level, cache length): a function that compiles it}; the first level's at the first cache length starts
     afresh, the others go on from a carried state. per_row(n): the per-row arguments' shapes
     (jax.ShapeDtypeStruct) at n rows; `shared`: the other arguments before leave_at; `static`: the static keyword
-    arguments (a beam search's `beam_size` among them). `lower(...).compile()` fills the cache calls look in."""
+    arguments; `beams`: hypotheses per sentence. `lower(...).compile()` fills the cache calls look in."""
     leave_at = jax.ShapeDtypeStruct((), jnp.int32)
-    beams = static.get("beam_size", 1)
     ends, jobs = phases(length, rows * beams), {}
     first = (params, *per_row(rows), *shared, leave_at)
 

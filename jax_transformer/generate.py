@@ -283,4 +283,5 @@ def compile_generate(params, config: TransformerConfig, rows: int, width: int, n
         return shrinking_programs(_greedy_core, params, rows, per_row, (scalar,), static, static["max_length"] - 1)
     static.update(beam_size=int(num_beams), early_stopping=options["early_stopping"])
     penalty = jax.ShapeDtypeStruct((), jnp.float32)
-    return shrinking_programs(_beam_core, params, rows, per_row, (scalar, penalty), static, static["max_length"] - 1)
+    length = static["max_length"] - 1
+    return shrinking_programs(_beam_core, params, rows, per_row, (scalar, penalty), static, length, int(num_beams))

@@ -69,8 +69,9 @@ def _bucket(n: int, sizes: Sequence[int]) -> int:
 def _tail_rows(n: int, batch_size: int) -> list[int]:
     """Row counts for the last n < batch_size sentences: one batch of the next power of two, or two whose rows add
     up to fewer: the largest power of two below n, and one for the rest. A step costs about its rows' share of
-    the work down to a few rows (`SMALLEST_LEVEL`) and about the same below, and filler rows decode like
-    real ones until the batch shrinks: 36 sentences decode as 32 + 4 rows, not as 64 (28 of them filler)."""
+    the work down to a few rows, and filler rows decode like real ones until the batch shrinks: 36 sentences
+    decode as 32 + 4 rows, not as 64 (28 of them filler). A batch of fewer than `SMALLEST_LEVEL` (4) rows counts
+    as 4 here, a rough floor: a beam step costs about the same below, a greedy one at 1 row about half."""
     sizes = batch_buckets(batch_size)
     whole = _bucket(n, sizes)
     first = max(size for size in sizes if size <= n)
@@ -153,7 +154,7 @@ def _compile_search(params, config: TransformerConfig, rows: int, width: int, be
     penalties = jax.ShapeDtypeStruct((length + 1,), jnp.float32)
     static = dict(config=config, length=length, beam_size=int(beam_size))
     return f"beam search {beam_size}", shrinking_programs(
-        _beam_core, params, rows, per_row, (scalar, penalties), static, length
+        _beam_core, params, rows, per_row, (scalar, penalties), static, length, int(beam_size)
     )
 
 

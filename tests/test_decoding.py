@@ -392,7 +392,7 @@ def test_translation_batches_use_a_small_fixed_set_of_shapes():
     assert all(max(lengths[i] for i in chunk) <= width for chunk, _, width in batches)
     assert translation.translation_shapes(lengths, 64, 128) == [(8, 64), (16, 64), (64, 32), (64, 64)]
     # Fewer sentences than batch_size: one batch of the next power of two, or two whose rows add up to fewer
-    # (counting a batch of fewer than 4 rows as 4: a step costs about the same below).
+    # (counting a batch of fewer than 4 rows as 4).
     rows = {n: [r for _, r, _ in translation.translation_batches([5] * n, 64, 128)] for n in (3, 5, 9, 36, 50, 63)}
     assert rows == {3: [4], 5: [8], 9: [8, 1], 36: [32, 4], 50: [64], 63: [64]}
     assert translation.translation_shapes([5, 9, 3], 64, 128) == [(4, 16)]
@@ -510,7 +510,8 @@ def test_generate_leaves_filler_rows_finished_from_the_start(num_beams, model_a)
 @pytest.mark.parametrize("search", ["greedy", "beam 4", "generate greedy", "generate beam 4"])
 def test_finished_sentences_leave_the_batch_and_change_nothing(search, monkeypatch):
     """A batch of 64 real sentences of a trained model (saved weights: their output lengths differ, so rows finish
-    at different steps) shrinks as they finish (64 -> 16 -> 4 rows, decoding.decode_shrinking) and gives the
+    at different steps) shrinks as they finish (beam 64 -> 16 -> 4 sentences, greedy on to 1 row;
+    decoding.decode_shrinking) and gives the
     tokens and scores of one loop over the whole batch, by both rule sets; the programs of every level are those
     `compile_translation` compiles ahead."""
     from jax_transformer.config import DecodeConfig
