@@ -189,6 +189,39 @@ def test_phases_below_a_few_hypotheses_are_one_cache():
     assert decoding.phases(65, 1) == [65]
 
 
+def test_select_rows_and_grow_cache_follow_the_caches_layout():
+    """A beam cache of 3 sentences x 2 hypotheses, 2 heads, 4 positions, laid out as MultiHeadAttention keeps it:
+    keys (sentences * heads, d_k, positions * beams), values (sentences * heads, positions * beams, d_k), slots
+    (hypotheses, positions). Each entry holds 100 * sentence + 10 * head + the slot column/row it sits in."""
+    S, H, K, T, G = 3, 2, 1, 4, 2
+    owner = 100 * np.repeat(np.arange(S), H) + 10 * np.tile(np.arange(H), S)  # (S * H,) sentence, head
+    keys = owner[:, None, None] + np.arange(T * G)[None, None, :]  # (S * H, K, T * G)
+    values = owner[:, None, None] + np.arange(T * G)[None, :, None]  # (S * H, T * G, K)
+    slots = 100 * np.repeat(np.arange(S), G)[:, None] + np.arange(T)  # (S * G, T)
+    cross = np.broadcast_to(100 * np.arange(S)[:, None, None, None], (S, H, 5, K))  # (sentences, heads, source, d_k)
+    layer = {"self_attention": {"cached_key": keys, "cached_value": values}, "cross_attention": {"cached_key": cross}}
+    tree = {"decoder": {"layer_0": layer, "slots": slots, "position": np.int32(4)}, "memory": np.arange(S) * 100}
+
+    picked = decoding.select_rows(tree, np.array([2, 0]), beams=G)
+    attention = picked["decoder"]["layer_0"]["self_attention"]
+    # sentence 2's two heads, then sentence 0's: rows of (sentences * heads), not of sentences
+    np.testing.assert_array_equal(attention["cached_key"][:, 0, 0], [200, 210, 0, 10])
+    np.testing.assert_array_equal(attention["cached_value"][:, 0, 0], [200, 210, 0, 10])
+    np.testing.assert_array_equal(picked["decoder"]["slots"][:, 0], [200, 200, 0, 0])  # both hypotheses of each
+    np.testing.assert_array_equal(picked["memory"], [200, 0])
+    # the cross-attention's keys have a row per sentence: rows 2 and 0
+    np.testing.assert_array_equal(picked["decoder"]["layer_0"]["cross_attention"]["cached_key"][:, 0, 0, 0], [200, 0])
+    assert picked["decoder"]["position"] == 4
+
+    grown = decoding.grow_cache(tree, 6)  # 4 -> 6 positions: G = 2 more slots per position, zeros at the end
+    attention = grown["decoder"]["layer_0"]["self_attention"]
+    assert attention["cached_key"].shape == (S * H, K, 6 * G) and attention["cached_value"].shape == (S * H, 6 * G, K)
+    np.testing.assert_array_equal(attention["cached_key"][:, :, : T * G], keys)
+    assert not np.any(attention["cached_key"][:, :, T * G :]) and not np.any(attention["cached_value"][:, T * G :])
+    assert grown["decoder"]["slots"].shape == (S * G, 6)
+    assert grown["decoder"]["layer_0"]["cross_attention"]["cached_key"].shape == cross.shape  # the source's
+
+
 # --- 2. greedy search --------------------------------------------------------------------------------------
 
 
