@@ -298,6 +298,7 @@ def decode_shrinking(run, rows_args: tuple, unfinished, outputs, length: int, be
     original row order. The rows are independent, so the results are those of one loop over the whole batch (up
     to the float rounding of a smaller matrix product)."""
     levels = shrink_levels(rows_args[0].shape[0], beams)
+    ends = phases(length, levels[0] * beams)
 
     def leave_at(rows: int):  # the next level below `rows` (an array: the programs take it as an argument)
         return jnp.asarray(next((level for level in levels if level < rows), 0), jnp.int32)
@@ -328,7 +329,7 @@ def decode_shrinking(run, rows_args: tuple, unfinished, outputs, length: int, be
             owners = np.concatenate([owners[left], np.full(rows - len(left), -1)])
             state, memory, rows_args = select_rows((state, memory, rows_args), index, beams)
         if full:
-            state = _grow_cache_jit(state, next(end for end in phases(length, levels[0] * beams) if end > T))
+            state = _grow_cache_jit(state, next(end for end in ends if end > T))
         state, memory = run(rows_args, leave_at(rows), (state, memory))
 
 
@@ -344,6 +345,7 @@ def shrinking_programs(
     ends, jobs = phases(length, rows * beams), {}
     first = (params, *per_row(rows), *shared, leave_at)
 
+    @functools.cache  # traced once for all the resumed programs
     def fresh():  # (state, memory) as the first program returns it; of the plain function (a jit cannot nest)
         return jax.eval_shape(functools.partial(core.__wrapped__, **static), *first)
 

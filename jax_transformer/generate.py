@@ -279,9 +279,9 @@ def compile_generate(params, config: TransformerConfig, rows: int, width: int, n
     )
     scalar = jax.ShapeDtypeStruct((), jnp.int32)
     per_row = lambda n: (jax.ShapeDtypeStruct((n, width), jnp.int32),)  # noqa: E731
+    length = static["max_length"] - 1  # tokens produced at most: the cache's last length
     if num_beams == 1:
-        return shrinking_programs(_greedy_core, params, rows, per_row, (scalar,), static, static["max_length"] - 1)
+        return shrinking_programs(_greedy_core, params, rows, per_row, (scalar,), static, length)
     static.update(beam_size=int(num_beams), early_stopping=options["early_stopping"])
     penalty = jax.ShapeDtypeStruct((), jnp.float32)
-    length = static["max_length"] - 1
     return shrinking_programs(_beam_core, params, rows, per_row, (scalar, penalty), static, length, int(num_beams))
