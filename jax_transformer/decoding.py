@@ -130,10 +130,9 @@ def create_cache(model: Transformer, params, memory, src, length: int, beams: in
     return variables["cache"]
 
 
-def output_kernel(model: Transformer, params, rows: int):
-    """The output projection laid out for decoding steps of `rows` rows (Transformer.output_kernel), computed once
-    per loop; None for one row, whose matrix-vector product reads the (V, D) table as fast, without the copy."""
-    return model.apply({"params": params}, method=Transformer.output_kernel) if rows > 1 else None
+def output_kernel(model: Transformer, params):
+    """The output projection laid out for decoding steps (Transformer.output_kernel), computed once per loop."""
+    return model.apply({"params": params}, method=Transformer.output_kernel)
 
 
 def decode_step(model: Transformer, params, cache, memory, src, tokens, kernel=None):
@@ -402,7 +401,7 @@ def _greedy_core(params, src, max_new, min_len, leave_at, carried=None, *, confi
     not (`decode_shrinking`); `carried`: a (state, memory) returned before, to go on from."""
     model = Transformer(config)
     B = src.shape[0]
-    kernel = output_kernel(model, params, B)
+    kernel = output_kernel(model, params)
 
     def not_finished(state):
         step, _, _, _, done, _ = state
@@ -537,7 +536,7 @@ def _beam_core(
     B, K = src.shape[0], beam_size
     # Every row is searched with K hypotheses side by side: the decoder sees a batch of B * K rows (against the
     # B sources: the K hypotheses of a sentence share its cross-attention keys/values).
-    kernel = output_kernel(model, params, B * K)
+    kernel = output_kernel(model, params)
 
     def not_finished(s: BeamState):
         return (s.step < length) & (jnp.sum(~s.done) > leave_at)

@@ -74,7 +74,7 @@ def _greedy_core(
     """src (B, S) -> (state, memory), once every row is done or at most `leave_at` rows are not
     (`decoding.decode_shrinking`); `carried`: a (state, memory) returned before, to go on from."""
     model, B, L = Transformer(config), src.shape[0], max_length - 1
-    kernel = output_kernel(model, params, B)
+    kernel = output_kernel(model, params)
 
     def advance(state):
         t, last, tokens, done, cache = state
@@ -134,7 +134,7 @@ def _beam_core(
     """src (B, S) -> (_Beams, memory), once every sentence is done or at most `leave_at` are not
     (`decoding.decode_shrinking`); `carried`: a (state, memory) returned before, to go on from."""
     model, B, K, L = Transformer(config), src.shape[0], beam_size, max_length - 1
-    kernel = output_kernel(model, params, B * K)
+    kernel = output_kernel(model, params)
 
     def more(s: _Beams):
         return jnp.sum(_open(s, L, early_stopping)) > leave_at

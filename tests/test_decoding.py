@@ -127,9 +127,10 @@ def cached_and_full_logits(params, src, tgt_in, *, config, cache_len, grown=None
     full = model.apply({"params": params}, src, tgt_in)
     memory = model.apply({"params": params}, src, method=Transformer.encode)
     cache = decoding.create_cache(model, params, memory, src, cache_len)
+    kernel = decoding.output_kernel(model, params)  # the output projection as the decoding loops lay it out
 
     def step(cache, tokens):  # tokens (B,)
-        logits, cache = decoding.decode_step(model, params, cache, memory, src, tokens)
+        logits, cache = decoding.decode_step(model, params, cache, memory, src, tokens, kernel)
         return cache, logits
 
     if grown is None:
@@ -494,6 +495,32 @@ def test_plot_attention_draws_every_layer_and_head(tiny_translator, tmp_path):
     np.testing.assert_allclose(result.maps["decoder/layer_0/cross_attention"].sum(-1), 1.0, atol=1e-5)
     with pytest.raises(ValueError, match="unknown attention kind"):
         visualize.attention_figure(result.maps, config, ("bogus",), result.labels)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("tie_output", [True, False], ids=["tied", "untied"])
+def test_decoding_output_kernel_gives_the_models_logits(tie_output, dtype):
+    """Decoding steps project through `output_kernel`'s (V, D) matrix, as kernel @ hidden^T: the same logits as the
+    model's own projection, bias included, in both dtypes."""
+    config = preset("tiny", src_vocab_size=VOCAB, tgt_vocab_size=VOCAB, dtype=dtype)
+    config = config.replace(tie_output=tie_output, logits_bias=tie_output, share_embeddings=tie_output)
+    model, params = Transformer(config), init_params(config, 5)
+    bias_path = ("logits_bias",) if tie_output else ("output_proj", "bias")
+    bias = np.random.default_rng(6).standard_normal(VOCAB).astype(np.float32)  # a bias the test can see
+    params = {**params, bias_path[0]: bias if tie_output else {**params[bias_path[0]], "bias": bias}}
+    hidden = jax.random.normal(jax.random.key(7), (3, 2, config.d_model))
+    plain = np.asarray(model.apply({"params": params}, hidden, method=Transformer.logits))
+    kernel = decoding.output_kernel(model, params)
+    assert kernel.shape == (VOCAB, config.d_model) and kernel.dtype == jnp.dtype(dtype)
+    laid_out = np.asarray(model.apply({"params": params}, hidden, kernel, method=Transformer.logits))
+    assert laid_out.shape == plain.shape and laid_out.dtype == np.float32
+    # The same operands (rounded to the compute dtype alike), a float32 accumulator both ways: only the order of
+    # the D additions may differ, each sum within D * 2^-24 of the sum of its terms' magnitudes (the recursive
+    # summation bound), so two orders within twice that, plus the bias sum's own rounding (half an ulp each
+    # way); a missing bias or a wrong matrix moves logits by O(1).
+    terms = np.abs(np.asarray(hidden.astype(dtype), np.float32)) @ np.abs(np.asarray(kernel, np.float32)).T
+    bound = 2 * config.d_model * 2.0**-24 * terms + 2.0**-23 * np.abs(plain)
+    np.testing.assert_array_less(np.abs(laid_out - plain), bound)
 
 
 def test_first_argmax_is_argmax_with_its_tie_break():
