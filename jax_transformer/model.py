@@ -514,13 +514,9 @@ class Transformer(nn.Module):
         3.4). `kernel`, if given, is the projection as `output_kernel` lays it out, for decoding steps
         (`vocabulary_major_logits`). The matmul's operands are in the compute dtype and its result is the float32
         accumulator (not rounded to bfloat16), so the loss and decoding's log-softmax see float32 logits."""
+        if not self.config.tie_output and kernel is None:
+            return self.output_proj(hidden)  # (B, T, V)
         dtype = compute_dtype(self.config)
-        if not self.config.tie_output:
-            if kernel is None:
-                return self.output_proj(hidden)  # (B, T, V)
-            bias = self.output_proj.variables["params"].get("bias")  # added as the projection adds it
-            logits = vocabulary_major_logits(hidden, kernel)  # (B, T, V)
-            return logits if bias is None else logits + bias.astype(dtype).astype(jnp.float32)
         if kernel is not None:
             logits = vocabulary_major_logits(hidden, kernel)  # (B, T, V)
         elif dtype == jnp.float32:
@@ -530,8 +526,13 @@ class Transformer(nn.Module):
         else:
             table = self._embedding("target").embedding  # (V, D) float32
             logits = matmul_float32_result(hidden.astype(dtype), table.astype(dtype).T)  # (B, T, V)
-        if self.config.logits_bias:  # added as a projection's bias is (cast to the compute dtype, then float32)
-            logits = logits + self.logits_bias.astype(dtype).astype(jnp.float32)
+        # Marian's logits bias on a tied output, or an untied projection's own (decoding's kernel path).
+        if self.config.tie_output:
+            bias = self.logits_bias if self.config.logits_bias else None
+        else:
+            bias = self.output_proj.variables["params"].get("bias")
+        if bias is not None:  # added as a projection's bias is (cast to the compute dtype, then float32)
+            logits = logits + bias.astype(dtype).astype(jnp.float32)
         return logits
 
     def decode(self, memory, src, tgt_in, deterministic: bool = True, decode: bool = False, kernel=None, **options):

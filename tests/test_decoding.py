@@ -505,9 +505,11 @@ def test_decoding_output_kernel_gives_the_models_logits(tie_output, dtype):
     config = preset("tiny", src_vocab_size=VOCAB, tgt_vocab_size=VOCAB, dtype=dtype)
     config = config.replace(tie_output=tie_output, logits_bias=tie_output, share_embeddings=tie_output)
     model, params = Transformer(config), init_params(config, 5)
-    bias_path = ("logits_bias",) if tie_output else ("output_proj", "bias")
     bias = np.random.default_rng(6).standard_normal(VOCAB).astype(np.float32)  # a bias the test can see
-    params = {**params, bias_path[0]: bias if tie_output else {**params[bias_path[0]], "bias": bias}}
+    if tie_output:
+        params = {**params, "logits_bias": bias}
+    else:
+        params = {**params, "output_proj": {**params["output_proj"], "bias": bias}}
     hidden = jax.random.normal(jax.random.key(7), (3, 2, config.d_model))
     plain = np.asarray(model.apply({"params": params}, hidden, method=Transformer.logits))
     kernel = decoding.output_kernel(model, params)
