@@ -24,7 +24,9 @@ beam, so all three should give the same tokens: the table says how many sentence
 
 Timing: the decoders are interleaved within each repeat in a rotating order (so drift on a shared machine hits all
 alike), after one untimed warm-up call each (Flax's compilation); each figure is the best and the median of the
-repeats; ratios are of medians, flax over ctranslate2 (> 1: this project is faster).
+repeats; ratios are of medians, flax over ctranslate2 (> 1: this project is faster). "cores used": the process's CPU
+time over the wall time of a decoder's timed calls (2.0: both cores of a 2-core machine busy throughout).
+`--threads 1` runs CTranslate2 on one thread, to compare the engines core for core.
 
 --run: `train.py translate`'s path (translation.translate_lines: tokenizing, batching, beam search, detokenizing)
 on the lines of --input, against CTranslate2 translating the same lines with the same tokenizer, from a run
@@ -155,6 +157,17 @@ def decoders(config, params, translator, pieces, src: np.ndarray, beam: int, new
     return {"flax": flax, "flax-generate": flax_generate, "ctranslate2": ct2}
 
 
+def timed(call: Callable[[], object]) -> tuple[float, float]:
+    """(wall seconds, CPU seconds) of one call. The CPU time is the whole process's, all its threads: the share of
+    the machine's cores a decoder keeps busy (CTranslate2 runs each matrix product on `intra_threads` threads;
+    XLA:CPU splits only its larger ops across the cores, and runs a decoding step's small ones one after another).
+    Other threads' work in the window counts too (CTranslate2's OpenMP workers spin for a moment after its calls):
+    negligible over calls of tens of milliseconds, not over calls of one or two."""
+    wall, cpu = time.perf_counter(), time.process_time()
+    call()
+    return time.perf_counter() - wall, time.process_time() - cpu
+
+
 def benchmark(
     preset_name: str = "small",
     rows: Sequence[str] = ROWS,
@@ -184,15 +197,16 @@ def benchmark(
             src[:, -1] = config.eos_id
             calls = decoders(config, params, translator, pieces, src, beam, new_tokens)
             outputs = {name: call() for name, call in calls.items()}  # warm-up (compilation), untimed
-            times = {name: [] for name in calls}
+            times, cpu = {name: [] for name in calls}, {name: [] for name in calls}
             names = list(calls)
             for r in range(repeats):
                 for name in names[r % len(names) :] + names[: r % len(names)]:
-                    start = time.perf_counter()
-                    calls[name]()
-                    times[name].append(time.perf_counter() - start)
+                    wall, busy = timed(calls[name])
+                    times[name].append(wall)
+                    cpu[name].append(busy)
             for name in names:
                 best, median = min(times[name]), statistics.median(times[name])
+                cores = sum(cpu[name]) / sum(times[name])
                 same = int(np.sum(np.all(outputs[name] == outputs["ctranslate2"], axis=1)))
                 results.append(
                     dict(
@@ -204,11 +218,13 @@ def benchmark(
                         tokens_per_s_best=batch * new_tokens / best,
                         tokens_per_s_median=batch * new_tokens / median,
                         same_as_ctranslate2=f"{same}/{batch}",
+                        cores_used=cores,
                     )
                 )
                 log(
                     f"{search:>7} batch {batch:>3}  {name:<14} {batch * new_tokens / median:>9.0f} tokens/s median "
-                    f"{batch * new_tokens / best:>9.0f} best   same tokens as ctranslate2: {same}/{batch}"
+                    f"{batch * new_tokens / best:>9.0f} best   {cores:.2f} cores   same tokens as ctranslate2: "
+                    f"{same}/{batch}"
                 )
     settings = dict(
         preset=preset_name,
@@ -278,16 +294,17 @@ def translate_run(run_dir: Path, input_path: Path, beam: int, repeats: int, log=
 
         calls = {"train.py translate": ours, "ctranslate2": ct2}
         outputs = {name: call() for name, call in calls.items()}
-        times = {name: [] for name in calls}
+        times, cpu = {name: [] for name in calls}, {name: [] for name in calls}
         for r in range(repeats):
             for name in list(calls)[r % 2 :] + list(calls)[: r % 2]:
-                start = time.perf_counter()
-                calls[name]()
-                times[name].append(time.perf_counter() - start)
+                wall, busy = timed(calls[name])
+                times[name].append(wall)
+                cpu[name].append(busy)
     same = sum(a == b for a, b in zip(outputs["train.py translate"], outputs["ctranslate2"]))
     results = []
     for name in calls:
         best, median = min(times[name]), statistics.median(times[name])
+        cores = sum(cpu[name]) / sum(times[name])
         results.append(
             dict(
                 decoder=name,
@@ -296,9 +313,13 @@ def translate_run(run_dir: Path, input_path: Path, beam: int, repeats: int, log=
                 seconds_median=median,
                 sentences_per_s_median=len(lines) / median,
                 sentences_per_s_best=len(lines) / best,
+                cores_used=cores,
             )
         )
-        log(f"{name:<20} {len(lines) / median:>8.1f} sentences/s median, {len(lines) / best:>8.1f} best")
+        log(
+            f"{name:<20} {len(lines) / median:>8.1f} sentences/s median, {len(lines) / best:>8.1f} best, "
+            f"{cores:.2f} cores"
+        )
     log(f"identical translations: {same}/{len(lines)}")
     pairs = zip(lines, outputs["train.py translate"], outputs["ctranslate2"])
     differ = [dict(source=x, ours=a, ctranslate2=b) for x, a, b in pairs if a != b][:3]
@@ -311,8 +332,9 @@ def translate_run(run_dir: Path, input_path: Path, beam: int, repeats: int, log=
 def table(report: dict) -> str:
     rows = report["results"]
     lines = [
-        "| search | batch | decoder | tokens/s (median) | tokens/s (best) | / ctranslate2 (medians) | same tokens |",
-        "|---|---:|---|---:|---:|---:|---:|",
+        "| search | batch | decoder | tokens/s (median) | tokens/s (best) | / ctranslate2 (medians) | cores used | "
+        "same tokens |",
+        "|---|---:|---|---:|---:|---:|---:|---:|",
     ]
     for row in rows:
         key = (row["search"], row["batch"], "ctranslate2")
@@ -320,7 +342,7 @@ def table(report: dict) -> str:
         lines.append(
             f"| {row['search']} | {row['batch']} | {row['decoder']} | {row['tokens_per_s_median']:,.0f} | "
             f"{row['tokens_per_s_best']:,.0f} | {base['seconds_median'] / row['seconds_median']:.2f} | "
-            f"{row['same_as_ctranslate2']} |"
+            f"{row['cores_used']:.2f} | {row['same_as_ctranslate2']} |"
         )
     return "\n".join(lines)
 

@@ -131,11 +131,11 @@ def compile_translation(
             )
         else:
             name, levels = _compile_search(params, config, rows, width, beam_size, max_len_a, max_len_b)
-        # A level below the first, or a longer cache, goes on from a carried state: another program than a
-        # fresh batch of that many rows.
-        first = min(end for _, end in levels)
+        # A level below the first (the rows of a part of the batch: decoding.parts), or a longer cache, goes on
+        # from a carried state: another program than a fresh batch of that many rows.
+        fresh = (max(n for n, _ in levels), min(end for _, end in levels))
         for (n, end), job in levels.items():
-            jobs[f"{name} {n}x{width} cache {end}" + ("" if (n, end) == (rows, first) else " resumed")] = job
+            jobs[f"{name} {n}x{width} cache {end}" + ("" if (n, end) == fresh else " resumed")] = job
     return jobs
 
 
