@@ -26,7 +26,8 @@ Timing: the decoders are interleaved within each repeat in a rotating order (so 
 alike), after one untimed warm-up call each (Flax's compilation); each figure is the best and the median of the
 repeats; ratios are of medians, flax over ctranslate2 (> 1: this project is faster). "cores used": the process's CPU
 time over the wall time of a decoder's timed calls (2.0: both cores of a 2-core machine busy throughout).
-`--threads 1` runs CTranslate2 on one thread, to compare the engines core for core.
+`--threads 1` runs CTranslate2 on one thread (the Flax decoders still use the cores XLA:CPU gives them: see their
+cores used).
 
 --run: `train.py translate`'s path (translation.translate_lines: tokenizing, batching, beam search, detokenizing)
 on the lines of --input, against CTranslate2 translating the same lines with the same tokenizer, from a run

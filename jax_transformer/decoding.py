@@ -7,6 +7,7 @@ docs/internals.md#decoding."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import os
@@ -293,32 +294,48 @@ def select_rows(tree, index, beams: int = 1):
 PARTED_FROM = 8  # sentences from which a batch is decoded in two halves at once on a CPU
 
 
+def _usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity where the system says, else all the machine's)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def parts(rows: int) -> int:
     """How many parts `decode_shrinking` cuts a batch of `rows` sentences into, each decoded at the same time by a
-    thread of its own: 2 on a CPU of two cores or more, for an even batch of at least PARTED_FROM sentences; 1
-    otherwise. XLA:CPU runs a decoding step's many small ops one after another and splits only its larger products
-    across the cores: one loop keeps 1.5-1.7 of a 2-core EPYC's cores busy (CTranslate2, with a thread per core,
-    2.0); two half batches side by side keep 1.9-2.0 busy, 10-20% faster from 8 sentences up, greedy or beam 4;
-    at 4 sentences no faster (docs/benchmarks.md). Measured on 2-core machines only, hence 2 parts; a GPU or TPU
-    runs one batch at once."""
-    if jax.default_backend() != "cpu" or (os.cpu_count() or 1) < 2 or rows % 2 or rows < PARTED_FROM:
+    thread of its own: 2 on a CPU where the process may use two cores or more, for an even batch of at least
+    PARTED_FROM sentences; 1 otherwise. XLA:CPU runs a decoding step's many small ops one after another and splits
+    only its larger products across the cores: one loop kept 1.5-1.7 of a 2-core EPYC's cores busy (CTranslate2,
+    with a thread per core, 2.0); two half batches side by side kept 1.9-2.0 busy, 4-26% faster (medians) from 8
+    sentences up, greedy or beam 4, no faster at 4 sentences (docs/benchmarks.md). Measured on 2-core machines
+    only, hence 2 parts; a GPU or TPU runs one batch at once."""
+    if jax.default_backend() != "cpu" or _usable_cores() < 2 or rows % 2 or rows < PARTED_FROM:
         return 1
     return 2
 
 
 def decode_shrinking(run, rows_args: tuple, unfinished, outputs, length: int, beams: int = 1) -> list[np.ndarray]:
     """`_decode_shrinking` on each of `parts(rows)` parts of the batch, at the same time, their results in order.
-    The rows are independent: the results are those of one batch (up to the float rounding of smaller matrix
-    products, as for a batch that shrinks)."""
-    rows = rows_args[0].shape[0]
-    n = parts(rows)
+    Part i takes rows i, i + n, i + 2n, ...: `translate` sorts a batch's sentences by length and puts its filler
+    rows last, so interleaved parts get alike lengths (halves would not). The rows are independent: the results are
+    those of one batch (up to the float rounding of smaller matrix products, as for a batch that shrinks)."""
+    n = parts(rows_args[0].shape[0])
     if n == 1:
         return _decode_shrinking(run, rows_args, unfinished, outputs, length, beams)
-    size = rows // n
-    pieces = [tuple(arg[i * size : (i + 1) * size] for arg in rows_args) for i in range(n)]
+    # jax's matmul precision setting is per thread: the parts run with the caller's.
+    precision = jax.config.jax_default_matmul_precision
+
+    def decode_part(i: int) -> list[np.ndarray]:
+        with jax.default_matmul_precision(precision) if precision else contextlib.nullcontext():
+            return _decode_shrinking(run, tuple(arg[i::n] for arg in rows_args), unfinished, outputs, length, beams)
+
     with ThreadPoolExecutor(n) as pool:  # jax releases the GIL while its programs run
-        done = list(pool.map(lambda piece: _decode_shrinking(run, piece, unfinished, outputs, length, beams), pieces))
-    return [np.concatenate(results) for results in zip(*done)]
+        done = list(pool.map(decode_part, range(n)))
+    results = []
+    for pieces in zip(*done):  # each result's rows back in the batch's order
+        result = np.empty((sum(len(p) for p in pieces),) + pieces[0].shape[1:], pieces[0].dtype)
+        for i, piece in enumerate(pieces):
+            result[i::n] = piece
+        results.append(result)
+    return results
 
 
 def _decode_shrinking(run, rows_args: tuple, unfinished, outputs, length: int, beams: int = 1) -> list[np.ndarray]:

@@ -624,7 +624,7 @@ def test_finished_sentences_leave_the_batch_and_change_nothing(search, monkeypat
     assert not {name for name, _ in compiled} & {"jit(_greedy_core)", "jit(_beam_core)"}, compiled
     # Each part of the batch (two halves at once on a CPU of two cores or more: decoding.parts) shrinks alone.
     part = 64 // decoding.parts(64)
-    below = decoding.shrink_levels(part, beam_size)[1:]  # 8, 4 of 32 sentences (and 2, 1 rows of a greedy search)
+    below = decoding.shrink_levels(part, beam_size)[1:]  # of a half of 32: 8, 4 sentences; greedy 8, 2, 1 rows
     assert levels and set(levels) <= set(below), levels  # it shrank
     assert all(levels.count(n) <= 64 // part for n in below), levels  # each part once through each level
     monkeypatch.setattr(decoding, "SMALLEST_LEVEL", 10**6)  # one level: the whole batch runs to the end,
