@@ -169,6 +169,19 @@ def timed(call: Callable[[], object]) -> tuple[float, float]:
     return time.perf_counter() - wall, time.process_time() - cpu
 
 
+def interleaved(calls: dict[str, Callable[[], object]], repeats: int) -> tuple[dict, dict]:
+    """({name: wall seconds per call}, {name: CPU seconds per call}) of `repeats` rounds of every call, in an order
+    that rotates by one each round (drift on a shared machine hits all alike)."""
+    names = list(calls)
+    times, cpu = {name: [] for name in names}, {name: [] for name in names}
+    for r in range(repeats):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            wall, busy = timed(calls[name])
+            times[name].append(wall)
+            cpu[name].append(busy)
+    return times, cpu
+
+
 def benchmark(
     preset_name: str = "small",
     rows: Sequence[str] = ROWS,
@@ -198,14 +211,8 @@ def benchmark(
             src[:, -1] = config.eos_id
             calls = decoders(config, params, translator, pieces, src, beam, new_tokens)
             outputs = {name: call() for name, call in calls.items()}  # warm-up (compilation), untimed
-            times, cpu = {name: [] for name in calls}, {name: [] for name in calls}
-            names = list(calls)
-            for r in range(repeats):
-                for name in names[r % len(names) :] + names[: r % len(names)]:
-                    wall, busy = timed(calls[name])
-                    times[name].append(wall)
-                    cpu[name].append(busy)
-            for name in names:
+            times, cpu = interleaved(calls, repeats)
+            for name in calls:
                 best, median = min(times[name]), statistics.median(times[name])
                 cores = sum(cpu[name]) / sum(times[name])
                 same = int(np.sum(np.all(outputs[name] == outputs["ctranslate2"], axis=1)))
@@ -295,12 +302,7 @@ def translate_run(run_dir: Path, input_path: Path, beam: int, repeats: int, log=
 
         calls = {"train.py translate": ours, "ctranslate2": ct2}
         outputs = {name: call() for name, call in calls.items()}
-        times, cpu = {name: [] for name in calls}, {name: [] for name in calls}
-        for r in range(repeats):
-            for name in list(calls)[r % 2 :] + list(calls)[: r % 2]:
-                wall, busy = timed(calls[name])
-                times[name].append(wall)
-                cpu[name].append(busy)
+        times, cpu = interleaved(calls, repeats)
     same = sum(a == b for a, b in zip(outputs["train.py translate"], outputs["ctranslate2"]))
     results = []
     for name in calls:

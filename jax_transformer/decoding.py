@@ -329,13 +329,8 @@ def decode_shrinking(run, rows_args: tuple, unfinished, outputs, length: int, be
 
     with ThreadPoolExecutor(n) as pool:  # jax releases the GIL while its programs run
         done = list(pool.map(decode_part, range(n)))
-    results = []
-    for pieces in zip(*done):  # each result's rows back in the batch's order
-        result = np.empty((sum(len(p) for p in pieces),) + pieces[0].shape[1:], pieces[0].dtype)
-        for i, piece in enumerate(pieces):
-            result[i::n] = piece
-        results.append(result)
-    return results
+    # Each result's rows back in the batch's order: row j of part i is row j * n + i (the parts are of equal size).
+    return [np.stack(pieces, axis=1).reshape(-1, *pieces[0].shape[1:]) for pieces in zip(*done)]
 
 
 def _decode_shrinking(run, rows_args: tuple, unfinished, outputs, length: int, beams: int = 1) -> list[np.ndarray]:

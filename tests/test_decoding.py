@@ -579,6 +579,28 @@ def test_generate_leaves_filler_rows_finished_from_the_start(num_beams, model_a)
     assert np.all(with_filler[-1] == config.pad_id)
 
 
+def test_batch_parts_run_with_the_callers_precision_and_come_back_in_row_order(monkeypatch):
+    """decode_shrinking hands each part (decoding.parts: two on a CPU of two cores or more) every n-th row, decodes
+    the parts in threads of their own, each under the caller's matmul precision (a per-thread jax setting), and
+    puts the rows of every result back where they were."""
+    seen = []
+
+    def part(run, rows_args, unfinished, outputs, length, beams):  # stands in for one part's decoding
+        src, max_new = rows_args
+        seen.append((jax.config.jax_default_matmul_precision, np.asarray(src)[:, 0].tolist()))
+        return [np.asarray(src) * 10, np.asarray(max_new) + 0.5]
+
+    monkeypatch.setattr(decoding, "_decode_shrinking", part)
+    src = np.arange(8 * 3).reshape(8, 3)  # row r starts with 3 * r
+    max_new = np.arange(8)
+    with jax.default_matmul_precision("float32"):
+        tokens, scores = decoding.decode_shrinking(None, (src, max_new), None, None, length=4)
+    n = decoding.parts(8)
+    assert sorted(seen) == [("float32", list(range(3 * i, 24, 3 * n))) for i in range(n)]  # every n-th row
+    np.testing.assert_array_equal(tokens, src * 10)
+    np.testing.assert_array_equal(scores, max_new + 0.5)
+
+
 @pytest.mark.parametrize("search", ["greedy", "beam 4", "generate greedy", "generate beam 4"])
 def test_finished_sentences_leave_the_batch_and_change_nothing(search, monkeypatch):
     """A batch of 64 real sentences of a trained model (saved weights: their output lengths differ, so rows finish
