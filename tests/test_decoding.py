@@ -603,9 +603,9 @@ def test_batch_parts_run_with_the_callers_precision_and_come_back_in_row_order(m
 
 @pytest.mark.parametrize("search", ["greedy", "beam 4", "generate greedy", "generate beam 4"])
 def test_finished_sentences_leave_the_batch_and_change_nothing(search, monkeypatch):
-    """A batch of 64 real sentences of a trained model (saved weights: their output lengths differ, so rows finish
+    """A batch of 32 real sentences of a trained model (saved weights: their output lengths differ, so rows finish
     at different steps), decoded in two halves at once where the CPU has two cores (decoding.parts), shrinks as
-    they finish (beam 32 -> 8 -> 4 sentences a half, greedy on to 1 row; decoding.decode_shrinking) and gives the
+    they finish (beam 16 -> 4 sentences a half, greedy on to 1 row; decoding.decode_shrinking) and gives the
     tokens and scores of one loop over the whole batch, by both rule sets; the programs of every level are those
     `compile_translation` compiles ahead."""
     from jax_transformer.config import DecodeConfig
@@ -613,7 +613,7 @@ def test_finished_sentences_leave_the_batch_and_change_nothing(search, monkeypat
     from tests.helpers.saved import load_saved_model
 
     saved = load_saved_model("trained_tiny")
-    config, params, src = saved.config, saved.params, saved.sources[64:128]
+    config, params, src = saved.config, saved.params, saved.sources[64:96]
     transformers_rules = DecodeConfig(rules="transformers", max_length=24, banned=str(config.pad_id))
     beam_size, rules = {
         "greedy": (1, None),
@@ -645,10 +645,10 @@ def test_finished_sentences_leave_the_batch_and_change_nothing(search, monkeypat
         tokens, scores = decode()
     assert not {name for name, _ in compiled} & {"jit(_greedy_core)", "jit(_beam_core)"}, compiled
     # Each part of the batch (two halves at once on a CPU of two cores or more: decoding.parts) shrinks alone.
-    part = 64 // decoding.parts(64)
-    below = decoding.shrink_levels(part, beam_size)[1:]  # of a half of 32: 8, 4 sentences; greedy 8, 2, 1 rows
+    part = 32 // decoding.parts(32)
+    below = decoding.shrink_levels(part, beam_size)[1:]  # of a half of 16: 4 sentences; greedy 4, 1 rows
     assert levels and set(levels) <= set(below), levels  # it shrank
-    assert all(levels.count(n) <= 64 // part for n in below), levels  # each part once through each level
+    assert all(levels.count(n) <= 32 // part for n in below), levels  # each part once through each level
     monkeypatch.setattr(decoding, "SMALLEST_LEVEL", 10**6)  # one level: the whole batch runs to the end,
     monkeypatch.setattr(decoding, "SMALLEST_GREEDY_LEVEL", 10**6)
     monkeypatch.setattr(decoding, "PARTED_FROM", 10**6)  # in one part
