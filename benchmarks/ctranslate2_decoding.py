@@ -170,16 +170,16 @@ def timed(call: Callable[[], object]) -> tuple[float, float]:
 
 
 def interleaved(calls: dict[str, Callable[[], object]], repeats: int) -> tuple[dict, dict]:
-    """({name: wall seconds per call}, {name: CPU seconds per call}) of `repeats` rounds of every call, in an order
-    that rotates by one each round (drift on a shared machine hits all alike)."""
+    """({name: wall seconds per call}, {name: cores used over its calls}) of `repeats` rounds of every call, in an
+    order that rotates by one each round (drift on a shared machine hits all alike); cores used: CPU over wall time."""
     names = list(calls)
-    times, cpu = {name: [] for name in names}, {name: [] for name in names}
+    times, cpu = {name: [] for name in names}, {name: 0.0 for name in names}
     for r in range(repeats):
         for name in names[r % len(names) :] + names[: r % len(names)]:
             wall, busy = timed(calls[name])
             times[name].append(wall)
-            cpu[name].append(busy)
-    return times, cpu
+            cpu[name] += busy
+    return times, {name: cpu[name] / sum(times[name]) for name in names}
 
 
 def benchmark(
@@ -211,10 +211,10 @@ def benchmark(
             src[:, -1] = config.eos_id
             calls = decoders(config, params, translator, pieces, src, beam, new_tokens)
             outputs = {name: call() for name, call in calls.items()}  # warm-up (compilation), untimed
-            times, cpu = interleaved(calls, repeats)
+            times, cores_used = interleaved(calls, repeats)
             for name in calls:
                 best, median = min(times[name]), statistics.median(times[name])
-                cores = sum(cpu[name]) / sum(times[name])
+                cores = cores_used[name]
                 same = int(np.sum(np.all(outputs[name] == outputs["ctranslate2"], axis=1)))
                 results.append(
                     dict(
@@ -302,12 +302,12 @@ def translate_run(run_dir: Path, input_path: Path, beam: int, repeats: int, log=
 
         calls = {"train.py translate": ours, "ctranslate2": ct2}
         outputs = {name: call() for name, call in calls.items()}
-        times, cpu = interleaved(calls, repeats)
+        times, cores_used = interleaved(calls, repeats)
     same = sum(a == b for a, b in zip(outputs["train.py translate"], outputs["ctranslate2"]))
     results = []
     for name in calls:
         best, median = min(times[name]), statistics.median(times[name])
-        cores = sum(cpu[name]) / sum(times[name])
+        cores = cores_used[name]
         results.append(
             dict(
                 decoder=name,

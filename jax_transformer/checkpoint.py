@@ -147,6 +147,9 @@ class _NoBackgroundTracebacks(logging.Filter):
         return not (record.levelno >= logging.ERROR and record.exc_info and "orbax" in record.pathname)
 
 
+_ORBAX_CODE = os.path.dirname(ocp.__file__) + os.sep  # where an exception raised in orbax's code has a frame
+
+
 class _NoUnaskedWriteErrors(logging.Filter):
     """The array writes of a failed save fail together (OCDBT puts many arrays in one file). orbax hands the first
     failure to `wait_until_finished` (one CheckpointError here) and may leave the others in asyncio tasks nobody
@@ -161,7 +164,6 @@ class _NoUnaskedWriteErrors(logging.Filter):
         return not any(frame.f_code.co_filename.startswith(_ORBAX_CODE) for frame, _ in frames)
 
 
-_ORBAX_CODE = os.path.dirname(ocp.__file__) + os.sep
 logging.getLogger("absl").addFilter(_QuietUnscoredSaves())
 logging.getLogger("absl").addFilter(_NoBackgroundTracebacks())
 logging.getLogger("asyncio").addFilter(_NoUnaskedWriteErrors())

@@ -645,10 +645,10 @@ def test_finished_sentences_leave_the_batch_and_change_nothing(search, monkeypat
         tokens, scores = decode()
     assert not {name for name, _ in compiled} & {"jit(_greedy_core)", "jit(_beam_core)"}, compiled
     # Each part of the batch (two halves at once on a CPU of two cores or more: decoding.parts) shrinks alone.
-    part = 32 // decoding.parts(32)
-    below = decoding.shrink_levels(part, beam_size)[1:]  # of a half of 16: 4 sentences; greedy 4, 1 rows
+    n_parts = decoding.parts(len(src))
+    below = decoding.shrink_levels(len(src) // n_parts, beam_size)[1:]  # of a half of 16: 4 sentences; greedy 4, 1
     assert levels and set(levels) <= set(below), levels  # it shrank
-    assert all(levels.count(n) <= 32 // part for n in below), levels  # each part once through each level
+    assert all(levels.count(n) <= n_parts for n in below), levels  # each part once through each level
     monkeypatch.setattr(decoding, "SMALLEST_LEVEL", 10**6)  # one level: the whole batch runs to the end,
     monkeypatch.setattr(decoding, "SMALLEST_GREEDY_LEVEL", 10**6)
     monkeypatch.setattr(decoding, "PARTED_FROM", 10**6)  # in one part
