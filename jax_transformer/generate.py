@@ -33,9 +33,10 @@ from jax_transformer.decoding import (
     create_cache,
     decode_shrinking,
     decode_step,
-    encode_memory,
+    encode_batch,
     first_argmax,
     gather_beams,
+    on_device,
     output_kernel,
     phases,
     reorder_cache,
@@ -69,10 +70,11 @@ def _processed(
     jit_by_config, static_argnames=("config", "max_length", "banned", "forced_eos"), cpu_options=LOOP_CPU_OPTIONS
 )
 def _greedy_core(
-    params, src, min_length, leave_at, carried=None, *, config: TransformerConfig, max_length, banned, forced_eos
+    params, src, min_length, leave_at, carried, *, config: TransformerConfig, max_length, banned, forced_eos
 ):
     """src (B, S) -> (state, memory), once every row is done or at most `leave_at` rows are not
-    (`decoding.decode_shrinking`); `carried`: a (state, memory) returned before, to go on from."""
+    (`decoding.decode_shrinking`); `carried`: a (state, memory) returned before, to go on from, or (None, the
+    encoder's output) to start."""
     model, B, L = Transformer(config), src.shape[0], max_length - 1
     kernel = output_kernel(model, params)
 
@@ -84,8 +86,8 @@ def _greedy_core(
         done = done | (token == config.eos_id) | (t + 2 >= max_length)
         return t + 1, token, tokens.at[:, t].set(token), done, cache
 
-    if carried is None:
-        memory = encode_memory(model, params, src)
+    state, memory = carried
+    if state is None:
         state = (
             jnp.array(0, jnp.int32),  # t
             jnp.full((B,), config.start_id, jnp.int32),  # last tokens
@@ -93,8 +95,6 @@ def _greedy_core(
             jnp.all(src == config.pad_id, axis=1),  # done: filler rows from the start
             create_cache(model, params, memory, src, phases(L, B)[0]),
         )
-    else:
-        state, memory = carried
     return run_phase(lambda s: (s[0] < L) & (jnp.sum(~s[3]) > leave_at), advance, state), memory
 
 
@@ -122,7 +122,7 @@ def _beam_core(
     min_length,
     length_penalty,
     leave_at,
-    carried=None,
+    carried,
     *,
     config,
     max_length,
@@ -132,7 +132,8 @@ def _beam_core(
     forced_eos,
 ):
     """src (B, S) -> (_Beams, memory), once every sentence is done or at most `leave_at` are not
-    (`decoding.decode_shrinking`); `carried`: a (state, memory) returned before, to go on from."""
+    (`decoding.decode_shrinking`); `carried`: a (state, memory) returned before, to go on from, or (None, the
+    encoder's output) to start."""
     model, B, K, L = Transformer(config), src.shape[0], beam_size, max_length - 1
     kernel = output_kernel(model, params)
 
@@ -172,8 +173,8 @@ def _beam_core(
             t + 1, running, running_scores, finished, finished_scores, is_finished, improvable, jnp.all(stops), cache
         )
 
-    if carried is None:
-        memory = encode_memory(model, params, src)
+    state, memory = carried
+    if state is None:
         start = jnp.where(jnp.arange(K) == 0, 0.0, NEG)
         state = _Beams(
             t=jnp.array(0, jnp.int32),
@@ -187,8 +188,6 @@ def _beam_core(
             # a source's K hypotheses share its keys/values
             cache=create_cache(model, params, memory, src, phases(L, B * K)[0], beams=K),
         )
-    else:
-        state, memory = carried
     return run_phase(more, advance, state), memory
 
 
@@ -223,14 +222,20 @@ def generate(
     options = dict(
         config=config, max_length=int(max_length), banned=tuple(int(i) for i in banned), forced_eos=bool(forced_eos)
     )
-    min_length = jnp.asarray(min_length, jnp.int32)
+    min_length, params = jnp.asarray(min_length, jnp.int32), on_device(params)
+    encode = functools.partial(encode_batch, params, config)
     if num_beams == 1:
 
         def run(rows, leave_at, carried):
             return _greedy_core(params, rows[0], min_length, leave_at, carried, **options)
 
         (tokens,) = decode_shrinking(
-            run, (jnp.asarray(src),), unfinished=lambda s: ~s[3], outputs=lambda s: (s[2],), length=max_length - 1
+            run,
+            encode,
+            (jnp.asarray(src),),
+            unfinished=lambda s: ~s[3],
+            outputs=lambda s: (s[2],),
+            length=max_length - 1,
         )
         return tokens
     length_penalty = jnp.asarray(length_penalty, jnp.float32)
@@ -241,6 +246,7 @@ def generate(
 
     (tokens,) = decode_shrinking(
         run,
+        encode,
         (jnp.asarray(src),),
         unfinished=lambda s: _open(s, max_length - 1, early_stopping),
         outputs=lambda s: (s.finished[:, 0],),

@@ -25,7 +25,9 @@ from jax_transformer.decoding import (
     _beam_core,
     _greedy_core,
     beam_search,
+    encoder_programs,
     greedy_search,
+    on_device,
     output_length,
     shrinking_programs,
 )
@@ -119,7 +121,8 @@ def compile_translation(
     decode: DecodeConfig | None = None,
 ) -> dict[str, Any]:
     """Compile jobs for the decoder `translate` uses on batches of these (rows, width) shapes: {name: a function
-    that compiles it}, one per level a batch shrinks through as its sentences finish (`decoding.shrink_levels`).
+    that compiles it}, one per level a batch shrinks through as its sentences finish (`decoding.shrink_levels`),
+    and one per shape its encoder runs at (`decoding.encode_batch`).
     Run them (e.g. with `compilation.CompileJobs`) before decoding and `translate` compiles nothing:
     `lower(...).compile()` fills the cache its calls look in (alpha is an array argument, any value)."""
     jobs = {}
@@ -136,6 +139,8 @@ def compile_translation(
         fresh = (max(n for n, _ in levels), min(end for _, end in levels))
         for (n, end), job in levels.items():
             jobs[f"{name} {n}x{width} cache {end}" + ("" if (n, end) == fresh else " resumed")] = job
+        for (n, w), job in encoder_programs(params, config, rows, width).items():
+            jobs[f"encoder {n}x{w}"] = job  # shared by the batches of every shape that encode such groups
     return jobs
 
 
@@ -216,6 +221,7 @@ def _translate_sources(
 ) -> list[str]:
     """Decoded text of encoded sources (ids + EOS), in their order; see `translate`."""
     batches = translation_batches([len(s) for s in sources], batch_size, config.max_len)
+    params = on_device(params)  # once for all the batches
     out: list[str] = [""] * len(sources)
     for chunk, rows, width in tqdm(batches, desc="translate", unit="batch", disable=not progress or len(batches) < 2):
         src = np.full((rows, width), config.pad_id, dtype=np.int32)  # filler rows stay all-PAD
@@ -293,7 +299,7 @@ def translate_lines(
         raise ValueError(f"chunk_size must be an int >= 1, got {chunk_size!r}")
     options = dict(beam_size=beam_size, alpha=alpha, batch_size=batch_size, max_len_a=max_len_a, max_len_b=max_len_b)
     options["decode"] = decode
-    report = TranslationReport()
+    report, params = TranslationReport(), on_device(params)  # once for all the chunks
     bar = tqdm(
         total=total,
         desc="translate",

@@ -190,6 +190,47 @@ def test_phases_below_a_few_hypotheses_are_one_cache():
     assert decoding.phases(65, 1) == [65]
 
 
+def test_weights_given_as_numpy_go_to_the_device_once():
+    # A checkpoint's numpy weights become device arrays (a program would copy numpy ones in at every call);
+    # arrays already on a device are kept as they are, not copied.
+    on_device = jnp.zeros(2)
+    tree = {"numpy": np.arange(3, dtype=np.float32), "device": on_device}
+    out = decoding.on_device(tree)
+    assert isinstance(out["numpy"], jax.Array) and out["device"] is on_device
+    np.testing.assert_array_equal(out["numpy"], tree["numpy"])
+
+
+def test_the_encoder_runs_on_groups_of_alike_sources_cut_to_their_length(monkeypatch):
+    """encode_batch sorts a batch's sources by length and encodes them ENCODER_ROWS at a time, each group cut to
+    its longest source rounded up to ENCODER_WIDTH_STEP: the encoder's output over the whole batch at every real
+    position, zero past the group's width, every row back in its place."""
+    config = CONFIG_B
+    params = init_params(config, 5)
+    # 16 short sources (1..8 tokens, twice) and 4 long ones in no order, and a filler row of PAD only: 21 rows.
+    lengths = np.random.default_rng(5).permutation([1 + i % 8 for i in range(16)] + [9, 12, 14, MAX_LEN]).tolist()
+    src = np.concatenate([make_src(config, lengths, seed=5), np.full((1, MAX_LEN), config.pad_id, np.int32)])
+    shapes, encoder = [], decoding._encoder
+
+    def recorded(params, src, *, config):
+        shapes.append(src.shape)
+        return encoder(params, src, config=config)
+
+    monkeypatch.setattr(decoding, "_encoder", recorded)
+    memory = np.asarray(decoding.encode_batch(params, config, src))
+    whole = np.asarray(decoding.encode_memory(Transformer(config), params, jnp.asarray(src)))
+    # Sorted: the filler row and 15 short ones (up to 8 tokens) in a group cut to 8 positions; the other short
+    # one and the 4 long ones (up to 16) at the full width.
+    assert sorted(shapes) == [(5, 16), (16, 8)] and set(shapes) <= set(decoding.encoder_shapes(*src.shape))
+    real = src != config.pad_id
+    # The same products over fewer rows and masked keys that were exact zeros: float32 reassociation only
+    # (values of LayerNorm'd size O(1): ~1e-6); CACHE_ATOL's margin. A row routed to another's place moves O(1).
+    np.testing.assert_allclose(memory[real], whole[real], atol=CACHE_ATOL, rtol=0)
+    first_group = [row for row, n in enumerate(lengths) if n < 8] + [len(lengths)]  # the filler row is last
+    assert not memory[first_group, 8:].any()  # past its group's width: zeros
+    assert memory[first_group, :8].any(axis=-1).all()  # every position of the group computed
+    assert memory.shape == whole.shape
+
+
 def test_select_rows_and_grow_cache_follow_the_caches_layout():
     """A beam cache of 3 sentences x 2 hypotheses, 2 heads, 4 positions, laid out as MultiHeadAttention keeps it:
     keys (sentences * heads, d_k, positions * beams), values (sentences * heads, positions * beams, d_k), slots
@@ -398,7 +439,8 @@ def test_translate_keeps_order_and_reuses_compilations(tiny_translator):
     # Other sentences of the same shapes compile at most the programs of that shape their outputs reach and the
     # first ones did not (a level of the shrinking batch, a cache length: compile_translation lists them all);
     # the same sentences again compile nothing.
-    planned = len(translation.compile_translation(params, config, [(4, 16)], beam_size=1))
+    jobs = translation.compile_translation(params, config, [(4, 16)], beam_size=1)
+    planned = len([name for name in jobs if not name.startswith("encoder")])
     compiled = decoding._greedy_core._cache_size()
     translation.translate(params, config, tokenizer, short[100:107], beam_size=1, batch_size=4, progress=False)
     assert decoding._greedy_core._cache_size() - compiled <= planned - 1
@@ -475,12 +517,19 @@ def test_translate_compiles_once_per_shape_and_ahead_of_time(tiny_translator):
             "greedy search 8x16 cache 24",
             "greedy search 8x24 cache 24",
         ]
-    assert sorted(jobs) == expected
-    assert [name for name, _ in compiled] == ["jit(_greedy_core)"] * len(expected)
+    # The encoder runs on the rows of a part (at most decoding.ENCODER_ROWS) cut to widths of 8, 16, ... up to the
+    # batch's (decoding.encode_batch): a program per width, shared by the shapes.
+    encoders = [f"encoder 4x{w}" for w in (16, 24, 8)]
+    if decoding.parts(8) == 1:
+        encoders += [f"encoder 8x{w}" for w in (16, 24, 8)]
+    assert sorted(jobs) == sorted(expected + encoders)
+    assert sorted(name for name, _ in compiled) == sorted(
+        ["jit(_greedy_core)"] * len(expected) + ["jit(_encoder)"] * len(encoders)
+    )
     with compiled_functions() as compiled:
         for batch in (chosen, few):
             translation.translate(params, config, tokenizer, batch, beam_size=1, batch_size=8, progress=False)
-    assert "jit(_greedy_core)" not in {name for name, _ in compiled}  # nothing compiled again
+    assert not {"jit(_greedy_core)", "jit(_encoder)"} & {name for name, _ in compiled}  # nothing compiled again
 
 
 def test_plot_attention_draws_every_layer_and_head(tiny_translator, tmp_path):
@@ -585,7 +634,7 @@ def test_batch_parts_run_with_the_callers_precision_and_come_back_in_row_order(m
     puts the rows of every result back where they were."""
     seen = []
 
-    def part(run, rows_args, unfinished, outputs, length, beams):  # stands in for one part's decoding
+    def part(run, encode, rows_args, unfinished, outputs, length, beams):  # stands in for one part's decoding
         src, max_new = rows_args
         seen.append((jax.config.jax_default_matmul_precision, np.asarray(src)[:, 0].tolist()))
         return [np.asarray(src) * 10, np.asarray(max_new) + 0.5]
@@ -594,7 +643,7 @@ def test_batch_parts_run_with_the_callers_precision_and_come_back_in_row_order(m
     src = np.arange(8 * 3).reshape(8, 3)  # row r starts with 3 * r
     max_new = np.arange(8)
     with jax.default_matmul_precision("float32"):
-        tokens, scores = decoding.decode_shrinking(None, (src, max_new), None, None, length=4)
+        tokens, scores = decoding.decode_shrinking(None, None, (src, max_new), None, None, length=4)
     n = decoding.parts(8)
     assert sorted(seen) == [("float32", list(range(3 * i, 24, 3 * n))) for i in range(n)]  # every n-th row
     np.testing.assert_array_equal(tokens, src * 10)
@@ -629,9 +678,9 @@ def test_finished_sentences_leave_the_batch_and_change_nothing(search, monkeypat
             return decoding.greedy_search(params, config, src)
         return decoding.beam_search(params, config, src, beam_size=beam_size, alpha=0.6)
 
-    levels, select_rows = [], decoding.select_rows
+    levels, select_rows = [], decoding._select_rows_jit
 
-    def counted(tree, index, beams=1):  # decoding.select_rows, noting the level it shrinks to
+    def counted(tree, index, beams=1):  # decoding's select_rows, noting the level it shrinks to
         levels.append(len(index))
         return select_rows(tree, index, beams)
 
@@ -640,7 +689,7 @@ def test_finished_sentences_leave_the_batch_and_change_nothing(search, monkeypat
         params, config, [src.shape], beam_size=beam_size, decode=rules
     ).values():
         compile_job()
-    monkeypatch.setattr(decoding, "select_rows", counted)
+    monkeypatch.setattr(decoding, "_select_rows_jit", counted)
     with compiled_functions() as compiled:
         tokens, scores = decode()
     assert not {name for name, _ in compiled} & {"jit(_greedy_core)", "jit(_beam_core)"}, compiled

@@ -13,6 +13,7 @@ test_attention_kernels.py.
 
 from __future__ import annotations
 
+import functools
 import re
 
 import jax
@@ -57,7 +58,8 @@ def _shapes(tree):
 
 
 def _lowered_programs(config) -> dict[str, str]:
-    """The training step (dropout on), greedy and beam search of `config`, lowered (traced, not compiled)."""
+    """The training step (dropout on), the decoders' encoder, greedy and beam search of `config`, lowered (traced,
+    not compiled)."""
     opt = training.OptimConfig()
     batch = _shapes(make_batch(config))
     step = training.make_train_step(config, opt).lower(training.abstract_train_state(config, opt), batch)
@@ -65,10 +67,15 @@ def _lowered_programs(config) -> dict[str, str]:
     src = jax.ShapeDtypeStruct((2, 6), jnp.int32)
     rows = jax.ShapeDtypeStruct((2,), jnp.int32)
     scalar = jax.ShapeDtypeStruct((), jnp.int32)
-    greedy = decoding._greedy_core.lower(params, src, rows, scalar, scalar, config=config, length=8)
+    encoder = decoding._encoder.lower(params, src, config=config)
+    start = (None, jax.eval_shape(functools.partial(decoding._encoder.__wrapped__, config=config), params, src))
+    greedy = decoding._greedy_core.lower(params, src, rows, scalar, scalar, start, config=config, length=8)
     penalties = jax.ShapeDtypeStruct((9,), jnp.float32)
-    beam = decoding._beam_core.lower(params, src, rows, scalar, penalties, scalar, config=config, length=8, beam_size=2)
-    return {"train step": step.as_text(), "greedy": greedy.as_text(), "beam": beam.as_text()}
+    beam = decoding._beam_core.lower(
+        params, src, rows, scalar, penalties, scalar, start, config=config, length=8, beam_size=2
+    )
+    texts = (step, encoder, greedy, beam)
+    return dict(zip(("train step", "encoder", "greedy", "beam"), (program.as_text() for program in texts)))
 
 
 @pytest.mark.parametrize(
