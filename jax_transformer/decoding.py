@@ -120,7 +120,7 @@ def _check_options(config: TransformerConfig, max_len_a, max_len_b, min_len, bea
 def on_device(params):
     """params with its numpy leaves (a checkpoint's, as `checkpoint.load` gives them) put on the device once: a
     program called on numpy arrays copies them in at every call, and a search makes dozens of calls (the whole
-    model's weights each time: 11-12% of greedy `translate`'s time on 100 Multi30k sentences, 4-7% of beam 4's,
+    model's weights each time: 11-12% of greedy `translate`'s time on 100 Multi30k sentences, 3-7% of beam 4's,
     small preset, CPU). Arrays already on a device stay where they are."""
     return jax.tree.map(lambda x: jnp.asarray(x) if isinstance(x, np.ndarray) else x, params)
 
@@ -134,37 +134,48 @@ def _encoder(params, src, *, config: TransformerConfig):
     return encode_memory(Transformer(config), params, src)  # (B, S, D)
 
 
-ENCODER_ROWS = 16  # sources the encoder of a decoding batch takes at a time, alike in length ...
-ENCODER_WIDTH_STEP = 8  # ... cut to the longest of them, rounded up to a multiple of this
+ENCODER_ROWS = 16  # sources the encoder of a decoding batch takes at a time on a CPU, alike in length ...
+ENCODER_WIDTH_STEP = 8  # ... cut to the longest of them, rounded up to a multiple of this (or of 1/8 of the
+# next power of two above 64 tokens: at most 20 widths up to 512, each a program to compile)
+
+
+def _encoder_rows(rows: int) -> int:
+    """Sources per encoder call: ENCODER_ROWS on a CPU (measured there), the whole batch elsewhere."""
+    return ENCODER_ROWS if jax.default_backend() == "cpu" else rows
 
 
 def encoder_shape(rows: int, length: int, width: int) -> tuple[int, int]:
     """(rows, width) of the program that encodes `rows` sources of at most `length` tokens for a batch `width`
     wide (`encode_batch`)."""
-    return rows, min(width, max(ENCODER_WIDTH_STEP, -(-length // ENCODER_WIDTH_STEP) * ENCODER_WIDTH_STEP))
+    length = max(length, 1)
+    step = max(ENCODER_WIDTH_STEP, (1 << (length - 1).bit_length()) // 8)
+    return rows, min(width, -(-length // step) * step)
 
 
 def encoder_shapes(rows: int, width: int) -> list[tuple[int, int]]:
     """Every shape `encode_batch` may run the encoder at for a batch of (rows, width) sources (to compile ahead)."""
-    groups = sorted({min(ENCODER_ROWS, rows), rows % ENCODER_ROWS} - {0})
-    return [encoder_shape(n, length, width) for n in groups for length in range(1, width + 1, ENCODER_WIDTH_STEP)]
+    group = _encoder_rows(rows)
+    sizes = {min(group, rows), rows % group} - {0}
+    return sorted({encoder_shape(n, length, width) for n in sizes for length in range(1, width + 1)})
 
 
 def encode_batch(params, config: TransformerConfig, src) -> jnp.ndarray:
     """The encoder's output (B, S, D) for a decoding batch of right-padded sources (B, S), zero past each group's
     width (cross-attention masks those positions). A batch is padded to one of a few widths, so that few decoders
     compile, and most of its sources are shorter: the encoder runs on groups of ENCODER_ROWS sources of alike
-    length instead, each group cut to its longest source (rounded up to ENCODER_WIDTH_STEP). On 100 Multi30k
-    sentences (small preset, CPU) the encoder took 38% less time over `translate`'s batches so, and greedy
-    `translate` 13% less (docs/benchmarks.md). Each (rows, width) is a program of its own, compiled in a fraction
-    of a second (`encoder_shapes`)."""
+    length instead (on a CPU; elsewhere, not measured, the whole batch), each group cut to its longest source
+    (rounded up, `encoder_shape`). On 100 Multi30k sentences (small preset, CPU) the encoder took 38% less time
+    over `translate`'s batches so, and greedy `translate` 13% less (docs/benchmarks.md). Each (rows, width) is a
+    program of its own, compiled in a fraction of a second (`encoder_shapes`). A row of PAD only (`translate`'s
+    filler) attends over zeros: its output is not the whole width's, and is thrown away."""
     src = np.asarray(src)
     B, S = src.shape
     lengths = source_lengths(src, config.pad_id)
     order = np.argsort(lengths, kind="stable")  # alike lengths side by side; filler rows (all PAD) first
     pieces = []
-    for start in range(0, B, ENCODER_ROWS):
-        rows = order[start : start + ENCODER_ROWS]
+    group = _encoder_rows(B)
+    for start in range(0, B, group):
+        rows = order[start : start + group]
         _, width = encoder_shape(len(rows), int(lengths[rows].max()), S)
         memory = _encoder(params, src[rows, :width], config=config)  # (n, width, D)
         pieces.append(jnp.pad(memory, ((0, 0), (0, S - width), (0, 0))))
@@ -341,7 +352,8 @@ def select_rows(tree, index, beams: int = 1):
     return jax.tree_util.tree_map_with_path(select, tree)
 
 
-# One dispatch between two programs, not a few per leaf (eagerly, 7 ms a shrink in a greedy `translate` batch).
+# One dispatch between two programs, not a few eager ops per leaf (7 ms a shrink in a greedy `translate` batch);
+# compiled on first use, as `_grow_cache_jit`.
 _select_rows_jit = jax.jit(select_rows, static_argnames="beams")
 
 PARTED_FROM = 8  # sentences from which a batch is decoded in two halves at once on a CPU
@@ -368,7 +380,8 @@ def parts(rows: int) -> int:
 def decode_shrinking(
     run, encode, rows_args: tuple, unfinished, outputs, length: int, beams: int = 1
 ) -> list[np.ndarray]:
-    """`_decode_shrinking` on each of `parts(rows)` parts of the batch, at the same time, their results in order.
+    """`_decode_shrinking` on each of `parts(rows)` parts of the batch, at the same time, their results in order;
+    each part encodes its own sources (`encode(src)`, in its thread).
     Part i takes rows i, i + n, i + 2n, ...: `translate` sorts a batch's sentences by length and puts its filler
     rows last, so interleaved parts get alike lengths (halves would not). The rows are independent: the results are
     those of one batch (up to the float rounding of smaller matrix products, as for a batch that shrinks)."""
@@ -452,25 +465,29 @@ def shrinking_programs(
 ) -> dict:
     """Compile jobs for the programs `decode_shrinking` runs `core` as on a batch of `rows` rows: {(rows of the
     level, cache length): a function that compiles it}; the first level's (a part's rows, `parts`) at the first
-    cache length starts afresh, the others go on from a carried state. per_row(n): the per-row arguments' shapes
-    (jax.ShapeDtypeStruct) at n rows; `shared`: the other arguments before leave_at; `static`: the static keyword
-    arguments; `beams`: hypotheses per sentence. `lower(...).compile()` fills the cache calls look in."""
+    cache length starts from the encoder's output (`encoder_programs`), the others go on from a carried state.
+    per_row(n): the per-row arguments' shapes (jax.ShapeDtypeStruct) at n rows; `shared`: the other arguments
+    before leave_at; `static`: the static keyword arguments; `beams`: hypotheses per sentence.
+    `lower(...).compile()` fills the cache calls look in."""
     rows //= parts(rows)  # each part of the batch runs the programs of its own rows
     leave_at = jax.ShapeDtypeStruct((), jnp.int32)
     ends, jobs = phases(length, rows * beams), {}
     first = (params, *per_row(rows), *shared, leave_at)
-    # The encoder's output (rows, S, D), which the first program starts from (`encoder_programs` compile it).
-    memory = jax.eval_shape(functools.partial(_encoder.__wrapped__, config=static["config"]), params, first[1])
+
+    @functools.cache
+    def start():  # what the first program starts from: (None, the encoder's output (rows, S, D))
+        encoder = functools.partial(_encoder.__wrapped__, config=static["config"])  # `encoder_programs` compile it
+        return None, jax.eval_shape(encoder, params, first[1])
 
     @functools.cache  # traced once for all the resumed programs
     def fresh():  # (state, memory) as the first program returns it; of the plain function (a jit cannot nest)
-        return jax.eval_shape(functools.partial(core.__wrapped__, **static), *first, (None, memory))
+        return jax.eval_shape(functools.partial(core.__wrapped__, **static), *first, start())
 
     for level in shrink_levels(rows, beams):
         args = (params, *per_row(level), *shared, leave_at)
         for end in ends:
             if (level, end) == (rows, ends[0]):
-                jobs[level, end] = lambda args=args: core.lower(*args, (None, memory), **static).compile()
+                jobs[level, end] = lambda args=args: core.lower(*args, start(), **static).compile()
                 continue
 
             def resume(args=args, level=level, end=end):

@@ -106,7 +106,7 @@ def translation_batches(lengths: Sequence[int], batch_size: int, max_len: int) -
 
 def translation_shapes(lengths: Sequence[int], batch_size: int, max_len: int) -> list[tuple[int, int]]:
     """The distinct (rows, width) shapes `translate` decodes sources of these lengths in: each compiles one
-    program per level its batch can shrink to (`compile_translation`)."""
+    program per level its batch can shrink to, and its encoder a program per group shape (`compile_translation`)."""
     return sorted({(rows, width) for _, rows, width in translation_batches(lengths, batch_size, max_len)})
 
 
@@ -123,8 +123,9 @@ def compile_translation(
     """Compile jobs for the decoder `translate` uses on batches of these (rows, width) shapes: {name: a function
     that compiles it}, one per level a batch shrinks through as its sentences finish (`decoding.shrink_levels`),
     and one per shape its encoder runs at (`decoding.encode_batch`).
-    Run them (e.g. with `compilation.CompileJobs`) before decoding and `translate` compiles nothing:
-    `lower(...).compile()` fills the cache its calls look in (alpha is an array argument, any value)."""
+    Run them (e.g. with `compilation.CompileJobs`) before decoding and `translate` compiles none of its searches
+    and encoders (the small gathers between them compile on first use): `lower(...).compile()` fills the cache its
+    calls look in (alpha is an array argument, any value)."""
     jobs = {}
     for rows, width in shapes:
         if decode is not None and decode.rules == "transformers":

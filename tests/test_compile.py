@@ -16,7 +16,7 @@ from tests.helpers.tooling import compiled_functions
 from tests.helpers.training import REPO, run_main, tiny_train_args, write_corpus
 
 # The names jax gives the run's programs: train and eval steps are jitted lambdas, the decoders named functions.
-RUN_PROGRAMS = {"jit(<lambda>)", "jit(_greedy_core)", "jit(_beam_core)"}
+RUN_PROGRAMS = {"jit(<lambda>)", "jit(_greedy_core)", "jit(_beam_core)", "jit(_encoder)"}
 
 
 def _records(run_dir, kind: str) -> list[dict]:
@@ -47,7 +47,9 @@ def test_every_program_is_compiled_ahead_and_nothing_in_the_loop(evaluated_run):
     # (16: the output limit). On a CPU of two cores or more a batch of 8 sentences or more decodes as two halves
     # at once (decoding.parts): beam 64, 32, 16 rows as halves of 32, 16, 8, which shrink 32 -> 8 -> 4, 16 -> 4,
     # 8 -> 4 sentences (decoding.shrink_levels); greedy 16 rows as halves of 8, 8 -> 2 -> 1, and 4 -> 1 rows.
+    # The encoder runs on a part's rows, at most 16 at a time, cut to 8 or 16 positions (decoding.encode_batch).
     halves = [
+        *[f"encoder {rows}x{width}" for rows in (16, 4, 8) for width in (16, 8)],
         "beam search 2 16x16 cache 16",
         "beam search 2 32x16 cache 16",
         "beam search 2 4x16 cache 16 resumed",
@@ -62,6 +64,7 @@ def test_every_program_is_compiled_ahead_and_nothing_in_the_loop(evaluated_run):
     ]
     # One core: whole batches, beam 64 -> 16 -> 4, 32 -> 8 -> 4, 16 -> 4; greedy 16 -> 4 -> 1, 4 -> 1.
     whole = [
+        *[f"encoder {rows}x{width}" for rows in (16, 4) for width in (16, 8)],
         "beam search 2 16x16 cache 16",
         "beam search 2 16x16 cache 16 resumed",
         "beam search 2 32x16 cache 16",
@@ -75,7 +78,7 @@ def test_every_program_is_compiled_ahead_and_nothing_in_the_loop(evaluated_run):
         "greedy search 4x16 cache 16 resumed",
         "train step (32, 16)",
     ]
-    expected = halves if decoding.parts(16) == 2 else whole
+    expected = sorted(halves if decoding.parts(16) == 2 else whole)
     assert record["programs"] == expected
     assert record["errors"] == {}
     # Every program of the run was compiled by a compile-ahead thread (or was already in this process's memory),

@@ -190,7 +190,7 @@ def test_phases_below_a_few_hypotheses_are_one_cache():
     assert decoding.phases(65, 1) == [65]
 
 
-def test_weights_given_as_numpy_go_to_the_device_once():
+def test_weights_given_as_numpy_go_to_the_device_once(model_b, monkeypatch):
     # A checkpoint's numpy weights become device arrays (a program would copy numpy ones in at every call);
     # arrays already on a device are kept as they are, not copied.
     on_device = jnp.zeros(2)
@@ -198,6 +198,21 @@ def test_weights_given_as_numpy_go_to_the_device_once():
     out = decoding.on_device(tree)
     assert isinstance(out["numpy"], jax.Array) and out["device"] is on_device
     np.testing.assert_array_equal(out["numpy"], tree["numpy"])
+    # A search given numpy weights hands its encoder and every program device arrays.
+    config, params, src = model_b
+    seen, encoder, core = [], decoding._encoder, decoding._greedy_core
+
+    def noting(fn):
+        def called(params, *args, **kwargs):
+            seen.append(all(isinstance(x, jax.Array) for x in jax.tree.leaves(params)))
+            return fn(params, *args, **kwargs)
+
+        return called
+
+    monkeypatch.setattr(decoding, "_encoder", noting(encoder))
+    monkeypatch.setattr(decoding, "_greedy_core", noting(core))
+    decoding.greedy_search(jax.tree.map(np.asarray, params), config, src)
+    assert seen and all(seen)
 
 
 def test_the_encoder_runs_on_groups_of_alike_sources_cut_to_their_length(monkeypatch):
@@ -206,8 +221,8 @@ def test_the_encoder_runs_on_groups_of_alike_sources_cut_to_their_length(monkeyp
     position, zero past the group's width, every row back in its place."""
     config = CONFIG_B
     params = init_params(config, 5)
-    # 16 short sources (1..8 tokens, twice) and 4 long ones in no order, and a filler row of PAD only: 21 rows.
-    lengths = np.random.default_rng(5).permutation([1 + i % 8 for i in range(16)] + [9, 12, 14, MAX_LEN]).tolist()
+    # 16 short sources (1..7 tokens) and 4 long ones (9..14) in no order, and a filler row of PAD only: 21 rows.
+    lengths = np.random.default_rng(5).permutation([1 + i % 7 for i in range(16)] + [9, 12, 13, 14]).tolist()
     src = np.concatenate([make_src(config, lengths, seed=5), np.full((1, MAX_LEN), config.pad_id, np.int32)])
     shapes, encoder = [], decoding._encoder
 
@@ -218,14 +233,14 @@ def test_the_encoder_runs_on_groups_of_alike_sources_cut_to_their_length(monkeyp
     monkeypatch.setattr(decoding, "_encoder", recorded)
     memory = np.asarray(decoding.encode_batch(params, config, src))
     whole = np.asarray(decoding.encode_memory(Transformer(config), params, jnp.asarray(src)))
-    # Sorted: the filler row and 15 short ones (up to 8 tokens) in a group cut to 8 positions; the other short
-    # one and the 4 long ones (up to 16) at the full width.
+    # Sorted: the filler row and 15 short ones (up to 7 tokens) in a group cut to 8 positions; the other short
+    # one and the 4 long ones (up to 14) in one cut to 16, here the full width.
     assert sorted(shapes) == [(5, 16), (16, 8)] and set(shapes) <= set(decoding.encoder_shapes(*src.shape))
     real = src != config.pad_id
     # The same products over fewer rows and masked keys that were exact zeros: float32 reassociation only
     # (values of LayerNorm'd size O(1): ~1e-6); CACHE_ATOL's margin. A row routed to another's place moves O(1).
     np.testing.assert_allclose(memory[real], whole[real], atol=CACHE_ATOL, rtol=0)
-    first_group = [row for row, n in enumerate(lengths) if n < 8] + [len(lengths)]  # the filler row is last
+    first_group = [row for row, n in enumerate(lengths) if n < 7] + [len(lengths)]  # the filler row is last
     assert not memory[first_group, 8:].any()  # past its group's width: zeros
     assert memory[first_group, :8].any(axis=-1).all()  # every position of the group computed
     assert memory.shape == whole.shape
@@ -692,7 +707,7 @@ def test_finished_sentences_leave_the_batch_and_change_nothing(search, monkeypat
     monkeypatch.setattr(decoding, "_select_rows_jit", counted)
     with compiled_functions() as compiled:
         tokens, scores = decode()
-    assert not {name for name, _ in compiled} & {"jit(_greedy_core)", "jit(_beam_core)"}, compiled
+    assert not {name for name, _ in compiled} & {"jit(_greedy_core)", "jit(_beam_core)", "jit(_encoder)"}, compiled
     # Each part of the batch (two halves at once on a CPU of two cores or more: decoding.parts) shrinks alone.
     n_parts = decoding.parts(len(src))
     below = decoding.shrink_levels(len(src) // n_parts, beam_size)[1:]  # of a half of 16: 4 sentences; greedy 4, 1

@@ -216,7 +216,7 @@ def beam_search(
     cfg = model.cfg
     limits = max_new_tokens(src, cfg, max_len_a, max_len_b)
     length = output_length(src.shape[1], cfg, max_len_a, max_len_b)
-    memory = model.encode(src)  # the whole batch at once, as the Flax decoder does
+    memory = model.encode(src)  # the whole batch at once (the Flax decoder encodes groups cut to their length)
     tokens = torch.full((src.shape[0], length), cfg.pad_id, dtype=torch.long, device=src.device)
     scores = torch.zeros(src.shape[0], device=src.device)
     for b in range(src.shape[0]):
