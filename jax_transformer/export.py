@@ -53,9 +53,10 @@ def export_weights(
         format = "safetensors" if path.suffix == ".safetensors" else "torch"
     if format not in FORMATS:
         raise ValueError(f"export format must be one of {FORMATS}, got {format!r}")
-    # name -> contiguous float32 (out, in) arrays: the state_dict torch_reference loads.
+    # name -> contiguous float32 (out, in) arrays: the state_dict torch_reference loads. Copies, so writable:
+    # jax's arrays come back read-only, and torch.from_numpy of one warns that writing it is undefined behaviour.
     state = {
-        name: np.ascontiguousarray(value, dtype=np.float32)
+        name: np.array(value, dtype=np.float32, order="C")
         for name, value in flax_to_torch(jax.device_get(params)).items()
     }
     path.parent.mkdir(parents=True, exist_ok=True)
