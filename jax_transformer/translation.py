@@ -222,7 +222,7 @@ def _translate_sources(
 ) -> list[str]:
     """Decoded text of encoded sources (ids + EOS), in their order; see `translate`."""
     batches = translation_batches([len(s) for s in sources], batch_size, config.max_len)
-    params = on_device(params)  # once for all the batches
+    params = on_device(params)  # once for all the batches of a call (of a chunk, for translate_lines)
     out: list[str] = [""] * len(sources)
     for chunk, rows, width in tqdm(batches, desc="translate", unit="batch", disable=not progress or len(batches) < 2):
         src = np.full((rows, width), config.pad_id, dtype=np.int32)  # filler rows stay all-PAD
@@ -300,7 +300,7 @@ def translate_lines(
         raise ValueError(f"chunk_size must be an int >= 1, got {chunk_size!r}")
     options = dict(beam_size=beam_size, alpha=alpha, batch_size=batch_size, max_len_a=max_len_a, max_len_b=max_len_b)
     options["decode"] = decode
-    report, params = TranslationReport(), on_device(params)  # once for all the chunks
+    report = TranslationReport()
     bar = tqdm(
         total=total,
         desc="translate",
