@@ -364,28 +364,35 @@ def _usable_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-def parts(rows: int) -> int:
+def side_by_side() -> int:
+    """How many decoding loops run to good effect at the same time here, each in a thread of its own: 2 on a CPU
+    where the process may use two cores or more, 1 elsewhere (a GPU or TPU runs one program at once). XLA:CPU runs a
+    decoding step's many small ops one after another and splits only its larger products across the cores: one
+    loop kept 1.5-1.7 of a 2-core EPYC's cores busy (CTranslate2, with a thread per core, 2.0), two loops side by
+    side 1.9-2.0 (docs/benchmarks.md). Measured on 2-core machines only, hence at most 2."""
+    return 2 if jax.default_backend() == "cpu" and _usable_cores() >= 2 else 1
+
+
+def parts(rows: int, split: bool = True) -> int:
     """How many parts `decode_shrinking` cuts a batch of `rows` sentences into, each decoded at the same time by a
-    thread of its own: 2 on a CPU where the process may use two cores or more, for an even batch of at least
-    PARTED_FROM sentences; 1 otherwise. XLA:CPU runs a decoding step's many small ops one after another and splits
-    only its larger products across the cores: one loop kept 1.5-1.7 of a 2-core EPYC's cores busy (CTranslate2,
-    with a thread per core, 2.0); two half batches side by side kept 1.9-2.0 busy, 4-26% faster (medians) from 8
-    sentences up, greedy or beam 4, no faster at 4 sentences (docs/benchmarks.md). Measured on 2-core machines
-    only, hence 2 parts; a GPU or TPU runs one batch at once."""
-    if jax.default_backend() != "cpu" or _usable_cores() < 2 or rows % 2 or rows < PARTED_FROM:
+    thread of its own: `side_by_side()` for an even batch of at least PARTED_FROM sentences, 1 otherwise or without
+    `split`. Two half batches side by side were 4-26% faster (medians) than one loop from 8 sentences up, greedy
+    or beam 4, and no faster at 4 sentences (docs/benchmarks.md). `translate` decodes whole batches side by side
+    instead where it has two or more (`translation.in_flight`)."""
+    if not split or rows % 2 or rows < PARTED_FROM:
         return 1
-    return 2
+    return side_by_side()
 
 
 def decode_shrinking(
-    run, encode, rows_args: tuple, unfinished, outputs, length: int, beams: int = 1
+    run, encode, rows_args: tuple, unfinished, outputs, length: int, beams: int = 1, split: bool = True
 ) -> list[np.ndarray]:
-    """`_decode_shrinking` on each of `parts(rows)` parts of the batch, at the same time, their results in order;
-    each part encodes its own sources (`encode(src)`, in its thread).
+    """`_decode_shrinking` on each of `parts(rows, split)` parts of the batch, at the same time, their results in
+    order; each part encodes its own sources (`encode(src)`, in its thread).
     Part i takes rows i, i + n, i + 2n, ...: `translate` sorts a batch's sentences by length and puts its filler
     rows last, so interleaved parts get alike lengths (halves would not). The rows are independent: the results are
     those of one batch (up to the float rounding of smaller matrix products, as for a batch that shrinks)."""
-    n = parts(rows_args[0].shape[0])
+    n = parts(rows_args[0].shape[0], split)
     if n == 1:
         return _decode_shrinking(run, encode, rows_args, unfinished, outputs, length, beams)
     # jax's matmul precision setting is per thread: the parts run with the caller's.
@@ -449,10 +456,11 @@ def _decode_shrinking(
         state, memory = run(rows_args, leave_at(rows), (state, memory))
 
 
-def encoder_programs(params, config: TransformerConfig, rows: int, width: int) -> dict:
+def encoder_programs(params, config: TransformerConfig, rows: int, width: int, split: bool = True) -> dict:
     """Compile jobs for the encoder programs `decode_shrinking` runs on a batch of (rows, width) sources (each part
-    of it, `parts`, encoded alone: `encode_batch`): {(rows, width) of the program: a function that compiles it}."""
-    shapes = encoder_shapes(rows // parts(rows), width)
+    of it, `parts(rows, split)`, encoded alone: `encode_batch`): {(rows, width) of the program: a function that
+    compiles it}."""
+    shapes = encoder_shapes(rows // parts(rows, split), width)
 
     def compile_one(shape):
         return _encoder.lower(params, jax.ShapeDtypeStruct(shape, jnp.int32), config=config).compile()
@@ -461,15 +469,16 @@ def encoder_programs(params, config: TransformerConfig, rows: int, width: int) -
 
 
 def shrinking_programs(
-    core, params, rows: int, per_row, shared: tuple, static: dict, length: int, beams: int = 1
+    core, params, rows: int, per_row, shared: tuple, static: dict, length: int, beams: int = 1, split: bool = True
 ) -> dict:
     """Compile jobs for the programs `decode_shrinking` runs `core` as on a batch of `rows` rows: {(rows of the
-    level, cache length): a function that compiles it}; the first level's (a part's rows, `parts`) at the first
-    cache length starts from the encoder's output (`encoder_programs`), the others go on from a carried state.
+    level, cache length): a function that compiles it}; the first level's (a part's rows, `parts(rows, split)`) at
+    the first cache length starts from the encoder's output (`encoder_programs`), the others go on from a carried
+    state.
     per_row(n): the per-row arguments' shapes (jax.ShapeDtypeStruct) at n rows; `shared`: the other arguments
     before leave_at; `static`: the static keyword arguments; `beams`: hypotheses per sentence.
     `lower(...).compile()` fills the cache calls look in."""
-    rows //= parts(rows)  # each part of the batch runs the programs of its own rows
+    rows //= parts(rows, split)  # each part of the batch runs the programs of its own rows
     leave_at = jax.ShapeDtypeStruct((), jnp.int32)
     ends, jobs = phases(length, rows * beams), {}
     first = (params, *per_row(rows), *shared, leave_at)
@@ -575,11 +584,13 @@ def greedy_search(
     max_len_a: float = DEFAULT_MAX_LEN_A,
     max_len_b: float = DEFAULT_MAX_LEN_B,
     min_len: int = 0,
+    split: bool = True,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Greedy decoding of a batch of right-padded sources (B, S).
 
     Returns tokens (B, L) int32 (no BOS; EOS where emitted; PAD after) and scores (B,) float32, the sum of the
-    chosen tokens' log-probabilities. See the module docstring for the length rule and L.
+    chosen tokens' log-probabilities. See the module docstring for the length rule and L. `split`: decode the
+    batch in parts side by side where that is faster (`parts`); False: whole, in the calling thread.
     """
     src = check_source(src, config)
     _check_options(config, max_len_a, max_len_b, min_len)
@@ -593,7 +604,7 @@ def greedy_search(
     rows = (jnp.asarray(src), jnp.asarray(max_new_tokens(src, config, max_len_a, max_len_b)))
     encode = functools.partial(encode_batch, params, config)
     tokens, scores = decode_shrinking(
-        run, encode, rows, unfinished=lambda s: ~s[4], outputs=lambda s: (s[2], s[3]), length=length
+        run, encode, rows, unfinished=lambda s: ~s[4], outputs=lambda s: (s[2], s[3]), length=length, split=split
     )
     return tokens, scores
 
@@ -745,12 +756,14 @@ def beam_search(
     max_len_a: float = DEFAULT_MAX_LEN_A,
     max_len_b: float = DEFAULT_MAX_LEN_B,
     min_len: int = 0,
+    split: bool = True,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Beam search over a batch of right-padded sources (B, S) with the GNMT length penalty.
 
     Returns the best hypothesis of each row, tokens (B, L) int32 (no BOS; EOS where emitted; PAD after), and
     its score (B,) float32 = log P / ((5 + length) / 6) ** alpha. With alpha = 0 and beam_size = 1 this is
     exactly greedy search (with alpha > 0 the runner-up kept live when greedy's EOS finishes may later beat it).
+    `split`: as for `greedy_search`.
     """
     src = check_source(src, config)
     _check_options(config, max_len_a, max_len_b, min_len, beam_size, alpha)
@@ -773,5 +786,6 @@ def beam_search(
         outputs=lambda s: (s.finished_tokens[:, 0], s.finished_scores[:, 0]),
         length=length,
         beams=int(beam_size),
+        split=split,
     )
     return tokens, scores

@@ -210,10 +210,12 @@ def generate(
     banned: tuple[int, ...] = (),
     forced_eos: bool = False,
     min_length: int = 0,
+    split: bool = True,
 ) -> np.ndarray:
     """transformers' `generate(num_beams=..., do_sample=False)` on right-padded sources (B, S): tokens (B,
     max_length - 1) without the decoder's start token, PAD after the end. `early_stopping`: "false", "true" or
-    "never"; `banned`: ids never produced; `forced_eos`: only EOS at the last position."""
+    "never"; `banned`: ids never produced; `forced_eos`: only EOS at the last position; `split`: as for
+    `decoding.greedy_search`."""
     src = check_source(src, config)
     if early_stopping not in EARLY_STOPPING:
         raise ValueError(f"early_stopping must be one of {EARLY_STOPPING}, got {early_stopping!r}")
@@ -236,6 +238,7 @@ def generate(
             unfinished=lambda s: ~s[3],
             outputs=lambda s: (s[2],),
             length=max_length - 1,
+            split=split,
         )
         return tokens
     length_penalty = jnp.asarray(length_penalty, jnp.float32)
@@ -252,6 +255,7 @@ def generate(
         outputs=lambda s: (s.finished[:, 0],),
         length=max_length - 1,
         beams=int(num_beams),
+        split=split,
     )
     return tokens
 
@@ -268,14 +272,19 @@ def _options(config: TransformerConfig, decode) -> dict[str, Any]:
     )
 
 
-def generate_as(params, config: TransformerConfig, src, decode, *, num_beams: int, length_penalty: float) -> np.ndarray:
+def generate_as(
+    params, config: TransformerConfig, src, decode, *, num_beams: int, length_penalty: float, split: bool = True
+) -> np.ndarray:
     """`generate` with the settings of a `DecodeConfig` (its rules "transformers")."""
-    return generate(params, config, src, num_beams=num_beams, length_penalty=length_penalty, **_options(config, decode))
+    options = _options(config, decode)
+    return generate(params, config, src, num_beams=num_beams, length_penalty=length_penalty, split=split, **options)
 
 
-def compile_generate(params, config: TransformerConfig, rows: int, width: int, num_beams: int, decode) -> dict:
-    """Compile jobs for the programs `generate_as` runs on (rows, width) sources, {rows of a level of
-    `decoding.shrink_levels`: a function that compiles it}: run them and its calls compile nothing."""
+def compile_generate(
+    params, config: TransformerConfig, rows: int, width: int, num_beams: int, decode, split: bool = True
+) -> dict:
+    """Compile jobs for the programs `generate_as` runs on (rows, width) sources (with `split`), {rows of a level
+    of `decoding.shrink_levels`: a function that compiles it}: run them and its calls compile nothing."""
     options = _options(config, decode)
     static = dict(
         config=config,
@@ -287,7 +296,9 @@ def compile_generate(params, config: TransformerConfig, rows: int, width: int, n
     per_row = lambda n: (jax.ShapeDtypeStruct((n, width), jnp.int32),)  # noqa: E731
     length = static["max_length"] - 1  # tokens produced at most: the cache's last length
     if num_beams == 1:
-        return shrinking_programs(_greedy_core, params, rows, per_row, (scalar,), static, length)
+        return shrinking_programs(_greedy_core, params, rows, per_row, (scalar,), static, length, split=split)
     static.update(beam_size=int(num_beams), early_stopping=options["early_stopping"])
     penalty = jax.ShapeDtypeStruct((), jnp.float32)
-    return shrinking_programs(_beam_core, params, rows, per_row, (scalar, penalty), static, length, int(num_beams))
+    return shrinking_programs(
+        _beam_core, params, rows, per_row, (scalar, penalty), static, length, int(num_beams), split=split
+    )

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from jax_transformer import compilation, decoding
+from jax_transformer import compilation
 from tests.helpers.tooling import compiled_functions
 from tests.helpers.training import REPO, run_main, tiny_train_args, write_corpus
 
@@ -43,27 +43,12 @@ def test_every_program_is_compiled_ahead_and_nothing_in_the_loop(evaluated_run):
     (record,) = _records(run_dir, "compile")
     # One train step and one eval step (packed batches: one shape each), greedy decoders for the evaluations
     # during training (20 short sentences: batches of 16 and 4 rows), beam-2 decoders for the final one (300:
-    # 4 x 64 rows, then 32 and 16), each with the programs its batch goes on in as it shrinks; one cache length
-    # (16: the output limit). On a CPU of two cores or more a batch of 8 sentences or more decodes as two halves
-    # at once (decoding.parts): beam 64, 32, 16 rows as halves of 32, 16, 8, which shrink 32 -> 8 -> 4, 16 -> 4,
-    # 8 -> 4 sentences (decoding.shrink_levels); greedy 16 rows as halves of 8, 8 -> 2 -> 1, and 4 -> 1 rows.
-    # The encoder runs on a part's rows, at most 16 at a time, cut to 8 or 16 positions (decoding.encode_batch).
-    halves = [
-        *[f"encoder {rows}x{width}" for rows in (16, 4, 8) for width in (16, 8)],
-        "beam search 2 16x16 cache 16",
-        "beam search 2 32x16 cache 16",
-        "beam search 2 4x16 cache 16 resumed",
-        "beam search 2 8x16 cache 16",
-        "beam search 2 8x16 cache 16 resumed",
-        "eval step (32, 16)",
-        "greedy search 1x16 cache 16 resumed",
-        "greedy search 2x16 cache 16 resumed",
-        "greedy search 4x16 cache 16",
-        "greedy search 8x16 cache 16",
-        "train step (32, 16)",
-    ]
-    # One core: whole batches, beam 64 -> 16 -> 4, 32 -> 8 -> 4, 16 -> 4; greedy 16 -> 4 -> 1, 4 -> 1.
-    whole = [
+    # 4 x 64 rows, then 32 and 16), each with the programs its batch goes on in as it shrinks (decoding.shrink_levels:
+    # beam 64 -> 16 -> 4, 32 -> 8 -> 4, 16 -> 4 sentences; greedy 16 -> 4 -> 1, 4 -> 1 rows); one cache length
+    # (16: the output limit). Both evaluations have two batches or more: each batch decodes whole, on any machine
+    # (on a CPU of two cores or more, two batches at once: translation.in_flight). The encoder runs on a batch's
+    # rows, at most 16 at a time, cut to 8 or 16 positions (decoding.encode_batch).
+    expected = [
         *[f"encoder {rows}x{width}" for rows in (16, 4) for width in (16, 8)],
         "beam search 2 16x16 cache 16",
         "beam search 2 16x16 cache 16 resumed",
@@ -78,8 +63,7 @@ def test_every_program_is_compiled_ahead_and_nothing_in_the_loop(evaluated_run):
         "greedy search 4x16 cache 16 resumed",
         "train step (32, 16)",
     ]
-    expected = sorted(halves if decoding.parts(16) == 2 else whole)
-    assert record["programs"] == expected
+    assert record["programs"] == sorted(expected)
     assert record["errors"] == {}
     # Every program of the run was compiled by a compile-ahead thread (or was already in this process's memory),
     # none by the loop, and none twice.

@@ -8,6 +8,7 @@ whole prefix at each step: no cache, no while_loop, nothing shared with the code
 from __future__ import annotations
 
 import functools
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -454,7 +455,7 @@ def test_translate_keeps_order_and_reuses_compilations(tiny_translator):
     # Other sentences of the same shapes compile at most the programs of that shape their outputs reach and the
     # first ones did not (a level of the shrinking batch, a cache length: compile_translation lists them all);
     # the same sentences again compile nothing.
-    jobs = translation.compile_translation(params, config, [(4, 16)], beam_size=1)
+    jobs = translation.compile_translation(params, config, [(4, 16, True)], beam_size=1)
     planned = len([name for name in jobs if not name.startswith("encoder")])
     compiled = decoding._greedy_core._cache_size()
     translation.translate(params, config, tokenizer, short[100:107], beam_size=1, batch_size=4, progress=False)
@@ -481,15 +482,57 @@ def test_translation_batches_use_a_small_fixed_set_of_shapes():
     ]
     assert sorted(np.concatenate([chunk for chunk, _, _ in batches]).tolist()) == list(range(150))
     assert all(max(lengths[i] for i in chunk) <= width for chunk, _, width in batches)
-    assert translation.translation_shapes(lengths, 64, 128) == [(8, 64), (16, 64), (64, 32), (64, 64)]
+    # Four batches: on a CPU of two cores or more each decodes whole, two at once (translation.in_flight);
+    # elsewhere one at a time, each cut in parts where that helps (decoding.parts).
+    split = decoding.side_by_side() == 1
+    assert translation.translation_shapes(lengths, 64, 128) == [
+        (8, 64, split),
+        (16, 64, split),
+        (64, 32, split),
+        (64, 64, split),
+    ]
     # Fewer sentences than batch_size: one batch of the next power of two, or two whose rows add up to fewer
     # (counting a batch of fewer than 4 rows as 4).
     rows = {n: [r for _, r, _ in translation.translation_batches([5] * n, 64, 128)] for n in (3, 5, 9, 36, 50, 63)}
     assert rows == {3: [4], 5: [8], 9: [8, 1], 36: [32, 4], 50: [64], 63: [64]}
-    assert translation.translation_shapes([5, 9, 3], 64, 128) == [(4, 16)]
+    assert translation.translation_shapes([5, 9, 3], 64, 128) == [(4, 16, True)]  # one batch: cut in parts
     assert translation.translation_batches([], 64, 128) == []
     with pytest.raises(ValueError, match="batch_size must be an int >= 1"):
         translation.translation_batches([3], 0, 128)
+
+
+def test_translate_decodes_whole_batches_side_by_side(tiny_translator, monkeypatch):
+    """With two batches or more where two decoding loops run side by side (decoding.side_by_side: a CPU of two cores
+    or more), translate decodes each batch whole, two at once in threads of their own, with the caller's matmul
+    precision, and gives the translations of one whole batch at a time."""
+    config, params, tokenizer, sentences = tiny_translator
+    chosen = sentences[200:230]  # 30 sentences in batches of 8: 8, 8, 8 and 6 (in 8 rows)
+
+    def translate():
+        return translation.translate(params, config, tokenizer, chosen, beam_size=1, batch_size=8, progress=False)
+
+    # The reference: one batch at a time, each whole (no parts), in this thread.
+    monkeypatch.setattr(translation, "side_by_side", lambda: 1)
+    monkeypatch.setattr(decoding, "PARTED_FROM", 10**6)
+    expected = translate()
+    monkeypatch.undo()
+
+    calls, both_running = [], threading.Barrier(2, timeout=60)
+    greedy_search = decoding.greedy_search
+
+    def watched(*args, **kwargs):
+        calls.append((threading.current_thread() is threading.main_thread(), kwargs["split"]))
+        calls[-1] += (jax.config.jax_default_matmul_precision,)
+        if len(calls) <= 2:
+            both_running.wait()  # the first two batches are decoding at the same time, or this times out
+        return greedy_search(*args, **kwargs)
+
+    monkeypatch.setattr(translation, "side_by_side", lambda: 2)
+    monkeypatch.setattr(translation, "greedy_search", watched)
+    with jax.default_matmul_precision("float32"):
+        assert translate() == expected
+    assert calls == [(False, False, "float32")] * 4  # four batches, each whole, none in the caller's thread
+    assert translation.in_flight(4) == 2 and translation.in_flight(1) == 1
 
 
 def test_translate_compiles_once_per_shape_and_ahead_of_time(tiny_translator):
@@ -506,37 +549,30 @@ def test_translate_compiles_once_per_shape_and_ahead_of_time(tiny_translator):
     shapes = sorted(
         {*translation.translation_shapes(source_lengths, 8, 24), *translation.translation_shapes([20] * 3, 8, 24)}
     )
-    assert shapes == [(4, 24), (8, 16), (8, 24)]  # widths 16 and max_len 24 (not 8, 16, 24); 3 sentences: 4 rows
+    # Widths 16 and max_len 24 (not 8, 16, 24); 3 sentences: 4 rows. The many batches of `chosen` decode whole,
+    # two at once on a CPU of two cores or more (translation.in_flight); the one batch of `few` is cut in parts
+    # where that helps (decoding.parts: not at 4 rows).
+    whole = decoding.side_by_side() > 1
+    assert shapes == sorted([(4, 24, True), (8, 16, not whole), (8, 24, not whole)])
     # Greedy here; beam search goes through the same shapes (tests/test_compile.py compiles its decoders ahead).
     with compiled_functions() as compiled:
         jobs = translation.compile_translation(params, config, shapes, beam_size=1)
         for compile_job in jobs.values():
             compile_job()
     # An output limit of 24 tokens (max_len) decodes with one cache of 24 positions (decoding.phases); batches
-    # of 8 rows shrink to 2 and 1, batches of 4 to 1 (decoding.shrink_levels). On a CPU of two cores or more the
-    # batches of 8 decode as two halves of 4 at once (decoding.parts), the programs of a batch of 4.
-    if decoding.parts(8) == 2:
-        expected = [
-            "greedy search 1x16 cache 24 resumed",
-            "greedy search 1x24 cache 24 resumed",
-            "greedy search 4x16 cache 24",
-            "greedy search 4x24 cache 24",
-        ]
-    else:
-        expected = [
-            "greedy search 1x16 cache 24 resumed",
-            "greedy search 1x24 cache 24 resumed",
-            "greedy search 2x16 cache 24 resumed",
-            "greedy search 2x24 cache 24 resumed",
-            "greedy search 4x24 cache 24",
-            "greedy search 8x16 cache 24",
-            "greedy search 8x24 cache 24",
-        ]
-    # The encoder runs on the rows of a part (at most decoding.ENCODER_ROWS) cut to widths of 8, 16, ... up to the
+    # of 8 rows shrink to 2 and 1, batches of 4 to 1 (decoding.shrink_levels).
+    expected = [
+        "greedy search 1x16 cache 24 resumed",
+        "greedy search 1x24 cache 24 resumed",
+        "greedy search 2x16 cache 24 resumed",
+        "greedy search 2x24 cache 24 resumed",
+        "greedy search 4x24 cache 24",
+        "greedy search 8x16 cache 24",
+        "greedy search 8x24 cache 24",
+    ]
+    # The encoder runs on a batch's rows (at most decoding.ENCODER_ROWS) cut to widths of 8, 16, ... up to the
     # batch's (decoding.encode_batch): a program per width, shared by the shapes.
-    encoders = [f"encoder 4x{w}" for w in (16, 24, 8)]
-    if decoding.parts(8) == 1:
-        encoders += [f"encoder 8x{w}" for w in (16, 24, 8)]
+    encoders = [f"encoder {rows}x{w}" for rows in (4, 8) for w in (16, 24, 8)]
     assert sorted(jobs) == sorted(expected + encoders)
     assert sorted(name for name, _ in compiled) == sorted(
         ["jit(_greedy_core)"] * len(expected) + ["jit(_encoder)"] * len(encoders)
@@ -701,7 +737,7 @@ def test_finished_sentences_leave_the_batch_and_change_nothing(search, monkeypat
 
     # The programs of every level compiled ahead, as translate does: decoding compiles nothing more.
     for compile_job in translation.compile_translation(
-        params, config, [src.shape], beam_size=beam_size, decode=rules
+        params, config, [(*src.shape, True)], beam_size=beam_size, decode=rules
     ).values():
         compile_job()
     monkeypatch.setattr(decoding, "_select_rows_jit", counted)
