@@ -11,6 +11,7 @@ import contextlib
 import functools
 import math
 import os
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -378,10 +379,28 @@ def parts(rows: int, split: bool = True) -> int:
     thread of its own: `side_by_side()` for an even batch of at least PARTED_FROM sentences, 1 otherwise or without
     `split`. Two half batches side by side were 4-26% faster (medians) than one loop from 8 sentences up, greedy
     or beam 4, and no faster at 4 sentences (docs/benchmarks.md). `translate` decodes whole batches side by side
-    instead where it has two or more (`translation.in_flight`)."""
+    instead where it has two or more (`translation.batches_at_once`)."""
     if not split or rows % 2 or rows < PARTED_FROM:
         return 1
     return side_by_side()
+
+
+def callers_settings() -> Callable[[], contextlib.AbstractContextManager]:
+    """The calling thread's jax settings a decoding depends on, to put in force in another thread: jax keeps the
+    matmul precision and the default device (`jax.default_matmul_precision`, `jax.default_device`) per thread, and
+    a new thread starts with the process's defaults. Returns a function that makes the context manager."""
+    precision, device = jax.config.jax_default_matmul_precision, jax.config.jax_default_device
+
+    @contextlib.contextmanager
+    def in_force():
+        with contextlib.ExitStack() as stack:
+            if precision:
+                stack.enter_context(jax.default_matmul_precision(precision))
+            if device is not None:
+                stack.enter_context(jax.default_device(device))
+            yield
+
+    return in_force
 
 
 def decode_shrinking(
@@ -395,11 +414,10 @@ def decode_shrinking(
     n = parts(rows_args[0].shape[0], split)
     if n == 1:
         return _decode_shrinking(run, encode, rows_args, unfinished, outputs, length, beams)
-    # jax's matmul precision setting is per thread: the parts run with the caller's.
-    precision = jax.config.jax_default_matmul_precision
+    settings = callers_settings()  # the parts run with the caller's precision and device
 
     def decode_part(i: int) -> list[np.ndarray]:
-        with jax.default_matmul_precision(precision) if precision else contextlib.nullcontext():
+        with settings():
             part = tuple(arg[i::n] for arg in rows_args)
             return _decode_shrinking(run, encode, part, unfinished, outputs, length, beams)
 

@@ -5,7 +5,6 @@ so compilations are few and reused) with the rules the model decodes with (`Deco
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import itertools
 from collections.abc import Callable, Iterable, Sequence
@@ -27,6 +26,7 @@ from jax_transformer.decoding import (
     _beam_core,
     _greedy_core,
     beam_search,
+    callers_settings,
     encoder_programs,
     greedy_search,
     on_device,
@@ -107,10 +107,11 @@ def translation_batches(lengths: Sequence[int], batch_size: int, max_len: int) -
     return batches
 
 
-def in_flight(n_batches: int) -> int:
+def batches_at_once(n_batches: int) -> int:
     """How many of its `n_batches` batches `translate` decodes at the same time, each whole in a thread of its own:
     `decoding.side_by_side()` (2 on a CPU of two cores or more, 1 elsewhere), when it has that many batches or
-    more; else 1, its batch cut in parts that decode side by side (`decoding.parts`). Whole batches side by side
+    more; else 1, a batch at a time, which the searches may cut in parts (`decoding.parts`: on a CPU of two cores
+    or more, a batch of 8 sentences or more decodes as two halves side by side). Whole batches side by side
     beat one batch at a time in halves: each core multiplies matrices of twice the rows, and one that finishes
     goes on with the next batch instead of waiting for the other half (100 and 1,000 Multi30k sentences on a
     2-core EPYC: 14-18% more sentences/s greedy, 3-18% with beam 4; docs/benchmarks.md)."""
@@ -119,11 +120,12 @@ def in_flight(n_batches: int) -> int:
 
 
 def translation_shapes(lengths: Sequence[int], batch_size: int, max_len: int) -> list[tuple[int, int, bool]]:
-    """The distinct (rows, width, split) shapes `translate` decodes sources of these lengths in (split: the batch
-    cut in parts, `in_flight`): each compiles one program per level its batch can shrink to, and its encoder a
-    program per group shape (`compile_translation`)."""
+    """The distinct (rows, width, split) shapes `translate` decodes sources of these lengths in: split, whether it
+    lets the search cut a batch in parts (`batches_at_once`; `decoding.parts` decides how many). Each shape compiles
+    one program per level its batch can shrink to, and its encoder a program per group shape
+    (`compile_translation`)."""
     batches = translation_batches(lengths, batch_size, max_len)
-    split = in_flight(len(batches)) == 1
+    split = batches_at_once(len(batches)) == 1
     return sorted({(rows, width, split) for _, rows, width in batches})
 
 
@@ -137,10 +139,10 @@ def compile_translation(
     max_len_b: float = DEFAULT_MAX_LEN_B,
     decode: DecodeConfig | None = None,
 ) -> dict[str, Any]:
-    """Compile jobs for the decoder `translate` uses on batches of these (rows, width, split) shapes (split: cut in
-    parts, `translation_shapes`; a search called on a batch splits it): {name: a function that compiles it}, one
-    per level a batch shrinks through as its sentences finish (`decoding.shrink_levels`), and one per shape its
-    encoder runs at (`decoding.encode_batch`).
+    """Compile jobs for the decoder `translate` uses on batches of these (rows, width, split) shapes (split: the
+    searches' `split`, as `translation_shapes` gives it; True for a search called with its defaults): {name: a
+    function that compiles it}, one per level a batch shrinks through as its sentences finish
+    (`decoding.shrink_levels`), and one per shape its encoder runs at (`decoding.encode_batch`).
     Run them (e.g. with `compilation.CompileJobs`) before decoding and `translate` compiles none of its searches
     and encoders (the small gathers between them compile on first use): `lower(...).compile()` fills the cache its
     calls look in (alpha is an array argument, any value)."""
@@ -218,8 +220,10 @@ def translate(
 
     beam_size=1 uses greedy search, larger values beam search with length penalty `alpha`, by the rules of
     `decode` (default: this project's). Sentences are sorted by length and decoded `batch_size` at a time, each
-    batch padded to one of a few shapes (`translation_batches`), so compilations are few and reused. For a file or
-    stream of any size, `translate_lines` does this chunk by chunk.
+    batch padded to one of a few shapes (`translation_batches`), so compilations are few and reused; on a CPU of
+    two cores or more, two batches at once in threads of their own, which take the caller's matmul precision and
+    default device (`batches_at_once`). For a file or stream of any size, `translate_lines` does this chunk by
+    chunk.
     """
     sources = encode_sources(tokenizer, sentences, config)
     options = dict(beam_size=beam_size, alpha=alpha, batch_size=batch_size, max_len_a=max_len_a, max_len_b=max_len_b)
@@ -243,16 +247,15 @@ def _translate_sources(
     """Decoded text of encoded sources (ids + EOS), in their order; see `translate`."""
     batches = translation_batches([len(s) for s in sources], batch_size, config.max_len)
     params = on_device(params)  # once for all the batches of a call (of a chunk, for translate_lines)
-    threads = in_flight(len(batches))  # batches decoded at once, each whole; or one at a time, cut in parts
-    options = dict(split=threads == 1)
-    precision = jax.config.jax_default_matmul_precision  # a per-thread setting: the batches' threads take ours
+    threads = batches_at_once(len(batches))  # each whole, side by side; or one at a time, which may be cut in parts
+    options, settings = dict(split=threads == 1), callers_settings()
 
     def decode_batch(batch) -> np.ndarray:  # (rows, T) tokens of one batch
         chunk, rows, width = batch
         src = np.full((rows, width), config.pad_id, dtype=np.int32)  # filler rows stay all-PAD
         for row, i in enumerate(chunk):
             src[row, : len(sources[i])] = sources[i]
-        with jax.default_matmul_precision(precision) if precision else contextlib.nullcontext():
+        with settings():
             if decode is not None and decode.rules == "transformers":
                 return generate.generate_as(
                     params, config, src, decode, num_beams=beam_size, length_penalty=alpha, **options
@@ -267,10 +270,13 @@ def _translate_sources(
     with bar, ThreadPoolExecutor(threads) as pool:
         # A batch at a time in this thread, or `threads` at once in the pool's (jax releases the GIL as programs run).
         decoded = pool.map(decode_batch, batches) if threads > 1 else map(decode_batch, batches)
-        for (chunk, _, _), tokens in zip(batches, decoded):
-            for row, i in enumerate(chunk):
-                out[i] = tokenizer.decode(tokens[row])
-            bar.update()
+        try:
+            for (chunk, _, _), tokens in zip(batches, decoded):
+                for row, i in enumerate(chunk):
+                    out[i] = tokenizer.decode(tokens[row])
+                bar.update()
+        finally:  # on an error (or Ctrl-C) here, the batches not yet started are dropped, not decoded first
+            pool.shutdown(cancel_futures=True)
     return out
 
 

@@ -46,7 +46,7 @@ def test_every_program_is_compiled_ahead_and_nothing_in_the_loop(evaluated_run):
     # 4 x 64 rows, then 32 and 16), each with the programs its batch goes on in as it shrinks (decoding.shrink_levels:
     # beam 64 -> 16 -> 4, 32 -> 8 -> 4, 16 -> 4 sentences; greedy 16 -> 4 -> 1, 4 -> 1 rows); one cache length
     # (16: the output limit). Both evaluations have two batches or more: each batch decodes whole, on any machine
-    # (on a CPU of two cores or more, two batches at once: translation.in_flight). The encoder runs on a batch's
+    # (on a CPU of two cores or more, two batches at once: translation.batches_at_once). The encoder runs on a batch's
     # rows, at most 16 at a time, cut to 8 or 16 positions (decoding.encode_batch).
     expected = [
         *[f"encoder {rows}x{width}" for rows in (16, 4) for width in (16, 8)],

@@ -455,7 +455,9 @@ def test_translate_keeps_order_and_reuses_compilations(tiny_translator):
     # Other sentences of the same shapes compile at most the programs of that shape their outputs reach and the
     # first ones did not (a level of the shrinking batch, a cache length: compile_translation lists them all);
     # the same sentences again compile nothing.
-    jobs = translation.compile_translation(params, config, [(4, 16, True)], beam_size=1)
+    shapes = translation.translation_shapes([len(s) for s in sources], 4, config.max_len)
+    assert [(rows, width) for rows, width, _ in shapes] == [(4, 16)]
+    jobs = translation.compile_translation(params, config, shapes, beam_size=1)
     planned = len([name for name in jobs if not name.startswith("encoder")])
     compiled = decoding._greedy_core._cache_size()
     translation.translate(params, config, tokenizer, short[100:107], beam_size=1, batch_size=4, progress=False)
@@ -482,7 +484,7 @@ def test_translation_batches_use_a_small_fixed_set_of_shapes():
     ]
     assert sorted(np.concatenate([chunk for chunk, _, _ in batches]).tolist()) == list(range(150))
     assert all(max(lengths[i] for i in chunk) <= width for chunk, _, width in batches)
-    # Four batches: on a CPU of two cores or more each decodes whole, two at once (translation.in_flight);
+    # Four batches: on a CPU of two cores or more each decodes whole, two at once (translation.batches_at_once);
     # elsewhere one at a time, each cut in parts where that helps (decoding.parts).
     split = decoding.side_by_side() == 1
     assert translation.translation_shapes(lengths, 64, 128) == [
@@ -504,35 +506,36 @@ def test_translation_batches_use_a_small_fixed_set_of_shapes():
 def test_translate_decodes_whole_batches_side_by_side(tiny_translator, monkeypatch):
     """With two batches or more where two decoding loops run side by side (decoding.side_by_side: a CPU of two cores
     or more), translate decodes each batch whole, two at once in threads of their own, with the caller's matmul
-    precision, and gives the translations of one whole batch at a time."""
+    precision and default device, and gives the translations of one whole batch at a time; where one loop runs at a
+    time, it decodes a batch at a time in the caller's thread, letting the search cut it in parts."""
     config, params, tokenizer, sentences = tiny_translator
     chosen = sentences[200:230]  # 30 sentences in batches of 8: 8, 8, 8 and 6 (in 8 rows)
+    greedy_search, caller, device = decoding.greedy_search, threading.get_ident(), jax.devices("cpu")[0]
+    calls, both_running, loops = [], threading.Barrier(2, timeout=60), [1]  # loops: what side_by_side says
 
-    def translate():
-        return translation.translate(params, config, tokenizer, chosen, beam_size=1, batch_size=8, progress=False)
-
-    # The reference: one batch at a time, each whole (no parts), in this thread.
-    monkeypatch.setattr(translation, "side_by_side", lambda: 1)
-    monkeypatch.setattr(decoding, "PARTED_FROM", 10**6)
-    expected = translate()
-    monkeypatch.undo()
-
-    calls, both_running = [], threading.Barrier(2, timeout=60)
-    greedy_search = decoding.greedy_search
-
-    def watched(*args, **kwargs):
-        calls.append((threading.current_thread() is threading.main_thread(), kwargs["split"]))
-        calls[-1] += (jax.config.jax_default_matmul_precision,)
-        if len(calls) <= 2:
+    def watched(*args, **kwargs):  # greedy_search, noting where and how it was called
+        settings = (jax.config.jax_default_matmul_precision, str(jax.config.jax_default_device))
+        calls.append((threading.get_ident() == caller, kwargs["split"], *settings))  # one append: atomic
+        if loops[0] > 1 and len(calls) <= 2:
             both_running.wait()  # the first two batches are decoding at the same time, or this times out
         return greedy_search(*args, **kwargs)
 
-    monkeypatch.setattr(translation, "side_by_side", lambda: 2)
+    def translate(threads: int) -> list[str]:
+        loops[0] = threads
+        calls.clear()
+        with jax.default_matmul_precision("float32"), jax.default_device(device):
+            return translation.translate(params, config, tokenizer, chosen, beam_size=1, batch_size=8, progress=False)
+
+    monkeypatch.setattr(translation, "side_by_side", lambda: loops[0])
     monkeypatch.setattr(translation, "greedy_search", watched)
-    with jax.default_matmul_precision("float32"):
-        assert translate() == expected
-    assert calls == [(False, False, "float32")] * 4  # four batches, each whole, none in the caller's thread
-    assert translation.in_flight(4) == 2 and translation.in_flight(1) == 1
+    # One loop at a time: a batch at a time in this thread, each the search's to cut (here whole: no parts).
+    monkeypatch.setattr(decoding, "PARTED_FROM", 10**6)
+    expected = translate(threads=1)
+    assert calls == [(True, True, "float32", str(device))] * 4
+    # Two side by side: the four batches whole, in the pool's threads, with this thread's settings; the same text.
+    assert translate(threads=2) == expected
+    assert calls == [(False, False, "float32", str(device))] * 4
+    assert translation.batches_at_once(4) == 2 and translation.batches_at_once(1) == 1
 
 
 def test_translate_compiles_once_per_shape_and_ahead_of_time(tiny_translator):
@@ -550,7 +553,7 @@ def test_translate_compiles_once_per_shape_and_ahead_of_time(tiny_translator):
         {*translation.translation_shapes(source_lengths, 8, 24), *translation.translation_shapes([20] * 3, 8, 24)}
     )
     # Widths 16 and max_len 24 (not 8, 16, 24); 3 sentences: 4 rows. The many batches of `chosen` decode whole,
-    # two at once on a CPU of two cores or more (translation.in_flight); the one batch of `few` is cut in parts
+    # two at once on a CPU of two cores or more (translation.batches_at_once); the one batch of `few` is cut in parts
     # where that helps (decoding.parts: not at 4 rows).
     whole = decoding.side_by_side() > 1
     assert shapes == sorted([(4, 24, True), (8, 16, not whole), (8, 24, not whole)])
