@@ -205,6 +205,22 @@ def decoding_flags(p, *, several: bool = False, more: tuple[str, ...] = (), rule
         add_settings(p, DecodeConfig, "decode", "decoding rules", default="the run's")
 
 
+def compilation_flags(p) -> None:
+    """--compilation-cache (LoopConfig's): where the programs of a sub-command that decodes are kept for the next."""
+    from jax_transformer.config import LoopConfig
+
+    add_settings(p, LoopConfig, "loop", "compilation", only=("compilation_cache",))
+
+
+def use_compilation_cache(args) -> None:
+    """JAX's persistent compilation cache for a sub-command that decodes, in the folder --compilation-cache names
+    (default: the one training uses, `compilation.use_cache`): the next call on sentences of the same shapes loads
+    its decoders instead of compiling them again (docs/internals.md#compilation)."""
+    from jax_transformer import compilation
+
+    compilation.use_cache(given(args, "loop").get("compilation_cache"), lambda m: print(m, file=sys.stderr))
+
+
 def evaluation_data_flags(p) -> None:
     """The sentence pairs to evaluate on (default: the run's validation data) and the loss batches' size."""
     from jax_transformer.config import DataConfig
@@ -227,6 +243,7 @@ def evaluate_flags(sub) -> None:
     )
     checkpoint_flags(e, compute=True)
     evaluation_data_flags(e)
+    compilation_flags(e)
     decoding_flags(e, several=True, more=("samples",))
     e.add_argument(
         "--output",
@@ -247,6 +264,7 @@ def translate_flags(sub) -> None:
     checkpoint_flags(tr, compute=True)
     tr.add_argument("--input", metavar="FILE", help="UTF-8 file with one sentence per line (default: stdin)")
     decoding_flags(tr, more=("progress",))
+    compilation_flags(tr)
     tr.add_argument(
         "--on-too-long",
         choices=("error", "truncate"),
@@ -496,6 +514,7 @@ def cmd_evaluate(args, start_time: float) -> int:
     from jax_transformer import evaluation, training
     from jax_transformer.config import LoopConfig
 
+    use_compilation_cache(args)
     loaded = _load(args)
     valid = _evaluation_data(args, loaded)
     eval_step = training.make_eval_step(loaded.config, loaded.optim.get("label_smoothing", 0.1))
@@ -557,6 +576,7 @@ def cmd_translate(args, start_time: float) -> int:
     from jax_transformer.corpus import count_lines, read_lines
     from jax_transformer.translation import translate_lines
 
+    use_compilation_cache(args)
     loaded = _load(args)
     beam_size, alpha, decode = decoding(args, loaded)
     # Read, translated and written a chunk of lines at a time: memory does not grow with the input.

@@ -106,3 +106,29 @@ def test_translate_names_bad_bytes_by_line(trained, tmp_path):
     assert code == 1 and "starts with a UTF-16 byte-order mark" in err
     code, out, err = run_main(["translate", "--checkpoint", str(run), "--input", str(tmp_path)])
     assert code == 1 and f"error: {tmp_path}: is a directory, not a text file" in err
+
+
+@pytest.mark.slow
+def test_a_second_translate_loads_its_decoders_from_the_cache(trained, tmp_path):
+    """Two `train.py translate` processes with one --compilation-cache folder: the first writes its decoders there,
+    the second loads them and writes nothing (no file added or rewritten), with the same output (the tiny model's
+    programs compile faster than the threshold, hence 0 here)."""
+    import os
+    import subprocess
+
+    from jax_transformer import compilation
+    from tests.helpers.training import REPO
+
+    run, _ = trained
+    text, cache = tmp_path / "input.txt", tmp_path / "xla-cache"
+    text.write_text("one\ntwo hundred\nthree thousand and twelve\n")
+    env = dict(os.environ, PYTHONPATH=str(REPO), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+    argv = [sys.executable, str(REPO / "train.py"), "translate", "--checkpoint", str(run), "--input", str(text)]
+    outputs, files = [], []
+    for _ in range(2):
+        done = subprocess.run([*argv, "--compilation-cache", str(cache)], env=env, capture_output=True, text=True)
+        assert done.returncode == 0, done.stdout + done.stderr
+        outputs.append(done.stdout)
+        files.append({p.name: p.stat().st_mtime_ns for p in cache.iterdir()})
+    assert compilation.cache_entries(cache) > 0 and len(outputs[0].splitlines()) == 3
+    assert files[1] == files[0] and outputs[1] == outputs[0]  # every program loaded, none compiled and written

@@ -93,7 +93,11 @@ def tiny_train_args(
 
 
 def run_main(argv: list[str]) -> tuple[int, str, str]:
-    """Calls train.main(argv) in this process; returns (exit code, stdout, stderr)."""
+    """Calls train.main(argv) in this process; returns (exit code, stdout, stderr). `translate` and `evaluate`
+    run with the persistent compilation cache off unless argv says (their default is on, in the user's cache
+    folder: a test would write there, and jax's cache setting is the whole process's)."""
+    if argv[:1] in (["translate"], ["evaluate"]) and "--compilation-cache" not in argv:
+        argv = [*argv, "--compilation-cache", "off"]
     sys.path.insert(0, str(REPO))
     try:
         import train
