@@ -38,7 +38,6 @@ from jax_transformer.evaluation import evaluate_translations, spread_indices
 from jax_transformer.tokenizer import Tokenizer
 from jax_transformer.training import TrainState, evaluate_loss, make_eval_step, noam_rate, state_for_saving, summarize
 from jax_transformer.translation import TRANSLATE_BATCH_SIZE, compile_translation, encode_sources, translation_shapes
-from jax_transformer.visualize import plot_metrics
 
 STEPS_AHEAD = 2  # steps the loop may dispatch before it waits for the oldest one's loss sums
 PHASES = ("setup", "compile", "steps", "eval", "checkpoint")
@@ -797,6 +796,8 @@ class Output:
     def plot(self) -> Path | None:
         if not self.primary:
             return None
+        from jax_transformer.visualize import plot_metrics  # matplotlib: 0.3-0.6 s to import, not for `translate`
+
         try:
             return plot_metrics(self.run_dir / "metrics.jsonl", self.run_dir / "loss_curve.png")
         except Exception as e:  # a plotting problem must not lose a finished run
