@@ -37,6 +37,11 @@ from jax_transformer.decoding import (
 from jax_transformer.errors import DataError
 
 TRANSLATE_BATCH_SIZE = 64  # sentences decoded together by `translate`
+# Lines `translate_lines` reads, sorts by length and decodes at a time. More lines make batches of more alike
+# lengths, and a chunk's last batch, which decodes with no other beside it, a smaller share: on 5,000 Multi30k
+# sentences (2-core EPYC) 4,096 lines a chunk were 3.6% faster than 1,024 greedy, 2.7% with beam 4. The memory
+# a chunk holds, and the wait for its first output line, grow with it.
+TRANSLATE_CHUNK_LINES = 4096
 
 
 # =============================================================================================================
@@ -313,7 +318,7 @@ def translate_lines(
     *,
     origin: str = "input",
     on_too_long: str = "error",
-    chunk_size: int = 1024,
+    chunk_size: int = TRANSLATE_CHUNK_LINES,
     total: int | None = None,
     progress: bool | None = True,
     beam_size: int = 4,
