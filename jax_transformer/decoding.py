@@ -122,17 +122,27 @@ def on_device(params):
     """params with its numpy leaves (a checkpoint's, as `checkpoint.load` gives them) put on the device once: a
     program called on numpy arrays copies them in at every call, and a search makes dozens of calls (the whole
     model's weights each time: 11-12% of greedy `translate`'s time on 100 Multi30k sentences, 3-7% of beam 4's,
-    small preset, CPU). Arrays already on a device stay where they are."""
-    return jax.tree.map(lambda x: jnp.asarray(x) if isinstance(x, np.ndarray) else x, params)
+    small preset, CPU). Arrays already on a device stay where they are. (`jax.device_put`, not `jnp.asarray`, which
+    compiles a small program per leaf shape.)"""
+    return jax.tree.map(lambda x: jax.device_put(x) if isinstance(x, np.ndarray) else x, params)
 
 
 def encode_memory(model: Transformer, params, src):
     return model.apply({"params": params}, src, method=Transformer.encode)  # (B, S, D)
 
 
-@functools.partial(jit_by_config, static_argnames=("config",))
-def _encoder(params, src, *, config: TransformerConfig):
-    return encode_memory(Transformer(config), params, src)  # (B, S, D)
+@functools.partial(jit_by_config, static_argnames=("config", "width"))
+def _encoder(params, src, *, config: TransformerConfig, width: int):
+    """src (n, w) -> the encoder's output (n, width, D), zero past w (w <= width)."""
+    memory = encode_memory(Transformer(config), params, src)  # (n, w, D)
+    return jnp.pad(memory, ((0, 0), (0, width - src.shape[1]), (0, 0)))
+
+
+@jax.jit
+def _in_row_order(pieces: tuple, inverse):
+    """The groups' outputs, one after another, put back in the batch's row order: one program (an eager
+    concatenate and gather would compile several for each batch shape)."""
+    return jnp.concatenate(pieces)[inverse]
 
 
 ENCODER_ROWS = 16  # sources the encoder of a decoding batch takes at a time on a CPU, alike in length ...
@@ -172,15 +182,17 @@ def encode_batch(params, config: TransformerConfig, src) -> jnp.ndarray:
     src = np.asarray(src)
     B, S = src.shape
     lengths = source_lengths(src, config.pad_id)
+    group = _encoder_rows(B)
+    if group >= B:  # one group: the batch as it is
+        _, width = encoder_shape(B, int(lengths.max()), S)
+        return _encoder(params, src[:, :width], config=config, width=S)  # (B, S, D)
     order = np.argsort(lengths, kind="stable")  # alike lengths side by side; filler rows (all PAD) first
     pieces = []
-    group = _encoder_rows(B)
     for start in range(0, B, group):
         rows = order[start : start + group]
         _, width = encoder_shape(len(rows), int(lengths[rows].max()), S)
-        memory = _encoder(params, src[rows, :width], config=config)  # (n, width, D)
-        pieces.append(jnp.pad(memory, ((0, 0), (0, S - width), (0, 0))))
-    return jnp.concatenate(pieces)[np.argsort(order)]  # (B, S, D), back in the batch's row order
+        pieces.append(_encoder(params, src[rows, :width], config=config, width=S))  # (n, S, D)
+    return _in_row_order(tuple(pieces), np.argsort(order).astype(np.int32))  # (B, S, D)
 
 
 def create_cache(model: Transformer, params, memory, src, length: int, beams: int = 1):
@@ -435,14 +447,15 @@ def _decode_shrinking(
     output (`encode_batch`); run(rows_args, leave_at, carried) -> (state, memory): a decoding program that stops
     once at most `leave_at` rows are unfinished or its cache is full, on per-row arguments `rows_args` (src
     first), starting from (None, encode(src)) or going on from a (state, memory) it returned before;
-    unfinished(state) -> (B,) bool; outputs(state) -> per-row results, as numpy arrays in the original row order.
-    The rows are independent, so the results are those of one loop over the whole batch (up to the float rounding
-    of a smaller matrix product)."""
+    unfinished(state) -> (B,) bool; outputs(state) -> per-row results; both numpy arrays computed on the host from
+    the state's (an eager jax op on a device array compiles a small program for each new shape: dozens of them,
+    ~30 ms each, in a `translate` that meets a few batch shapes). The rows are independent, so the results are
+    those of one loop over the whole batch (up to the float rounding of a smaller matrix product)."""
     levels = shrink_levels(rows_args[0].shape[0], beams)
     ends = phases(length, levels[0] * beams)
 
-    def leave_at(rows: int):  # the next level below `rows` (an array: the programs take it as an argument)
-        return jnp.asarray(next((level for level in levels if level < rows), 0), jnp.int32)
+    def leave_at(rows: int):  # the next level below `rows` (an argument of the programs, not a static one)
+        return np.int32(next((level for level in levels if level < rows), 0))
 
     owners = np.arange(levels[0])  # the original row of each row; -1: a filler copy of a finished row
     state, memory = run(rows_args, leave_at(levels[0]), (None, encode(rows_args[0])))
@@ -476,12 +489,13 @@ def _decode_shrinking(
 
 def encoder_programs(params, config: TransformerConfig, rows: int, width: int, split: bool = True) -> dict:
     """Compile jobs for the encoder programs `decode_shrinking` runs on a batch of (rows, width) sources (each part
-    of it, `parts(rows, split)`, encoded alone: `encode_batch`): {(rows, width) of the program: a function that
-    compiles it}."""
+    of it, `parts(rows, split)`, encoded alone: `encode_batch`): {(rows, width) of the program's sources: a
+    function that compiles it}; each program pads its output to the batch's `width`."""
     shapes = encoder_shapes(rows // parts(rows, split), width)
 
     def compile_one(shape):
-        return _encoder.lower(params, jax.ShapeDtypeStruct(shape, jnp.int32), config=config).compile()
+        src = jax.ShapeDtypeStruct(shape, jnp.int32)
+        return _encoder.lower(params, src, config=config, width=width).compile()
 
     return {shape: functools.partial(compile_one, shape) for shape in shapes}
 
@@ -503,7 +517,8 @@ def shrinking_programs(
 
     @functools.cache
     def start():  # what the first program starts from: (None, the encoder's output (rows, S, D))
-        encoder = functools.partial(_encoder.__wrapped__, config=static["config"])  # `encoder_programs` compile it
+        width = first[1].shape[1]  # the batch's: `encoder_programs` compile the encoder's programs
+        encoder = functools.partial(_encoder.__wrapped__, config=static["config"], width=width)
         return None, jax.eval_shape(encoder, params, first[1])
 
     @functools.cache  # traced once for all the resumed programs
@@ -613,16 +628,22 @@ def greedy_search(
     src = check_source(src, config)
     _check_options(config, max_len_a, max_len_b, min_len)
     length = output_length(src.shape[1], config, max_len_a, max_len_b)
-    min_len, params = jnp.asarray(min_len, jnp.int32), on_device(params)
+    min_len, params = np.int32(min_len), on_device(params)
 
     def run(rows, leave_at, carried):
         src, max_new = rows
         return _greedy_core(params, src, max_new, min_len, leave_at, carried, config=config, length=length)
 
-    rows = (jnp.asarray(src), jnp.asarray(max_new_tokens(src, config, max_len_a, max_len_b)))
+    rows = (src, max_new_tokens(src, config, max_len_a, max_len_b))  # numpy: a program's arguments
     encode = functools.partial(encode_batch, params, config)
     tokens, scores = decode_shrinking(
-        run, encode, rows, unfinished=lambda s: ~s[4], outputs=lambda s: (s[2], s[3]), length=length, split=split
+        run,
+        encode,
+        rows,
+        unfinished=lambda s: ~np.asarray(s[4]),
+        outputs=lambda s: (np.asarray(s[2]), np.asarray(s[3])),
+        length=length,
+        split=split,
     )
     return tokens, scores
 
@@ -786,7 +807,7 @@ def beam_search(
     src = check_source(src, config)
     _check_options(config, max_len_a, max_len_b, min_len, beam_size, alpha)
     length = output_length(src.shape[1], config, max_len_a, max_len_b)
-    min_len, penalties = jnp.asarray(min_len, jnp.int32), jnp.asarray(length_penalties(length, alpha))
+    min_len, penalties = np.int32(min_len), jax.device_put(length_penalties(length, alpha))
     params = on_device(params)
     static = dict(config=config, length=length, beam_size=int(beam_size))
 
@@ -794,14 +815,14 @@ def beam_search(
         src, max_new = rows
         return _beam_core(params, src, max_new, min_len, penalties, leave_at, carried, **static)
 
-    rows = (jnp.asarray(src), jnp.asarray(max_new_tokens(src, config, max_len_a, max_len_b)))
+    rows = (src, max_new_tokens(src, config, max_len_a, max_len_b))  # numpy: a program's arguments
     # Every row ends done with at least one finished hypothesis (at the latest, its length limit finishes K).
     tokens, scores = decode_shrinking(
         run,
         functools.partial(encode_batch, params, config),
         rows,
-        unfinished=lambda s: ~s.done,
-        outputs=lambda s: (s.finished_tokens[:, 0], s.finished_scores[:, 0]),
+        unfinished=lambda s: ~np.asarray(s.done),
+        outputs=lambda s: (np.asarray(s.finished_tokens)[:, 0], np.asarray(s.finished_scores)[:, 0]),
         length=length,
         beams=int(beam_size),
         split=split,

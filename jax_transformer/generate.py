@@ -191,10 +191,16 @@ def _beam_core(
     return run_phase(more, advance, state), memory
 
 
-def _open(s: _Beams, L: int, early_stopping: str):
+def _flags(s: _Beams) -> _Beams:
+    """The state's per-sentence flags and step on the host (what `_open` reads), without its tokens and cache."""
+    return jax.device_get(s.replace(running=None, finished=None, cache=None))
+
+
+def _open(s: _Beams, L: int, early_stopping: str, xp=jnp):
     """(B,) the sentences whose finished set can still change: improvable, not yet full under early_stopping
-    True (transformers marks those done), before the length limit. The search ends when none is."""
-    full = jnp.all(s.is_finished, axis=1) & (early_stopping == "true")
+    True (transformers marks those done), before the length limit. The search ends when none is. `xp`: jax.numpy
+    in the loop, numpy on a host copy of the state (`decoding.decode_shrinking`)."""
+    full = xp.all(s.is_finished, axis=1) & (early_stopping == "true")
     return s.improvable & ~full & (s.t < L) & ~s.all_stopped
 
 
@@ -224,7 +230,7 @@ def generate(
     options = dict(
         config=config, max_length=int(max_length), banned=tuple(int(i) for i in banned), forced_eos=bool(forced_eos)
     )
-    min_length, params = jnp.asarray(min_length, jnp.int32), on_device(params)
+    min_length, params = np.int32(min_length), on_device(params)
     encode = functools.partial(encode_batch, params, config)
     if num_beams == 1:
 
@@ -234,14 +240,14 @@ def generate(
         (tokens,) = decode_shrinking(
             run,
             encode,
-            (jnp.asarray(src),),
-            unfinished=lambda s: ~s[3],
-            outputs=lambda s: (s[2],),
+            (src,),
+            unfinished=lambda s: ~np.asarray(s[3]),
+            outputs=lambda s: (np.asarray(s[2]),),
             length=max_length - 1,
             split=split,
         )
         return tokens
-    length_penalty = jnp.asarray(length_penalty, jnp.float32)
+    length_penalty = np.float32(length_penalty)
     options.update(beam_size=int(num_beams), early_stopping=early_stopping)
 
     def run(rows, leave_at, carried):
@@ -250,9 +256,9 @@ def generate(
     (tokens,) = decode_shrinking(
         run,
         encode,
-        (jnp.asarray(src),),
-        unfinished=lambda s: _open(s, max_length - 1, early_stopping),
-        outputs=lambda s: (s.finished[:, 0],),
+        (src,),
+        unfinished=lambda s: _open(_flags(s), max_length - 1, early_stopping, np),
+        outputs=lambda s: (np.asarray(s.finished)[:, 0],),
         length=max_length - 1,
         beams=int(num_beams),
         split=split,

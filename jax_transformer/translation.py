@@ -166,7 +166,7 @@ def compile_translation(
         for (n, end), job in levels.items():
             jobs[f"{name} {n}x{width} cache {end}" + ("" if (n, end) == fresh else " resumed")] = job
         for (n, w), job in encoder_programs(params, config, rows, width, split).items():
-            jobs[f"encoder {n}x{w}"] = job  # shared by the batches of every shape that encode such groups
+            jobs[f"encoder {n}x{w} of width {width}"] = job  # shared by the batches of that width
     return jobs
 
 

@@ -49,7 +49,7 @@ def test_every_program_is_compiled_ahead_and_nothing_in_the_loop(evaluated_run):
     # (on a CPU of two cores or more, two batches at once: translation.batches_at_once). The encoder runs on a batch's
     # rows, at most 16 at a time, cut to 8 or 16 positions (decoding.encode_batch).
     expected = [
-        *[f"encoder {rows}x{width}" for rows in (16, 4) for width in (16, 8)],
+        *[f"encoder {rows}x{width} of width 16" for rows in (16, 4) for width in (16, 8)],
         "beam search 2 16x16 cache 16",
         "beam search 2 16x16 cache 16 resumed",
         "beam search 2 32x16 cache 16",

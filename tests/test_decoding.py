@@ -227,9 +227,9 @@ def test_the_encoder_runs_on_groups_of_alike_sources_cut_to_their_length(monkeyp
     src = np.concatenate([make_src(config, lengths, seed=5), np.full((1, MAX_LEN), config.pad_id, np.int32)])
     shapes, encoder = [], decoding._encoder
 
-    def recorded(params, src, *, config):
+    def recorded(params, src, *, config, width):
         shapes.append(src.shape)
-        return encoder(params, src, config=config)
+        return encoder(params, src, config=config, width=width)
 
     monkeypatch.setattr(decoding, "_encoder", recorded)
     memory = np.asarray(decoding.encode_batch(params, config, src))
@@ -574,8 +574,10 @@ def test_translate_compiles_once_per_shape_and_ahead_of_time(tiny_translator):
         "greedy search 8x24 cache 24",
     ]
     # The encoder runs on a batch's rows (at most decoding.ENCODER_ROWS) cut to widths of 8, 16, ... up to the
-    # batch's (decoding.encode_batch): a program per width, shared by the shapes.
-    encoders = [f"encoder {rows}x{w}" for rows in (4, 8) for w in (16, 24, 8)]
+    # batch's, its output padded back to the batch's width (decoding.encode_batch): a program per cut width and
+    # batch width, shared by the shapes of that width.
+    encoders = [f"encoder 8x{w} of width 16" for w in (8, 16)]
+    encoders += [f"encoder {rows}x{w} of width 24" for rows in (4, 8) for w in (8, 16, 24)]
     assert sorted(jobs) == sorted(expected + encoders)
     assert sorted(name for name, _ in compiled) == sorted(
         ["jit(_greedy_core)"] * len(expected) + ["jit(_encoder)"] * len(encoders)

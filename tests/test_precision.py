@@ -67,8 +67,9 @@ def _lowered_programs(config) -> dict[str, str]:
     src = jax.ShapeDtypeStruct((2, 6), jnp.int32)
     rows = jax.ShapeDtypeStruct((2,), jnp.int32)
     scalar = jax.ShapeDtypeStruct((), jnp.int32)
-    encoder = decoding._encoder.lower(params, src, config=config)
-    start = (None, jax.eval_shape(functools.partial(decoding._encoder.__wrapped__, config=config), params, src))
+    encoder = decoding._encoder.lower(params, src, config=config, width=6)
+    encode = functools.partial(decoding._encoder.__wrapped__, config=config, width=6)
+    start = (None, jax.eval_shape(encode, params, src))
     greedy = decoding._greedy_core.lower(params, src, rows, scalar, scalar, start, config=config, length=8)
     penalties = jax.ShapeDtypeStruct((9,), jnp.float32)
     beam = decoding._beam_core.lower(
