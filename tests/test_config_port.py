@@ -107,3 +107,33 @@ def test_port_without_torch_is_exact_and_shapes_are_checked():
         np.testing.assert_array_equal(np.asarray(a), b)
     with pytest.raises(PortError, match="d_ff|expected"):
         torch_to_flax(state, cfg.replace(d_ff=32))
+
+
+@pytest.mark.parametrize("case", ["pre_learned_untied_gelu_nobias", "post_shared_unscaled_final", "marian"])
+def test_parameters_are_read_without_evaluating_their_initializers(case, monkeypatch):
+    """The model's modules check an existing parameter's shape themselves (model.Params): an apply evaluates no
+    initializer (Flax's own `param` runs jax.eval_shape on one per parameter at every apply, ~1.6 ms each while
+    tracing), and a parameter of another shape is still Flax's ScopeParamShapeError, naming it and both shapes."""
+    import flax.errors
+    import jax
+    import jax.numpy as jnp
+
+    from jax_transformer.model import Transformer, init_params
+    from tests.helpers.configs import PARITY_CONFIGS
+
+    # Learned positions, untied output, LayerNorms without bias; a shared table; Marian's logits bias on a tied one.
+    config = PARITY_CONFIGS.get(case) or PARITY_CONFIGS["post_sinusoidal_tied_relu"].replace(logits_bias=True)
+    params = init_params(config, 0)
+    src, tgt = jnp.ones((2, 5), jnp.int32), jnp.ones((2, 4), jnp.int32)
+    evaluated = []
+    eval_shape = jax.eval_shape
+    monkeypatch.setattr(jax, "eval_shape", lambda *a, **k: evaluated.append(a) or eval_shape(*a, **k))
+    logits = Transformer(config).apply({"params": params}, src, tgt)
+    assert logits.shape == (2, 4, config.tgt_vocab_size) and evaluated == []
+    kernel = "['decoder']['layer_0']['feed_forward']['linear1']['kernel']"
+    cut = lambda path, x: x[:, :-1] if jax.tree_util.keystr(path) == kernel else x  # noqa: E731
+    wrong = jax.tree_util.tree_map_with_path(cut, params)
+    d, f = config.d_model, config.d_ff
+    message = rf'"kernel" in "/decoder/layer_0/feed_forward/linear1".*shape \({d}, {f}\).*shape \({d}, {f - 1}\)'
+    with pytest.raises(flax.errors.ScopeParamShapeError, match=message):
+        Transformer(config).apply({"params": wrong}, src, tgt)
