@@ -176,8 +176,10 @@ def encode_batch(params, config: TransformerConfig, src) -> jnp.ndarray:
     compile, and most of its sources are shorter: the encoder runs on groups of ENCODER_ROWS sources of alike
     length instead (on a CPU; elsewhere, not measured, the whole batch), each group cut to its longest source
     (rounded up, `encoder_shape`). On 100 Multi30k sentences (small preset, CPU) the encoder took 38% less time
-    over `translate`'s batches so, and greedy `translate` 13% less (docs/benchmarks.md). Each (rows, width) is a
-    program of its own, compiled in a fraction of a second (`encoder_shapes`). A row of PAD only (`translate`'s
+    over `translate`'s batches so, and greedy `translate` 13% less (docs/benchmarks.md). Each group's (rows, cut
+    width) with the batch's width S is a program of its own, which pads its output to S, compiled in a fraction of
+    a second (`encoder_shapes`); the batch's groups go back in row order in one more (`_in_row_order`); a batch of
+    at most ENCODER_ROWS rows is one group, in its own order. A row of PAD only (`translate`'s
     filler) attends over zeros: its output is not the whole width's, and is thrown away."""
     src = np.asarray(src)
     B, S = src.shape
@@ -448,7 +450,7 @@ def _decode_shrinking(
     once at most `leave_at` rows are unfinished or its cache is full, on per-row arguments `rows_args` (src
     first), starting from (None, encode(src)) or going on from a (state, memory) it returned before;
     unfinished(state) -> (B,) bool; outputs(state) -> per-row results; both numpy arrays computed on the host from
-    the state's (an eager jax op on a device array compiles a small program for each new shape: dozens of them,
+    the state's arrays (an eager jax op on a device array compiles a small program for each new shape: dozens of them,
     ~30 ms each, in a `translate` that meets a few batch shapes). The rows are independent, so the results are
     those of one loop over the whole batch (up to the float rounding of a smaller matrix product)."""
     levels = shrink_levels(rows_args[0].shape[0], beams)

@@ -35,9 +35,11 @@ class Params:
         shape = init_args[0] if init_args and isinstance(init_args[0], (tuple, list)) else None
         if shape is None or not self.has_variable("params", name):  # being initialised, or no shape to compare
             return super().param(name, init_fn, *init_args, unbox=unbox, **init_kwargs)
+        self.scope.reserve(name, "params")  # a name used twice is still Flax's error
         value = self.get_variable("params", name)
-        if np.shape(value) != tuple(shape):
-            raise flax.errors.ScopeParamShapeError(name, self.scope.path_text, np.shape(value), tuple(shape))
+        if np.shape(nn.meta.unbox(value)) != tuple(shape):
+            found = np.shape(nn.meta.unbox(value))
+            raise flax.errors.ScopeParamShapeError(name, self.scope.path_text, found, tuple(shape))
         return nn.meta.unbox(value) if unbox else value
 
 

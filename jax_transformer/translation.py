@@ -127,7 +127,7 @@ def batches_at_once(n_batches: int) -> int:
 def translation_shapes(lengths: Sequence[int], batch_size: int, max_len: int) -> list[tuple[int, int, bool]]:
     """The distinct (rows, width, split) shapes `translate` decodes sources of these lengths in: split, whether it
     lets the search cut a batch in parts (`batches_at_once`; `decoding.parts` decides how many). Each shape compiles
-    one program per level its batch can shrink to, and its encoder a program per group shape
+    one program per level its batch can shrink to, and its encoder a program per group shape and width
     (`compile_translation`)."""
     batches = translation_batches(lengths, batch_size, max_len)
     split = batches_at_once(len(batches)) == 1

@@ -1,4 +1,5 @@
-"""The shared config (validation, JSON round trip) and the torch-free promise of `jax_transformer`."""
+"""The shared config (validation, JSON round trip), the torch-free promise of `jax_transformer`, and how the model
+reads and checks its parameters."""
 
 import json
 import subprocess
@@ -7,6 +8,7 @@ import sys
 import pytest
 
 from jax_transformer.config import ConfigError, OptimConfig, TransformerConfig, preset
+from tests.helpers.configs import PARITY_CONFIGS
 
 
 def test_default_is_the_papers_base_model():
@@ -109,7 +111,15 @@ def test_port_without_torch_is_exact_and_shapes_are_checked():
         torch_to_flax(state, cfg.replace(d_ff=32))
 
 
-@pytest.mark.parametrize("case", ["pre_learned_untied_gelu_nobias", "post_shared_unscaled_final", "marian"])
+# Learned positions, untied output, LayerNorms without bias; one shared table; Marian's logits bias on a tied output.
+PARAMETER_CASES = {
+    "pre_learned_untied_gelu_nobias": PARITY_CONFIGS["pre_learned_untied_gelu_nobias"],
+    "post_shared_unscaled_final": PARITY_CONFIGS["post_shared_unscaled_final"],
+    "tied_logits_bias": PARITY_CONFIGS["post_sinusoidal_tied_relu"].replace(logits_bias=True),
+}
+
+
+@pytest.mark.parametrize("case", PARAMETER_CASES)
 def test_parameters_are_read_without_evaluating_their_initializers(case, monkeypatch):
     """The model's modules check an existing parameter's shape themselves (model.Params): an apply evaluates no
     initializer (Flax's own `param` runs jax.eval_shape on one per parameter at every apply, ~1.6 ms each while
@@ -119,10 +129,8 @@ def test_parameters_are_read_without_evaluating_their_initializers(case, monkeyp
     import jax.numpy as jnp
 
     from jax_transformer.model import Transformer, init_params
-    from tests.helpers.configs import PARITY_CONFIGS
 
-    # Learned positions, untied output, LayerNorms without bias; a shared table; Marian's logits bias on a tied one.
-    config = PARITY_CONFIGS.get(case) or PARITY_CONFIGS["post_sinusoidal_tied_relu"].replace(logits_bias=True)
+    config = PARAMETER_CASES[case]
     params = init_params(config, 0)
     src, tgt = jnp.ones((2, 5), jnp.int32), jnp.ones((2, 4), jnp.int32)
     evaluated = []

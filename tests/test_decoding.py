@@ -243,6 +243,14 @@ def test_the_encoder_runs_on_groups_of_alike_sources_cut_to_their_length(monkeyp
     np.testing.assert_allclose(memory[real], whole[real], atol=CACHE_ATOL, rtol=0)
     first_group = [row for row, n in enumerate(lengths) if n < 7] + [len(lengths)]  # the filler row is last
     assert not memory[first_group, 8:].any()  # past its group's width: zeros
+    # At most ENCODER_ROWS sources: one group, in the batch's own order, cut to its longest source (7 -> 8) and
+    # padded back to the batch's width.
+    short = [row for row, n in enumerate(lengths) if n <= 7]  # 16 rows, in no order
+    shapes.clear()
+    few = np.asarray(decoding.encode_batch(params, config, src[short]))
+    assert shapes == [(16, 8)] and few.shape == (16, MAX_LEN, config.d_model)
+    np.testing.assert_allclose(few[real[short]], whole[short][real[short]], atol=CACHE_ATOL, rtol=0)
+    assert not few[:, 8:].any()
     assert memory[first_group, :8].any(axis=-1).all()  # every position of the group computed
     assert memory.shape == whole.shape
 
