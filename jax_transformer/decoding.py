@@ -163,6 +163,18 @@ def encoder_shape(rows: int, length: int, width: int) -> tuple[int, int]:
     return rows, min(width, -(-length // step) * step)
 
 
+def encoder_groups(lengths: np.ndarray, width: int) -> list[tuple[np.ndarray, int]]:
+    """How `encode_batch` encodes a batch of sources of these lengths (B,), `width` wide: (its rows, the width they
+    are cut to) for each group. At most ENCODER_ROWS sources (on a CPU; elsewhere the whole batch): one group, in
+    the batch's order; more: sorted by length (filler rows of PAD only, length 0, first), ENCODER_ROWS at a time."""
+    B, group = len(lengths), _encoder_rows(len(lengths))
+    if group >= B:
+        return [(np.arange(B), encoder_shape(B, int(np.max(lengths)), width)[1])]
+    order = np.argsort(lengths, kind="stable")
+    chunks = [order[start : start + group] for start in range(0, B, group)]
+    return [(rows, encoder_shape(len(rows), int(np.max(lengths[rows])), width)[1]) for rows in chunks]
+
+
 def encoder_shapes(rows: int, width: int) -> list[tuple[int, int]]:
     """Every shape `encode_batch` may run the encoder at for a batch of (rows, width) sources (to compile ahead)."""
     group = _encoder_rows(rows)
@@ -182,18 +194,13 @@ def encode_batch(params, config: TransformerConfig, src) -> jnp.ndarray:
     at most ENCODER_ROWS rows is one group, in its own order. A row of PAD only (`translate`'s
     filler) attends over zeros: its output is not the whole width's, and is thrown away."""
     src = np.asarray(src)
-    B, S = src.shape
-    lengths = source_lengths(src, config.pad_id)
-    group = _encoder_rows(B)
-    if group >= B:  # one group: the batch as it is
-        _, width = encoder_shape(B, int(lengths.max()), S)
+    S = src.shape[1]
+    groups = encoder_groups(source_lengths(src, config.pad_id), S)
+    if len(groups) == 1:  # the batch as it is
+        (_, width), *_ = groups
         return _encoder(params, src[:, :width], config=config, width=S)  # (B, S, D)
-    order = np.argsort(lengths, kind="stable")  # alike lengths side by side; filler rows (all PAD) first
-    pieces = []
-    for start in range(0, B, group):
-        rows = order[start : start + group]
-        _, width = encoder_shape(len(rows), int(lengths[rows].max()), S)
-        pieces.append(_encoder(params, src[rows, :width], config=config, width=S))  # (n, S, D)
+    pieces = [_encoder(params, src[rows, :width], config=config, width=S) for rows, width in groups]  # (n, S, D)
+    order = np.concatenate([rows for rows, _ in groups])
     return _in_row_order(tuple(pieces), np.argsort(order).astype(np.int32))  # (B, S, D)
 
 
@@ -490,16 +497,21 @@ def _decode_shrinking(
 
 
 def encoder_programs(params, config: TransformerConfig, rows: int, width: int, split: bool = True) -> dict:
-    """Compile jobs for the encoder programs `decode_shrinking` runs on a batch of (rows, width) sources (each part
-    of it, `parts(rows, split)`, encoded alone: `encode_batch`): {(rows, width) of the program's sources: a
-    function that compiles it}; each program pads its output to the batch's `width`."""
+    """Compile jobs for every encoder program `decode_shrinking` may run on a batch of (rows, width) sources (each
+    part of it, `parts(rows, split)`, encoded alone: `encode_batch`), whatever their lengths: `encoder_jobs`."""
     shapes = encoder_shapes(rows // parts(rows, split), width)
+    return encoder_jobs(params, config, [(n, cut, width) for n, cut in shapes])
 
-    def compile_one(shape):
-        src = jax.ShapeDtypeStruct(shape, jnp.int32)
+
+def encoder_jobs(params, config: TransformerConfig, shapes) -> dict:
+    """Compile jobs for encoder programs of these (rows, cut width, batch width) shapes (`encode_batch`): {shape: a
+    function that compiles it}."""
+
+    def compile_one(rows: int, cut: int, width: int):
+        src = jax.ShapeDtypeStruct((rows, cut), jnp.int32)
         return _encoder.lower(params, src, config=config, width=width).compile()
 
-    return {shape: functools.partial(compile_one, shape) for shape in shapes}
+    return {tuple(shape): functools.partial(compile_one, *shape) for shape in shapes}
 
 
 def shrinking_programs(

@@ -37,7 +37,13 @@ from jax_transformer.errors import DataError
 from jax_transformer.evaluation import evaluate_translations, spread_indices
 from jax_transformer.tokenizer import Tokenizer
 from jax_transformer.training import TrainState, evaluate_loss, make_eval_step, noam_rate, state_for_saving, summarize
-from jax_transformer.translation import TRANSLATE_BATCH_SIZE, compile_translation, encode_sources, translation_shapes
+from jax_transformer.translation import (
+    TRANSLATE_BATCH_SIZE,
+    compile_translation,
+    encode_sources,
+    translation_encoders,
+    translation_shapes,
+)
 
 STEPS_AHEAD = 2  # steps the loop may dispatch before it waits for the oldest one's loss sums
 PHASES = ("setup", "compile", "steps", "eval", "checkpoint")
@@ -477,7 +483,9 @@ def compile_jobs(run: Run, state, evaluator: Evaluator) -> dict[str, dict[str, C
         n = evaluator.sentences(final=when == "final")
         if n > 0:
             shapes = translation_shapes(lengths[:n], TRANSLATE_BATCH_SIZE, run.config.max_len)
-            jobs[when].update(compile_translation(params, run.config, shapes, beam_size=beam_size, decode=run.decode))
+            encoders = translation_encoders(lengths[:n], TRANSLATE_BATCH_SIZE, run.config.max_len)
+            options = dict(beam_size=beam_size, decode=run.decode, encoders=encoders)
+            jobs[when].update(compile_translation(params, run.config, shapes, **options))
     for name in jobs["eval"]:
         jobs["final"].pop(name, None)  # the same decoder, when the final evaluation uses the same beam
     return jobs

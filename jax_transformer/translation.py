@@ -27,10 +27,13 @@ from jax_transformer.decoding import (
     _greedy_core,
     beam_search,
     callers_settings,
+    encoder_groups,
+    encoder_jobs,
     encoder_programs,
     greedy_search,
     on_device,
     output_length,
+    parts,
     shrinking_programs,
     side_by_side,
 )
@@ -134,6 +137,23 @@ def translation_shapes(lengths: Sequence[int], batch_size: int, max_len: int) ->
     return sorted({(rows, width, split) for _, rows, width in batches})
 
 
+def translation_encoders(lengths: Sequence[int], batch_size: int, max_len: int) -> list[tuple[int, int, int]]:
+    """The (rows, cut width, batch width) of every encoder program `translate` runs on sources of these lengths
+    (EOS included): each batch's rows (its filler rows of length 0 among them), in the parts the search cuts it
+    into (`decoding.parts`), grouped as `decoding.encoder_groups` groups them. For `compile_translation`'s
+    `encoders`: fewer programs than every group shape the batches' shapes allow."""
+    batches = translation_batches(lengths, batch_size, max_len)
+    split = batches_at_once(len(batches)) == 1
+    shapes = set()
+    for chunk, rows, width in batches:
+        row_lengths = np.zeros(rows, np.int64)
+        row_lengths[: len(chunk)] = np.asarray(lengths, np.int64)[chunk]
+        n = parts(rows, split)
+        for i in range(n):  # part i takes rows i, i + n, ... (decoding.decode_shrinking)
+            shapes.update((len(group), cut, width) for group, cut in encoder_groups(row_lengths[i::n], width))
+    return sorted(shapes)
+
+
 def compile_translation(
     params,
     config: TransformerConfig,
@@ -143,11 +163,14 @@ def compile_translation(
     max_len_a: float = DEFAULT_MAX_LEN_A,
     max_len_b: float = DEFAULT_MAX_LEN_B,
     decode: DecodeConfig | None = None,
+    encoders: Sequence[tuple[int, int, int]] | None = None,
 ) -> dict[str, Any]:
     """Compile jobs for the decoder `translate` uses on batches of these (rows, width, split) shapes (split: the
     searches' `split`, as `translation_shapes` gives it; True for a search called with its defaults): {name: a
     function that compiles it}, one per level a batch shrinks through as its sentences finish
-    (`decoding.shrink_levels`), and one per shape its encoder runs at (`decoding.encode_batch`).
+    (`decoding.shrink_levels`), and one per shape its encoder runs at (`decoding.encode_batch`): those of
+    `encoders`, (rows, cut width, batch width) as `translation_encoders` gives them for the sentences to come, or
+    where it is None every one the batches' shapes allow.
     Run them (e.g. with `compilation.CompileJobs`) before decoding and `translate` compiles none of its searches
     and encoders (the small gathers between them compile on first use): `lower(...).compile()` fills the cache its
     calls look in (alpha is an array argument, any value)."""
@@ -165,8 +188,11 @@ def compile_translation(
         fresh = (max(n for n, _ in levels), min(end for _, end in levels))
         for (n, end), job in levels.items():
             jobs[f"{name} {n}x{width} cache {end}" + ("" if (n, end) == fresh else " resumed")] = job
-        for (n, w), job in encoder_programs(params, config, rows, width, split).items():
-            jobs[f"encoder {n}x{w} of width {width}"] = job  # shared by the batches of that width
+        if encoders is None:  # every group shape a batch of this shape may meet
+            for (n, w, _), job in encoder_programs(params, config, rows, width, split).items():
+                jobs[f"encoder {n}x{w} of width {width}"] = job  # shared by the batches of that width
+    for (n, w, width), job in encoder_jobs(params, config, encoders or ()).items():
+        jobs[f"encoder {n}x{w} of width {width}"] = job
     return jobs
 
 

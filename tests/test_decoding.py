@@ -599,6 +599,33 @@ def test_translate_compiles_once_per_shape_and_ahead_of_time(tiny_translator):
     assert {name for name, _ in compiled} <= {"jit(select_rows)", "jit(grow_cache)", "jit(_in_row_order)"}, compiled
 
 
+def test_translation_encoders_are_the_encoder_programs_translate_runs(tiny_translator, monkeypatch):
+    """translation_encoders lists the (rows, cut width, batch width) encoder programs translate runs, no more, no
+    fewer: each batch's parts, its sources grouped by length, filler rows among them. (A training run compiles its
+    evaluations' encoders ahead from this list: tests/test_compile.py checks that its loop compiles none.)"""
+    config, params, tokenizer, sentences = tiny_translator
+    texts = sentences + [f"{a} {b}" for a, b in zip(sentences[::7], sentences[1::7])]
+    lengths = [len(ids) + 1 for ids in tokenizer.encode_batch(texts)]  # + EOS
+    fitting = [t for t, n in zip(texts, lengths) if n <= config.max_len]
+    ran, encoder, plans = set(), decoding._encoder, []
+
+    def recorded(params, src, *, config, width):
+        ran.add((*src.shape, width))
+        return encoder(params, src, config=config, width=width)
+
+    monkeypatch.setattr(decoding, "_encoder", recorded)
+    # Batches of 32 (groups of 16; widths 16 and 24: the joined sentences are longer) and a tail; then 14 sentences
+    # in one batch of 16 rows, 2 of them filler, cut in halves where the CPU has two cores or more.
+    for batch in (fitting[:100] + fitting[-50:], fitting[100:114]):
+        ran.clear()
+        translation.translate(params, config, tokenizer, batch, beam_size=1, batch_size=32, progress=False)
+        batch_lengths = [len(s) for s in translation.encode_sources(tokenizer, batch, config)]
+        plans.append(translation.translation_encoders(batch_lengths, 32, config.max_len))
+        assert ran == set(plans[-1])
+    assert {width for _, _, width in plans[0]} == {16, 24} and (16, 8, 16) in plans[0]
+    assert {(rows, width) for rows, _, width in plans[1]} == {(16 // decoding.parts(16), 16)}
+
+
 def test_plot_attention_draws_every_layer_and_head(tiny_translator, tmp_path):
     from jax_transformer import visualize
 
