@@ -496,13 +496,6 @@ def _decode_shrinking(
         state, memory = run(rows_args, leave_at(rows), (state, memory))
 
 
-def encoder_programs(params, config: TransformerConfig, rows: int, width: int, split: bool = True) -> dict:
-    """Compile jobs for every encoder program `decode_shrinking` may run on a batch of (rows, width) sources (each
-    part of it, `parts(rows, split)`, encoded alone: `encode_batch`), whatever their lengths: `encoder_jobs`."""
-    shapes = encoder_shapes(rows // parts(rows, split), width)
-    return encoder_jobs(params, config, [(n, cut, width) for n, cut in shapes])
-
-
 def encoder_jobs(params, config: TransformerConfig, shapes) -> dict:
     """Compile jobs for encoder programs of these (rows, cut width, batch width) shapes (`encode_batch`): {shape: a
     function that compiles it}."""
@@ -519,7 +512,7 @@ def shrinking_programs(
 ) -> dict:
     """Compile jobs for the programs `decode_shrinking` runs `core` as on a batch of `rows` rows: {(rows of the
     level, cache length): a function that compiles it}; the first level's (a part's rows, `parts(rows, split)`) at
-    the first cache length starts from the encoder's output (`encoder_programs`), the others go on from a carried
+    the first cache length starts from the encoder's output (`encoder_jobs`), the others go on from a carried
     state.
     per_row(n): the per-row arguments' shapes (jax.ShapeDtypeStruct) at n rows; `shared`: the other arguments
     before leave_at; `static`: the static keyword arguments; `beams`: hypotheses per sentence.
@@ -531,7 +524,7 @@ def shrinking_programs(
 
     @functools.cache
     def start():  # what the first program starts from: (None, the encoder's output (rows, S, D))
-        width = first[1].shape[1]  # the batch's: `encoder_programs` compile the encoder's programs
+        width = first[1].shape[1]  # the batch's: `encoder_jobs` compile the encoder's programs
         encoder = functools.partial(_encoder.__wrapped__, config=static["config"], width=width)
         return None, jax.eval_shape(encoder, params, first[1])
 

@@ -37,10 +37,10 @@ class Params:
             return super().param(name, init_fn, *init_args, unbox=unbox, **init_kwargs)
         self.scope.reserve(name, "params")  # a name used twice is still Flax's error
         value = self.get_variable("params", name)
-        if np.shape(nn.meta.unbox(value)) != tuple(shape):
-            found = np.shape(nn.meta.unbox(value))
-            raise flax.errors.ScopeParamShapeError(name, self.scope.path_text, found, tuple(shape))
-        return nn.meta.unbox(value) if unbox else value
+        array = nn.meta.unbox(value)
+        if np.shape(array) != tuple(shape):
+            raise flax.errors.ScopeParamShapeError(name, self.scope.path_text, np.shape(array), tuple(shape))
+        return array if unbox else value
 
 
 class LayerNorm(Params, nn.LayerNorm):

@@ -29,7 +29,7 @@ from jax_transformer.decoding import (
     callers_settings,
     encoder_groups,
     encoder_jobs,
-    encoder_programs,
+    encoder_shapes,
     greedy_search,
     on_device,
     output_length,
@@ -188,11 +188,16 @@ def compile_translation(
         fresh = (max(n for n, _ in levels), min(end for _, end in levels))
         for (n, end), job in levels.items():
             jobs[f"{name} {n}x{width} cache {end}" + ("" if (n, end) == fresh else " resumed")] = job
-        if encoders is None:  # every group shape a batch of this shape may meet
-            for (n, w, _), job in encoder_programs(params, config, rows, width, split).items():
-                jobs[f"encoder {n}x{w} of width {width}"] = job  # shared by the batches of that width
-    for (n, w, width), job in encoder_jobs(params, config, encoders or ()).items():
-        jobs[f"encoder {n}x{w} of width {width}"] = job
+    if encoders is None:  # every group shape the batches' parts may meet, whatever their lengths
+        encoders = sorted(
+            {
+                (n, cut, width)
+                for rows, width, split in shapes
+                for n, cut in encoder_shapes(rows // parts(rows, split), width)
+            }
+        )
+    for (n, cut, width), job in encoder_jobs(params, config, encoders).items():
+        jobs[f"encoder {n}x{cut} of width {width}"] = job  # shared by the batches of that width
     return jobs
 
 
