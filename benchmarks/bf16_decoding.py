@@ -1,5 +1,5 @@
 """bfloat16 decoding against float32, Flax beside the PyTorch twin, on saved trained models: the table of
-docs/precision.md ("Decoding in bfloat16").
+docs/gpu-tpu.md ("Decoding in bfloat16, every path").
 
 For every decoding path (greedy at batch 64 and 1, with and without a key/value cache; beam 1, 4 and 6; translate,
 evaluate and verify) it counts the sentences whose output is identical:

@@ -6,6 +6,7 @@
     python benchmarks/ctranslate2_decoding.py --rows greedy:1 --repeats 1 --preset tiny   # smoke test
     python benchmarks/ctranslate2_decoding.py --run runs/m30k-marian --input test.de       # translate, end to end
     python benchmarks/ctranslate2_decoding.py --write-marian DIR --texts train.de train.en  # a model for --run
+    python benchmarks/ctranslate2_decoding.py --device cuda --dtype bfloat16 --decoders flax,ctranslate2  # GPU
 
 Needs the `ctranslate2` extra (`pip install -e ".[ctranslate2]"`) and transformers (the `pretrained` extra): the
 model is written with `export --format transformers` (jax_transformer.hub) and converted by CTranslate2's own
@@ -28,6 +29,12 @@ repeats; ratios are of medians, flax over ctranslate2 (> 1: this project is fast
 time over the wall time of a decoder's timed calls (2.0: both cores of a 2-core machine busy throughout).
 `--threads 1` runs CTranslate2 on one thread (the Flax decoders still use the cores XLA:CPU gives them: see their
 cores used).
+
+On a GPU (`--device cuda`: CTranslate2 on the GPU, JAX on its default backend, which must be the GPU): every call
+ends with its tokens on the host, so the time includes the device's work. `--dtype` is the Flax model's compute
+dtype (float32, or bfloat16 mixed precision) and CTranslate2's compute type unless `--ct2-compute-type` names another
+(float16, say). CTranslate2's float32 on a GPU is full float32 (cuBLAS's default math, no TF32), while XLA's default
+for a float32 matmul on a GPU is TF32: `--matmul-precision highest` makes JAX's float32 rows full float32 as well.
 
 --run: `train.py translate`'s path (translation.translate_lines: tokenizing, batching, beam search, detokenizing)
 on the lines of --input, against CTranslate2 translating the same lines with the same tokenizer, from a run
@@ -56,6 +63,7 @@ import numpy as np  # noqa: E402
 from benchmarks.machine import machine_info  # noqa: E402
 
 ROWS = ("greedy:16", "greedy:64", "greedy:1", "beam4:16", "beam4:64", "beam4:1")
+DECODERS = ("flax", "flax-generate", "ctranslate2")
 
 
 def marian_shaped_model(preset_name: str, vocab: int, max_len: int, seed: int = 0, texts: Sequence[str] = ()):
@@ -139,20 +147,22 @@ def decoders(config, params, translator, pieces, src: np.ndarray, beam: int, new
         results = translator.translate_batch(source, beam_size=beam, **limits)
         return np.array([[index[t] for t in r.hypotheses[0]] for r in results], np.int32)
 
-    def flax():
+    def flax():  # the tokens on the host: on a GPU the call's time then includes the device's work
         if beam == 1:
-            return decoding.greedy_search(params, config, src, **fixed)[0]
-        return decoding.beam_search(params, config, src, beam_size=beam, alpha=1.0, **fixed)[0]
+            return np.asarray(decoding.greedy_search(params, config, src, **fixed)[0])
+        return np.asarray(decoding.beam_search(params, config, src, beam_size=beam, alpha=1.0, **fixed)[0])
 
     def flax_generate():
-        return generate(
-            params,
-            config,
-            src,
-            max_length=new_tokens + 1,
-            min_length=new_tokens + 1,
-            num_beams=beam,
-            banned=(config.pad_id,),
+        return np.asarray(
+            generate(
+                params,
+                config,
+                src,
+                max_length=new_tokens + 1,
+                min_length=new_tokens + 1,
+                num_beams=beam,
+                banned=(config.pad_id,),
+            )
         )
 
     return {"flax": flax, "flax-generate": flax_generate, "ctranslate2": ct2}
@@ -191,17 +201,25 @@ def benchmark(
     vocab: int = 8000,
     repeats: int = 7,
     threads: int | None = None,
+    device: str = "cpu",
+    dtype: str = "float32",
+    ct2_compute_type: str | None = None,
+    names: Sequence[str] = DECODERS,
     log: Callable[[str], None] = print,
 ) -> dict:
     import ctranslate2
     import jax
 
     threads = threads or os.cpu_count() or 1
+    ct2_compute_type = ct2_compute_type or dtype
     config, params, tokenizer = marian_shaped_model(preset_name, vocab, max(new_tokens, src_len) + 1)
     results = []
     with tempfile.TemporaryDirectory() as tmp:
-        ct2_dir = convert(params, config, tokenizer, Path(tmp))
-        translator = ctranslate2.Translator(str(ct2_dir), device="cpu", compute_type="float32", intra_threads=threads)
+        ct2_dir = convert(params, config, tokenizer, Path(tmp))  # the float32 weights; each engine casts its own
+        config = config.replace(dtype=dtype)
+        translator = ctranslate2.Translator(
+            str(ct2_dir), device=device, compute_type=ct2_compute_type, intra_threads=threads
+        )
         pieces = [tokenizer.piece(i) for i in range(vocab - 1)]  # CTranslate2's vocabulary: all but <pad>
         rng = np.random.default_rng(0)
         for row in rows:
@@ -209,7 +227,8 @@ def benchmark(
             beam, batch = (1 if search == "greedy" else int(search.removeprefix("beam"))), int(batch)
             src = rng.integers(2, vocab - 1, (batch, src_len)).astype(np.int32)
             src[:, -1] = config.eos_id
-            calls = decoders(config, params, translator, pieces, src, beam, new_tokens)
+            every = decoders(config, params, translator, pieces, src, beam, new_tokens)
+            calls = {name: every[name] for name in names}
             outputs = {name: call() for name, call in calls.items()}  # warm-up (compilation), untimed
             times, cores_used = interleaved(calls, repeats)
             for name in calls:
@@ -245,7 +264,11 @@ def benchmark(
         repeats=repeats,
         ctranslate2_intra_threads=threads,
         ctranslate2=ctranslate2.__version__,
+        ctranslate2_device=device,
+        ctranslate2_compute_type=ct2_compute_type,
+        flax_dtype=dtype,
         jax_backend=jax.default_backend(),
+        jax_matmul_precision=str(jax.config.jax_default_matmul_precision),
     )
     return {"machine": machine_info(), "settings": settings, "results": results}
 
@@ -361,6 +384,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=7, help="timed calls per decoder and row (default: 7)")
     parser.add_argument("--quick", action="store_true", help="3 timed repeats")
     parser.add_argument("--threads", type=int, help="CTranslate2's intra_threads (default: the machine's cores)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="CTranslate2's device (default: cpu)")
+    parser.add_argument(
+        "--dtype", choices=("float32", "bfloat16"), default="float32", help="Flax compute dtype (default: float32)"
+    )
+    parser.add_argument(
+        "--ct2-compute-type",
+        choices=("float32", "float16", "bfloat16", "int8", "int8_float32", "int8_float16", "int8_bfloat16"),
+        help="CTranslate2's compute type (default: --dtype)",
+    )
+    parser.add_argument(
+        "--matmul-precision",
+        choices=("default", "high", "highest"),
+        help="jax_default_matmul_precision (default: JAX's; on a GPU its float32 matmuls are then TF32)",
+    )
+    parser.add_argument(
+        "--decoders",
+        default=",".join(DECODERS),
+        help=f"comma-separated decoders to time, ctranslate2 among them (default: {','.join(DECODERS)})",
+    )
     parser.add_argument("--run", type=Path, help="a run directory: time translate end to end on --input instead")
     parser.add_argument("--input", type=Path, help="text to translate with --run, one sentence per line")
     parser.add_argument("--beam-size", type=int, default=4, help="beam size with --run (default: 4)")
@@ -389,8 +431,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ImportError:
         print("ctranslate2 is not installed (pip install -e '.[ctranslate2]'): this benchmark is skipped")
         return 0
+    names = [name for name in args.decoders.split(",") if name]
+    if "ctranslate2" not in names or not set(names) <= set(DECODERS):
+        parser.error(f"--decoders: a comma-separated subset of {','.join(DECODERS)} with ctranslate2 in it")
+    import jax
+
+    if args.matmul_precision:
+        jax.config.update("jax_default_matmul_precision", args.matmul_precision)
+    if args.device == "cuda" and jax.default_backend() != "gpu":
+        parser.error(f"--device cuda: JAX's default backend is {jax.default_backend()!r}, not the GPU")
     info = machine_info()
-    print(f"machine: {info['cpu_model']}, {info['cores']} cores; {info['libraries']}", flush=True)
+    gpus = f"; GPU: {info['gpus']}" if args.device == "cuda" else ""
+    print(f"machine: {info['cpu_model']}, {info['cores']} cores{gpus}; {info['libraries']}", flush=True)
     if args.run:
         if not args.input:
             parser.error("--run needs --input")
@@ -404,6 +456,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             vocab=args.vocab,
             repeats=3 if args.quick else args.repeats,
             threads=args.threads,
+            device=args.device,
+            dtype=args.dtype,
+            ct2_compute_type=args.ct2_compute_type,
+            names=names,
             log=lambda line: print(line, flush=True),
         )
         print()

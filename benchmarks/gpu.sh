@@ -2,6 +2,7 @@
 # The GPU runs as steps that each end within 10 minutes, most important first (docs/gpu-tpu.md).
 #
 #   bash benchmarks/gpu.sh prepare             # HERE, once, on the development machine: see "prepare" below
+#   bash benchmarks/gpu.sh prepare ctranslate2 # the same without the corpus (the ctranslate2 step needs none)
 #   bash benchmarks/gpu.sh list                # the steps, in the order to run them
 #   bash benchmarks/gpu.sh STEP                # on the GPU machine, from the repository root
 #   bash benchmarks/gpu.sh --dry-run STEP|all  # print what a step would run, without running it
@@ -11,8 +12,9 @@
 # call: run(command="bash benchmarks/gpu.sh STEP", carry=[".gpu/carry"], timeout_s=600).
 #
 # What the GPU machine needs beyond the repository, copied into the git-ignored .gpu/carry by `prepare`:
-# num2words and docopt (pure Python; the built-in task needs them and the GPU image lacks them) and the Multi30k
-# files. JAX's persistent compilation cache lives in .gpu/cache (git-ignored, not carried): it survives between
+# num2words and docopt (pure Python; the built-in task needs them and the GPU image lacks them), the Multi30k
+# files and CTranslate2's wheel (43 MB; `prepare ctranslate2` fetches it without the corpus: what is carried
+# must stay under 64 MiB). JAX's persistent compilation cache lives in .gpu/cache (git-ignored, not carried): it survives between
 # calls while the machine stays warm, so a repeated step compiles less.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -22,7 +24,7 @@ if [ "${1:-}" = "--dry-run" ]; then DRY_RUN=1; shift; fi
 STEP="${1:-list}"
 PY="${PYTHON:-python3}"
 OUT="${OUT:-.gpu/out}"
-LIMIT=570  # seconds: each step's main command is interrupted (SIGINT: pytest still reports) inside 10 minutes
+LIMIT="${LIMIT:-570}"  # seconds: each step's main command is interrupted (SIGINT: pytest still reports) inside 10 minutes
 DATA=.gpu/carry/data/multi30k
 
 # Ranked: (1) the suite green on the GPU, (2) bf16 vs float32 step, JAX vs the twin, (3) Multi30k, (4) the rest.
@@ -38,6 +40,7 @@ STEPS=(
   "decode              greedy and beam 4, float32 and bfloat16, JAX vs the twin's cached decoder, batch 64 and 1"
   "compile             the training step's compilation, cold and warm persistent cache, base and small"
   "benchmark-quick     benchmarks/run.py --quick: sections 1-5 on this machine (pmap on simulated CPU devices)"
+  "ctranslate2         decoding rows against CTranslate2 on the GPU: float32, bfloat16, and its float16"
 )
 
 run() {  # run (or, with --dry-run, print) a command; it stops after $LIMIT seconds with SIGINT
@@ -100,9 +103,50 @@ multi30k() {  # benchmarks/multi30k.py time-to-bleu: two runs of the multi30k re
     --plot "$OUT/multi30k.png"
 }
 
+ctranslate2_rows() {  # benchmarks/ctranslate2_decoding.py on the GPU: greedy and beam 4 at batch 16, 64 and 1
+  # CTranslate2's wheel is carried (the image lacks it) and installed outside the image's site-packages.
+  if ! "$PY" -c "import ctranslate2" 2>/dev/null; then
+    [ "$DRY_RUN" = 1 ] || "$PY" -m pip install -q --no-index --no-deps --no-compile --target /tmp/ct2site \
+      .gpu/carry/wheels/ctranslate2-*.whl
+    export PYTHONPATH="/tmp/ct2site${PYTHONPATH:+:$PYTHONPATH}"
+  fi
+  # Its CUDA build opens libcublas.so.12 and libcublasLt.so.12 by name. An image with CUDA 13 alone has the .so.13
+  # of both, whose functions CTranslate2 calls keep their names and signatures: links named .so.12 stand in.
+  if [ "$DRY_RUN" = 0 ] && ! ldconfig -p | grep -q 'libcublas\.so\.12'; then
+    local lib found where
+    where="$("$PY" -c 'import site; print(" ".join(site.getsitepackages()))') /usr/local /usr/lib /opt"
+    mkdir -p /tmp/cublas12
+    for lib in libcublas libcublasLt; do
+      # shellcheck disable=SC2086  # $where: folders, one word each
+      found="$(find $where -name "$lib.so.12" -print -quit 2>/dev/null || true)"
+      # shellcheck disable=SC2086
+      [ -n "$found" ] || found="$(find $where -name "$lib.so.13" -print -quit 2>/dev/null || true)"
+      if [ -n "$found" ]; then ln -sf "$found" "/tmp/cublas12/$lib.so.12"; echo "$lib.so.12 -> $found"; fi
+    done
+    export LD_LIBRARY_PATH="/tmp/cublas12${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  fi
+  [ "$DRY_RUN" = 1 ] || "$PY" -c "import ctranslate2 as c; print('ctranslate2', c.__version__, 'GPUs', \
+    c.get_cuda_device_count(), 'compute types', sorted(c.get_supported_compute_types('cuda')))"
+  local rows="greedy:16,greedy:64,greedy:1,beam4:16,beam4:64,beam4:1" common="--device cuda --repeats 5"
+  local bench=benchmarks/ctranslate2_decoding.py
+  # float32 both sides: CTranslate2's float32 is full float32 on the GPU (no TF32), so JAX's matmuls "highest"
+  logged ct2-float32 "$PY" "$bench" $common --rows "$rows" --dtype float32 --matmul-precision highest \
+    --decoders flax,ctranslate2 --json "$OUT/ct2-float32.json"
+  logged ct2-bfloat16 "$PY" "$bench" $common --rows "$rows" --dtype bfloat16 --ct2-compute-type bfloat16 \
+    --decoders flax,ctranslate2 --json "$OUT/ct2-bfloat16.json"
+  # CTranslate2's float16 beside its bfloat16 (the Flax model has no float16 policy: its bfloat16 rows are above)
+  logged ct2-float16 "$PY" "$bench" $common --rows "$rows" --ct2-compute-type float16 --decoders ctranslate2 \
+    --json "$OUT/ct2-float16.json"
+}
+
 prepare() {  # on the development machine: what the GPU machine lacks, into .gpu/carry (git-ignored)
+  local wheels=.gpu/carry/wheels
+  mkdir -p "$wheels"
+  # CTranslate2 for Python 3.12 on x86-64 Linux (the GPU image's Python): its one wheel holds the CUDA build.
+  "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 -d "$wheels" "ctranslate2==${CTRANSLATE2_VERSION:-4.8.5}"
   local pylib=.gpu/carry/pylib
-  mkdir -p "$pylib" "$DATA"
+  mkdir -p "$pylib"
   "$PY" - "$pylib" <<'EOF'
 import importlib, pathlib, shutil, sys
 target = pathlib.Path(sys.argv[1])
@@ -115,14 +159,17 @@ for name in ("num2words", "docopt"):  # pure Python: the source files are the pa
         shutil.copy2(origin, target / origin.name)
     print("copied", name, "from", origin)
 EOF
-  cp "${MULTI30K:-../shared/data/multi30k}"/{train,val}.{de,en} "$DATA"/
+  if [ "${1:-}" != ctranslate2 ]; then
+    mkdir -p "$DATA"
+    cp "${MULTI30K:-../shared/data/multi30k}"/{train,val}.{de,en} "$DATA"/
+  fi
   du -sh .gpu/carry
 }
 
 environment
 case "$STEP" in
   list) printf '%s\n' "${STEPS[@]}" ;;
-  prepare) prepare ;;
+  prepare) prepare "${2:-}" ;;
   suite-tests) machine; suite suite-tests tests ;;
   suite-parity-1) machine; suite suite-parity-1 --device cuda parity_tests/test_forward_parity.py \
       parity_tests/test_loss_grad_parity.py parity_tests/test_bf16_parity.py parity_tests/test_attention_kernels.py \
@@ -143,6 +190,7 @@ case "$STEP" in
   compile) machine; bench compile --sections gpu --gpu-parts compile --presets base,small --batch-size 256 \
       --length 64 ;;
   benchmark-quick) machine; bench benchmark-quick --quick ;;
+  ctranslate2) machine; ctranslate2_rows ;;
   all)
     [ "$DRY_RUN" = 1 ] || { echo "'all' is for --dry-run: on the GPU run one step per call (10-minute limit)"; exit 1; }
     for line in "${STEPS[@]}"; do

@@ -120,6 +120,12 @@ def profile_preset(preset_name: str, batch_size: int, length: int, steps: int, v
     from tests.helpers.configs import preset_config
     from tests.helpers.twins import ported_params
 
+    if jax.default_backend() != "cpu":
+        raise RuntimeError(
+            f"step_profile reads XLA:CPU's op events (each named after its HLO op); JAX runs on "
+            f"{jax.default_backend()!r} here, whose trace names its kernels instead: run it on a CPU "
+            "(JAX_PLATFORMS=cpu)"
+        )
     config = preset_config(preset_name, vocab)
     batch = training_batch(config, batch_size, length)
     params, _ = ported_params(config)

@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from jax_transformer import compilation
-from tests.helpers.tooling import compiled_functions
+from tests.helpers.tooling import compiled_functions, cpu_encoder_groups
 from tests.helpers.training import REPO, run_main, tiny_train_args, write_corpus
 
 # The names jax gives the run's programs: train and eval steps are jitted lambdas, the decoders named functions.
@@ -32,7 +32,8 @@ def evaluated_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("compile")
     train = write_corpus(root)
     extra = ("--eval-every", "3", "--eval-sentences", "20", "--beam-size", "2", "--profile", "2:3")
-    with compiled_functions() as compiled:
+    with compiled_functions() as compiled, pytest.MonkeyPatch.context() as patch:
+        cpu_encoder_groups(patch)  # the encoder programs listed below, on any backend
         result = run_main(tiny_train_args(root / "run", train, steps=6, valid=train, extra=extra))
     return root / "run", result, compiled
 

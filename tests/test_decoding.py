@@ -22,7 +22,7 @@ from tests.helpers.batches import make_src, pad_rows
 from tests.helpers.configs import DECODING_CONFIGS
 from tests.helpers.configs import DECODING_MAX_LEN as MAX_LEN
 from tests.helpers.configs import DECODING_VOCAB as VOCAB
-from tests.helpers.tooling import compiled_functions
+from tests.helpers.tooling import compiled_functions, cpu_encoder_groups
 from tests.helpers.twins import eos_biased
 
 jax.config.update("jax_default_matmul_precision", "highest")
@@ -232,6 +232,7 @@ def test_the_encoder_runs_on_groups_of_alike_sources_cut_to_their_length(monkeyp
         return encoder(params, src, config=config, width=width)
 
     monkeypatch.setattr(decoding, "_encoder", recorded)
+    cpu_encoder_groups(monkeypatch)
     memory = np.asarray(decoding.encode_batch(params, config, src))
     whole = np.asarray(decoding.encode_memory(Transformer(config), params, jnp.asarray(src)))
     # Sorted: the filler row and 15 short ones (up to 7 tokens) in a group cut to 8 positions; the other short
@@ -614,6 +615,7 @@ def test_translation_encoders_are_the_encoder_programs_translate_runs(tiny_trans
         return encoder(params, src, config=config, width=width)
 
     monkeypatch.setattr(decoding, "_encoder", recorded)
+    cpu_encoder_groups(monkeypatch)
     # Batches of 32 (groups of 16; widths 16 and 24: the joined sentences are longer) and a tail; then 14 sentences
     # in one batch of 16 rows, 2 of them filler, cut in halves where the CPU has two cores or more.
     for batch in (fitting[:100] + fitting[-50:], fitting[100:114]):

@@ -217,8 +217,9 @@ def test_a_save_that_fails_stops_training_naming_the_intact_checkpoint(tmp_path)
     assert small < big // 2  # the limit below lets the run start and write metadata, not its arrays
     result = _run_with_file_size_limit(["train", "--resume", str(run), "--steps", "6", "--no-progress"], big // 2)
     assert result.returncode == 1, result.stdout + result.stderr
-    assert "error: training stopped at step 6: saving checkpoint step 4 in " in result.stderr
-    assert "File too large" in result.stderr and f"the newest intact checkpoint is step 2 ({step_2})" in result.stderr
+    assert "error: training stopped at step 6: saving checkpoint step 4 in " in result.stderr, result.stderr[-4000:]
+    assert "File too large" in result.stderr, result.stderr[-4000:]  # the cause, named (EFBIG's text)
+    assert f"the newest intact checkpoint is step 2 ({step_2})" in result.stderr, result.stderr[-4000:]
     assert "Traceback" not in result.stdout + result.stderr
     assert completed_steps(run) == [2] and ckpt_lib.load(run, "latest").step == 2  # nothing half-written counts
     assert [p.name for p in ckpt_lib.partial_saves(run / "checkpoints")] == ["4.orbax-checkpoint-tmp"]

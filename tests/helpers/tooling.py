@@ -41,3 +41,12 @@ def compiled_functions() -> Iterator[list[tuple[str, str]]]:
         yield events
     finally:
         jax.monitoring.unregister_event_duration_listener(listen)
+
+
+def cpu_encoder_groups(monkeypatch) -> None:
+    """The encoder groups of a CPU (decoding.ENCODER_ROWS sources at a time) on any backend, through `monkeypatch`
+    (pytest's fixture, or a pytest.MonkeyPatch context): a test of the groups' plan, and of the programs a run
+    compiles for them, then holds on a GPU too, where a batch is otherwise encoded whole."""
+    from jax_transformer import decoding
+
+    monkeypatch.setattr(decoding, "_encoder_rows", lambda rows: decoding.ENCODER_ROWS)
