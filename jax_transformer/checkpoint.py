@@ -131,11 +131,15 @@ def committed_steps(directory: str | os.PathLike) -> list[int]:
     return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit() and p.is_dir())
 
 
-class _QuietUnscoredSaves(logging.Filter):
-    """orbax warns on every save without metrics when a best_fn is set; periodic saves have none by design."""
+class _QuietExpectedWarnings(logging.Filter):
+    """orbax's warnings about what this module does on purpose: a save without metrics when a best_fn is set
+    (periodic saves have none by design), and a manager opened read-only (every translate, evaluate and export
+    opens one)."""
+
+    EXPECTED = ("did not provide metrics", "Given directory is read only", "read_only=True, setting save_interval")
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return "did not provide metrics" not in record.getMessage()
+        return not any(text in record.getMessage() for text in self.EXPECTED)
 
 
 class _NoBackgroundTracebacks(logging.Filter):
@@ -164,7 +168,7 @@ class _NoUnaskedWriteErrors(logging.Filter):
         return not any(frame.f_code.co_filename.startswith(_ORBAX_CODE) for frame, _ in frames)
 
 
-logging.getLogger("absl").addFilter(_QuietUnscoredSaves())
+logging.getLogger("absl").addFilter(_QuietExpectedWarnings())
 logging.getLogger("absl").addFilter(_NoBackgroundTracebacks())
 logging.getLogger("asyncio").addFilter(_NoUnaskedWriteErrors())
 

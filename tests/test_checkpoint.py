@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import re
 
 import jax
@@ -61,6 +62,18 @@ def test_save_restore_round_trip_is_exact(tmp_path, tokenizer):
     assert before.keys() == after.keys()
     for key in before:  # params, both Adam moments, step counts, the dropout key: bit for bit
         assert before[key].dtype == after[key].dtype and np.array_equal(before[key], after[key]), key
+
+
+def test_reading_a_checkpoint_logs_no_warning(tmp_path, tokenizer, caplog):
+    """Every translate, evaluate and export opens the checkpoints read-only: orbax's warnings about that (and about
+    saves without metrics) say nothing the user can act on, so none reaches the log."""
+    manager = ckpt_lib.CheckpointManager(tmp_path / "ckpt")
+    manager.save(1, training.state_for_saving(_trained_state(1)), config=CONFIG, optim=OPTIM.to_dict(),
+                 tokenizer=tokenizer, data_state=None, run={})  # fmt: skip
+    manager.close()
+    with caplog.at_level(logging.INFO):
+        assert ckpt_lib.load(tmp_path / "ckpt", "latest").step == 1
+    assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
 
 
 def test_keeps_the_last_k_and_the_best(tmp_path, tokenizer):
