@@ -147,7 +147,7 @@ def decoders(config, params, translator, pieces, src: np.ndarray, beam: int, new
         results = translator.translate_batch(source, beam_size=beam, **limits)
         return np.array([[index[t] for t in r.hypotheses[0]] for r in results], np.int32)
 
-    def flax():  # the tokens on the host: on a GPU the call's time then includes the device's work
+    def flax():  # tokens on the host (the searches return numpy): on a GPU the time includes the device's work
         if beam == 1:
             return np.asarray(decoding.greedy_search(params, config, src, **fixed)[0])
         return np.asarray(decoding.beam_search(params, config, src, beam_size=beam, alpha=1.0, **fixed)[0])
@@ -265,10 +265,11 @@ def benchmark(
         ctranslate2_intra_threads=threads,
         ctranslate2=ctranslate2.__version__,
         ctranslate2_device=device,
-        ctranslate2_compute_type=ct2_compute_type,
-        flax_dtype=dtype,
+        ctranslate2_compute_type=translator.compute_type,  # the type it runs, as CTranslate2 reports it
+        decoders=list(names),
+        flax_dtype=dtype if {"flax", "flax-generate"} & set(names) else None,
         jax_backend=jax.default_backend(),
-        jax_matmul_precision=str(jax.config.jax_default_matmul_precision),
+        jax_matmul_precision=jax.config.jax_default_matmul_precision,
     )
     return {"machine": machine_info(), "settings": settings, "results": results}
 
@@ -427,19 +428,32 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"wrote {args.write_marian}: {args.preset} shape, vocabulary {args.vocab}, {args.max_len} positions")
         return 0
     try:
-        import ctranslate2  # noqa: F401
+        import ctranslate2
     except ImportError:
         print("ctranslate2 is not installed (pip install -e '.[ctranslate2]'): this benchmark is skipped")
         return 0
-    names = [name for name in args.decoders.split(",") if name]
+    names = tuple(name for name in args.decoders.split(",") if name)
     if "ctranslate2" not in names or not set(names) <= set(DECODERS):
         parser.error(f"--decoders: a comma-separated subset of {','.join(DECODERS)} with ctranslate2 in it")
     import jax
 
     if args.matmul_precision:
         jax.config.update("jax_default_matmul_precision", args.matmul_precision)
-    if args.device == "cuda" and jax.default_backend() != "gpu":
-        parser.error(f"--device cuda: JAX's default backend is {jax.default_backend()!r}, not the GPU")
+    backend = jax.default_backend()
+    if args.device == "cuda" and backend != "gpu":
+        parser.error(f"--device cuda: JAX's default backend is {backend!r}, not the GPU")
+    if args.device == "cpu" and backend != "cpu":  # the two engines on different devices: not a comparison
+        parser.error(f"JAX runs on {backend!r} here: give --device cuda, or run JAX on the CPU (JAX_PLATFORMS=cpu)")
+    if args.run and (args.device != "cpu" or args.dtype != "float32" or args.ct2_compute_type or names != DECODERS):
+        rows_only = "--device, --dtype, --ct2-compute-type and --decoders apply to the rows only"
+        parser.error(f"--run times train.py translate on the CPU in float32 against CTranslate2's: {rows_only}")
+    compute_type = args.ct2_compute_type or args.dtype
+    supported = ctranslate2.get_supported_compute_types(args.device)
+    if compute_type not in supported:
+        parser.error(
+            f"CTranslate2 runs {sorted(supported)} on this {args.device}, not {compute_type!r}: give "
+            "--ct2-compute-type (the Flax model in bfloat16 may run beside CTranslate2's float32)"
+        )
     info = machine_info()
     gpus = f"; GPU: {info['gpus']}" if args.device == "cuda" else ""
     print(f"machine: {info['cpu_model']}, {info['cores']} cores{gpus}; {info['libraries']}", flush=True)

@@ -2,20 +2,21 @@
 # The GPU runs as steps that each end within 10 minutes, most important first (docs/gpu-tpu.md).
 #
 #   bash benchmarks/gpu.sh prepare             # HERE, once, on the development machine: see "prepare" below
-#   bash benchmarks/gpu.sh prepare ctranslate2 # the same without the corpus (the ctranslate2 step needs none)
+#   bash benchmarks/gpu.sh prepare ctranslate2 # HERE, once more for the ctranslate2 step: its wheel, .gpu/wheels
 #   bash benchmarks/gpu.sh list                # the steps, in the order to run them
 #   bash benchmarks/gpu.sh STEP                # on the GPU machine, from the repository root
 #   bash benchmarks/gpu.sh --dry-run STEP|all  # print what a step would run, without running it
 #
 # Each step prints the machine (GPU, driver, jax/torch versions) and writes its log, JSON and Markdown under $OUT
-# (the device tool returns what is there; default .gpu/out), at most 5 files. With the device tool, one step per
-# call: run(command="bash benchmarks/gpu.sh STEP", carry=[".gpu/carry"], timeout_s=600).
+# (the device tool returns what is there; default .gpu/out), at most 7 files. With the device tool, one step per
+# call: run(command="bash benchmarks/gpu.sh STEP", carry=[".gpu/carry"], timeout_s=600); the ctranslate2 step
+# carries [".gpu/carry", ".gpu/wheels"]. LIMIT (seconds, default 570) bounds a step's commands together.
 #
 # What the GPU machine needs beyond the repository, copied into the git-ignored .gpu/carry by `prepare`:
-# num2words and docopt (pure Python; the built-in task needs them and the GPU image lacks them), the Multi30k
-# files and CTranslate2's wheel (43 MB; `prepare ctranslate2` fetches it without the corpus: what is carried
-# must stay under 64 MiB). JAX's persistent compilation cache lives in .gpu/cache (git-ignored, not carried): it survives between
-# calls while the machine stays warm, so a repeated step compiles less.
+# num2words and docopt (pure Python; the built-in task needs them and the GPU image lacks them) and the Multi30k
+# files; `prepare ctranslate2` puts CTranslate2's wheel (43 MB) in .gpu/wheels, carried by its step alone (what
+# is carried must stay under 64 MiB). JAX's persistent compilation cache lives in .gpu/cache (git-ignored, not
+# carried): it survives between calls while the machine stays warm, so a repeated step compiles less.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -24,7 +25,7 @@ if [ "${1:-}" = "--dry-run" ]; then DRY_RUN=1; shift; fi
 STEP="${1:-list}"
 PY="${PYTHON:-python3}"
 OUT="${OUT:-.gpu/out}"
-LIMIT="${LIMIT:-570}"  # seconds: each step's main command is interrupted (SIGINT: pytest still reports) inside 10 minutes
+LIMIT="${LIMIT:-570}"  # seconds: a step's commands are interrupted (SIGINT: pytest still reports) inside 10 minutes
 DATA=.gpu/carry/data/multi30k
 
 # Ranked: (1) the suite green on the GPU, (2) bf16 vs float32 step, JAX vs the twin, (3) Multi30k, (4) the rest.
@@ -80,7 +81,8 @@ environment() {
 
 suite() {  # suite NAME PYTEST-ARGS...: the tests with JAX's persistent compilation cache kept in .gpu/cache
   local name="$1"; shift
-  if [ "$DRY_RUN" = 0 ] && ! XLA_FLAGS=--xla_gpu_deterministic_ops=true "$PY" -c "import jax; jax.devices()" 2>/dev/null; then
+  if [ "$DRY_RUN" = 0 ] &&
+    ! XLA_FLAGS=--xla_gpu_deterministic_ops=true "$PY" -c "import jax; jax.devices()" 2>/dev/null; then
     # conftest.py adds --xla_gpu_deterministic_ops=true unless XLA_FLAGS names a *deterministic_ops flag already;
     # an XLA that dropped that flag aborts on it, so use its successor.
     echo "XLA rejects --xla_gpu_deterministic_ops: using --xla_gpu_exclude_nondeterministic_ops=true"
@@ -98,16 +100,23 @@ bench() {  # bench NAME RUN.PY-ARGS...: benchmarks/run.py with its JSON and Mark
 multi30k() {  # benchmarks/multi30k.py time-to-bleu: two runs of the multi30k recipe's command (at most 4 minutes each),
   # the first with an empty compilation cache, the second with the cache the first wrote; each stops at the first
   # evaluation during training (greedy, 200 sentences) with BLEU >= 40 and reports the seconds since launch.
-  [ "$DRY_RUN" = 0 ] && [ ! -f "$DATA/train.de" ] && { echo "no $DATA: run 'bash benchmarks/gpu.sh prepare' here first"; exit 1; }
+  if [ "$DRY_RUN" = 0 ] && [ ! -f "$DATA/train.de" ]; then
+    echo "no $DATA: run 'bash benchmarks/gpu.sh prepare' here first"; exit 1
+  fi
   logged multi30k "$PY" benchmarks/multi30k.py time-to-bleu --data "$DATA" --minutes 4 --json "$OUT/multi30k.json" \
     --plot "$OUT/multi30k.png"
 }
 
 ctranslate2_rows() {  # benchmarks/ctranslate2_decoding.py on the GPU: greedy and beam 4 at batch 16, 64 and 1
+  local LIMIT=$((LIMIT / 3))  # three processes, the step inside LIMIT (`run` reads it)
   # CTranslate2's wheel is carried (the image lacks it) and installed outside the image's site-packages.
   if ! "$PY" -c "import ctranslate2" 2>/dev/null; then
-    [ "$DRY_RUN" = 1 ] || "$PY" -m pip install -q --no-index --no-deps --no-compile --target /tmp/ct2site \
-      .gpu/carry/wheels/ctranslate2-*.whl
+    local wheels=(.gpu/wheels/ctranslate2-*.whl)
+    if [ "$DRY_RUN" = 0 ] && { [ "${#wheels[@]}" != 1 ] || [ ! -f "${wheels[0]}" ]; }; then
+      echo "want one ctranslate2 wheel in .gpu/wheels, found: ${wheels[*]}; run" \
+        "'bash benchmarks/gpu.sh prepare ctranslate2' here and carry .gpu/wheels"; exit 1
+    fi
+    [ "$DRY_RUN" = 1 ] || "$PY" -m pip install -q --no-index --no-deps --no-compile --target /tmp/ct2site "${wheels[0]}"
     export PYTHONPATH="/tmp/ct2site${PYTHONPATH:+:$PYTHONPATH}"
   fi
   # Its CUDA build opens libcublas.so.12 and libcublasLt.so.12 by name. An image with CUDA 13 alone has the .so.13
@@ -121,7 +130,11 @@ ctranslate2_rows() {  # benchmarks/ctranslate2_decoding.py on the GPU: greedy an
       found="$(find $where -name "$lib.so.12" -print -quit 2>/dev/null || true)"
       # shellcheck disable=SC2086
       [ -n "$found" ] || found="$(find $where -name "$lib.so.13" -print -quit 2>/dev/null || true)"
-      if [ -n "$found" ]; then ln -sf "$found" "/tmp/cublas12/$lib.so.12"; echo "$lib.so.12 -> $found"; fi
+      if [ -n "$found" ]; then
+        ln -sf "$found" "/tmp/cublas12/$lib.so.12"; echo "$lib.so.12 -> $found"
+      else
+        echo "warning: neither $lib.so.12 nor $lib.so.13 found: CTranslate2 will not run on the GPU"
+      fi
     done
     export LD_LIBRARY_PATH="/tmp/cublas12${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
   fi
@@ -140,11 +153,12 @@ ctranslate2_rows() {  # benchmarks/ctranslate2_decoding.py on the GPU: greedy an
 }
 
 prepare() {  # on the development machine: what the GPU machine lacks, into .gpu/carry (git-ignored)
-  local wheels=.gpu/carry/wheels
-  mkdir -p "$wheels"
-  # CTranslate2 for Python 3.12 on x86-64 Linux (the GPU image's Python): its one wheel holds the CUDA build.
-  "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-    --platform manylinux_2_28_x86_64 -d "$wheels" "ctranslate2==${CTRANSLATE2_VERSION:-4.8.5}"
+  if [ "${1:-}" = ctranslate2 ]; then
+    # CTranslate2 for Python 3.12 on x86-64 Linux (the GPU image's Python): its one wheel holds the CUDA build.
+    rm -rf .gpu/wheels && mkdir -p .gpu/wheels
+    "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+      --platform manylinux_2_28_x86_64 -d .gpu/wheels "ctranslate2==${CTRANSLATE2_VERSION:-4.8.5}"
+  fi
   local pylib=.gpu/carry/pylib
   mkdir -p "$pylib"
   "$PY" - "$pylib" <<'EOF'
@@ -163,7 +177,7 @@ EOF
     mkdir -p "$DATA"
     cp "${MULTI30K:-../shared/data/multi30k}"/{train,val}.{de,en} "$DATA"/
   fi
-  du -sh .gpu/carry
+  du -sh .gpu/carry .gpu/wheels 2>/dev/null || true
 }
 
 environment

@@ -42,6 +42,10 @@ from benchmarks.machine import machine_info  # noqa: E402
 
 CONTAINERS = ("while", "call", "conditional")
 CATEGORIES = ("matmul", "softmax/LayerNorm", "dropout", "optimizer", "copies", "other")
+NOT_ON_CPU = (
+    "step_profile reads XLA:CPU's op events (each named after its HLO op); JAX runs on {backend!r} here, whose "
+    "trace names its kernels instead: run it on a CPU (JAX_PLATFORMS=cpu)"
+)
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = .*?\b([\w\-]+)\(")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 _CALLS = re.compile(r"calls=%([\w.\-]+)")
@@ -121,11 +125,7 @@ def profile_preset(preset_name: str, batch_size: int, length: int, steps: int, v
     from tests.helpers.twins import ported_params
 
     if jax.default_backend() != "cpu":
-        raise RuntimeError(
-            f"step_profile reads XLA:CPU's op events (each named after its HLO op); JAX runs on "
-            f"{jax.default_backend()!r} here, whose trace names its kernels instead: run it on a CPU "
-            "(JAX_PLATFORMS=cpu)"
-        )
+        raise RuntimeError(NOT_ON_CPU.format(backend=jax.default_backend()))
     config = preset_config(preset_name, vocab)
     batch = training_batch(config, batch_size, length)
     params, _ = ported_params(config)
@@ -235,6 +235,10 @@ def main(argv=None) -> int:
     parser.add_argument("--json", type=Path, help="also write the report here")
     parser.add_argument("--plot", type=Path, help="also draw the categories as a bar chart (PNG) here")
     args = parser.parse_args(argv)
+    import jax
+
+    if jax.default_backend() != "cpu":
+        parser.error(NOT_ON_CPU.format(backend=jax.default_backend()))
     info = machine_info()
     report = {"machine": info, "jnp_dot_gflops": jnp_dot_rate(), "presets": []}
     for name in args.presets.split(","):
