@@ -455,7 +455,9 @@ def _load(args):
     """The checkpoint, its model computed as --dtype / --attention-kernel ask (where the sub-command has them)."""
     from jax_transformer import checkpoint
 
-    loaded = checkpoint.load(args.checkpoint, args.step)  # verified: a damaged step is a CheckpointError
+    # The weights alone, verified (damaged weights are a CheckpointError): no sub-command here reads the
+    # optimizer's state, twice their size with Adam.
+    loaded = checkpoint.load(args.checkpoint, args.step, weights_only=True)
     compute = given(args, "model")
     if compute:  # how to compute is not part of the model: any checkpoint runs in either dtype
         loaded = dataclasses.replace(loaded, config=loaded.config.replace(**compute))

@@ -285,7 +285,7 @@ def translate_run(run_dir: Path, input_path: Path, beam: int, repeats: int, log=
     from jax_transformer.run import stored_settings
     from jax_transformer.translation import translate_lines
 
-    loaded = ckpt_lib.load(run_dir, "best")
+    loaded = ckpt_lib.load(run_dir, "best", weights_only=True)
     config, tokenizer, settings = loaded.config, loaded.tokenizer, stored_settings(loaded)
     decode = DecodeConfig.from_dict(settings.get("decode", {}), source=str(run_dir))
     lines = [line.rstrip("\n") for line in input_path.read_text(encoding="utf-8").splitlines()]

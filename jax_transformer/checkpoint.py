@@ -344,9 +344,18 @@ class CheckpointManager:
     def _damaged(self, step: int, reason: str) -> CheckpointError:
         return CheckpointError(f"checkpoint step {step} ({self.directory / str(step)}) is damaged: {reason}")
 
-    def restore(self, step: int | str = "latest", *, expected_config: TransformerConfig | None = None) -> Checkpoint:
+    def restore(
+        self,
+        step: int | str = "latest",
+        *,
+        expected_config: TransformerConfig | None = None,
+        weights_only: bool = False,
+    ) -> Checkpoint:
         """Loads a step and verifies its checksums (CheckpointError naming what is damaged). With
-        `expected_config`, a different saved config is a ConfigError naming the fields."""
+        `expected_config`, a different saved config is a ConfigError naming the fields. `weights_only`: the
+        parameters alone (`state` is {"params": ...}), verified against their own checksums: what translating,
+        evaluating, exporting or starting from the weights reads, without the optimizer's state (Adam's two
+        moments, twice the parameters' bytes). Damage there shows when a run resumes from the step."""
         step = self.resolve_step(step)
         meta = self.read_meta(step)
         if meta.get("format") not in READABLE_FORMATS:
@@ -367,14 +376,20 @@ class CheckpointManager:
         if expected_config is not None:
             check_config(config, expected_config, where=f"checkpoint {self.directory} (step {step})")
         try:
-            restored = self._manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore()))
+            if weights_only:
+                state = _restore_params(self._item_dir(step, "state"))
+            else:
+                restored = self._manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore()))
+                state = jax.tree_util.tree_map(np.asarray, restored["state"])
         except Exception as e:
             raise self._damaged(
                 step, f"cannot read the saved state ({self._item_dir(step, 'state')}): {_short(e)}"
             ) from None
-        state = jax.tree_util.tree_map(np.asarray, restored["state"])
         if verified:
-            self._verify_arrays(step, state, meta["checksums"].get("arrays", {}))
+            expected = meta["checksums"].get("arrays", {})
+            if weights_only:
+                expected = {name: digest for name, digest in expected.items() if name.startswith("params/")}
+            self._verify_arrays(step, state, expected)
         return Checkpoint(
             directory=self.directory,
             step=step,
@@ -468,12 +483,34 @@ def discard_partial_saves(directory: str | os.PathLike) -> list[Path]:
 
 
 def load(
-    path: str | os.PathLike, step: int | str = "best", *, expected_config: TransformerConfig | None = None
+    path: str | os.PathLike,
+    step: int | str = "best",
+    *,
+    expected_config: TransformerConfig | None = None,
+    weights_only: bool = False,
 ) -> Checkpoint:
     """Loads one step of a run directory (or its `checkpoints` folder) for evaluation, translation or export,
-    verified: a damaged step is a CheckpointError naming it (see the module docstring)."""
+    verified: a damaged step is a CheckpointError naming it (see the module docstring). `weights_only`: the
+    parameters alone (CheckpointManager.restore)."""
     manager = CheckpointManager(find_checkpoint_dir(path), read_only=True)
     try:
-        return manager.restore(step, expected_config=expected_config)
+        return manager.restore(step, expected_config=expected_config, weights_only=weights_only)
     finally:
         manager.close()
+
+
+def _restore_params(state_dir: Path) -> dict[str, Any]:
+    """{"params": the saved parameters as numpy arrays} from a step's `state` item, the rest left unread: orbax's
+    partial restore of the subtree its metadata describes."""
+    if not state_dir.is_dir():
+        raise FileNotFoundError(f'Item "state" was not found: no folder {state_dir}')
+    checkpointer = ocp.PyTreeCheckpointer()
+    try:
+        metadata = checkpointer.metadata(state_dir)
+        tree = getattr(metadata, "item_metadata", metadata).tree  # StepMetadata (newer orbax) or the tree's own
+        item = {"params": jax.tree_util.tree_map(lambda m: np.empty(m.shape, m.dtype), tree["params"])}
+        restore_args = jax.tree_util.tree_map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), item)
+        args = ocp.args.PyTreeRestore(item=item, restore_args=restore_args, partial_restore=True)
+        return checkpointer.restore(state_dir, args=args)
+    finally:
+        checkpointer.close()

@@ -126,7 +126,7 @@ def prepare(
             else restore_for_resume(run_dir, strict=strict_resume, owner=owner, print_fn=print_fn)
         )
         stored = None if restored is None else stored_settings(restored)
-        start = None if init_from is None else ckpt_lib.load(init_from, "best")
+        start = None if init_from is None else ckpt_lib.load(init_from, "best", weights_only=True)
         inherited = None if start is None else inherited_settings(start)
         given = dict(preset=preset_name, seed=seed, recipe=recipe, model=model, data=data, optim=optim, loop=loop)
         given.update(decode=decode)

@@ -76,6 +76,35 @@ def test_reading_a_checkpoint_logs_no_warning(tmp_path, tokenizer, caplog):
     assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
 
 
+def test_weights_only_reads_the_parameters_alone_and_verifies_them(tmp_path, tokenizer, monkeypatch):
+    """load(..., weights_only=True), what translate, evaluate, export and --init-from use: the saved parameters
+    bit for bit, no optimizer state, and still checked against their checksums."""
+    manager = ckpt_lib.CheckpointManager(tmp_path / "ckpt")
+    manager.save(3, training.state_for_saving(_trained_state()), config=CONFIG, optim=OPTIM.to_dict(),
+                 tokenizer=tokenizer, data_state=None, run={"seed": 5})  # fmt: skip
+    manager.close()
+    full = ckpt_lib.load(tmp_path / "ckpt", "latest")
+    weights = ckpt_lib.load(tmp_path / "ckpt", "latest", weights_only=True)
+    assert list(weights.state) == ["params"] and "opt_state" in full.state
+    assert (weights.step, weights.config, weights.run, weights.verified) == (3, CONFIG, {"seed": 5}, True)
+    before, after = flat(full.params), flat(weights.params)
+    assert before.keys() == after.keys()
+    for key in before:
+        assert before[key].dtype == after[key].dtype and np.array_equal(before[key], after[key]), key
+
+    read = ckpt_lib._restore_params
+
+    def one_bit_off(state_dir):  # what a damaged file read without an error would give
+        state = read(state_dir)
+        kernel = state["params"]["encoder"]["layer_0"]["feed_forward"]["linear1"]["kernel"]
+        kernel.view(np.uint32)[0, 0] ^= 1
+        return state
+
+    monkeypatch.setattr(ckpt_lib, "_restore_params", one_bit_off)
+    with pytest.raises(ckpt_lib.CheckpointError, match=r"array params/encoder/layer_0/feed_forward/linear1/kernel "):
+        ckpt_lib.load(tmp_path / "ckpt", "latest", weights_only=True)
+
+
 def test_keeps_the_last_k_and_the_best(tmp_path, tokenizer):
     state = _trained_state(0)
     manager = ckpt_lib.CheckpointManager(tmp_path / "ckpt", keep=2)
