@@ -72,7 +72,7 @@ def average_checkpoints(
         steps = saved[-last:]
         params, reference = [], None
         for step in steps:
-            restored = manager.restore(step)
+            restored = manager.restore(step, weights_only=True)
             if reference is None:
                 reference = restored
             elif restored.config != reference.config:

@@ -1,8 +1,8 @@
 """Checkpoints with orbax: a training run saved so that it resumes exactly, or translates. Each step is written
 atomically, with the train state's arrays, the config, optimiser settings, tokenizer, data position and run
-settings, and the SHA-256 of every array, checked on every restore; a damaged step is an error naming the file at
-fault, and a resume falls back to the newest step that verifies. Layout, formats and integrity:
-docs/internals.md#checkpoint."""
+settings, and the SHA-256 of every array, checked on every restore (a weights-only one checks the parameters'); a
+damaged step is an error naming the file at fault, and a resume falls back to the newest step that verifies.
+Layout, formats and integrity: docs/internals.md#checkpoint."""
 
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ from typing import Any
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from etils import epath
 from orbax.checkpoint import checkpoint_managers as policies
 
 from jax_transformer.config import COMPUTE_FIELDS, ConfigError, TransformerConfig
@@ -506,8 +507,11 @@ def _restore_params(state_dir: Path) -> dict[str, Any]:
         raise FileNotFoundError(f'Item "state" was not found: no folder {state_dir}')
     checkpointer = ocp.PyTreeCheckpointer()
     try:
-        metadata = checkpointer.metadata(state_dir)
-        tree = getattr(metadata, "item_metadata", metadata).tree  # StepMetadata (newer orbax) or the tree's own
+        # The handler's own metadata: the checkpointer's would also look for a step's metadata file inside the
+        # item (a warning each time) and turn an unreadable one into None instead of its error.
+        tree = checkpointer.handler.metadata(epath.Path(state_dir)).tree
+        if "params" not in tree:
+            raise KeyError(f"the saved state has no parameters (it holds {sorted(tree)})")
         item = {"params": jax.tree_util.tree_map(lambda m: np.empty(m.shape, m.dtype), tree["params"])}
         restore_args = jax.tree_util.tree_map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), item)
         args = ocp.args.PyTreeRestore(item=item, restore_args=restore_args, partial_restore=True)

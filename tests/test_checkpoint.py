@@ -73,6 +73,7 @@ def test_reading_a_checkpoint_logs_no_warning(tmp_path, tokenizer, caplog):
     manager.close()
     with caplog.at_level(logging.INFO):
         assert ckpt_lib.load(tmp_path / "ckpt", "latest").step == 1
+        assert ckpt_lib.load(tmp_path / "ckpt", "latest", weights_only=True).step == 1
     assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
 
 

@@ -9,6 +9,7 @@ import gc
 import json
 import logging
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -63,9 +64,8 @@ def _array_bytes(step_dir: Path, array: str) -> tuple[Path, int, int]:
     assert version["root_height"] == 0  # a tiny run's few hundred keys fit in one node
     for entry in ts.ocdbt.dump(store, version["root"]["location"]).result()["entries"]:
         if entry["key"].startswith(f"{array}/".encode()) and "indirect_value" in entry:
-            # "value:<folder>/:d/<file>:<offset>:<length>"
-            folder, rest = entry["indirect_value"].removeprefix("value:").split("/:", 1)
-            name, offset, length = rest.rsplit(":", 2)
+            # "value:<folder>/:d/<file>:<offset>:<length>" (the folder empty where the root holds the data)
+            folder, name, offset, length = entry["indirect_value"].removeprefix("value:").rsplit(":", 3)
             return step_dir / "state" / folder / name, int(offset), int(length)
     raise AssertionError(f"no array {array} in {step_dir / 'state'}")
 
@@ -104,11 +104,13 @@ def _alter_meta(meta) -> None:
 
 
 # name: (how step 4 is damaged, what the message says). Without checksums the flipped bit would load silently
-# as different numbers (orbax's compressed array files carry no checksum of their own).
+# as different numbers (orbax's compressed array files carry no checksum of their own), unless zstd notices the
+# altered stream: which of the two names it depends on the bytes, so a flip is either error.
+FLIPPED = "does not match its checksum: its files changed|cannot read the saved state"
 DAMAGES = {
     "truncated array file": (_cut_through, "cannot read the saved state"),
-    "flipped bit in a parameter": (_flip_bit_in(PARAMETER), f"array {PARAMETER.replace('.', '/')} does not match"),
-    "flipped bit in the optimizer's state": (_flip_bit_in(MOMENT), "does not match its checksum: its files changed"),
+    "flipped bit in a parameter": (_flip_bit_in(PARAMETER), FLIPPED),
+    "flipped bit in the optimizer's state": (_flip_bit_in(MOMENT), FLIPPED),
     "missing array file": (lambda d: _array_bytes(d, PARAMETER)[0].unlink(), "cannot read the saved state"),
     "missing state folder": (lambda d: shutil.rmtree(d / "state"), 'Item "state" was not found'),
     "missing metadata file": (lambda d: (d / "meta" / "metadata").unlink(), "cannot read its metadata"),
@@ -144,7 +146,7 @@ def test_a_damaged_newest_checkpoint(runs, tmp_path, damage):
     named = f"checkpoint step 4 ({step_dir}) is damaged: "
     with pytest.raises(ckpt_lib.CheckpointError) as error:
         ckpt_lib.load(run, "latest")
-    assert str(error.value).startswith(named) and reason in str(error.value)
+    assert str(error.value).startswith(named) and re.search(reason, str(error.value))  # reason: a pattern
 
     (tmp_path / "input.txt").write_text("one\n")
     translate = ["translate", "--checkpoint", str(run), "--input", str(tmp_path / "input.txt")]
@@ -159,7 +161,7 @@ def test_a_damaged_newest_checkpoint(runs, tmp_path, damage):
         # evaluate at the default step ("best": the last, without validation data)
         for argv in (["evaluate", "--checkpoint", str(run)], translate, export):
             code, out, err = run_main(argv)
-            assert code == 1 and err.startswith(f"error: {named}") and reason in err, (argv, out, err)
+            assert code == 1 and err.startswith(f"error: {named}") and re.search(reason, err), (argv, out, err)
             assert "Traceback" not in out + err and not (tmp_path / "model.pt").exists()
 
     code, out, err = run_main(["train", "--resume", str(run), "--strict-resume", "--no-progress"])
