@@ -147,22 +147,21 @@ def decoders(config, params, translator, pieces, src: np.ndarray, beam: int, new
         results = translator.translate_batch(source, beam_size=beam, **limits)
         return np.array([[index[t] for t in r.hypotheses[0]] for r in results], np.int32)
 
-    def flax():  # tokens on the host (the searches return numpy): on a GPU the time includes the device's work
+    # The searches return their tokens as numpy, on the host: on a GPU a call's time includes the device's work.
+    def flax():
         if beam == 1:
-            return np.asarray(decoding.greedy_search(params, config, src, **fixed)[0])
-        return np.asarray(decoding.beam_search(params, config, src, beam_size=beam, alpha=1.0, **fixed)[0])
+            return decoding.greedy_search(params, config, src, **fixed)[0]
+        return decoding.beam_search(params, config, src, beam_size=beam, alpha=1.0, **fixed)[0]
 
     def flax_generate():
-        return np.asarray(
-            generate(
-                params,
-                config,
-                src,
-                max_length=new_tokens + 1,
-                min_length=new_tokens + 1,
-                num_beams=beam,
-                banned=(config.pad_id,),
-            )
+        return generate(
+            params,
+            config,
+            src,
+            max_length=new_tokens + 1,
+            min_length=new_tokens + 1,
+            num_beams=beam,
+            banned=(config.pad_id,),
         )
 
     return {"flax": flax, "flax-generate": flax_generate, "ctranslate2": ct2}
@@ -472,7 +471,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             threads=args.threads,
             device=args.device,
             dtype=args.dtype,
-            ct2_compute_type=args.ct2_compute_type,
+            ct2_compute_type=compute_type,
             names=names,
             log=lambda line: print(line, flush=True),
         )
