@@ -154,6 +154,14 @@ def train_flags(sub) -> None:
         + "; or a recipe JSON file of the same form (default: numbers without data files, none with them)",
     )
     g.add_argument("--seed", type=int, help="seed of initialisation, dropout and data order (default 0)")
+    g.add_argument(
+        "--keep-freed-memory",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="keep the memory the training step frees for the next step (glibc's malloc: one arena, no mmap, no "
+        "trimming) instead of returning it to the system and faulting it back in every step, a tenth of a small "
+        "step on a CPU (jax_transformer.host_memory); the process then keeps what it frees (default on)",
+    )
     add_settings(t, DataConfig, "data", "data (UTF-8 text, one sentence per line; or source<TAB>target lines)")
     add_settings(
         t,
@@ -406,6 +414,10 @@ def _print(text: str = "") -> None:
 
 
 def cmd_train(args, start_time: float) -> int:
+    from jax_transformer import host_memory
+
+    if args.keep_freed_memory:  # before JAX starts its threads
+        host_memory.keep_freed_memory()
     from jax_transformer import run
 
     result = run.train(

@@ -77,8 +77,10 @@ def run_child(args: list[str], env: Mapping[str, str], timeout: float = 1800) ->
 
 
 def child_args(s: Settings, name: str) -> list[str]:
-    """run.py flags that give a child the parent's model (preset `name`) and batch."""
-    return ["--presets", name, "--batch-size", str(s.batch_size), "--length", str(s.length), "--vocab", str(s.vocab)]
+    """run.py flags that give a child the parent's model (preset `name`), batch and memory setting."""
+    memory = "--keep-freed-memory" if s.freed_memory_kept else "--no-keep-freed-memory"
+    shape = ["--batch-size", str(s.batch_size), "--length", str(s.length), "--vocab", str(s.vocab)]
+    return ["--presets", name, *shape, memory]
 
 
 # =============================================================================================================

@@ -25,6 +25,7 @@ class Settings:
     peak_repeats: int
     torch_threads: int
     quick: bool
+    freed_memory_kept: bool = False  # glibc keeps what the process frees (jax_transformer.host_memory), as in training
 
     def repeats_for(self, preset_name: str) -> int:
         return self.repeats.get(preset_name, min(self.repeats.values()))

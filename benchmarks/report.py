@@ -109,6 +109,12 @@ def machine_lines(result: dict) -> list[str]:
         f"libraries: {libs}",
         f"date: {m['date']}; load average at start {m['load_average']}, at end {result['load_average_end']}",
         f"threads: torch.set_num_threads({st['torch_threads']}); XLA: its default (all cores)",
+        "host memory: "
+        + (
+            "freed memory kept for reuse, as `train.py train` keeps it (jax_transformer.host_memory)"
+            if st.get("freed_memory_kept")
+            else "the C library's defaults (freed memory not kept)"
+        ),
         f"training batch: {st['batch_size']} rows x {st['length']} tokens (source and target), vocabulary "
         f"{st['vocab']}, dropout 0.1, label smoothing 0.1",
         f"each figure: 'best' at the fastest and 'median' at the median of its n timed repeats (after "

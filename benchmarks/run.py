@@ -68,6 +68,7 @@ from benchmarks.machine import core_count, machine_info  # noqa: E402
 from benchmarks.report import DEFAULT_SECTIONS, SECTION_TITLES, SECTIONS, markdown_table, text_table  # noqa: E402
 from benchmarks.scale import child_multihost, section_accumulate, section_multihost  # noqa: E402
 from benchmarks.train_step import TORCH_VARIANTS, section_train, set_torch_threads  # noqa: E402
+from jax_transformer import host_memory  # noqa: E402
 from jax_transformer.config import PRESETS  # noqa: E402
 
 SCHEMA = "jax-transformer-benchmark/1"
@@ -140,6 +141,13 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, S
         help="tokens each decoded sentence gets (default 64, as the speed goal is stated)",
     )
     p.add_argument("--peak-size", type=int, default=2048, help="n of the n x n matmul peak (default 2048)")
+    p.add_argument(
+        "--keep-freed-memory",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="keep the memory the process frees, as `train.py train` does (jax_transformer.host_memory), for every "
+        "framework in the process (default on)",
+    )
     p.add_argument(
         "--child", choices=("first-step", "pmap", "multihost", "compile"), help=argparse.SUPPRESS
     )  # subprocesses
@@ -246,6 +254,8 @@ SECTION_FUNCTIONS = {
 def main(argv: Sequence[str] | None = None) -> int:
     args, s = parse_args(argv)
     isolate_caches()
+    if args.keep_freed_memory:  # before jax or torch starts a thread, as train.py does
+        s = dataclasses.replace(s, freed_memory_kept=host_memory.keep_freed_memory())
     if args.child == "first-step":
         print(json.dumps(child_first_step(args.framework, s)))
         return 0

@@ -234,18 +234,27 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=10, help="steps timed and traced (default: 10)")
     parser.add_argument("--json", type=Path, help="also write the report here")
     parser.add_argument("--plot", type=Path, help="also draw the categories as a bar chart (PNG) here")
+    parser.add_argument(
+        "--keep-freed-memory",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="keep the memory the process frees, as `train.py train` does (jax_transformer.host_memory; default on)",
+    )
     args = parser.parse_args(argv)
+    from jax_transformer import host_memory
+
+    kept = args.keep_freed_memory and host_memory.keep_freed_memory()  # before jax starts its threads
     import jax
 
     if jax.default_backend() != "cpu":
         parser.error(NOT_ON_CPU.format(backend=jax.default_backend()))
     info = machine_info()
-    report = {"machine": info, "jnp_dot_gflops": jnp_dot_rate(), "presets": []}
+    report = {"machine": info, "freed_memory_kept": kept, "jnp_dot_gflops": jnp_dot_rate(), "presets": []}
     for name in args.presets.split(","):
         report["presets"].append(profile_preset(name, args.batch_size, args.length, args.steps, args.vocab))
     features = " ".join(info["cpu_features"])
     print(f"machine: {info['cpu_model']}, {info['cores']} cores ({features}); jax {info['libraries'].get('jax')}")
-    print(f"date: {info['date']}")
+    print(f"date: {info['date']}; freed memory {'kept (as train.py train)' if kept else 'not kept'}")
     print(table(report))
     for row in report["presets"]:
         for c in CATEGORIES:
