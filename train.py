@@ -158,9 +158,10 @@ def train_flags(sub) -> None:
         "--keep-freed-memory",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="keep the memory the training step frees for the next step (glibc's malloc: one arena, no mmap, no "
-        "trimming) instead of returning it to the system and faulting it back in every step, a tenth of a small "
-        "step on a CPU (jax_transformer.host_memory); the process then keeps what it frees (default on)",
+        help="where JAX computes on the CPU: keep the memory a training step frees for the next step (glibc's "
+        "malloc: one arena, no mmap, no trimming) instead of returning it to the system and faulting it back in "
+        "every step, a tenth of a small step (jax_transformer.host_memory). The process's resident memory then "
+        "stays near its peak: turn it off where memory is tight or several processes share the machine (default on)",
     )
     add_settings(t, DataConfig, "data", "data (UTF-8 text, one sentence per line; or source<TAB>target lines)")
     add_settings(
@@ -416,7 +417,7 @@ def _print(text: str = "") -> None:
 def cmd_train(args, start_time: float) -> int:
     from jax_transformer import host_memory
 
-    if args.keep_freed_memory:  # before JAX starts its threads
+    if args.keep_freed_memory and host_memory.jax_runs_on_cpu():  # before JAX starts its threads
         host_memory.keep_freed_memory()
     from jax_transformer import run
 

@@ -111,7 +111,8 @@ def machine_lines(result: dict) -> list[str]:
         f"threads: torch.set_num_threads({st['torch_threads']}); XLA: its default (all cores)",
         "host memory: "
         + (
-            "freed memory kept for reuse, as `train.py train` keeps it (jax_transformer.host_memory)"
+            "freed memory kept for reuse in every section, as `train.py train` keeps it on a CPU (translate and "
+            "evaluate do not; jax_transformer.host_memory)"
             if st.get("freed_memory_kept")
             else "the C library's defaults (freed memory not kept)"
         ),

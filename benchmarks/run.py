@@ -145,8 +145,8 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, S
         "--keep-freed-memory",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="keep the memory the process frees, as `train.py train` does (jax_transformer.host_memory), for every "
-        "framework in the process (default on)",
+        help="keep the memory the process frees, as `train.py train` does on a CPU (jax_transformer.host_memory), "
+        "for every framework and section in the process and its children (default on)",
     )
     p.add_argument(
         "--child", choices=("first-step", "pmap", "multihost", "compile"), help=argparse.SUPPRESS
@@ -254,7 +254,7 @@ SECTION_FUNCTIONS = {
 def main(argv: Sequence[str] | None = None) -> int:
     args, s = parse_args(argv)
     isolate_caches()
-    if args.keep_freed_memory:  # before jax or torch starts a thread, as train.py does
+    if args.keep_freed_memory and host_memory.jax_runs_on_cpu():  # before jax or torch starts a thread, as train.py
         s = dataclasses.replace(s, freed_memory_kept=host_memory.keep_freed_memory())
     if args.child == "first-step":
         print(json.dumps(child_first_step(args.framework, s)))
