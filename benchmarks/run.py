@@ -35,6 +35,8 @@ Fairness: the frameworks are interleaved in one loop (JAX step, torch step, ...,
 every round) so that load from other processes on a shared machine hits all of them alike. Each figure is given
 at the fastest and at the median of its timed repeats, after untimed warm-up steps. Ratios are of medians.
 torch runs with torch.set_num_threads(number of cores); XLA uses all cores by default.
+Where JAX runs on the CPU the process keeps the memory it frees, as `train.py train` does (jax_transformer.host_memory),
+for every framework and section; `--no-keep-freed-memory` leaves glibc's malloc as it is.
 """
 
 from __future__ import annotations
