@@ -417,7 +417,7 @@ def _print(text: str = "") -> None:
 def cmd_train(args, start_time: float) -> int:
     from jax_transformer import host_memory
 
-    if args.keep_freed_memory and host_memory.jax_runs_on_cpu():  # before JAX starts its threads
+    if args.keep_freed_memory:  # before JAX starts its threads; only where JAX computes on the CPU
         host_memory.keep_freed_memory()
     from jax_transformer import run
 

@@ -256,7 +256,7 @@ SECTION_FUNCTIONS = {
 def main(argv: Sequence[str] | None = None) -> int:
     args, s = parse_args(argv)
     isolate_caches()
-    if args.keep_freed_memory and host_memory.jax_runs_on_cpu():  # before jax or torch starts a thread, as train.py
+    if args.keep_freed_memory:  # before jax or torch starts a thread, as train.py
         s = dataclasses.replace(s, freed_memory_kept=host_memory.keep_freed_memory())
     if args.child == "first-step":
         print(json.dumps(child_first_step(args.framework, s)))

@@ -10,7 +10,8 @@ the heap's top keep a freed block in the process, and the next call reuses it.
 
 The cost: what the process frees stays its own, reused by later allocations but not given back to the system, so
 its resident memory stays near its peak; and all threads share one arena's lock. Worth it where JAX computes on the
-CPU; nothing to gain where it computes on a GPU or TPU (`jax_runs_on_cpu` tells which, before JAX starts).
+CPU; nothing to gain where it computes on a GPU or TPU, where `keep_freed_memory` leaves malloc alone
+(`jax_runs_on_cpu` tells which, before JAX starts).
 
 Written here because it has to happen from inside the process: glibc reads the same settings from the environment
 only as a process starts (`MALLOC_ARENA_MAX=1 MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=2147483647`, as an allocator
@@ -53,11 +54,12 @@ def jax_runs_on_cpu() -> bool:
 
 def keep_freed_memory() -> bool:
     """Sets glibc's malloc to keep freed memory in the process (see the module's docstring). True where it did;
-    False, changing nothing, where the C library is not glibc (macOS, musl), or threads other than the main one
-    have allocated memory already (they have arenas of their own), or glibc could not say how many arenas it has."""
-    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+    False, changing nothing, where JAX will not compute on the CPU (`jax_runs_on_cpu`), the C library is not glibc
+    (macOS, musl), threads other than the main one have allocated memory already (they have arenas of their own),
+    or glibc could not say how many arenas it has."""
+    if not jax_runs_on_cpu() or platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return False
-    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc = ctypes.CDLL("libc.so.6")
     if _arenas(libc) != 1:  # threads with arenas of their own: the settings would hold for some threads only
         return False
     settings = ((_M_ARENA_MAX, 1), (_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, _TRIM_THRESHOLD))

@@ -53,8 +53,9 @@ PAGES = 100 * 2**20 // resource.getpagesize()  # 25,600 pages of 4 KiB in the bl
 def child(code: str, *args: str, **env_vars: str) -> list[str]:
     # Without the environment's own malloc settings (GLIBC_TUNABLES, MALLOC_ARENA_MAX, ...), which would decide
     # what the defaults do.
+    # JAX_PLATFORMS=cpu: the setting is for a process whose JAX computes on the CPU (on a GPU machine too).
     env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES" and not k.startswith("MALLOC_")}
-    env.update(env_vars)
+    env.update({"JAX_PLATFORMS": "cpu", **env_vars})
     run = subprocess.run(
         [sys.executable, "-c", code, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=120
     )
@@ -85,6 +86,12 @@ def test_nothing_changes_once_another_thread_has_allocated():
 
 
 @glibc_only
+def test_nothing_changes_where_jax_computes_on_an_accelerator():
+    kept, *_ = child(CHILD, "keep", JAX_PLATFORMS="cuda")  # (the child never starts JAX: no GPU is needed)
+    assert kept == "False"
+
+
+@glibc_only
 def test_train_py_sets_it_before_any_other_thread_allocates():
     # train.main's own imports (jax, flax, orbax through the run module) and flag parsing, then `train` as far as
     # the call, with the run itself left out: the settings are taken.
@@ -104,7 +111,7 @@ def train_run(**_):
 host_memory.keep_freed_memory, run.train = keep_freed_memory, train_run
 train.main(["train", "--no-progress"])
 """
-    assert child(code, JAX_PLATFORMS="cpu") == ["kept", "True"]
+    assert child(code) == ["kept", "True"]
 
 
 def test_jax_runs_on_cpu_follows_jax_platforms_else_the_installed_accelerators(monkeypatch):
@@ -129,7 +136,6 @@ def test_train_keeps_freed_memory_before_jax_starts_unless_told_not_to(monkeypat
         pass
 
     calls = []
-    monkeypatch.setenv("JAX_PLATFORMS", "cpu")  # where JAX computes on the CPU (on a GPU, train.py leaves malloc alone)
     monkeypatch.setattr(host_memory, "keep_freed_memory", lambda: calls.append("kept") or True)
 
     def train_run(**_):
