@@ -223,11 +223,13 @@ def compilation_flags(p) -> None:
 
 def use_compilation_cache(args) -> None:
     """JAX's persistent compilation cache for a sub-command that decodes, in the folder --compilation-cache names
-    (default: the one training uses, `compilation.use_cache`): the next call on sentences of the same shapes loads
-    its decoders instead of compiling them again (docs/internals.md#compilation)."""
+    (default: the one training uses, `compilation.use_cache`), with the decoders stored as traced
+    (`compilation.ProgramStore`): the next call on sentences of the same shapes loads its decoders instead of
+    tracing and compiling them again (docs/internals.md#compilation)."""
     from jax_transformer import compilation
 
-    compilation.use_cache(given(args, "loop").get("compilation_cache"), lambda m: print(m, file=sys.stderr))
+    warn = lambda m: print(m, file=sys.stderr)  # noqa: E731
+    compilation.use_cache(given(args, "loop").get("compilation_cache"), warn, programs=True)
 
 
 def evaluation_data_flags(p) -> None:

@@ -1,12 +1,17 @@
 """How the model's programs compile: `jit` compiles them with the XLA options of their compute dtype (a bfloat16
-program rounds where the model says), `use_cache` turns on JAX's persistent compilation cache, `CompileJobs`
-compiles a run's programs ahead in threads, and `CompileLog` counts compilations so a run reports compile time
-apart from training time. Details: docs/internals.md#compilation."""
+program rounds where the model says), `use_cache` turns on JAX's persistent compilation cache (and, for `translate`
+and `evaluate`, `ProgramStore`, which skips tracing the decoders again), `CompileJobs` compiles a run's programs
+ahead in threads, and `CompileLog` counts compilations so a run reports compile time apart from training time.
+Details: docs/internals.md#compilation."""
 
 from __future__ import annotations
 
 import functools
+import hashlib
+import json
 import os
+import platform
+import re
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -42,13 +47,17 @@ def compiler_options(dtype: str) -> dict[str, Any] | None:
     return None if dtype == "float32" else {"xla_allow_excess_precision": False}
 
 
-def jit(fn: Callable, dtype: str, *, cpu_options: Mapping | None = None, **jit_kwargs) -> Callable:
-    """`jax.jit(fn, **jit_kwargs)` for a program computing in `dtype`, compiled with `compiler_options(dtype)`, and
-    `cpu_options` besides where the backend is the CPU."""
+def jitted_options(dtype: str, cpu_options: Mapping | None = None) -> dict[str, Any] | None:
+    """`compiler_options(dtype)`, and `cpu_options` besides where the backend is the CPU."""
     options = compiler_options(dtype)
     if cpu_options and jax.default_backend() == "cpu":
         options = {**(options or {}), **cpu_options}
-    return jax.jit(fn, compiler_options=options, **jit_kwargs)
+    return options
+
+
+def jit(fn: Callable, dtype: str, *, cpu_options: Mapping | None = None, **jit_kwargs) -> Callable:
+    """`jax.jit(fn, **jit_kwargs)` for a program computing in `dtype`, compiled with `jitted_options`."""
+    return jax.jit(fn, compiler_options=jitted_options(dtype, cpu_options), **jit_kwargs)
 
 
 class jit_by_config:  # noqa: N801 (used as a decorator, like jax.jit)
@@ -71,7 +80,13 @@ class jit_by_config:  # noqa: N801 (used as a decorator, like jax.jit)
             return self._jitted[dtype]
 
     def __call__(self, *args, config, **kwargs):
-        return self._for(config.dtype)(*args, config=config, **kwargs)
+        if _programs is None:
+            return self._for(config.dtype)(*args, config=config, **kwargs)
+        static = {"config": config, **{k: v for k, v in kwargs.items() if k in self._static_argnames}}
+        dynamic = {k: v for k, v in kwargs.items() if k not in static}
+        options = jitted_options(config.dtype, self._cpu_options)
+        jitted = functools.partial(self._for, config.dtype)  # traced only where the store has no program
+        return _programs.program(self._fn, jitted, args, dynamic, static, options)(*args, **dynamic)
 
     def lower(self, *args, config, **kwargs):
         return self._for(config.dtype).lower(*args, config=config, **kwargs)
@@ -90,13 +105,16 @@ def default_cache_dir() -> Path:
     return Path(base) / "jax_transformer" / "xla"
 
 
-def use_cache(setting: str | None, warn: Callable[[str], None] = print) -> Path | None:
+def use_cache(setting: str | None, warn: Callable[[str], None] = print, programs: bool = False) -> Path | None:
     """Turns the persistent compilation cache on in the folder `setting` (None: `default_cache_dir()`), or off
-    ("off"). Returns the folder in use, or None when off. A folder that cannot be created is a warning, not an
-    error: a run never fails for want of a cache."""
+    ("off"); `programs`: and `ProgramStore` in its `programs` subfolder (`translate` and `evaluate`; a training run
+    compiles its decoders ahead instead). Returns the folder in use, or None when off. A folder that cannot be
+    created is a warning, not an error: a run never fails for want of a cache."""
     from jax.experimental.compilation_cache import compilation_cache
 
+    global _programs
     current = jax.config.values["jax_compilation_cache_dir"]
+    _programs = None
     if setting == OFF:
         if current is not None:
             jax.config.update("jax_compilation_cache_dir", None)
@@ -115,7 +133,170 @@ def use_cache(setting: str | None, warn: Callable[[str], None] = print) -> Path 
     if current != str(folder):
         jax.config.update("jax_compilation_cache_dir", str(folder))
         compilation_cache.reset_cache()
+    if programs:
+        _programs = ProgramStore(folder / PROGRAMS, warn)
     return folder
+
+
+PROGRAMS = "programs"  # the subfolder of the compilation cache that ProgramStore keeps its programs in
+
+
+def exportable(cls):
+    """A class decorator for a pytree node class that programs take or return (a flax.struct.dataclass without
+    static fields): registers it with jax.export so that `ProgramStore` can save programs that carry it."""
+    from jax import export
+
+    export.register_pytree_node_serialization(
+        cls,
+        serialized_name=f"{cls.__module__}.{cls.__qualname__}",
+        serialize_auxdata=lambda aux: json.dumps(list(aux)).encode(),
+        deserialize_auxdata=lambda data: tuple(json.loads(data)),
+    )
+    return cls
+
+
+@functools.cache
+def _package_digest() -> str:
+    """sha256 of this package's Python source: an edit to the model or the decoders changes what they trace to."""
+    digest = hashlib.sha256()
+    for path in sorted(Path(__file__).parent.glob("*.py")):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
+def _trace_settings() -> str:
+    """The jax settings a trace depends on, as jax's own caches key on them (the calling thread's: context managers
+    such as jax.default_matmul_precision included), without object addresses; every global setting where that
+    private function is missing."""
+    try:
+        from jax._src.config import trace_context
+
+        settings = repr(trace_context())
+    except ImportError:
+        settings = repr(sorted(jax.config.values.items()))
+    return re.sub(r" at 0x[0-9a-fA-F]+", "", settings)
+
+
+class ProgramStore:
+    """Decoding programs saved as traced, so that a new process does not trace and lower them again.
+
+    JAX's persistent cache keys a compiled program on its lowered HLO: a new process still traces and lowers every
+    program before the cache can answer. For `train.py translate` on a warm cache, that was most of its start: a
+    2-core EPYC spent 2.7 s tracing and 2.0 s lowering its decoders (summed over its decoding threads) against 1.4 s
+    loading them compiled. This store keeps each `jit_by_config` program as `jax.export` writes it (its StableHLO,
+    argument shapes and trees), under a key of what it is traced from: the function, its static arguments, the
+    shapes, dtypes, tree structure and placement of its other arguments, the compile options, jax's trace settings,
+    and the environment (this package's source, the jax, jaxlib and flax versions, the backend and its devices,
+    XLA_FLAGS, the machine). A changed source file or setting makes another key: never a stale program. A stored
+    program runs as `jax.jit(exported.call)`, whose compiled form jax's persistent cache holds.
+
+    Saved executables (jax.experimental.serialize_executable) would skip the compile step too, but on XLA:CPU some
+    of ours could not be serialized ("`LessThan` is not serializable": a sort's comparator), and one that was
+    failed when run in the next process ("Function compare_reduce_fusion not found"). jax.export's format is the
+    one jax keeps stable across processes and versions.
+
+    A program that cannot be read is traced again and written over, one that cannot be exported runs as before
+    (a warning, once per store): a run never fails for the store. Like jax's cache, the folder holds code that the
+    process runs: never point it at a folder others may write to."""
+
+    def __init__(self, folder: Path, warn: Callable[[str], None] = print) -> None:
+        self.folder, self._warn = Path(folder), warn
+        self._programs: dict[tuple, Callable] = {}
+        self._locks: dict[tuple, threading.Lock] = {}
+        self._lock = threading.Lock()
+        self._warned = False
+        self.counts = {"read": 0, "written": 0, "not saved": 0}
+
+    @functools.cached_property
+    def _environment(self) -> str:
+        import flax
+        import jaxlib
+
+        devices = [(d.platform, d.device_kind, d.id) for d in jax.devices()]
+        backend = jax.devices()[0].client
+        environ = [os.environ.get(name) for name in ("XLA_FLAGS", "LIBTPU_INIT_ARGS")]
+        versions = (jax.__version__, jaxlib.__version__, flax.__version__)
+        return repr((_package_digest(), versions, backend.platform_version, devices, environ, platform.machine()))
+
+    def key(self, fn: Callable, dynamic, static: Mapping[str, Any], options) -> str:
+        """The key of `fn` traced on `dynamic` (its traced arguments, any pytree) with `static`, compiled with
+        `options`."""
+        leaves, tree = jax.tree_util.tree_flatten(dynamic)
+        avals = [(str(jax.typeof(leaf)), repr(getattr(leaf, "sharding", None))) for leaf in leaves]
+        described = (fn.__module__, fn.__qualname__, sorted((k, repr(v)) for k, v in static.items()), str(tree))
+        text = repr((described, avals, sorted((options or {}).items()), _trace_settings(), self._environment))
+        return hashlib.sha256(text.encode()).hexdigest()
+
+    def program(self, fn: Callable, jitted: Callable, args: tuple, dynamic: dict, static: dict, options) -> Callable:
+        """What to call with (*args, **dynamic) for `fn(*args, **dynamic, **static)` jitted with `options`
+        (`jitted()`: that jitted function): the stored program (in memory, or read from the folder), else the
+        jitted function's, exported and saved."""
+        # In memory, a program is found by a signature cheaper to make than the key (0.2 against 0.9 ms for a
+        # decoder's 133 arguments): the avals and placements as objects, not as text.
+        leaves, tree = jax.tree_util.tree_flatten((args, dynamic))
+        avals = tuple((jax.typeof(leaf), getattr(leaf, "sharding", None)) for leaf in leaves)
+        options_items = tuple(sorted((options or {}).items()))
+        signature = (fn, tuple(sorted(static.items())), tree, avals, options_items, _trace_settings())
+        with self._lock:
+            if signature in self._programs:
+                return self._programs[signature]
+            lock = self._locks.setdefault(signature, threading.Lock())
+        with lock:  # threads that need the same program read or export it once
+            if signature not in self._programs:
+                key = self.key(fn, (args, dynamic), static, options)
+                exported = self._read(key)
+                if exported is None:
+                    exported = self._export(key, jitted, args, dynamic, static)
+                if exported is None:
+                    program = functools.partial(jitted(), **static)
+                else:
+                    program = jax.jit(exported.call, compiler_options=options)
+                with self._lock:
+                    self._programs[signature] = program
+        return self._programs[signature]
+
+    def _path(self, key: str) -> Path:
+        return self.folder / f"{key}.jax_exported"
+
+    def _read(self, key: str):
+        from jax import export
+
+        path = self._path(key)
+        if not path.is_file():
+            return None
+        try:
+            exported = export.deserialize(bytearray(path.read_bytes()))
+        except Exception as e:  # a truncated or foreign file: trace the program again and write over it
+            self._warn_once(f"warning: stored program {path} could not be read ({type(e).__name__}: {e})")
+            return None
+        self.counts["read"] += 1
+        return exported
+
+    def _export(self, key: str, jitted, args: tuple, dynamic: dict, static: dict):
+        from jax import export
+
+        temporary = self.folder / f".{key}.{os.getpid()}.{threading.get_ident()}"
+        try:
+            exported = export.export(jitted())(*args, **dynamic, **static)
+            data = exported.serialize()
+            self.folder.mkdir(parents=True, exist_ok=True)
+            temporary.write_bytes(data)
+            os.replace(temporary, self._path(key))  # whole or not at all, for a process reading beside this one
+        except Exception as e:
+            temporary.unlink(missing_ok=True)
+            self.counts["not saved"] += 1
+            self._warn_once(f"warning: a decoding program was not saved in {self.folder} ({type(e).__name__}: {e})")
+            return None
+        self.counts["written"] += 1
+        return exported
+
+    def _warn_once(self, message: str) -> None:
+        if not self._warned:
+            self._warned = True
+            self._warn(message)
+
+
+_programs: ProgramStore | None = None  # set by use_cache
 
 
 def cache_entries(folder: str | os.PathLike) -> int:

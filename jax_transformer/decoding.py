@@ -23,7 +23,7 @@ from jax import lax
 
 from jax_transformer import checks
 from jax_transformer.checks import TokenError
-from jax_transformer.compilation import jit_by_config
+from jax_transformer.compilation import exportable, jit_by_config
 from jax_transformer.config import TransformerConfig
 from jax_transformer.model import Transformer
 
@@ -660,6 +660,7 @@ def greedy_search(
 # =============================================================================================================
 
 
+@exportable  # a program that carries it can be stored (compilation.ProgramStore)
 @flax.struct.dataclass
 class BeamState:
     """Everything the beam search loop carries. K = beam size, L = output length."""

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jax_transformer.compilation import jit_by_config
+from jax_transformer.compilation import exportable, jit_by_config
 from jax_transformer.config import TransformerConfig
 from jax_transformer.decoding import (
     LOOP_CPU_OPTIONS,
@@ -98,6 +98,7 @@ def _greedy_core(
     return run_phase(lambda s: (s[0] < L) & (jnp.sum(~s[3]) > leave_at), advance, state), memory
 
 
+@exportable  # a program that carries it can be stored (compilation.ProgramStore)
 @flax.struct.dataclass
 class _Beams:
     t: jnp.ndarray  # () tokens generated so far

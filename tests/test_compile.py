@@ -121,6 +121,7 @@ def test_the_compilation_cache_is_written_by_one_run_and_used_by_the_next(tmp_pa
     assert entries_first >= 2
     assert second["cache_hits"] >= 2 and second["cache_misses"] == 0  # every program loaded from the cache
     assert entries_second == entries_first  # nothing new written
+    assert not (cache / compilation.PROGRAMS).exists()  # a training run compiles its decoders ahead instead
 
 
 def test_cache_setting_off_and_default(tmp_path, monkeypatch):

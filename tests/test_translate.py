@@ -111,8 +111,8 @@ def test_translate_names_bad_bytes_by_line(trained, tmp_path):
 @pytest.mark.slow
 def test_a_second_translate_loads_its_decoders_from_the_cache(trained, tmp_path):
     """Two `train.py translate` processes with one --compilation-cache folder: the first writes its decoders there,
-    the second loads them and writes nothing (no file added or rewritten), with the same output (the tiny model's
-    programs compile faster than the threshold, hence 0 here)."""
+    as traced (compilation.ProgramStore) and as compiled, the second loads them and writes nothing (no file added or
+    rewritten), with the same output (the tiny model's programs compile faster than the threshold, hence 0 here)."""
     import os
     import subprocess
 
@@ -129,6 +129,7 @@ def test_a_second_translate_loads_its_decoders_from_the_cache(trained, tmp_path)
         done = subprocess.run([*argv, "--compilation-cache", str(cache)], env=env, capture_output=True, text=True)
         assert done.returncode == 0, done.stdout + done.stderr
         outputs.append(done.stdout)
-        files.append({p.name: p.stat().st_mtime_ns for p in cache.iterdir()})
+        files.append({str(p.relative_to(cache)): p.stat().st_mtime_ns for p in cache.rglob("*")})
     assert compilation.cache_entries(cache) > 0 and len(outputs[0].splitlines()) == 3
+    assert any(name.startswith(f"{compilation.PROGRAMS}/") and name.endswith(".jax_exported") for name in files[0])
     assert files[1] == files[0] and outputs[1] == outputs[0]  # every program loaded, none compiled and written

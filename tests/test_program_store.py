@@ -1,0 +1,194 @@
+"""The store of decoding programs (compilation.ProgramStore): a program read back runs untraced and decodes what
+the jitted one decodes; its key changes with everything the program is traced from; a damaged file is traced again
+and a program that cannot be exported runs as before. Traces are counted (jax.monitoring events), never timed."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+from collections.abc import Iterator
+
+import flax
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_transformer import compilation, decoding, generate
+from jax_transformer.model import init_params
+from tests.helpers.batches import make_src
+from tests.helpers.configs import DECODING_CONFIGS
+
+DECODERS = ("jit(_encoder)", "jit(_greedy_core)", "jit(_beam_core)")
+
+
+@contextlib.contextmanager
+def traced_functions() -> Iterator[list[str]]:
+    """The names of the functions jax traces inside the block (its trace-duration events)."""
+    names: list[str] = []
+
+    def listen(event: str, seconds: float, **kwargs) -> None:
+        if event == "/jax/core/compile/jaxpr_trace_duration":
+            names.append(str(kwargs.get("fun_name")))
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        yield names
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+
+
+def _searches(params, config, src) -> dict[str, tuple]:
+    """Searches that store programs: this project's greedy and beam search, and transformers' rules' beam search
+    (whose state is a class of its own)."""
+    return {
+        "greedy": decoding.greedy_search(params, config, src),
+        "beam 3": decoding.beam_search(params, config, src, beam_size=3, alpha=0.6),
+        "generate beam 2": (generate.generate(params, config, src, max_length=12, num_beams=2),),
+    }
+
+
+def _assert_same(got: dict, expected: dict) -> None:
+    for name in expected:
+        for a, b in zip(got[name], expected[name], strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)  # one program: bit for bit
+
+
+@pytest.fixture
+def compilation_cache(tmp_path):
+    """JAX's persistent compilation cache in a folder of the test's, every program kept (as `translate` runs the
+    store: a program read back compiles from it), the store off; both off afterwards."""
+    threshold = jax.config.values["jax_persistent_cache_min_compile_time_secs"]
+    compilation.use_cache(str(tmp_path / "xla"))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    yield
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", threshold)
+    compilation.use_cache(compilation.OFF)
+
+
+def test_a_stored_decoder_runs_untraced_and_decodes_the_same(tmp_path, monkeypatch, compilation_cache):
+    config = DECODING_CONFIGS["pre_learned_shared"]
+    params, src = init_params(config, 0), make_src(config, [3, 7, 5, 2, 6], seed=0)
+    expected = _searches(params, config, src)  # the jitted programs, no store
+
+    folder = tmp_path / "programs"
+    first = compilation.ProgramStore(folder)
+    monkeypatch.setattr(compilation, "_programs", first)
+    _assert_same(_searches(params, config, src), expected)
+    written = first.counts["written"]  # at least one program of each: the encoder, the three searches
+    assert written >= 4 and first.counts["read"] == 0 and first.counts["not saved"] == 0
+    assert len(list(folder.glob("*.jax_exported"))) == written
+
+    # A new store, as in the next process: every program is read back, none written, and none of the decoders'
+    # jitted functions is asked for (each would be traced in a new process), nor traced.
+    second = compilation.ProgramStore(folder)
+    monkeypatch.setattr(compilation, "_programs", second)
+
+    def not_here(self, dtype):
+        raise AssertionError(f"{self.__name__} traced, not read from the store")
+
+    monkeypatch.setattr(compilation.jit_by_config, "_for", not_here)
+    with traced_functions() as traced:
+        _assert_same(_searches(params, config, src), expected)
+    assert second.counts == {"read": written, "written": 0, "not saved": 0}
+    assert not set(traced) & set(DECODERS), traced
+
+
+@flax.struct.dataclass
+class _Unregistered:  # a pytree node class that jax.export cannot serialize (not compilation.exportable)
+    value: jnp.ndarray
+
+
+@dataclasses.dataclass(frozen=True)
+class _Config:  # what jit_by_config reads of a config: its dtype (static, hashed)
+    dtype: str = "float32"
+    scale: float = 2.0
+
+
+@functools.partial(compilation.jit_by_config, static_argnames=("config",))
+def _scaled(x, *, config):
+    return x * config.scale
+
+
+@functools.partial(compilation.jit_by_config, static_argnames=("config", "times"))
+def _scaled_by(x, *, config, times):
+    return x * times
+
+
+@functools.partial(compilation.jit_by_config, static_argnames=("config",))
+def _wrapped(x, *, config):
+    return _Unregistered(x + 1)
+
+
+def test_the_key_changes_with_what_the_program_is_traced_from(tmp_path, monkeypatch):
+    store = compilation.ProgramStore(tmp_path)
+    x = np.ones((2, 3), np.float32)
+
+    def key(fn=_scaled._fn, dynamic=((x,), {}), static=None, options=None) -> str:
+        return store.key(fn, dynamic, static or {"config": _Config()}, options)
+
+    same = key()
+    assert key() == same and key(dynamic=((np.zeros((2, 3), np.float32),), {})) == same  # values are not keyed
+    others = {
+        "shape": key(dynamic=((np.ones((3, 2), np.float32),), {})),
+        "dtype": key(dynamic=((np.ones((2, 3), np.int32),), {})),
+        "placement": key(dynamic=((jnp.ones((2, 3)),), {})),
+        "tree": key(dynamic=(([x],), {})),
+        "static argument": key(static={"config": _Config(scale=3.0)}),
+        "function": key(fn=_wrapped._fn),
+        "compile options": key(options={"xla_cpu_copy_insertion_use_region_analysis": True}),
+    }
+    with jax.default_matmul_precision("highest"):  # a setting of the calling thread
+        others["matmul precision"] = key()
+    monkeypatch.setattr(compilation, "_package_digest", lambda: "another source")
+    others["package source"] = compilation.ProgramStore(tmp_path).key(
+        _scaled._fn, ((x,), {}), {"config": _Config()}, None
+    )
+    monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_enable_fast_math=false")
+    others["XLA_FLAGS"] = compilation.ProgramStore(tmp_path).key(_scaled._fn, ((x,), {}), {"config": _Config()}, None)
+    assert same not in others.values() and len(set(others.values())) == len(others), others
+
+    # Static arguments other than the config are keyed and not passed to the stored program.
+    monkeypatch.setattr(compilation, "_programs", store)
+    np.testing.assert_array_equal(np.asarray(_scaled_by(x, config=_Config(), times=3.0)), 3 * x)
+    np.testing.assert_array_equal(np.asarray(_scaled_by(x, config=_Config(), times=4.0)), 4 * x)
+    assert store.counts["written"] == 2
+
+
+def test_a_damaged_program_is_traced_again_and_one_that_cannot_be_exported_runs_as_before(tmp_path, monkeypatch):
+    x = np.arange(6, dtype=np.float32).reshape(2, 3)
+    warnings: list[str] = []
+    monkeypatch.setattr(compilation, "_programs", compilation.ProgramStore(tmp_path, warnings.append))
+    np.testing.assert_array_equal(np.asarray(_scaled(x, config=_Config())), 2 * x)
+    (path,) = tmp_path.glob("*.jax_exported")
+    path.write_bytes(b"not a program")  # a truncated or foreign file
+
+    store = compilation.ProgramStore(tmp_path, warnings.append)
+    monkeypatch.setattr(compilation, "_programs", store)
+    np.testing.assert_array_equal(np.asarray(_scaled(x, config=_Config())), 2 * x)
+    np.testing.assert_array_equal(np.asarray(_scaled(x, config=_Config())), 2 * x)  # once warned, kept in memory
+    assert store.counts == {"read": 0, "written": 1, "not saved": 0}
+    assert len(warnings) == 1 and f"stored program {path} could not be read" in warnings[0]
+    assert compilation.ProgramStore(tmp_path)._read(path.stem) is not None  # written over, whole
+
+    warnings.clear()
+    store = compilation.ProgramStore(tmp_path, warnings.append)
+    monkeypatch.setattr(compilation, "_programs", store)
+    for _ in range(2):  # its output class is not registered with jax.export: run as before, warned of once
+        result = _wrapped(x, config=_Config())
+        assert isinstance(result, _Unregistered) and np.array_equal(np.asarray(result.value), x + 1)
+    _wrapped(np.ones((4,), np.float32), config=_Config())
+    assert store.counts == {"read": 0, "written": 0, "not saved": 2}
+    assert len(warnings) == 1 and "was not saved" in warnings[0] and "_Unregistered" in warnings[0]
+
+
+def test_translate_and_evaluate_store_programs_and_training_does_not(tmp_path):
+    try:
+        assert compilation.use_cache(str(tmp_path / "a"), programs=True) == tmp_path / "a"
+        assert compilation._programs is not None and compilation._programs.folder == tmp_path / "a" / "programs"
+        assert compilation.use_cache(str(tmp_path / "b")) == tmp_path / "b" and compilation._programs is None
+        compilation.use_cache(str(tmp_path / "a"), programs=True)
+        assert compilation.use_cache("off") is None and compilation._programs is None
+    finally:
+        compilation.use_cache("off")
