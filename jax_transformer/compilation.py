@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import inspect
 import json
 import os
 import platform
@@ -22,6 +23,7 @@ from typing import Any
 import jax
 
 OFF = "off"
+_programs: ProgramStore | None = None  # the store of traced decoders, where use_cache(programs=True) turned it on
 # Programs that took this long or longer to compile go in the persistent cache (jax's own default: 1 s). A decoder's
 # encoder and the programs its batches shrink to compile in 0.1-1 s each on a CPU: with jax's 1 s, a second
 # `train.py translate` of 100 sentences compiled them again (10.0-12.1 s against 13.9-16.4 s without the cache, on
@@ -63,9 +65,15 @@ def jit(fn: Callable, dtype: str, *, cpu_options: Mapping | None = None, **jit_k
 class jit_by_config:  # noqa: N801 (used as a decorator, like jax.jit)
     """A decorator: `fn`, whose `config` keyword argument is static, jitted with the compiler options of
     `config.dtype` (`compiler_options`), chosen at each call, and `cpu_options` besides where the backend is the CPU.
-    `.lower` as for a jitted function."""
+    Its static arguments are keyword-only. Where `use_cache(..., programs=True)` turned `ProgramStore` on, a call
+    runs the stored program (`_cache_size` does not count those). `.lower` as for a jitted function (never stored:
+    a training run compiles ahead with it, and leaves the store off)."""
 
     def __init__(self, fn: Callable, *, static_argnames: tuple[str, ...], cpu_options: Mapping | None = None) -> None:
+        parameters = inspect.signature(fn).parameters
+        for name in static_argnames:  # a static argument given by position would be keyed by its shape alone
+            if name not in parameters or parameters[name].kind is not inspect.Parameter.KEYWORD_ONLY:
+                raise TypeError(f"{fn.__qualname__}: static argument {name!r} must be keyword-only")
         functools.update_wrapper(self, fn)
         self._fn, self._static_argnames, self._cpu_options = fn, static_argnames, dict(cpu_options or {})
         self._jitted: dict[str, Callable] = {}
@@ -83,10 +91,10 @@ class jit_by_config:  # noqa: N801 (used as a decorator, like jax.jit)
         if _programs is None:
             return self._for(config.dtype)(*args, config=config, **kwargs)
         static = {"config": config, **{k: v for k, v in kwargs.items() if k in self._static_argnames}}
-        dynamic = {k: v for k, v in kwargs.items() if k not in static}
+        traced = {k: v for k, v in kwargs.items() if k not in static}
         options = jitted_options(config.dtype, self._cpu_options)
-        jitted = functools.partial(self._for, config.dtype)  # traced only where the store has no program
-        return _programs.program(self._fn, jitted, args, dynamic, static, options)(*args, **dynamic)
+        make_jitted = functools.partial(self._for, config.dtype)  # traced only where the store has no program
+        return _programs.program(self._fn, make_jitted, args, traced, static, options)(*args, **traced)
 
     def lower(self, *args, config, **kwargs):
         return self._for(config.dtype).lower(*args, config=config, **kwargs)
@@ -133,12 +141,26 @@ def use_cache(setting: str | None, warn: Callable[[str], None] = print, programs
     if current != str(folder):
         jax.config.update("jax_compilation_cache_dir", str(folder))
         compilation_cache.reset_cache()
-    if programs:
+    if programs and _can_serialize_exports():
         _programs = ProgramStore(folder / PROGRAMS, warn)
     return folder
 
 
+def _can_serialize_exports() -> bool:
+    """Whether jax.export can write its format here (it needs the flatbuffers package)."""
+    try:
+        from jax._src.export import serialization  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 PROGRAMS = "programs"  # the subfolder of the compilation cache that ProgramStore keeps its programs in
+EXPORTED, NOT_EXPORTED = ".jax_exported", ".not_exported"  # a stored program's file; a program jax.export refused
+
+
+def _brief(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}"
 
 
 def exportable(cls):
@@ -186,18 +208,23 @@ class ProgramStore:
     loading them compiled. This store keeps each `jit_by_config` program as `jax.export` writes it (its StableHLO,
     argument shapes and trees), under a key of what it is traced from: the function, its static arguments, the
     shapes, dtypes, tree structure and placement of its other arguments, the compile options, jax's trace settings,
-    and the environment (this package's source, the jax, jaxlib and flax versions, the backend and its devices,
-    XLA_FLAGS, the machine). A changed source file or setting makes another key: never a stale program. A stored
-    program runs as `jax.jit(exported.call)`, whose compiled form jax's persistent cache holds.
+    and the environment (this package's source files, the jax, jaxlib, flax, numpy and ml_dtypes versions, the
+    backend and its devices, XLA_FLAGS, the machine). An edited source file, another version or setting makes
+    another key. Not seen: a module constant of this package changed at run time (the tests that do so leave the
+    store off). A stored program runs as `jax.jit(exported.call)`, compiled through jax's persistent cache; its HLO
+    differs from the plain jit's (export keeps the arguments a program does not read), so the first run that stores
+    a program also compiles it, even where a training run compiled the plain one into the same cache.
 
     Saved executables (jax.experimental.serialize_executable) would skip the compile step too, but on XLA:CPU some
     of ours could not be serialized ("`LessThan` is not serializable": a sort's comparator), and one that was
     failed when run in the next process ("Function compare_reduce_fusion not found"). jax.export's format is the
     one jax keeps stable across processes and versions.
 
-    A program that cannot be read is traced again and written over, one that cannot be exported runs as before
-    (a warning, once per store): a run never fails for the store. Like jax's cache, the folder holds code that the
-    process runs: never point it at a folder others may write to."""
+    A program that cannot be read or compiled is traced again and written over; one that cannot be exported (a
+    custom call jax.export refuses, such as cuDNN's attention) runs as the plain jit, and an empty `.not_exported`
+    file spares the next process the attempt (a warning, once per store): a run never fails for the store. Nothing
+    is evicted: delete the folder to reclaim its space. Like jax's cache, the folder holds code that the process
+    runs: never point it at a folder others may write to."""
 
     def __init__(self, folder: Path, warn: Callable[[str], None] = print) -> None:
         self.folder, self._warn = Path(folder), warn
@@ -211,11 +238,13 @@ class ProgramStore:
     def _environment(self) -> str:
         import flax
         import jaxlib
+        import ml_dtypes
+        import numpy
 
         devices = [(d.platform, d.device_kind, d.id) for d in jax.devices()]
         backend = jax.devices()[0].client
         environ = [os.environ.get(name) for name in ("XLA_FLAGS", "LIBTPU_INIT_ARGS")]
-        versions = (jax.__version__, jaxlib.__version__, flax.__version__)
+        versions = (jax.__version__, jaxlib.__version__, flax.__version__, numpy.__version__, ml_dtypes.__version__)
         return repr((_package_digest(), versions, backend.platform_version, devices, environ, platform.machine()))
 
     def key(self, fn: Callable, dynamic, static: Mapping[str, Any], options) -> str:
@@ -227,13 +256,15 @@ class ProgramStore:
         text = repr((described, avals, sorted((options or {}).items()), _trace_settings(), self._environment))
         return hashlib.sha256(text.encode()).hexdigest()
 
-    def program(self, fn: Callable, jitted: Callable, args: tuple, dynamic: dict, static: dict, options) -> Callable:
-        """What to call with (*args, **dynamic) for `fn(*args, **dynamic, **static)` jitted with `options`
-        (`jitted()`: that jitted function): the stored program (in memory, or read from the folder), else the
+    def program(
+        self, fn: Callable, make_jitted: Callable, args: tuple, kwargs: dict, static: dict, options
+    ) -> Callable:
+        """What to call with (*args, **kwargs) for `fn(*args, **kwargs, **static)` jitted with `options`
+        (`make_jitted()`: that jitted function): the stored program (in memory, or read from the folder), else the
         jitted function's, exported and saved."""
         # In memory, a program is found by a signature cheaper to make than the key (0.2 against 0.9 ms for a
         # decoder's 133 arguments): the avals and placements as objects, not as text.
-        leaves, tree = jax.tree_util.tree_flatten((args, dynamic))
+        leaves, tree = jax.tree_util.tree_flatten((args, kwargs))
         avals = tuple((jax.typeof(leaf), getattr(leaf, "sharding", None)) for leaf in leaves)
         options_items = tuple(sorted((options or {}).items()))
         signature = (fn, tuple(sorted(static.items())), tree, avals, options_items, _trace_settings())
@@ -243,20 +274,33 @@ class ProgramStore:
             lock = self._locks.setdefault(signature, threading.Lock())
         with lock:  # threads that need the same program read or export it once
             if signature not in self._programs:
-                key = self.key(fn, (args, dynamic), static, options)
-                exported = self._read(key)
-                if exported is None:
-                    exported = self._export(key, jitted, args, dynamic, static)
-                if exported is None:
-                    program = functools.partial(jitted(), **static)
-                else:
-                    program = jax.jit(exported.call, compiler_options=options)
+                key = self.key(fn, (args, kwargs), static, options)
+                program = self._find(key, make_jitted, args, kwargs, static, options)
                 with self._lock:
-                    self._programs[signature] = program
+                    self._programs[signature] = program or functools.partial(make_jitted(), **static)
         return self._programs[signature]
 
-    def _path(self, key: str) -> Path:
-        return self.folder / f"{key}.jax_exported"
+    def _find(
+        self, key: str, make_jitted: Callable, args: tuple, kwargs: dict, static: dict, options
+    ) -> Callable | None:
+        """The stored program of `key`, compiled (read, else exported and written); None: run the plain jit."""
+        if self._path(key, NOT_EXPORTED).is_file():
+            return None
+        exported = self._read(key)
+        if exported is not None:
+            program = jax.jit(exported.call, compiler_options=options)
+            try:
+                program.lower(*args, **kwargs).compile()  # compiled now, so that a bad file falls back here
+                return program
+            except Exception as e:
+                self._warn_once(f"warning: stored program {self._path(key)} could not be compiled ({_brief(e)})")
+        exported = self._export(key, make_jitted(), args, kwargs, static)
+        if exported is None:
+            return None
+        return jax.jit(exported.call, compiler_options=options)
+
+    def _path(self, key: str, suffix: str = EXPORTED) -> Path:
+        return self.folder / f"{key}{suffix}"
 
     def _read(self, key: str):
         from jax import export
@@ -267,36 +311,45 @@ class ProgramStore:
         try:
             exported = export.deserialize(bytearray(path.read_bytes()))
         except Exception as e:  # a truncated or foreign file: trace the program again and write over it
-            self._warn_once(f"warning: stored program {path} could not be read ({type(e).__name__}: {e})")
+            self._warn_once(f"warning: stored program {path} could not be read ({_brief(e)})")
             return None
         self.counts["read"] += 1
         return exported
 
-    def _export(self, key: str, jitted, args: tuple, dynamic: dict, static: dict):
+    def _export(self, key: str, jitted: Callable, args: tuple, kwargs: dict, static: dict):
         from jax import export
 
         temporary = self.folder / f".{key}.{os.getpid()}.{threading.get_ident()}"
         try:
-            exported = export.export(jitted())(*args, **dynamic, **static)
+            exported = export.export(jitted)(*args, **kwargs, **static)
             data = exported.serialize()
+        except Exception as e:  # e.g. a custom call jax.export refuses: not tried again by the next process
+            self.counts["not saved"] += 1
+            self._warn_once(f"warning: a decoding program was not saved in {self.folder} ({_brief(e)})")
+            self._write(self._path(key, NOT_EXPORTED), b"", temporary)
+            return None
+        if self._write(self._path(key), data, temporary):
+            self.counts["written"] += 1
+        return exported
+
+    def _write(self, path: Path, data: bytes, temporary: Path) -> bool:
+        """`data` into `path`, whole or not at all (for a process reading beside this one); False where it cannot."""
+        try:
             self.folder.mkdir(parents=True, exist_ok=True)
             temporary.write_bytes(data)
-            os.replace(temporary, self._path(key))  # whole or not at all, for a process reading beside this one
-        except Exception as e:
-            temporary.unlink(missing_ok=True)
+            os.replace(temporary, path)
+        except OSError as e:
             self.counts["not saved"] += 1
-            self._warn_once(f"warning: a decoding program was not saved in {self.folder} ({type(e).__name__}: {e})")
-            return None
-        self.counts["written"] += 1
-        return exported
+            self._warn_once(f"warning: a decoding program was not saved in {self.folder} ({_brief(e)})")
+            return False
+        finally:
+            temporary.unlink(missing_ok=True)
+        return True
 
     def _warn_once(self, message: str) -> None:
         if not self._warned:
             self._warned = True
             self._warn(message)
-
-
-_programs: ProgramStore | None = None  # set by use_cache
 
 
 def cache_entries(folder: str | os.PathLike) -> int:

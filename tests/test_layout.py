@@ -19,7 +19,8 @@ PACKAGE = Path(__file__).resolve().parent.parent / "jax_transformer"
 LAYERS = [
     ("errors",),  # the errors a user can cause
     ("config",),  # every setting: the dataclasses, their validation, recipes and `resolve`; no jax, no torch
-    ("compilation",),  # how programs compile: exact rounding in bfloat16, the persistent cache, compiling ahead
+    ("compilation",),  # how programs compile: exact rounding in bfloat16, the persistent cache and the decoders
+    # stored as traced, compiling ahead
     ("host_memory",),  # malloc keeps what a program frees on a CPU (glibc), set before jax starts its threads
     ("positions", "masks", "checks"),  # checks: token ids and shapes at the entry points
     ("corpus", "tokenizer"),  # text in: reading files (file:line errors); the joint SentencePiece model

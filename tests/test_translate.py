@@ -127,7 +127,7 @@ def test_a_second_translate_loads_its_decoders_from_the_cache(trained, tmp_path)
     outputs, files = [], []
     for _ in range(2):
         done = subprocess.run([*argv, "--compilation-cache", str(cache)], env=env, capture_output=True, text=True)
-        assert done.returncode == 0, done.stdout + done.stderr
+        assert done.returncode == 0 and "warning" not in done.stderr, done.stdout + done.stderr  # all stored
         outputs.append(done.stdout)
         files.append({str(p.relative_to(cache)): p.stat().st_mtime_ns for p in cache.rglob("*")})
     assert compilation.cache_entries(cache) > 0 and len(outputs[0].splitlines()) == 3
