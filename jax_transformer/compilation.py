@@ -1,6 +1,6 @@
 """How the model's programs compile: `jit` compiles them with the XLA options of their compute dtype (a bfloat16
-program rounds where the model says), `use_cache` turns on JAX's persistent compilation cache (and, for `translate`
-and `evaluate`, `ProgramStore`, which skips tracing the decoders again), `CompileJobs` compiles a run's programs
+program rounds where the model says), `use_cache` turns on JAX's persistent compilation cache (and, where asked,
+`ProgramStore`, which skips tracing the decoders again), `CompileJobs` compiles a run's programs
 ahead in threads, and `CompileLog` counts compilations so a run reports compile time apart from training time.
 Details: docs/internals.md#compilation."""
 
@@ -66,8 +66,9 @@ class jit_by_config:  # noqa: N801 (used as a decorator, like jax.jit)
     """A decorator: `fn`, whose `config` keyword argument is static, jitted with the compiler options of
     `config.dtype` (`compiler_options`), chosen at each call, and `cpu_options` besides where the backend is the CPU.
     Its static arguments are keyword-only. Where `use_cache(..., programs=True)` turned `ProgramStore` on, a call
-    runs the stored program (`_cache_size` does not count those). `.lower` as for a jitted function (never stored:
-    a training run compiles ahead with it, and leaves the store off)."""
+    runs the stored program (`_cache_size` does not count those), and `.lower(...).compile()` (a compile-ahead job,
+    on arguments or their shapes) reads or stores it and compiles it, so that a later call finds it in memory.
+    Otherwise `.lower` as for a jitted function."""
 
     def __init__(self, fn: Callable, *, static_argnames: tuple[str, ...], cpu_options: Mapping | None = None) -> None:
         parameters = inspect.signature(fn).parameters
@@ -90,14 +91,22 @@ class jit_by_config:  # noqa: N801 (used as a decorator, like jax.jit)
     def __call__(self, *args, config, **kwargs):
         if _programs is None:
             return self._for(config.dtype)(*args, config=config, **kwargs)
+        program, traced = self._stored(args, config, kwargs)
+        return program(*args, **traced)
+
+    def lower(self, *args, config, **kwargs):
+        if _programs is None:
+            return self._for(config.dtype).lower(*args, config=config, **kwargs)
+        program, traced = self._stored(args, config, kwargs)
+        return program.lower(*args, **traced)
+
+    def _stored(self, args: tuple, config, kwargs: dict) -> tuple[Any, dict]:
+        """(the store's program for these arguments, the keyword arguments it takes: all but the static ones)."""
         static = {"config": config, **{k: v for k, v in kwargs.items() if k in self._static_argnames}}
         traced = {k: v for k, v in kwargs.items() if k not in static}
         options = jitted_options(config.dtype, self._cpu_options)
         make_jitted = functools.partial(self._for, config.dtype)  # traced only where the store has no program
-        return _programs.program(self._fn, make_jitted, args, traced, static, options)(*args, **traced)
-
-    def lower(self, *args, config, **kwargs):
-        return self._for(config.dtype).lower(*args, config=config, **kwargs)
+        return _programs.program(self._fn, make_jitted, args, traced, static, options), traced
 
     def _cache_size(self) -> int:
         """Programs compiled so far, both dtypes together (as jax's jitted functions count them)."""
@@ -115,9 +124,10 @@ def default_cache_dir() -> Path:
 
 def use_cache(setting: str | None, warn: Callable[[str], None] = print, programs: bool = False) -> Path | None:
     """Turns the persistent compilation cache on in the folder `setting` (None: `default_cache_dir()`), or off
-    ("off"); `programs`: and `ProgramStore` in its `programs` subfolder (`translate` and `evaluate`; a training run
-    compiles its decoders ahead instead). Returns the folder in use, or None when off. A folder that cannot be
-    created is a warning, not an error: a run never fails for want of a cache."""
+    ("off"); `programs`: and `ProgramStore` in its `programs` subfolder (what the project's runs ask: a training
+    run stores the decoders it compiles ahead, and a `translate` after it finds them). Returns the folder in use,
+    or None when off. A folder that cannot be created is a warning, not an error: a run never fails for want of a
+    cache."""
     from jax.experimental.compilation_cache import compilation_cache
 
     global _programs
@@ -163,6 +173,13 @@ def _brief(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}"
 
 
+def _shape(leaf, device: jax.Device | None = None) -> jax.ShapeDtypeStruct:
+    """An argument's shape, dtype and weak type (of an array, a number or a shape), on `device` if given."""
+    aval = jax.typeof(leaf)
+    sharding = None if device is None else jax.sharding.SingleDeviceSharding(device)
+    return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=aval.weak_type, sharding=sharding)
+
+
 def exportable(cls):
     """A class decorator for a pytree node class that programs take or return (a flax.struct.dataclass without
     static fields): registers it with jax.export so that `ProgramStore` can save programs that carry it."""
@@ -187,12 +204,58 @@ def _package_digest() -> str:
 
 
 def _signature(fn: Callable, dynamic, static: Mapping[str, Any], options) -> tuple:
-    """What `fn`'s program is traced from, as objects: itself, its static arguments, the tree, avals and placement of
-    its traced arguments `dynamic` (any pytree), the compile options and jax's trace settings. In memory a program is
-    found by it, cheaper to make than the text of its key (0.2 against 0.9 ms for a decoder's 133 arguments)."""
+    """What `fn`'s program is traced from, as objects: itself, its static arguments, the tree and avals of its
+    traced arguments `dynamic` (any pytree: arrays, or their shapes as a compile-ahead job gives them), the compile
+    options and jax's trace settings. In memory a program is found by it, cheaper to make than the text of its key
+    (0.2 against 0.9 ms for a decoder's 133 arguments). Placement is not in it: a stored program holds arguments
+    on one device (`_device`), and jax traces a program the same whichever device that is (the store compiles it
+    for each device it is called on)."""
     leaves, tree = jax.tree_util.tree_flatten(dynamic)
-    avals = tuple((jax.typeof(leaf), getattr(leaf, "sharding", None)) for leaf in leaves)
+    avals = tuple(jax.typeof(leaf) for leaf in leaves)
     return fn, tuple(sorted(static.items())), tree, avals, tuple(sorted((options or {}).items())), _trace_settings()
+
+
+def _device(dynamic) -> jax.Device | None:
+    """The one device the arrays of `dynamic` are on (the default device where none is placed); None where some are
+    laid out over several devices, or they are on different ones: those arguments take the plain jit."""
+    devices = set()
+    for leaf in jax.tree_util.tree_leaves(dynamic):
+        sharding = getattr(leaf, "sharding", None)
+        if sharding is not None:
+            devices |= sharding.device_set
+    if len(devices) > 1:
+        return None
+    return next(iter(devices)) if devices else jax.devices()[0]
+
+
+class _Bound:
+    """The plain jitted function with its static arguments bound, called and lowered as a stored program is."""
+
+    def __init__(self, jitted: Callable, static: Mapping[str, Any]) -> None:
+        self._jitted, self._static = jitted, dict(static)
+
+    def __call__(self, *args, **kwargs):
+        return self._jitted(*args, **kwargs, **self._static)
+
+    def lower(self, *args, **kwargs):
+        return self._jitted.lower(*args, **kwargs, **self._static)
+
+
+class _Stored:
+    """A stored program, compiled for its arguments' shapes on one device: called as the jitted function would be;
+    `.lower(...).compile()` (a compile-ahead job) finds it compiled already."""
+
+    def __init__(self, compiled: jax.stages.Compiled) -> None:
+        self._compiled = compiled
+
+    def __call__(self, *args, **kwargs):
+        return self._compiled(*args, **kwargs)
+
+    def lower(self, *args, **kwargs) -> _Stored:
+        return self
+
+    def compile(self) -> jax.stages.Compiled:
+        return self._compiled
 
 
 def _trace_settings() -> str:
@@ -216,13 +279,14 @@ class ProgramStore:
     2-core EPYC spent 2.7 s tracing and 2.0 s lowering its decoders (summed over its decoding threads) against 1.4 s
     loading them compiled. This store keeps each `jit_by_config` program as `jax.export` writes it (its StableHLO,
     argument shapes and trees), under a key of what it is traced from: the function, its static arguments, the
-    shapes, dtypes, tree structure and placement of its other arguments, the compile options, jax's trace settings,
-    and the environment (this package's source files, the jax, jaxlib, flax, numpy and ml_dtypes versions, the
-    backend and its devices, XLA_FLAGS, the machine). An edited source file, another version or setting makes
-    another key. Not seen: a module constant of this package changed at run time (the tests that do so leave the
-    store off). A stored program runs as `jax.jit(exported.call)`, compiled through jax's persistent cache; its HLO
-    differs from the plain jit's (export keeps the arguments a program does not read), so the first run that stores
-    a program also compiles it, even where a training run compiled the plain one into the same cache.
+    shapes, dtypes and tree structure of its other arguments, the compile options, jax's trace settings, and the
+    environment (this package's source files, the jax, jaxlib, flax, numpy and ml_dtypes versions, the backend and
+    its devices, XLA_FLAGS, the machine). An edited source file, another version or setting makes another key. Not
+    seen: a module constant of this package changed at run time (the tests that do so leave the store off). A
+    stored program runs as `jax.jit(exported.call)` compiled for its arguments' shapes on one device, through jax's
+    persistent cache; arguments laid out over several devices take the plain jit. A training run stores the
+    decoders it compiles ahead, so that a `translate` after it on sentences of the same shapes finds them traced
+    and compiled (the plain jit's HLO differs: export keeps the arguments a program does not read).
 
     Saved executables (jax.experimental.serialize_executable) would skip the compile step too, but on XLA:CPU some
     of ours could not be serialized ("`LessThan` is not serializable": a sort's comparator), and one that was
@@ -237,7 +301,7 @@ class ProgramStore:
 
     def __init__(self, folder: Path, warn: Callable[[str], None] = print) -> None:
         self.folder, self._warn = Path(folder), warn
-        self._programs: dict[tuple, Callable] = {}
+        self._programs: dict[tuple, _Stored | _Bound] = {}  # by (signature, device)
         self._locks: dict[tuple, threading.Lock] = {}
         self._lock = threading.Lock()
         self._warned = False
@@ -265,46 +329,52 @@ class ProgramStore:
         """`signature` (`_signature`'s) as text without object addresses, with the environment: a sha256."""
         fn, static, tree, avals, options, settings = signature
         described = (fn.__module__, fn.__qualname__, [(k, repr(v)) for k, v in static], str(tree))
-        avals = [(str(aval), repr(sharding)) for aval, sharding in avals]
-        text = repr((described, avals, list(options), settings, self._environment))
+        text = repr((described, [str(aval) for aval in avals], list(options), settings, self._environment))
         return hashlib.sha256(text.encode()).hexdigest()
 
     def program(
         self, fn: Callable, make_jitted: Callable, args: tuple, kwargs: dict, static: dict, options
-    ) -> Callable:
-        """What to call with (*args, **kwargs) for `fn(*args, **kwargs, **static)` jitted with `options`
-        (`make_jitted()`: that jitted function): the stored program (in memory, or read from the folder), else the
-        jitted function's, exported and saved."""
+    ) -> _Stored | _Bound:
+        """What to call (or `.lower(...).compile()`) with (*args, **kwargs) for `fn(*args, **kwargs, **static)`
+        jitted with `options` (`make_jitted()`: that jitted function); the arguments may be arrays or their shapes
+        (jax.ShapeDtypeStruct). The stored program (in memory, or read from the folder), else the jitted function's,
+        exported and saved; the plain jit where it cannot be stored."""
+        device = _device((args, kwargs))
+        if device is None:
+            return _Bound(make_jitted(), static)
         signature = _signature(fn, (args, kwargs), static, options)
+        compiled_for = (signature, device)  # in memory: a program compiled for one device runs there
         with self._lock:
-            if signature in self._programs:
-                return self._programs[signature]
-            lock = self._locks.setdefault(signature, threading.Lock())
+            if compiled_for in self._programs:
+                return self._programs[compiled_for]
+            lock = self._locks.setdefault(compiled_for, threading.Lock())
         with lock:  # threads that need the same program read or export it once
-            if signature not in self._programs:
-                program = self._find(self._key(signature), make_jitted, args, kwargs, static, options)
+            if compiled_for not in self._programs:
+                program = self._find(self._key(signature), make_jitted, (args, kwargs), static, options, device)
                 with self._lock:
-                    self._programs[signature] = program or functools.partial(make_jitted(), **static)
-        return self._programs[signature]
+                    self._programs[compiled_for] = program or _Bound(make_jitted(), static)
+        return self._programs[compiled_for]
 
     def _find(
-        self, key: str, make_jitted: Callable, args: tuple, kwargs: dict, static: dict, options
-    ) -> Callable | None:
-        """The stored program of `key`, compiled (read, else exported and written); None: run the plain jit."""
+        self, key: str, make_jitted: Callable, dynamic: tuple, static: dict, options, device: jax.Device
+    ) -> _Stored | None:
+        """The stored program of `key`, compiled (read, else exported and written); None: run the plain jit.
+        It is exported from the arguments' shapes, and compiled for them on `device`, so that the same program
+        lowers to the same HLO whether a call or a compile-ahead job asks, in this process or the next one: jax's
+        persistent cache then finds what a training run compiled ahead for the `translate` after it."""
         if self._path(key, NOT_EXPORTED).is_file():
             return None
+        args, kwargs = jax.tree_util.tree_map(functools.partial(_shape, device=device), dynamic)
         exported = self._read(key)
         if exported is not None:
-            program = jax.jit(exported.call, compiler_options=options)
             try:
-                program.lower(*args, **kwargs).compile()  # compiled now, so that a bad file falls back here
-                return program
-            except Exception as e:
+                return _Stored(jax.jit(exported.call, compiler_options=options).lower(*args, **kwargs).compile())
+            except Exception as e:  # a file that reads but does not compile: exported again, and written over
                 self._warn_once(f"warning: stored program {self._path(key)} could not be compiled ({_brief(e)})")
-        exported = self._export(key, make_jitted(), args, kwargs, static)
+        exported = self._export(key, make_jitted(), jax.tree_util.tree_map(_shape, dynamic), static)
         if exported is None:
             return None
-        return jax.jit(exported.call, compiler_options=options)
+        return _Stored(jax.jit(exported.call, compiler_options=options).lower(*args, **kwargs).compile())
 
     def _path(self, key: str, suffix: str = EXPORTED) -> Path:
         return self.folder / f"{key}{suffix}"
@@ -323,13 +393,14 @@ class ProgramStore:
         self.counts["read"] += 1
         return exported
 
-    def _export(self, key: str, jitted: Callable, args: tuple, kwargs: dict, static: dict):
+    def _export(self, key: str, jitted: Callable, shapes: tuple, static: dict):
+        """`jitted` exported on `shapes` ((args, kwargs)) and written; read back as the next process will read it."""
         from jax import export
 
         temporary = self.folder / f".{key}.{os.getpid()}.{threading.get_ident()}"
+        args, kwargs = shapes
         try:
-            exported = export.export(jitted)(*args, **kwargs, **static)
-            data = exported.serialize()
+            data = export.export(jitted)(*args, **kwargs, **static).serialize()
         except Exception as e:  # e.g. a custom call jax.export refuses: not tried again by the next process
             self.counts["not saved"] += 1
             self._warn_once(f"warning: a decoding program was not saved in {self.folder} ({_brief(e)})")
@@ -337,7 +408,7 @@ class ProgramStore:
             return None
         if self._write(self._path(key), data, temporary):
             self.counts["written"] += 1
-        return exported
+        return export.deserialize(data)
 
     def _write(self, path: Path, data: bytes, temporary: Path) -> bool:
         """`data` into `path`, whole or not at all (for a process reading beside this one); False where it cannot."""

@@ -140,7 +140,8 @@ def prepare(
             params, restored_for_state = start.params, None
         else:
             restored_for_state = restored
-        cache_dir = compilation.use_cache(settings.loop.compilation_cache, print_fn)  # before anything compiles
+        # Before anything compiles; the decoders compiled ahead are stored as traced, for a `translate` after the run.
+        cache_dir = compilation.use_cache(settings.loop.compilation_cache, print_fn, programs=True)
         devices = distributed.DataParallel.from_config(settings.parallel)
         stream, valid = batches(settings, config, tokenizer, corpus, valid_corpus, devices, restored, print_fn)
         state = initial_state(restored_for_state, config, settings, params)

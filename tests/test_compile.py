@@ -98,30 +98,51 @@ def test_profile_writes_a_trace_of_the_asked_steps(evaluated_run):
 
 
 @pytest.mark.slow
-def test_the_compilation_cache_is_written_by_one_run_and_used_by_the_next(tmp_path):
-    """Two train.py processes with one cache folder: the first compiles and stores its programs, the second loads
-    every one of them and stores nothing new (jax caches only programs that took over 1 s to compile unless told
-    otherwise; the tiny model's compile faster, hence the threshold 0)."""
+def test_the_compilation_cache_is_written_by_one_run_and_used_by_the_next_and_by_a_translate(tmp_path):
+    """Two train.py processes with one cache folder, each ending with a beam-2 evaluation: the first compiles and
+    stores its programs (the decoders also as traced, compilation.ProgramStore), the second loads every one of
+    them and stores nothing new; then `train.py translate` of the same sentences, with the same settings, compiles
+    nothing and traces no decoder: it adds no cache entry (with the threshold 0 every compile would write one) and
+    no stored program, and warns of nothing. (jax caches only programs that took over 1 s to compile unless told
+    otherwise; the tiny model's compile faster, hence the threshold 0.)"""
     train, cache = write_corpus(tmp_path), tmp_path / "xla-cache"
     env = dict(os.environ, PYTHONPATH=str(REPO), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+    programs = cache / compilation.PROGRAMS
+    extra = ("--eval-sentences", "10", "--beam-size", "2")
     records = []
     for run in ("first", "second"):
-        args = tiny_train_args(tmp_path / run, train, steps=2, valid=train, compile_cache=cache)
+        args = tiny_train_args(tmp_path / run, train, steps=2, valid=train, compile_cache=cache, extra=extra)
         done = subprocess.run(
             [sys.executable, str(REPO / "train.py"), *args], env=env, cwd=REPO, capture_output=True, text=True
         )
-        assert done.returncode == 0, done.stdout + done.stderr
+        assert done.returncode == 0 and "warning" not in done.stdout + done.stderr, done.stdout + done.stderr
         (record,) = _records(tmp_path / run, "compile")
-        records.append((record, compilation.cache_entries(cache)))
-    (first, entries_first), (second, entries_second) = records
+        stored = {p.name: p.stat().st_mtime_ns for p in programs.iterdir()}
+        records.append((record, compilation.cache_entries(cache), stored))
+    (first, entries_first, stored_first), (second, entries_second, stored_second) = records
     assert first["cache_dir"] == second["cache_dir"] == str(cache)
-    assert first["programs"] == second["programs"] == ["eval step (32, 16)", "train step (32, 16)"]
+    assert first["programs"] == second["programs"] and first["errors"] == {}
+    assert {"eval step (32, 16)", "train step (32, 16)"} < set(first["programs"])
+    assert any(name.startswith("beam search 2") for name in first["programs"])  # the final evaluation's
     assert first["cache_misses"] >= 2 and first["cache_hits"] == 0  # compiled, and written to the cache
     assert first["waited_s"] > 0  # a fresh process waits for its train step, and says how long
-    assert entries_first >= 2
+    assert entries_first >= 2 and any(name.endswith(".jax_exported") for name in stored_first)
     assert second["cache_hits"] >= 2 and second["cache_misses"] == 0  # every program loaded from the cache
-    assert entries_second == entries_first  # nothing new written
-    assert not (cache / compilation.PROGRAMS).exists()  # a training run compiles its decoders ahead instead
+    assert entries_second == entries_first and stored_second == stored_first  # nothing new written
+
+    sources = tmp_path / "sources.txt"
+    sources.write_text("".join(line.split("\t")[0] + "\n" for line in train.read_text().splitlines()))
+    argv = ["translate", "--checkpoint", str(tmp_path / "second"), "--input", str(sources)]
+    done = subprocess.run(
+        [sys.executable, str(REPO / "train.py"), *argv, "--compilation-cache", str(cache)],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0 and "warning" not in done.stderr, done.stderr
+    assert len(done.stdout.splitlines()) == len(train.read_text().splitlines())
+    assert compilation.cache_entries(cache) == entries_first  # nothing compiled
+    assert {p.name: p.stat().st_mtime_ns for p in programs.iterdir()} == stored_first  # every decoder found
 
 
 def test_cache_setting_off_and_default(tmp_path, monkeypatch):

@@ -7,6 +7,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import os
+import subprocess
+import sys
+import textwrap
 from collections.abc import Iterator
 
 import flax
@@ -19,6 +23,8 @@ from jax_transformer import compilation, decoding, generate
 from jax_transformer.model import init_params
 from tests.helpers.batches import make_src
 from tests.helpers.configs import DECODING_CONFIGS
+from tests.helpers.tooling import compiled_functions
+from tests.helpers.training import REPO
 
 DECODERS = ("_encoder", "_greedy_core", "_beam_core")  # as jax names them in its trace events
 
@@ -130,10 +136,12 @@ def test_the_key_changes_with_what_the_program_is_traced_from(tmp_path, monkeypa
 
     same = key()
     assert key() == same and key(dynamic=((np.zeros((2, 3), np.float32),), {})) == same  # values are not keyed
+    assert key(dynamic=((jax.device_put(x),), {})) == same  # nor where an array is (the program holds it on one)
+    assert key(dynamic=((jax.ShapeDtypeStruct((2, 3), np.float32),), {})) == same  # a compile-ahead job's shapes
     others = {
         "shape": key(dynamic=((np.ones((3, 2), np.float32),), {})),
         "dtype": key(dynamic=((np.ones((2, 3), np.int32),), {})),
-        "placement": key(dynamic=((jnp.ones((2, 3)),), {})),
+        "weak type": key(dynamic=((jax.ShapeDtypeStruct((2, 3), np.float32, weak_type=True),), {})),
         "tree": key(dynamic=(([x],), {})),
         "static argument": key(static={"config": _Config(scale=3.0)}),
         "function": key(fn=_wrapped._fn),
@@ -157,6 +165,46 @@ def test_the_key_changes_with_what_the_program_is_traced_from(tmp_path, monkeypa
     np.testing.assert_array_equal(np.asarray(_scaled_by(x, config=_Config(), times=3.0)), 3 * x)
     np.testing.assert_array_equal(np.asarray(_scaled_by(x, config=_Config(), times=4.0)), 4 * x)
     assert store.counts["written"] == 2
+
+
+@contextlib.contextmanager
+def cache_lookups() -> Iterator[list[str]]:
+    """ "hit" or "miss" for each look-up in jax's persistent compilation cache inside the block."""
+    found: list[str] = []
+
+    def listen(event: str, **kwargs) -> None:
+        if event in ("/jax/compilation_cache/cache_hits", "/jax/compilation_cache/cache_misses"):
+            found.append("hit" if event.endswith("hits") else "miss")
+
+    jax.monitoring.register_event_listener(listen)
+    try:
+        yield found
+    finally:
+        jax.monitoring.unregister_event_listener(listen)
+
+
+def test_a_program_compiled_ahead_from_shapes_is_the_one_later_calls_run(tmp_path, monkeypatch, compilation_cache):
+    """A training run compiles its decoders ahead from their arguments' shapes (`jit_by_config.lower(...)
+    .compile()`) and calls them later with arrays: a call finds its program compiled, and neither traces nor
+    compiles it, whether its arrays are numpy's or placed on the device. The next process (a `translate` after the
+    training run) reads the program and finds its compiled form in jax's persistent cache: no compile either."""
+    x = np.arange(6, dtype=np.float32).reshape(2, 3)
+    store = compilation.ProgramStore(tmp_path / "programs")
+    monkeypatch.setattr(compilation, "_programs", store)
+    with cache_lookups() as lookups:
+        _scaled.lower(jax.ShapeDtypeStruct(x.shape, x.dtype), config=_Config()).compile()
+    assert lookups == ["miss"] and store.counts == {"read": 0, "written": 1, "not saved": 0}
+    arrays = (x, jax.device_put(x), jnp.asarray(x))
+    with traced_functions() as traced, compiled_functions() as compiled:
+        for arg in arrays:
+            np.testing.assert_array_equal(np.asarray(_scaled(arg, config=_Config())), 2 * x)
+    assert traced == [] and compiled == []
+
+    store = compilation.ProgramStore(tmp_path / "programs")
+    monkeypatch.setattr(compilation, "_programs", store)
+    with cache_lookups() as lookups:
+        np.testing.assert_array_equal(np.asarray(_scaled(jax.device_put(x), config=_Config())), 2 * x)
+    assert lookups == ["hit"] and store.counts == {"read": 1, "written": 0, "not saved": 0}
 
 
 def test_a_damaged_program_is_traced_again_and_one_that_cannot_be_exported_runs_as_before(tmp_path, monkeypatch):
@@ -204,6 +252,34 @@ def test_a_program_that_cannot_be_exported_runs_as_before_and_is_not_tried_again
     monkeypatch.setattr(compilation, "_programs", store)
     assert np.array_equal(np.asarray(_wrapped(x, config=_Config()).value), x + 1)
     assert store.counts == {"read": 0, "written": 0, "not saved": 0} and warnings == []
+
+
+def test_arguments_over_several_devices_take_the_plain_jit(tmp_path):
+    """Arrays laid out over two (simulated) devices: the plain jit runs, nothing is stored; arrays on the second
+    device alone: a program of their own, stored by the first and read back for the second device, compiled for
+    each."""
+    script = textwrap.dedent(
+        f"""
+        import numpy as np, jax
+        from jax.sharding import Mesh, NamedSharding, PartitionSpec
+        from jax_transformer import compilation
+        from tests.test_program_store import _Config, _scaled
+        store = compilation._programs = compilation.ProgramStore({str(tmp_path)!r})
+        x = np.arange(8, dtype=np.float32).reshape(4, 2)
+        mesh = Mesh(np.array(jax.devices()[:2]), ("x",))
+        spread = jax.device_put(x, NamedSharding(mesh, PartitionSpec("x")))
+        assert np.array_equal(np.asarray(_scaled(spread, config=_Config())), 2 * x)
+        assert store.counts == {{"read": 0, "written": 0, "not saved": 0}}, store.counts
+        for device in jax.devices()[:2]:
+            y = _scaled(jax.device_put(x, device), config=_Config())
+            assert np.array_equal(np.asarray(y), 2 * x) and y.devices() == {{device}}, y.devices()
+        assert store.counts == {{"read": 1, "written": 1, "not saved": 0}}, store.counts  # the second: read
+        print("ok")
+        """
+    )
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
+    done = subprocess.run([sys.executable, "-c", script], env=env, cwd=REPO, capture_output=True, text=True)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stdout + done.stderr
 
 
 def test_static_arguments_must_be_keyword_only():
