@@ -65,10 +65,10 @@ def jit(fn: Callable, dtype: str, *, cpu_options: Mapping | None = None, **jit_k
 class jit_by_config:  # noqa: N801 (used as a decorator, like jax.jit)
     """A decorator: `fn`, whose `config` keyword argument is static, jitted with the compiler options of
     `config.dtype` (`compiler_options`), chosen at each call, and `cpu_options` besides where the backend is the CPU.
-    Its static arguments are keyword-only. Where `use_cache(..., programs=True)` turned `ProgramStore` on, a call
-    runs the stored program (`_cache_size` does not count those), and `.lower(...).compile()` (a compile-ahead job,
-    on arguments or their shapes) reads or stores it and compiles it, so that a later call finds it in memory.
-    Otherwise `.lower` as for a jitted function."""
+    Its static arguments are keyword-only. `.compile_ahead(...)` (on arguments or their shapes) compiles the
+    program a later call with such arguments runs. Where `use_cache(..., programs=True)` turned `ProgramStore` on,
+    a call runs the stored program (`_cache_size` does not count those), and `.compile_ahead` reads or stores it.
+    `.lower` is the plain jitted function's, store or not."""
 
     def __init__(self, fn: Callable, *, static_argnames: tuple[str, ...], cpu_options: Mapping | None = None) -> None:
         parameters = inspect.signature(fn).parameters
@@ -95,10 +95,17 @@ class jit_by_config:  # noqa: N801 (used as a decorator, like jax.jit)
         return program(*args, **traced)
 
     def lower(self, *args, config, **kwargs):
+        return self._for(config.dtype).lower(*args, config=config, **kwargs)
+
+    def compile_ahead(self, *args, config, **kwargs) -> None:
+        """Compiles what `self(*args, config=config, **kwargs)` will run (a compile-ahead job; the arguments may be
+        jax.ShapeDtypeStruct): the plain jit's program, or where the store is on, the stored one (`_Stored`)."""
         if _programs is None:
-            return self._for(config.dtype).lower(*args, config=config, **kwargs)
+            self.lower(*args, config=config, **kwargs).compile()  # fills the cache a later call looks in
+            return
         program, traced = self._stored(args, config, kwargs)
-        return program.lower(*args, **traced)
+        if isinstance(program, _Bound):
+            program.lower(*args, **traced).compile()
 
     def _stored(self, args: tuple, config, kwargs: dict) -> tuple[Any, dict]:
         """(the store's program for these arguments, the keyword arguments it takes: all but the static ones)."""
@@ -216,16 +223,22 @@ def _signature(fn: Callable, dynamic, static: Mapping[str, Any], options) -> tup
 
 
 def _device(dynamic) -> jax.Device | None:
-    """The one device the arrays of `dynamic` are on (the default device where none is placed); None where some are
-    laid out over several devices, or they are on different ones: those arguments take the plain jit."""
+    """The one device the arrays of `dynamic` are on (where none is placed: jax's default device, else this
+    process's first); None where some are laid out over several devices, or are on different ones, or are traced
+    (a call inside another jit): those arguments take the plain jit."""
     devices = set()
     for leaf in jax.tree_util.tree_leaves(dynamic):
+        if isinstance(leaf, jax.core.Tracer):
+            return None
         sharding = getattr(leaf, "sharding", None)
         if sharding is not None:
             devices |= sharding.device_set
     if len(devices) > 1:
         return None
-    return next(iter(devices)) if devices else jax.devices()[0]
+    if devices:
+        return next(iter(devices))
+    default = jax.config.values["jax_default_device"]
+    return default if isinstance(default, jax.Device) else jax.local_devices()[0]
 
 
 class _Bound:
@@ -242,20 +255,14 @@ class _Bound:
 
 
 class _Stored:
-    """A stored program, compiled for its arguments' shapes on one device: called as the jitted function would be;
-    `.lower(...).compile()` (a compile-ahead job) finds it compiled already."""
+    """A stored program, compiled for its arguments' shapes on one device: called as the jitted function would be.
+    (Compiled, it takes arrays, not tracers: a call inside another trace takes the plain jit, `_device`.)"""
 
     def __init__(self, compiled: jax.stages.Compiled) -> None:
         self._compiled = compiled
 
     def __call__(self, *args, **kwargs):
         return self._compiled(*args, **kwargs)
-
-    def lower(self, *args, **kwargs) -> _Stored:
-        return self
-
-    def compile(self) -> jax.stages.Compiled:
-        return self._compiled
 
 
 def _trace_settings() -> str:
@@ -335,7 +342,7 @@ class ProgramStore:
     def program(
         self, fn: Callable, make_jitted: Callable, args: tuple, kwargs: dict, static: dict, options
     ) -> _Stored | _Bound:
-        """What to call (or `.lower(...).compile()`) with (*args, **kwargs) for `fn(*args, **kwargs, **static)`
+        """What to call with (*args, **kwargs) for `fn(*args, **kwargs, **static)`
         jitted with `options` (`make_jitted()`: that jitted function); the arguments may be arrays or their shapes
         (jax.ShapeDtypeStruct). The stored program (in memory, or read from the folder), else the jitted function's,
         exported and saved; the plain jit where it cannot be stored."""
@@ -350,7 +357,11 @@ class ProgramStore:
             lock = self._locks.setdefault(compiled_for, threading.Lock())
         with lock:  # threads that need the same program read or export it once
             if compiled_for not in self._programs:
-                program = self._find(self._key(signature), make_jitted, (args, kwargs), static, options, device)
+                try:
+                    program = self._find(self._key(signature), make_jitted, (args, kwargs), static, options, device)
+                except Exception as e:  # the plain jit runs (and raises again if the program itself is at fault)
+                    self._warn_once(f"warning: a decoding program did not go through {self.folder} ({_brief(e)})")
+                    program = None
                 with self._lock:
                     self._programs[compiled_for] = program or _Bound(make_jitted(), static)
         return self._programs[compiled_for]
@@ -390,7 +401,7 @@ class ProgramStore:
         except Exception as e:  # a truncated or foreign file: trace the program again and write over it
             self._warn_once(f"warning: stored program {path} could not be read ({_brief(e)})")
             return None
-        self.counts["read"] += 1
+        self._count("read")
         return exported
 
     def _export(self, key: str, jitted: Callable, shapes: tuple, static: dict):
@@ -402,12 +413,12 @@ class ProgramStore:
         try:
             data = export.export(jitted)(*args, **kwargs, **static).serialize()
         except Exception as e:  # e.g. a custom call jax.export refuses: not tried again by the next process
-            self.counts["not saved"] += 1
+            self._count("not saved")
             self._warn_once(f"warning: a decoding program was not saved in {self.folder} ({_brief(e)})")
             self._write(self._path(key, NOT_EXPORTED), b"", temporary)
             return None
         if self._write(self._path(key), data, temporary):
-            self.counts["written"] += 1
+            self._count("written")
         return export.deserialize(data)
 
     def _write(self, path: Path, data: bytes, temporary: Path) -> bool:
@@ -417,12 +428,16 @@ class ProgramStore:
             temporary.write_bytes(data)
             os.replace(temporary, path)
         except OSError as e:
-            self.counts["not saved"] += 1
+            self._count("not saved")
             self._warn_once(f"warning: a decoding program was not saved in {self.folder} ({_brief(e)})")
             return False
         finally:
             temporary.unlink(missing_ok=True)
         return True
+
+    def _count(self, what: str) -> None:
+        with self._lock:  # compile-ahead threads store programs side by side
+            self.counts[what] += 1
 
     def _warn_once(self, message: str) -> None:
         if not self._warned:

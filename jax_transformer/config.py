@@ -483,7 +483,7 @@ class LoopConfig(Settings):
     compilation_cache: str | None = setting(
         None,
         "folder of JAX's persistent compilation cache (compiled programs and GPU autotuning reused by later "
-        "runs; translate and evaluate keep their decoders as traced in its programs/ subfolder), or "
+        "runs; decoders are also kept as traced, in its programs/ subfolder), or "
         f"'{OFF}' (default: $JAX_COMPILATION_CACHE_DIR, else ~/.cache/jax_transformer/xla)",
     )
     compile_ahead: bool = setting(

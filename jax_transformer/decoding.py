@@ -502,7 +502,7 @@ def encoder_jobs(params, config: TransformerConfig, shapes) -> dict:
 
     def compile_one(rows: int, cut: int, width: int):
         src = jax.ShapeDtypeStruct((rows, cut), jnp.int32)
-        return _encoder.lower(params, src, config=config, width=width).compile()
+        _encoder.compile_ahead(params, src, config=config, width=width)
 
     return {tuple(shape): functools.partial(compile_one, *shape) for shape in shapes}
 
@@ -516,7 +516,7 @@ def shrinking_programs(
     state.
     per_row(n): the per-row arguments' shapes (jax.ShapeDtypeStruct) at n rows; `shared`: the other arguments
     before leave_at; `static`: the static keyword arguments; `beams`: hypotheses per sentence.
-    `lower(...).compile()` fills the cache calls look in."""
+    `compile_ahead` fills the cache calls look in (`compilation.jit_by_config`)."""
     rows //= parts(rows, split)  # each part of the batch runs the programs of its own rows
     leave_at = jax.ShapeDtypeStruct((), jnp.int32)
     ends, jobs = phases(length, rows * beams), {}
@@ -536,14 +536,14 @@ def shrinking_programs(
         args = (params, *per_row(level), *shared, leave_at)
         for end in ends:
             if (level, end) == (rows, ends[0]):
-                jobs[level, end] = lambda args=args: core.lower(*args, start(), **static).compile()
+                jobs[level, end] = lambda args=args: core.compile_ahead(*args, start(), **static)
                 continue
 
             def resume(args=args, level=level, end=end):
                 def carried(tree):  # what decode_shrinking carries: `level` rows of it, the cache grown to `end`
                     return grow_cache(select_rows(tree, jnp.zeros(level, jnp.int32), beams), end)
 
-                return core.lower(*args, jax.eval_shape(carried, fresh()), **static).compile()
+                core.compile_ahead(*args, jax.eval_shape(carried, fresh()), **static)
 
             jobs[level, end] = resume
     return jobs

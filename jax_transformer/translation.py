@@ -172,8 +172,8 @@ def compile_translation(
     `encoders`, (rows, cut width, batch width) as `translation_encoders` gives them for the sentences to come, or
     where it is None every one the batches' shapes allow.
     Run them (e.g. with `compilation.CompileJobs`) before decoding and `translate` compiles none of its searches
-    and encoders (the small gathers between them compile on first use): `lower(...).compile()` fills the cache its
-    calls look in (alpha is an array argument, any value)."""
+    and encoders (the small gathers between them compile on first use): `compile_ahead` fills the cache its calls
+    look in (alpha is an array argument, any value)."""
     jobs = {}
     for rows, width, split in shapes:
         if decode is not None and decode.rules == "transformers":

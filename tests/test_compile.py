@@ -115,7 +115,7 @@ def test_the_compilation_cache_is_written_by_one_run_and_used_by_the_next_and_by
         done = subprocess.run(
             [sys.executable, str(REPO / "train.py"), *args], env=env, cwd=REPO, capture_output=True, text=True
         )
-        assert done.returncode == 0 and "warning" not in done.stdout + done.stderr, done.stdout + done.stderr
+        assert done.returncode == 0 and "warning:" not in done.stdout + done.stderr, done.stdout + done.stderr
         (record,) = _records(tmp_path / run, "compile")
         stored = {p.name: p.stat().st_mtime_ns for p in programs.iterdir()}
         records.append((record, compilation.cache_entries(cache), stored))
@@ -126,7 +126,10 @@ def test_the_compilation_cache_is_written_by_one_run_and_used_by_the_next_and_by
     assert any(name.startswith("beam search 2") for name in first["programs"])  # the final evaluation's
     assert first["cache_misses"] >= 2 and first["cache_hits"] == 0  # compiled, and written to the cache
     assert first["waited_s"] > 0  # a fresh process waits for its train step, and says how long
-    assert entries_first >= 2 and any(name.endswith(".jax_exported") for name in stored_first)
+    assert entries_first >= 2
+    # Each decoder compiled ahead was stored once, and the loop's calls found it: none stored again.
+    decoders = [name for name in first["programs"] if not name.startswith(("train step", "eval step"))]
+    assert len([name for name in stored_first if name.endswith(".jax_exported")]) == len(decoders) > 0
     assert second["cache_hits"] >= 2 and second["cache_misses"] == 0  # every program loaded from the cache
     assert entries_second == entries_first and stored_second == stored_first  # nothing new written
 
@@ -139,7 +142,7 @@ def test_the_compilation_cache_is_written_by_one_run_and_used_by_the_next_and_by
         capture_output=True,
         text=True,
     )
-    assert done.returncode == 0 and "warning" not in done.stderr, done.stderr
+    assert done.returncode == 0 and "warning:" not in done.stderr, done.stderr
     assert len(done.stdout.splitlines()) == len(train.read_text().splitlines())
     assert compilation.cache_entries(cache) == entries_first  # nothing compiled
     assert {p.name: p.stat().st_mtime_ns for p in programs.iterdir()} == stored_first  # every decoder found

@@ -184,15 +184,15 @@ def cache_lookups() -> Iterator[list[str]]:
 
 
 def test_a_program_compiled_ahead_from_shapes_is_the_one_later_calls_run(tmp_path, monkeypatch, compilation_cache):
-    """A training run compiles its decoders ahead from their arguments' shapes (`jit_by_config.lower(...)
-    .compile()`) and calls them later with arrays: a call finds its program compiled, and neither traces nor
+    """A training run compiles its decoders ahead from their arguments' shapes (`jit_by_config.compile_ahead`)
+    and calls them later with arrays: a call finds its program compiled, and neither traces nor
     compiles it, whether its arrays are numpy's or placed on the device. The next process (a `translate` after the
     training run) reads the program and finds its compiled form in jax's persistent cache: no compile either."""
     x = np.arange(6, dtype=np.float32).reshape(2, 3)
     store = compilation.ProgramStore(tmp_path / "programs")
     monkeypatch.setattr(compilation, "_programs", store)
     with cache_lookups() as lookups:
-        _scaled.lower(jax.ShapeDtypeStruct(x.shape, x.dtype), config=_Config()).compile()
+        _scaled.compile_ahead(jax.ShapeDtypeStruct(x.shape, x.dtype), config=_Config())
     assert lookups == ["miss"] and store.counts == {"read": 0, "written": 1, "not saved": 0}
     arrays = (x, jax.device_put(x), jnp.asarray(x))
     with traced_functions() as traced, compiled_functions() as compiled:
@@ -205,6 +205,8 @@ def test_a_program_compiled_ahead_from_shapes_is_the_one_later_calls_run(tmp_pat
     with cache_lookups() as lookups:
         np.testing.assert_array_equal(np.asarray(_scaled(jax.device_put(x), config=_Config())), 2 * x)
     assert lookups == ["hit"] and store.counts == {"read": 1, "written": 0, "not saved": 0}
+    # Called inside another jit (tracers, which the compiled program cannot take): the plain jit, traced within.
+    np.testing.assert_array_equal(np.asarray(jax.jit(lambda a: _scaled(a, config=_Config()))(x)), 2 * x)
 
 
 def test_a_damaged_program_is_traced_again_and_one_that_cannot_be_exported_runs_as_before(tmp_path, monkeypatch):
