@@ -255,6 +255,13 @@ def test_a_program_that_cannot_be_exported_runs_as_before_and_is_not_tried_again
     assert np.array_equal(np.asarray(_wrapped(x, config=_Config()).value), x + 1)
     assert store.counts == {"read": 0, "written": 0, "not saved": 0} and warnings == []
 
+    # Compiled ahead from shapes, as a training run does: the plain jit's program, which the call then finds.
+    y = np.ones((5,), np.float32)
+    _wrapped.compile_ahead(jax.ShapeDtypeStruct(y.shape, y.dtype), config=_Config())
+    with compiled_functions() as compiled:
+        assert np.array_equal(np.asarray(_wrapped(y, config=_Config()).value), y + 1)
+    assert compiled == [] and store.counts == {"read": 0, "written": 0, "not saved": 1}
+
 
 def test_arguments_over_several_devices_take_the_plain_jit(tmp_path):
     """Arrays laid out over two (simulated) devices: the plain jit runs, nothing is stored; arrays on the second
