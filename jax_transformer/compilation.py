@@ -99,7 +99,7 @@ class jit_by_config:  # noqa: N801 (used as a decorator, like jax.jit)
 
     def compile_ahead(self, *args, config, **kwargs) -> None:
         """Compiles what `self(*args, config=config, **kwargs)` will run (a compile-ahead job; the arguments may be
-        jax.ShapeDtypeStruct): the plain jit's program, or where the store is on, the stored one (`_Stored`)."""
+        jax.ShapeDtypeStruct): the plain jit's program, or where the store is on, the stored one."""
         if _programs is None:
             self.lower(*args, config=config, **kwargs).compile()  # fills the cache a later call looks in
             return
@@ -210,24 +210,23 @@ def _package_digest() -> str:
     return digest.hexdigest()
 
 
-def _signature(fn: Callable, dynamic, static: Mapping[str, Any], options) -> tuple:
+def _signature(fn: Callable, leaves: list, tree, static: Mapping[str, Any], options) -> tuple:
     """What `fn`'s program is traced from, as objects: itself, its static arguments, the tree and avals of its
-    traced arguments `dynamic` (any pytree: arrays, or their shapes as a compile-ahead job gives them), the compile
-    options and jax's trace settings. In memory a program is found by it, cheaper to make than the text of its key
-    (0.2 against 0.9 ms for a decoder's 133 arguments). Placement is not in it: a stored program holds arguments
-    on one device (`_device`), and jax traces a program the same whichever device that is (the store compiles it
-    for each device it is called on)."""
-    leaves, tree = jax.tree_util.tree_flatten(dynamic)
+    traced arguments (`leaves` and `tree`, flattened: arrays, or their shapes as a compile-ahead job gives them),
+    the compile options and jax's trace settings. In memory a program is found by it, cheaper to make than the
+    text of its key (0.2 against 0.9 ms for a decoder's 133 arguments). Placement is not in it: a stored program
+    holds arguments on one device (`_device`), and jax traces a program the same whichever device that is (the
+    store compiles it for each device it is called on)."""
     avals = tuple(jax.typeof(leaf) for leaf in leaves)
     return fn, tuple(sorted(static.items())), tree, avals, tuple(sorted((options or {}).items())), _trace_settings()
 
 
-def _device(dynamic) -> jax.Device | None:
-    """The one device the arrays of `dynamic` are on (where none is placed: jax's default device, else this
+def _device(leaves: list) -> jax.Device | None:
+    """The one device the arrays among `leaves` are on (where none is placed: jax's default device, else this
     process's first); None where some are laid out over several devices, or are on different ones, or are traced
-    (a call inside another jit): those arguments take the plain jit."""
+    (a call inside another jit, which a compiled program cannot take): those arguments take the plain jit."""
     devices = set()
-    for leaf in jax.tree_util.tree_leaves(dynamic):
+    for leaf in leaves:
         if isinstance(leaf, jax.core.Tracer):
             return None
         sharding = getattr(leaf, "sharding", None)
@@ -252,17 +251,6 @@ class _Bound:
 
     def lower(self, *args, **kwargs):
         return self._jitted.lower(*args, **kwargs, **self._static)
-
-
-class _Stored:
-    """A stored program, compiled for its arguments' shapes on one device: called as the jitted function would be.
-    (Compiled, it takes arrays, not tracers: a call inside another trace takes the plain jit, `_device`.)"""
-
-    def __init__(self, compiled: jax.stages.Compiled) -> None:
-        self._compiled = compiled
-
-    def __call__(self, *args, **kwargs):
-        return self._compiled(*args, **kwargs)
 
 
 def _trace_settings() -> str:
@@ -308,7 +296,7 @@ class ProgramStore:
 
     def __init__(self, folder: Path, warn: Callable[[str], None] = print) -> None:
         self.folder, self._warn = Path(folder), warn
-        self._programs: dict[tuple, _Stored | _Bound] = {}  # by (signature, device)
+        self._programs: dict[tuple, jax.stages.Compiled | _Bound] = {}  # by (signature, device)
         self._locks: dict[tuple, threading.Lock] = {}
         self._lock = threading.Lock()
         self._warned = False
@@ -330,7 +318,8 @@ class ProgramStore:
     def key(self, fn: Callable, dynamic, static: Mapping[str, Any], options) -> str:
         """The key of `fn` traced on `dynamic` (its traced arguments, any pytree) with `static`, compiled with
         `options`: on disk, the name of its file."""
-        return self._key(_signature(fn, dynamic, static, options))
+        leaves, tree = jax.tree_util.tree_flatten(dynamic)
+        return self._key(_signature(fn, leaves, tree, static, options))
 
     def _key(self, signature: tuple) -> str:
         """`signature` (`_signature`'s) as text without object addresses, with the environment: a sha256."""
@@ -341,15 +330,16 @@ class ProgramStore:
 
     def program(
         self, fn: Callable, make_jitted: Callable, args: tuple, kwargs: dict, static: dict, options
-    ) -> _Stored | _Bound:
+    ) -> jax.stages.Compiled | _Bound:
         """What to call with (*args, **kwargs) for `fn(*args, **kwargs, **static)`
         jitted with `options` (`make_jitted()`: that jitted function); the arguments may be arrays or their shapes
         (jax.ShapeDtypeStruct). The stored program (in memory, or read from the folder), else the jitted function's,
-        exported and saved; the plain jit where it cannot be stored."""
-        device = _device((args, kwargs))
+        exported and saved, compiled for the arguments' shapes on one device; the plain jit where it cannot be."""
+        leaves, tree = jax.tree_util.tree_flatten((args, kwargs))  # once: every call of a decoder comes here
+        device = _device(leaves)
         if device is None:
             return _Bound(make_jitted(), static)
-        signature = _signature(fn, (args, kwargs), static, options)
+        signature = _signature(fn, leaves, tree, static, options)
         compiled_for = (signature, device)  # in memory: a program compiled for one device runs there
         with self._lock:
             if compiled_for in self._programs:
@@ -368,7 +358,7 @@ class ProgramStore:
 
     def _find(
         self, key: str, make_jitted: Callable, dynamic: tuple, static: dict, options, device: jax.Device
-    ) -> _Stored | None:
+    ) -> jax.stages.Compiled | None:
         """The stored program of `key`, compiled (read, else exported and written); None: run the plain jit.
         It is exported from the arguments' shapes, and compiled for them on `device`, so that the same program
         lowers to the same HLO whether a call or a compile-ahead job asks, in this process or the next one: jax's
@@ -376,16 +366,18 @@ class ProgramStore:
         if self._path(key, NOT_EXPORTED).is_file():
             return None
         args, kwargs = jax.tree_util.tree_map(functools.partial(_shape, device=device), dynamic)
+
+        def compiled(exported) -> jax.stages.Compiled:
+            return jax.jit(exported.call, compiler_options=options).lower(*args, **kwargs).compile()
+
         exported = self._read(key)
         if exported is not None:
             try:
-                return _Stored(jax.jit(exported.call, compiler_options=options).lower(*args, **kwargs).compile())
+                return compiled(exported)
             except Exception as e:  # a file that reads but does not compile: exported again, and written over
                 self._warn_once(f"warning: stored program {self._path(key)} could not be compiled ({_brief(e)})")
         exported = self._export(key, make_jitted(), jax.tree_util.tree_map(_shape, dynamic), static)
-        if exported is None:
-            return None
-        return _Stored(jax.jit(exported.call, compiler_options=options).lower(*args, **kwargs).compile())
+        return None if exported is None else compiled(exported)
 
     def _path(self, key: str, suffix: str = EXPORTED) -> Path:
         return self.folder / f"{key}{suffix}"
