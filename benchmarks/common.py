@@ -25,6 +25,7 @@ class Settings:
     peak_repeats: int
     torch_threads: int
     quick: bool
+    gpu_variants: tuple[str, ...] | None = None  # the gpu section's training-step variants (None: every one)
     freed_memory_kept: bool = False  # glibc keeps what the process frees (jax_transformer.host_memory), as in training
 
     def repeats_for(self, preset_name: str) -> int:

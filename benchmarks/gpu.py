@@ -15,10 +15,11 @@ Parts (--gpu-parts):
              torch bf16 autocast       the float32 twin under torch.autocast(bfloat16): torch's usual way
              torch bf16 twin           the twin with config.dtype="bfloat16": JAX's policy, explicit casts
              torch.compile bf16 autocast   the model under torch.compile with autocast (not with --quick)
-           every torch variant with fused Adam. Figures: ms/step, target tokens/s, matmul TFLOP/s (counted from the
-           shapes: flops.train_step_matmul_flops) with its share of the device's peak for the variant's matmul
-           precision (machine.KNOWN_PEAKS: bf16 for bfloat16 and autocast, TF32 for JAX's default float32 on a GPU
-           and torch TF32, FP32 for "highest" and torch float32). Ratios: bfloat16 over JAX's default float32
+           every torch variant with fused Adam; --gpu-variants picks some. The batch fills every position (no
+           padding, as packed rows). Figures: ms/step, target tokens/s, matmul TFLOP/s (counted from the shapes:
+           flops.train_step_matmul_flops), its share of the device's dense bf16 peak (MFU) and, for the other
+           precisions, of that precision's peak (machine.KNOWN_PEAKS: TF32 for JAX's default float32 on a GPU and
+           torch TF32, FP32 for "highest" and torch float32). Ratios: bfloat16 over JAX's default float32
            (the goal: >= 2x on the GPU), JAX over the twin's fastest mode of the same precision (goal
            1.5x), each attention kernel over the explicit path (keep a kernel only where this is > 1).
   decode   greedy and beam 4 search (greedy only with --quick) in float32 and bfloat16: JAX's cached jitted search,
@@ -71,33 +72,53 @@ def _no_context():
     yield
 
 
-def _jax_variants(config, on_gpu: bool, quick: bool) -> dict[str, tuple]:
+# --gpu-variants: the training step's variants by key, each with its label in the figures (default: every one that
+# applies, as listed above).
+GPU_VARIANTS = {
+    "jax-float32": "JAX float32",
+    "jax-highest": "JAX float32 highest",
+    "jax-bfloat16": "JAX bfloat16",
+    "jax-kernel": "JAX bfloat16 + {kernel}",  # the fused attention kernel: cudnn on a GPU, xla elsewhere
+    "torch-float32": "torch float32",
+    "torch-tf32": "torch TF32",
+    "torch-autocast": "torch bf16 autocast",
+    "torch-bfloat16": "torch bf16 twin",
+    "torch-compile": "torch.compile bf16 autocast",
+}
+
+
+def _labelled(variants: dict, wanted: tuple[str, ...] | None, kernel: str = "") -> dict:
+    """{GPU_VARIANTS key: value} -> {label: value}, keeping the keys in `wanted` (None: all of them)."""
+    return {GPU_VARIANTS[k].format(kernel=kernel): v for k, v in variants.items() if wanted is None or k in wanted}
+
+
+def _jax_variants(config, on_gpu: bool, quick: bool, wanted=None) -> dict[str, tuple]:
     """label -> (config, matmul precision context or None, peak key)."""
     bf16 = config.replace(dtype="bfloat16")
     kernel = "cudnn" if on_gpu and config.head_dim % 8 == 0 else "xla"  # cuDNN needs a multiple of 8
-    variants = {"JAX float32": (config, None, "tf32" if on_gpu else "float32")}
+    variants = {"jax-float32": (config, None, "tf32" if on_gpu else "float32")}
     # On a CPU float32 matmuls are full float32 already: "highest" would time the same program again; on a GPU its
     # compilation alone takes over a minute on an H100, so --quick leaves it out.
-    if on_gpu and not quick:
-        variants["JAX float32 highest"] = (config, "highest", "float32")
-    variants["JAX bfloat16"] = (bf16, None, "bfloat16")
-    if on_gpu or not quick:  # the A/B that decides the default kernel is a GPU question (the CPU measured no gain)
-        variants[f"JAX bfloat16 + {kernel}"] = (bf16.replace(attention_kernel=kernel), None, "bfloat16")
-    return variants
+    if on_gpu and (not quick or wanted):
+        variants["jax-highest"] = (config, "highest", "float32")
+    variants["jax-bfloat16"] = (bf16, None, "bfloat16")
+    if not quick or wanted:  # the A/B that decides the default kernel, not a smoke test's: cuDNN's fails on CUDA 13
+        variants["jax-kernel"] = (bf16.replace(attention_kernel=kernel), None, "bfloat16")
+    return _labelled(variants, wanted, kernel)
 
 
-def _torch_variants(config, on_gpu: bool, quick: bool) -> dict[str, tuple]:
+def _torch_variants(config, on_gpu: bool, quick: bool, wanted=None) -> dict[str, tuple]:
     """label -> (config, TorchTrain variant, autocast dtype or None, TF32 on?, peak key)."""
     import torch
 
-    variants = {"torch float32": (config, "fused", None, False, "float32")}
+    variants = {"torch-float32": (config, "fused", None, False, "float32")}
     if on_gpu:
-        variants["torch TF32"] = (config, "fused", None, True, "tf32")
-    variants["torch bf16 autocast"] = (config, "fused", torch.bfloat16, False, "bfloat16")
-    variants["torch bf16 twin"] = (config.replace(dtype="bfloat16"), "fused", None, False, "bfloat16")
-    if not quick:
-        variants["torch.compile bf16 autocast"] = (config, "compile", torch.bfloat16, False, "bfloat16")
-    return variants
+        variants["torch-tf32"] = (config, "fused", None, True, "tf32")
+    variants["torch-autocast"] = (config, "fused", torch.bfloat16, False, "bfloat16")
+    variants["torch-bfloat16"] = (config.replace(dtype="bfloat16"), "fused", None, False, "bfloat16")
+    if not quick or wanted:
+        variants["torch-compile"] = (config, "compile", torch.bfloat16, False, "bfloat16")
+    return _labelled(variants, wanted)
 
 
 def _with_precision(runner: Callable, precision: str | None) -> Callable:
@@ -132,17 +153,20 @@ def section_gpu(s: Settings, figures: list, failures: list, state: dict) -> None
 def _train(s, figures, failures, kind, torch_device, on_gpu, peak) -> None:
     for name in s.presets:
         config = preset_config(name, s.vocab)
-        batch = training_batch(config, s.batch_size, s.length)
+        # Every position a real token, as packed batches are: the counted FLOPs are all useful work.
+        batch = training_batch(config, s.batch_size, s.length, layout="full")
         tokens = target_tokens(batch, config.pad_id)
         flops = train_step_matmul_flops(config, s.batch_size, s.length, s.length)["train_step"]
         params, numpy_params = ported_params(config)
         builders, peak_keys = {}, {}
-        for label, (cfg, precision, key) in _jax_variants(config, on_gpu, s.quick).items():
+        for label, (cfg, precision, key) in _jax_variants(config, on_gpu, s.quick, s.gpu_variants).items():
             builders[label] = lambda cfg=cfg, precision=precision: _with_precision(
                 JaxTrain(cfg, batch, params), precision
             )
             peak_keys[label] = key
-        for label, (cfg, variant, autocast, tf32, key) in _torch_variants(config, on_gpu, s.quick).items():
+        for label, (cfg, variant, autocast, tf32, key) in _torch_variants(
+            config, on_gpu, s.quick, s.gpu_variants
+        ).items():
             builders[label] = lambda cfg=cfg, variant=variant, autocast=autocast, tf32=tf32: TorchTrain(
                 cfg, batch, numpy_params, variant, device=torch_device, autocast=autocast, tf32=tf32
             )
@@ -183,12 +207,14 @@ def _train(s, figures, failures, kind, torch_device, on_gpu, peak) -> None:
             tflops[label] = figure(
                 f"gpu {name} matmul: {label}", "TFLOP/s", seconds, lambda t: flops / t / 1e12, **common
             )
-            if peak is not None:
-                add_ratio(
-                    tflops[label],
-                    f"% of {peak[0]} {peak_keys[label]} peak",
-                    100 * tflops[label]["median"] * 1e12 / peak[1][peak_keys[label]],
-                )
+            if peak is not None:  # model FLOP utilisation: against the dense bf16 peak, whatever the precision
+                add_ratio(tflops[label], "MFU %", 100 * tflops[label]["median"] * 1e12 / peak[1]["bfloat16"])
+                if peak_keys[label] != "bfloat16":  # and against the peak of the variant's own matmul precision
+                    add_ratio(
+                        tflops[label],
+                        f"% of {peak[0]} {peak_keys[label]} peak",
+                        100 * tflops[label]["median"] * 1e12 / peak[1][peak_keys[label]],
+                    )
         _train_ratios(rate, peak_keys)
         for label, seconds in first_call.items():
             if label.startswith("JAX") or "compile" in label:

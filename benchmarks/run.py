@@ -65,13 +65,14 @@ from benchmarks.children import child_first_step, child_pmap, section_first_step
 from benchmarks.common import Settings  # noqa: E402
 from benchmarks.decoding import section_decode  # noqa: E402
 from benchmarks.flops import section_flops  # noqa: E402
-from benchmarks.gpu import GPU_PARTS, child_compile, section_gpu  # noqa: E402
+from benchmarks.gpu import GPU_PARTS, GPU_VARIANTS, child_compile, section_gpu  # noqa: E402
 from benchmarks.machine import core_count, machine_info  # noqa: E402
 from benchmarks.report import DEFAULT_SECTIONS, SECTION_TITLES, SECTIONS, markdown_table, text_table  # noqa: E402
 from benchmarks.scale import child_multihost, section_accumulate, section_multihost  # noqa: E402
 from benchmarks.train_step import TORCH_VARIANTS, section_train, set_torch_threads  # noqa: E402
 from jax_transformer import host_memory  # noqa: E402
 from jax_transformer.config import PRESETS  # noqa: E402
+from tests.helpers.configs import MODEL_SHAPES  # noqa: E402
 
 SCHEMA = "jax-transformer-benchmark/1"
 
@@ -102,7 +103,8 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, S
     p.add_argument(
         "--presets",
         default="small,base",
-        help=f"model presets for train/flops/first-step (comma-separated, from {sorted(PRESETS)}; default small,base)",
+        help=f"model presets for train/flops/first-step (comma-separated, from {sorted(PRESETS)}, or the real models' "
+        f"shapes {sorted(MODEL_SHAPES)}; default small,base)",
     )
     p.add_argument(
         "--aux-presets",
@@ -120,6 +122,11 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, S
         "--gpu-parts",
         default=",".join(GPU_PARTS),
         help=f"parts of the gpu section, comma-separated subset of {GPU_PARTS} (default all)",
+    )
+    p.add_argument(
+        "--gpu-variants",
+        help=f"the gpu section's training-step variants, comma-separated subset of {list(GPU_VARIANTS)} (default: "
+        "every one that applies)",
     )
     p.add_argument("--batch-size", type=int, help="training batch rows (default 64, 16 with --quick)")
     p.add_argument("--length", type=int, default=32, help="training source/target width in tokens (default 32)")
@@ -203,7 +210,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, S
         p.error(f"--length must be >= 2, got {args.length}")
     variants = args.torch_variants or ("default,fused" if quick else ",".join(TORCH_VARIANTS))
     settings = Settings(
-        presets=listed(args.presets, PRESETS, "--presets"),
+        presets=listed(args.presets, {**PRESETS, **MODEL_SHAPES}, "--presets"),
         aux_presets=listed(args.aux_presets, PRESETS, "--aux-presets"),
         sections=listed(args.sections, SECTIONS, "--sections"),
         gpu_parts=listed(args.gpu_parts, GPU_PARTS, "--gpu-parts"),
@@ -220,6 +227,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, S
         peak_repeats=1 if args.repeats == 1 else max(3, min(repeats.values())),
         torch_threads=core_count(),
         quick=quick,
+        gpu_variants=listed(args.gpu_variants, GPU_VARIANTS, "--gpu-variants") if args.gpu_variants else None,
     )
     return args, settings
 

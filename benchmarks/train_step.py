@@ -74,12 +74,14 @@ def interleaved(
     return times
 
 
-def training_batch(config: TransformerConfig, batch_size: int, length: int) -> dict[str, np.ndarray]:
+def training_batch(
+    config: TransformerConfig, batch_size: int, length: int, layout: str = "drawn"
+) -> dict[str, np.ndarray]:
     """The benchmark's batch (seed 0), as the data pipeline makes them: src (B, L) words, tgt_in (B, L) = BOS +
-    words, tgt_out (B, L) = words + EOS, padded with 0. Each row's source and target lengths are drawn in [L/2, L]
-    (tests/helpers/batches.py's make_batch, layout "drawn"), so some positions are padding and `target_tokens` (non-pad
-    tgt_out) is less than B * L."""
-    return make_batch(config, 0, batch_size, length, length, layout="drawn", padding_row=False, src_eos=False)
+    words, tgt_out (B, L) = words + EOS, padded with 0. By default each row's source and target lengths are drawn in
+    [L/2, L] (tests/helpers/batches.py's make_batch, layout "drawn"), so some positions are padding and
+    `target_tokens` (non-pad tgt_out) is less than B * L; layout "full" fills every position, as packed rows do."""
+    return make_batch(config, 0, batch_size, length, length, layout=layout, padding_row=False, src_eos=False)
 
 
 class JaxTrain:

@@ -108,10 +108,17 @@ def _meta_checksum(meta: Mapping[str, Any]) -> str:
     return "sha256:" + hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
 
+# The source files and lines a tensorstore error passed through, which some of its versions append after the reason
+# (as a bracketed payload or bare): no use to a reader, and they would push the reason out of a shortened message.
+_SOURCE_LINES = re.compile(r"\[[^\[\]]*\.cc:\d+[^\[\]]*\]|\S+\.cc:\d+")
+
+
 def _short(error: BaseException, limit: int = 400) -> str:
-    """An orbax / tensorstore error as one readable line (their messages carry whole JSON specs); when long, its
-    start and its end (where tensorstore puts the operating system's reason, e.g. "File too large")."""
-    text = " ".join(str(error).split()).split(" [tensorstore_spec=")[0] or type(error).__name__
+    """An orbax / tensorstore error as one readable line, without the whole JSON spec and source lines their
+    messages carry; when long, its start and its end (where tensorstore puts the operating system's reason, e.g.
+    "File too large")."""
+    text = str(error).split(" [tensorstore_spec=")[0]
+    text = " ".join(_SOURCE_LINES.sub(" ", text).split()) or type(error).__name__
     return text if len(text) <= limit else f"{text[: limit - 150]} ... {text[-150:]}"
 
 

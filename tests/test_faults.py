@@ -249,6 +249,19 @@ def _run_with_file_size_limit(argv: list[str], limit: int) -> subprocess.Complet
     )
 
 
+def test_a_failed_save_names_the_reason_past_tensorstores_source_lines():
+    """The operating system's reason stays in the shortened message where tensorstore appends, after it, the
+    source files and lines it passed through (as the GPU image's version does), or its whole JSON spec."""
+    where = "/tmp/pytest-of-root/pytest-0/popen-gw8/" + "run/checkpoints/4.orbax-checkpoint-tmp/" * 6
+    reason = "Failed to write 3677026 bytes to file 11: File too large [os_error_code='27']"
+    trace = "\\n".join(f"tensorstore/kvstore/file/file_key_value_store.cc:{n}" for n in (583, 666, 134))
+    for tail in (f" [source_locations='{trace}']", f" {trace}", ' [tensorstore_spec=\'{"driver": "zarr3"}\']'):
+        error = ValueError(f'OUT_OF_RANGE: Error writing "opt_state.0.mu/0.0" at local file "{where}": {reason}{tail}')
+        short = ckpt_lib._short(error)
+        assert len(short) < len(str(error)) and short.startswith("OUT_OF_RANGE: Error writing"), short
+        assert "File too large [os_error_code='27']" in short and ".cc:" not in short and "zarr3" not in short, short
+
+
 def test_a_save_that_fails_stops_training_naming_the_intact_checkpoint(tmp_path):
     train = write_corpus(tmp_path)
     run = tmp_path / "run"

@@ -31,7 +31,7 @@ def make_src(
 
 
 # How make_batch chooses each row's length (see there).
-LAYOUTS = ("staircase", "drawn", "noise")
+LAYOUTS = ("staircase", "drawn", "full", "noise")
 
 
 def make_batch(
@@ -56,6 +56,7 @@ def make_batch(
     - "drawn" (the benchmark's): each row's source length (positions, EOS included if any) and target length
       (predicted tokens, EOS included) drawn uniformly from [width/2, width], so some positions are padding and
       the real target tokens (`target_tokens`) are fewer than rows x tgt_len. The same BOS/EOS convention.
+    - "full" (the GPU benchmark's, as packed batches are): every row fills both widths, no padding.
     - "noise" (the unit tests', `unit_batch`): random ids everywhere, no BOS or EOS (tgt_in and tgt_out are one
       drawn sequence shifted by one), drawn as whole matrices; then row r keeps src_len - r % 5 source ids and
       tgt_len + 1 - (2r) % 9 ids of its target sequence, the rest is PAD.
@@ -83,6 +84,8 @@ def make_batch(
         # Source positions used (words, plus EOS with src_eos), then target positions (BOS + words = words + EOS).
         if layout == "staircase":
             n_src = src_len - 3 * row
+        elif layout == "full":
+            n_src = src_len
         else:
             n_src = rng.integers(max(int(src_eos), src_len // 2), src_len + 1)
         words = n_src - int(src_eos)
@@ -93,6 +96,8 @@ def make_batch(
             src[row, words] = eos
         if layout == "staircase":
             n_tgt = max(1, tgt_len - 1 - 2 * row) + 1
+        elif layout == "full":
+            n_tgt = tgt_len
         else:
             n_tgt = rng.integers(max(1, tgt_len // 2), tgt_len + 1)
         target_words = rng.integers(first, config.tgt_vocab_size, n_tgt - 1)

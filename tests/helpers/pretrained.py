@@ -12,6 +12,21 @@ import numpy as np
 
 from jax_transformer.tokenizer import unigram_model_bytes
 
+# The Marian tokenizer's SentencePiece models, learned once and saved (`python -m tests.helpers.pretrained` writes
+# them): SentencePiece's training gives other pieces from one version to the next (0.2.2 and 0.2.3 do), and with
+# them another vocabulary, another random model and other outputs than the tests were written for.
+SAVED_SPM = Path(__file__).resolve().parent.parent / "data" / "marian_spm.npz"
+
+
+def save_marian_spm() -> None:
+    """SAVED_SPM from the built-in task: unigram models of 120 pieces for its English and French sides."""
+    from jax_transformer.default_task import default_pairs
+
+    pairs = default_pairs("train", n=2000)
+    models = {"source.spm": pairs.sources, "target.spm": pairs.targets}
+    arrays = {name: np.frombuffer(unigram_model_bytes(texts, 120), np.uint8) for name, texts in models.items()}
+    np.savez_compressed(SAVED_SPM, **arrays)
+
 
 def marian_tokenizer_files(folder: Path, separate: bool = False) -> dict[str, int]:
     """MarianTokenizer's files for the built-in task (English -> French) in `folder`: source.spm, target.spm and
@@ -19,13 +34,9 @@ def marian_tokenizer_files(folder: Path, separate: bool = False) -> dict[str, in
     vocabulary of its own, each with </s> 0, <unk> 1, <pad> 2 (one pad_token_id serves both embedding tables, and
     transformers' MarianTokenizer takes the special ids from the source vocabulary). Returns {"src": size, "tgt":
     size, "pad", "eos"}."""
-    from jax_transformer.default_task import default_pairs
 
-    pairs = default_pairs("train", n=2000)
-    models = {
-        "source.spm": unigram_model_bytes(pairs.sources, 120),
-        "target.spm": unigram_model_bytes(pairs.targets, 120),
-    }
+    with np.load(SAVED_SPM) as saved:
+        models = {name: saved[name].tobytes() for name in ("source.spm", "target.spm")}
     import sentencepiece as spm
 
     def vocab_of(names):
@@ -240,3 +251,8 @@ def end_at_various_lengths(model, input_ids, attention_mask, max_length: int) ->
             model.final_logits_bias[0, eos] += float(best)
         else:
             model.model.decoder.output_projection.weight[eos] *= float(best)
+
+
+if __name__ == "__main__":
+    save_marian_spm()
+    print(f"wrote {SAVED_SPM}")
