@@ -722,7 +722,7 @@ def cmd_verify(args, start_time: float) -> int:
         raise UsageError(f"--torch-threads must be >= 1, got {args.torch_threads}")
     import torch
 
-    # Measured under load on the 2-core machine: beam 4 over 30 sentences took 166 s with 2 threads, 23 s with 1.
+    # One thread by default: under load, torch's threads fight XLA's for the cores (docs/internals.md#verify).
     torch.set_num_threads(args.torch_threads)
     loaded = _load(args)
     beam_size, alpha, _ = decoding(args, loaded)  # the frameworks compared with this project's search rules

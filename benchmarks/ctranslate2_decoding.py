@@ -18,7 +18,7 @@ Marian's conventions, which CTranslate2's Marian loader requires (pad the last i
 decoder starts from, EOS 0, no BOS, sinusoids in halves); random weights, seed 0. Sources: random ids, 32 tokens
 per sentence (EOS last). Every call produces exactly `--new-tokens` tokens per sentence (EOS banned until then:
 the Flax decoders' min_len, CTranslate2's min_decoding_length = max_decoding_length), and includes encoding.
-Decoders: `flax` (jax_transformer.decoding, this project's own rules), `flax-generate` (jax_transformer.generate,
+Decoders: `flax` (jax_transformer.decoding, this project's own rules), `flax-generate` (`decoding.generate`,
 transformers' rules, what imported models use) and `ctranslate2` (Translator.translate_batch, float32,
 `intra_threads` = the machine's cores). With every output of one length, the length penalties do not reorder the
 beam, so all three should give the same tokens: the table says how many sentences agree.
@@ -136,7 +136,7 @@ def convert(params, config, tokenizer, folder: Path, run: dict | None = None) ->
 def decoders(config, params, translator, pieces, src: np.ndarray, beam: int, new_tokens: int) -> dict:
     """name -> a zero-argument call that decodes `src` into (B, new_tokens) token ids."""
     from jax_transformer import decoding
-    from jax_transformer.generate import generate
+    from jax_transformer.decoding import generate
 
     fixed = dict(max_len_a=0, max_len_b=new_tokens, min_len=new_tokens)
     index = {piece: i for i, piece in enumerate(pieces)}
@@ -280,7 +280,7 @@ def translate_run(run_dir: Path, input_path: Path, beam: int, repeats: int, log=
 
     from jax_transformer import checkpoint as ckpt_lib
     from jax_transformer.config import DecodeConfig
-    from jax_transformer.generate import _options as generate_options
+    from jax_transformer.decoding import decoder_for
     from jax_transformer.run import stored_settings
     from jax_transformer.translation import translate_lines
 
@@ -298,7 +298,7 @@ def translate_run(run_dir: Path, input_path: Path, beam: int, repeats: int, log=
         ct2_dir = convert(loaded.params, config, tokenizer, Path(tmp), run=settings)
         translator = ctranslate2.Translator(str(ct2_dir), device="cpu", compute_type="float32", intra_threads=threads)
         # generate counts the start token in max_length and, with forced_eos, ends at its last position with EOS
-        limit = generate_options(config, decode)["max_length"] - 1 - int(decode.forced_eos)
+        limit = decoder_for(config, decode, config.max_len, beam_size=beam, alpha=1.0).length - int(decode.forced_eos)
 
         def ours():
             out = []

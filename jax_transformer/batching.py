@@ -248,9 +248,8 @@ class _Packing:
 
     The packing is first fit, as the stream comes: pairs are taken in (shuffled) order and each goes into the
     first row of the open batch where both its sides still fit; a pair that fits nowhere closes the batch and
-    opens the next one. Measured on Multi30k (29,000 pairs, 4,096 slots, length 64): 94% of source and 89% of
-    target slots hold a real token (length buckets: 77% and 74%); first fit over every row of the epoch at once
-    would reach only about 1% more, and waiting pairs (a look-ahead) about 0.8% more.
+    opens the next one. Packing over a whole epoch at once, or waiting pairs (a look-ahead), fills barely more
+    slots (docs/training.md, "Batching and compilation", has the shares measured on Multi30k).
     """
 
     def __init__(

@@ -91,8 +91,7 @@ def _array_name(path) -> str:
 
 
 def array_checksums(state: Mapping[str, Any]) -> dict[str, str]:
-    """{array name: "sha256:<hex>"} of every array of a state tree; the hash covers dtype, shape and bytes.
-    (SHA-256 from hashlib: about 0.1 s for the small preset's 84 MB of parameters and Adam moments.)"""
+    """{array name: "sha256:<hex>"} of every array of a state tree; the hash covers dtype, shape and bytes."""
     out = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
         array = np.ascontiguousarray(np.asarray(leaf))

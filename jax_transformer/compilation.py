@@ -6,10 +6,10 @@ Details: docs/internals.md#compilation."""
 
 from __future__ import annotations
 
+import ast
 import functools
 import hashlib
 import inspect
-import json
 import os
 import platform
 import re
@@ -24,10 +24,9 @@ import jax
 
 OFF = "off"
 _programs: ProgramStore | None = None  # the store of traced decoders, where use_cache(programs=True) turned it on
-# Programs that took this long or longer to compile go in the persistent cache (jax's own default: 1 s). A decoder's
-# encoder and the programs its batches shrink to compile in 0.1-1 s each on a CPU: with jax's 1 s, a second
-# `train.py translate` of 100 sentences compiled them again (10.0-12.1 s against 13.9-16.4 s without the cache, on
-# a 2-core EPYC; with 0.1 s, 7.1-7.8 s). $JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS, where set, decides instead.
+# Programs that took this long or longer to compile go in the persistent cache. jax's own default (1 s) leaves out
+# a decoder's encoder and most programs a shrinking batch goes through, which a CPU compiles in less: a second
+# `translate` compiled them again (docs/benchmarks.md). $JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS decides instead.
 CACHE_MIN_COMPILE_S = 0.1
 # jax.monitoring events (jax/_src/dispatch.py, compiler.py, compilation_cache.py in jax 0.10).
 _COMPILE_EVENTS = (
@@ -188,15 +187,16 @@ def _shape(leaf, device: jax.Device | None = None) -> jax.ShapeDtypeStruct:
 
 
 def exportable(cls):
-    """A class decorator for a pytree node class that programs take or return (a flax.struct.dataclass without
-    static fields): registers it with jax.export so that `ProgramStore` can save programs that carry it."""
+    """A class decorator for a pytree node class that programs take or return (a flax.struct.dataclass whose static
+    fields hold Python literals: numbers, strings, tuples, None): registers it with jax.export so that
+    `ProgramStore` can save programs that carry it."""
     from jax import export
 
     export.register_pytree_node_serialization(
         cls,
         serialized_name=f"{cls.__module__}.{cls.__qualname__}",
-        serialize_auxdata=lambda aux: json.dumps(list(aux)).encode(),
-        deserialize_auxdata=lambda data: tuple(json.loads(data)),
+        serialize_auxdata=lambda aux: repr(tuple(aux)).encode(),
+        deserialize_auxdata=lambda data: ast.literal_eval(data.decode()),  # tuples come back as tuples
     )
     return cls
 
@@ -214,7 +214,7 @@ def _signature(fn: Callable, leaves: list, tree, static: Mapping[str, Any], opti
     """What `fn`'s program is traced from, as objects: itself, its static arguments, the tree and avals of its
     traced arguments (`leaves` and `tree`, flattened: arrays, or their shapes as a compile-ahead job gives them),
     the compile options and jax's trace settings. In memory a program is found by it, cheaper to make than the
-    text of its key (0.2 against 0.9 ms for a decoder's 133 arguments). Placement is not in it: a stored program
+    text of its key. Placement is not in it: a stored program
     holds arguments on one device (`_device`), and jax traces a program the same whichever device that is (the
     store compiles it for each device it is called on)."""
     avals = tuple(jax.typeof(leaf) for leaf in leaves)
@@ -270,9 +270,8 @@ class ProgramStore:
     """Decoding programs saved as traced, so that a new process does not trace and lower them again.
 
     JAX's persistent cache keys a compiled program on its lowered HLO: a new process still traces and lowers every
-    program before the cache can answer. For `train.py translate` on a warm cache, that was most of its start: a
-    2-core EPYC spent 2.7 s tracing and 2.0 s lowering its decoders (summed over its decoding threads) against 1.4 s
-    loading them compiled. This store keeps each `jit_by_config` program as `jax.export` writes it (its StableHLO,
+    program before the cache can answer, which was most of a warm-cache `translate`'s start (docs/benchmarks.md,
+    "Starting a translate"). This store keeps each `jit_by_config` program as `jax.export` writes it (its StableHLO,
     argument shapes and trees), under a key of what it is traced from: the function, its static arguments, the
     shapes, dtypes and tree structure of its other arguments, the compile options, jax's trace settings, and the
     environment (this package's source files, the jax, jaxlib, flax, numpy and ml_dtypes versions, the backend and

@@ -1,12 +1,12 @@
 """Keep the memory a compiled program frees for the next call, instead of handing it back to the kernel.
 
-On a CPU, every call of a compiled program allocates its scratch buffer as it starts and frees it as it ends: 83 MB
-for the small preset's training step. glibc's malloc serves each thread other than the main one from an arena of
-its own, whose heaps hold at most 64 MB; a larger block is mapped apart (mmap) and unmapped when freed, so the next
-call's first write to each of its 4 KiB pages is a page fault, and the kernel zeroes the page: tens of thousands of
-faults per step, about a tenth of the small preset's step on a 2-core CPU (docs/benchmarks.md, "Freed memory
-kept"). One arena for all threads (the main one, whose heap grows with no such limit), no mmap, and no trimming of
-the heap's top keep a freed block in the process, and the next call reuses it.
+On a CPU, every call of a compiled program allocates its scratch buffer as it starts and frees it as it ends (tens
+of MB for a training step). glibc's malloc serves each thread other than the main one from an arena of its own,
+whose heaps hold at most 64 MB; a larger block is mapped apart (mmap) and unmapped when freed, so the next call's
+first write to each of its 4 KiB pages is a page fault, and the kernel zeroes the page: a noticeable share of a
+small model's step (docs/benchmarks.md, "Freed memory kept"). One arena for all threads (the main one, whose heap
+grows with no such limit), no mmap, and no trimming of the heap's top keep a freed block in the process, and the
+next call reuses it.
 
 The cost: what the process frees stays its own, reused by later allocations but not given back to the system, so
 its resident memory stays near its peak; and all threads share one arena's lock. Worth it where JAX computes on the

@@ -41,8 +41,7 @@ from jax_transformer.translation import (
     TRANSLATE_BATCH_SIZE,
     compile_translation,
     encode_sources,
-    translation_encoders,
-    translation_shapes,
+    plan_translation,
 )
 
 STEPS_AHEAD = 2  # steps the loop may dispatch before it waits for the oldest one's loss sums
@@ -482,10 +481,8 @@ def compile_jobs(run: Run, state, evaluator: Evaluator) -> dict[str, dict[str, C
     for when, beam_size in (("eval", run.loop.eval_beam_size), ("final", run.loop.beam_size)):
         n = evaluator.sentences(final=when == "final")
         if n > 0:
-            shapes = translation_shapes(lengths[:n], TRANSLATE_BATCH_SIZE, run.config.max_len)
-            encoders = translation_encoders(lengths[:n], TRANSLATE_BATCH_SIZE, run.config.max_len)
-            options = dict(beam_size=beam_size, decode=run.decode, encoders=encoders)
-            jobs[when].update(compile_translation(params, run.config, shapes, **options))
+            plan = plan_translation(lengths[:n], TRANSLATE_BATCH_SIZE, run.config.max_len)
+            jobs[when].update(compile_translation(params, run.config, plan, beam_size=beam_size, decode=run.decode))
     for name in jobs["eval"]:
         jobs["final"].pop(name, None)  # the same decoder, when the final evaluation uses the same beam
     return jobs

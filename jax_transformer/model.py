@@ -28,8 +28,8 @@ xavier_uniform = nn.initializers.xavier_uniform()
 class Params:
     """A mixin for the modules here: `param` hands back an existing parameter after comparing its shape with the
     one asked for (the initializer's first argument, as for every parameter here), with Flax's own error. Flax's
-    `param` checks it against `jax.eval_shape` of the initializer instead, at every apply: ~1.6 ms a parameter
-    while tracing, 0.44 s of a `train.py translate` of 100 sentences (270 parameters over its programs)."""
+    `param` checks it against `jax.eval_shape` of the initializer instead, at every apply: a noticeable share of
+    tracing a program (docs/benchmarks.md, "Starting a translate")."""
 
     def param(self, name, init_fn, *init_args, unbox=True, **init_kwargs):
         shape = init_args[0] if init_args and isinstance(init_args[0], (tuple, list)) else None
@@ -126,10 +126,10 @@ matmul_float32_result.defvjp(_matmul_float32_result_forward, _matmul_float32_res
 def vocabulary_major_logits(hidden, kernel):
     """hidden (..., D) @ kernel (V, D)^T -> (..., V) float32 logits, for the few rows of a decoding step: computed
     as kernel @ hidden^T, (V, N), then transposed. Written the plain way, XLA:CPU fused the (N, V) product with the
-    log-softmax's reduction after it into one YNNPACK kernel that ran about twice as long as the product alone (16 x
-    256 by 8,000: 2.1 ms a step against 1.0 on a 2-core EPYC), and no barrier around that product split it. In this
-    orientation the product reads the (V, D) matrix once, as it lies, and the barrier keeps the transpose out of
-    it, so the reduction reads a separate (N, V) result. Operands in the kernel's dtype, float32 accumulator."""
+    log-softmax's reduction after it into one kernel that ran about twice as long as the product alone, and no
+    barrier around that product split it. In this orientation the product reads the (V, D) matrix once, as it
+    lies, and the barrier keeps the transpose out of it, so the reduction reads a separate (N, V) result. Operands
+    in the kernel's dtype, float32 accumulator."""
     rows = hidden.reshape(-1, hidden.shape[-1]).astype(kernel.dtype)  # (N, D)
     products = lax.dot_general(kernel, rows, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)  # (V, N)
     return lax.optimization_barrier(products).T.reshape(*hidden.shape[:-1], kernel.shape[0])  # (..., V)
@@ -166,15 +166,17 @@ class MultiHeadAttention(nn.Module):
         deterministic: bool = True,
         decode: bool = False,
         groups: int = 1,
+        step=None,
     ):
         """x (B, Tq, D) queries' input; memory (B, Tk, D) keys' input for cross-attention (ignored otherwise);
-        mask broadcastable to (B, H, Tq, Tk), True = may attend. Returns (B, Tq, D).
+        mask broadcastable to (B, H, Tq, Tk), True = may attend. Returns (B, Tq, D). `decode`: with the key/value
+        cache, created by a call without `step`, written at position `step` by the calls after.
 
-        Beam search decodes `groups` = G hypotheses of each sentence side by side, in consecutive rows. Their
-        queries then go together against keys/values kept once per sentence, (B / G, H, G * Tq, K): the
-        cross-attention's memory has B / G rows, and the self-attention's cache keeps slot g of a sentence for
-        its g-th hypothesis, so that no key or value moves when the search reorders its hypotheses (the mask,
-        from `Decoder`, says which slot holds each position of a hypothesis's history)."""
+        The cache serves G = `groups` continuations of each sentence, in consecutive rows: their queries go
+        together against keys/values kept once per sentence, (B / G, H, G * Tq, K). The cross-attention's memory
+        has B / G rows, and the self-attention's cache has G slots per position, row r writing to slot r mod G, so
+        that nothing moves when a search reorders the continuations (the mask says which slot holds each
+        position of a row's past: `history_mask`)."""
         cfg = self.config
         B, Tq, _ = x.shape
         H, K = cfg.num_heads, cfg.head_dim
@@ -189,7 +191,7 @@ class MultiHeadAttention(nn.Module):
         else:
             k, v = project("key", x), project("value", x)
             if decode:
-                k, v = self._append_to_cache(k, v, groups)  # the cache's (B / G * H, K, Tk), (B / G * H, Tk, K)
+                k, v = self._append_to_cache(k, v, groups, step)  # the cache's (B / G * H, K, Tk), (B / G * H, Tk, K)
 
         # Query rows per key row: 1, or the G hypotheses of a sentence (see above); the cache has H rows a sentence.
         G = groups if v.ndim == 3 else B // v.shape[0]
@@ -241,11 +243,11 @@ class MultiHeadAttention(nn.Module):
         self.variable("cache", "cached_value", lambda: v)
         return k, v
 
-    def _append_to_cache(self, k, v, G: int):
-        """Self-attention while decoding: writes this call's keys/values (B, H, T, K) at the cache index, each row
-        in its sentence's slot for it, and returns all the sentence's slots: keys transposed (B / G * H, K, G *
-        T_max), values (B / G * H, G * T_max, K), column/row t * G + g holding position t of slot g."""
-        created = self.has_variable("cache", "cached_key")
+    def _append_to_cache(self, k, v, G: int, step):
+        """Self-attention while decoding: writes this call's keys/values (B, H, T, K) at position `step`, each row
+        in its sentence's slot r mod G, and returns all the sentence's slots: keys transposed (B / G * H, K, G *
+        T_max), values (B / G * H, G * T_max, K), column/row t * G + g holding position t of slot g. The call
+        without `step` creates the cache (T_max = its T) and attends over its own inputs."""
         B, H, T, K = k.shape
         # Stored in the layouts the two attention products read, and position-major, so that a step writes one
         # contiguous block (its G slots) and nothing transposes or copies the cache. A sentence's heads share the
@@ -254,14 +256,11 @@ class MultiHeadAttention(nn.Module):
         N = B // G * H
         cached_k = self.variable("cache", "cached_key", jnp.zeros, (N, K, T * G), k.dtype)
         cached_v = self.variable("cache", "cached_value", jnp.zeros, (N, T * G, K), v.dtype)
-        index = self.variable("cache", "cache_index", lambda: jnp.array(0, dtype=jnp.int32))
-        if not created:  # the call that creates the cache: plain attention over the given inputs
+        if step is None:
             return k, v
-        i = index.value
         as_slots = lambda x: x.reshape(B // G, G, H, T, K).transpose(0, 2, 3, 1, 4).reshape(N, T * G, K)
-        cached_k.value = lax.dynamic_update_slice(cached_k.value, as_slots(k).transpose(0, 2, 1), (0, 0, i * G))
-        cached_v.value = lax.dynamic_update_slice(cached_v.value, as_slots(v), (0, i * G, 0))
-        index.value = i + T
+        cached_k.value = lax.dynamic_update_slice(cached_k.value, as_slots(k).transpose(0, 2, 1), (0, 0, step * G))
+        cached_v.value = lax.dynamic_update_slice(cached_v.value, as_slots(v), (0, step * G, 0))
         return cached_k.value, cached_v.value
 
 
@@ -328,13 +327,14 @@ class DecoderLayer(nn.Module):
         deterministic: bool = True,
         decode: bool = False,
         groups: int = 1,
+        step=None,
     ):
         cfg = self.config
         self_attention = MultiHeadAttention(cfg, name="self_attention")
         x = _residual(
             cfg,
             x,
-            lambda h: self_attention(h, h, self_mask, deterministic, decode, groups),
+            lambda h: self_attention(h, h, self_mask, deterministic, decode, groups, step),
             _layer_norm(cfg, "self_attention_norm"),
             deterministic,
         )
@@ -403,6 +403,52 @@ def _check_decoding_position(offset, length: int, max_len: int) -> None:
         checks.check_length("tgt_in (decoding step)", length, max_len, int(offset))
 
 
+def history_mask(history, step, n: int, G: int):
+    """The self-attention mask of n queries at positions step, ..., step + n - 1 over a cache of T positions with
+    G slots each (`MultiHeadAttention._append_to_cache`), (B / G, 1, G * n, T * G): the query of row b at position
+    p may see slot j at position t where t <= p and `history` (B, T) says that slot j holds position t of row b's
+    past (the caller has written the slots of the n new positions too)."""
+    B, T = history.shape
+    causal = jnp.arange(T)[None, :] <= step + jnp.arange(n)[:, None]  # (n, T)
+    held = history[:, :, None] == jnp.arange(G)  # (B, T, G)
+    mask = held[:, None, :, :] & causal[None, :, :, None]  # (B, n, T, G)
+    return mask.reshape(B // G, 1, G * n, T * G)
+
+
+def _is_self_attention_cache(path) -> bool:
+    names = [getattr(p, "key", None) for p in path]
+    return names[-1] in ("cached_key", "cached_value") and "self_attention" in names
+
+
+def select_cache(cache, index, sentences: int):
+    """The decoding cache (`Transformer.decode`'s "cache" collection) of sentences `index` (N,) of its `sentences`:
+    rows of the cross-attention's keys/values (sentences, ...) and of the self-attention's, whose first axis holds
+    each sentence's heads (sentences * H, ...)."""
+
+    def select(path, leaf):
+        if _is_self_attention_cache(path):  # (sentences * H, ...) -> (sentences, H, ...) -> (N, H, ...) -> (N * H, ...)
+            heads = jnp.take(leaf.reshape(sentences, -1, *leaf.shape[1:]), index, axis=0)
+            return heads.reshape(-1, *leaf.shape[1:])
+        return jnp.take(leaf, index, axis=0)
+
+    return jax.tree_util.tree_map_with_path(select, cache)
+
+
+def grow_cache(cache, length: int, slots: int):
+    """The decoding cache with its self-attention keys/values padded from T to `length` positions of `slots` slots
+    each (keys (N, K, T * slots), values (N, T * slots, K)); the new positions are masked until a step writes them."""
+
+    def grow(path, leaf):
+        if not _is_self_attention_cache(path):
+            return leaf
+        axis = 2 if getattr(path[-1], "key", None) == "cached_key" else 1
+        padding = [(0, 0)] * leaf.ndim
+        padding[axis] = (0, length * slots - leaf.shape[axis])
+        return jnp.pad(leaf, padding)
+
+    return jax.tree_util.tree_map_with_path(grow, cache)
+
+
 class Decoder(nn.Module):
     """Positions, embedding dropout, N decoder layers, optional final LayerNorm."""
 
@@ -418,44 +464,27 @@ class Decoder(nn.Module):
         deterministic: bool = True,
         decode: bool = False,
         positions=None,
+        step=None,
+        history=None,
     ):
-        """x (B, T, D) embedded decoder inputs; memory (B / G, S, D): G = 1, or beam search's G hypotheses of
-        each sentence in consecutive rows (see MultiHeadAttention). Returns hidden states (B, T, D)."""
+        """x (B, T, D) embedded decoder inputs; memory (B / G, S, D): G = 1, or G continuations of each sentence
+        in consecutive rows (see MultiHeadAttention). Returns hidden states (B, T, D). Decoding step by step
+        (`decode`, `step`): this call's tokens are at positions step, step + 1, ..., and `history` (B, T_max) says
+        which cache slot holds each position of each row's past (`history_mask`)."""
         cfg = self.config
         offset, G = 0, x.shape[0] // memory.shape[0]
-        if decode:  # step-by-step decoding: this call's tokens start where the previous call's ended
-            created = self.has_variable("cache", "position")
-            position = self.variable("cache", "position", lambda: jnp.array(0, dtype=jnp.int32))
-            # slots[b, t]: the slot of its sentence that holds position t of row b's history. A row writes to its
-            # own slot (b mod G); beam search reorders this table, and only it, when it picks parents.
-            slots = self.variable("cache", "slots", jnp.zeros, x.shape[:2], jnp.int32)  # (B, T_max)
-            if created:
-                offset = position.value
-                position.value = offset + x.shape[1]
-                _check_decoding_position(offset, x.shape[1], cfg.max_len)
-                self_mask = self._step_mask(slots, offset, x.shape[1], G)
+        if decode and step is not None:
+            offset = step
+            _check_decoding_position(step, x.shape[1], cfg.max_len)
+            self_mask = history_mask(history, step, x.shape[1], G)
         x = Positions(cfg, name="positions")(x, offset, positions)
         x = Dropout(cfg.embedding_dropout)(x, deterministic=deterministic)
         for i in range(cfg.num_decoder_layers):
             layer = DecoderLayer(cfg, name=f"layer_{i}")
-            x = layer(x, memory, self_mask, cross_mask, deterministic, decode, G)
+            x = layer(x, memory, self_mask, cross_mask, deterministic, decode, G, step)
         if cfg.final_norm:
             x = _layer_norm(cfg, "final_norm")(x)
         return x
-
-    @staticmethod
-    def _step_mask(slots, offset, n: int, G: int):
-        """Records that this call's n tokens go to each row's own slot at positions offset..offset + n - 1, and
-        returns the self-attention mask of their queries over the T cache positions, (B / G, 1, G * n, T * G):
-        the query of row b at position p may see slot j at position t where t <= p and row b's history has slot
-        j at t."""
-        B, T = slots.value.shape
-        own = jnp.broadcast_to((jnp.arange(B, dtype=jnp.int32) % G)[:, None], (B, n))
-        slots.value = lax.dynamic_update_slice(slots.value, own, (0, offset))
-        causal = jnp.arange(T)[None, :] <= offset + jnp.arange(n)[:, None]  # (n, T)
-        held = slots.value[:, :, None] == jnp.arange(G)  # (B, T, G)
-        mask = held[:, None, :, :] & causal[None, :, :, None]  # (B, n, T, G)
-        return mask.reshape(B // G, 1, G * n, T * G)
 
 
 class Transformer(Params, nn.Module):
@@ -509,8 +538,11 @@ class Transformer(Params, nn.Module):
         src_segments=None,
         tgt_segments=None,
         tgt_positions=None,
+        step=None,
+        history=None,
     ):
-        """Decoder output before the vocabulary projection: (B, T, D). `src` (B, S) gives the padding mask."""
+        """Decoder output before the vocabulary projection: (B, T, D). `src` (B, S) gives the padding mask;
+        `decode`, `step` and `history` as for `Decoder`."""
         checks.check_model_input(
             "tgt_in", tgt_in, self.config, "target", positions=tgt_positions, segments=tgt_segments
         )
@@ -525,7 +557,8 @@ class Transformer(Params, nn.Module):
             )
         self_mask, cross_mask = decoder_masks(src, tgt_in, self.config.pad_id, src_segments, tgt_segments)
         return self.decoder(
-            self._embed("target", tgt_in), memory, self_mask, cross_mask, deterministic, decode, tgt_positions
+            self._embed("target", tgt_in), memory, self_mask, cross_mask, deterministic, decode, tgt_positions, step,
+            history,
         )
 
     def output_kernel(self):
@@ -565,7 +598,7 @@ class Transformer(Params, nn.Module):
 
     def decode(self, memory, src, tgt_in, deterministic: bool = True, decode: bool = False, kernel=None, **options):
         """memory (B, S, D), src (B, S), tgt_in (B, T) -> logits (B, T, V); `kernel` as for `logits`, `options`
-        (packing) as for `decoder_hidden`."""
+        (packing, or a decoding step's `step` and `history`) as for `decoder_hidden`."""
         return self.logits(self.decoder_hidden(memory, src, tgt_in, deterministic, decode, **options), kernel)
 
     def __call__(

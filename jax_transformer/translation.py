@@ -1,7 +1,7 @@
 """Text in, text out: `translate` encodes sentences, decodes them in batches of a few fixed shapes (sorted by length,
-so compilations are few and reused) with the rules the model decodes with (`DecodeConfig`: this project's search,
-`jax_transformer.decoding`, or transformers' generate, `jax_transformer.generate`), and decodes the tokens to text;
-`translate_lines` does it for a file or stream of any size, chunk by chunk, one output line per input line."""
+so compilations are few and reused; `plan_translation`) with the rules the model decodes with (`DecodeConfig`, via
+`decoding.decoder_for`), and decodes the tokens to text; `translate_lines` does it for a file or stream of any size,
+chunk by chunk, one output line per input line. `compile_translation` compiles a plan's programs ahead."""
 
 from __future__ import annotations
 
@@ -11,39 +11,19 @@ from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from jax_transformer import generate
+from jax_transformer import schedule
 from jax_transformer.checks import TokenError
 from jax_transformer.config import DecodeConfig, TransformerConfig
-from jax_transformer.decoding import (
-    DEFAULT_MAX_LEN_A,
-    DEFAULT_MAX_LEN_B,
-    SMALLEST_LEVEL,
-    _beam_core,
-    _greedy_core,
-    beam_search,
-    callers_settings,
-    encoder_groups,
-    encoder_jobs,
-    encoder_shapes,
-    greedy_search,
-    on_device,
-    output_length,
-    parts,
-    shrinking_programs,
-    side_by_side,
-)
+from jax_transformer.decoding import DEFAULT_MAX_LEN_A, DEFAULT_MAX_LEN_B, decoder_for, on_device
 from jax_transformer.errors import DataError
 
 TRANSLATE_BATCH_SIZE = 64  # sentences decoded together by `translate`
 # Lines `translate_lines` reads, sorts by length and decodes at a time. More lines make batches of more alike
-# lengths, and a chunk's last batch, which decodes with no other beside it, a smaller share: on 5,000 Multi30k
-# sentences (2-core EPYC) 4,096 lines a chunk were 3.6% faster than 1,024 greedy, 2.7% with beam 4. The memory
-# a chunk holds, and the wait for its first output line, grow with it.
+# lengths, and a chunk's last batch, which decodes with no other beside it, a smaller share (docs/benchmarks.md);
+# the memory a chunk holds, and the wait for its first output line, grow with it.
 TRANSLATE_CHUNK_LINES = 4096
 
 
@@ -63,11 +43,9 @@ def batch_buckets(batch_size: int) -> tuple[int, ...]:
 def decode_widths(max_len: int) -> tuple[int, ...]:
     """Source widths a decoding batch is padded to: 16, 32, 64, ... (powers of two below max_len), then max_len.
 
-    Fewer widths mean fewer compilations (a decoder takes seconds to compile on a CPU, tens on a GPU), but wider
-    padding costs decoding time: every step attends over, and beam search reorders, a cache as long as the output
-    limit, which grows with the width. Measured on Multi30k's validation set (small preset, beam 4, CPU, under
-    load): widths 16/32/64 decode 7-15% slower than the data buckets' 16/24/32/56 and need 3 decoders instead of
-    4; 32/64 need 2 but decode 19-68% slower, more than the compilation they save."""
+    Fewer widths mean fewer compilations, but wider padding costs decoding time: every step attends over, and
+    beam search reorders, a cache as long as the output limit, which grows with the width. Doubling widths kept
+    both costs low on Multi30k (docs/training.md, "Batching and compilation")."""
     widths, width = [], 16
     while width < max_len:
         widths.append(width)
@@ -83,15 +61,16 @@ def _tail_rows(n: int, batch_size: int) -> list[int]:
     """Row counts for the last n < batch_size sentences: one batch of the next power of two, or two whose rows add
     up to fewer: the largest power of two below n, and one for the rest. A step costs about its rows' share of
     the work down to a few rows, and filler rows decode like real ones until the batch shrinks: 36 sentences
-    decode as 32 + 4 rows, not as 64 (28 of them filler). A batch of fewer than `SMALLEST_LEVEL` (4) rows counts
-    as 4 here, a rough floor: a beam step costs about the same below, a greedy one at 1 row about half."""
+    decode as 32 + 4 rows, not as 64 (28 of them filler). A batch of fewer than `schedule.SMALLEST_LEVEL` (4) rows
+    counts as 4 here, a rough floor: a beam step costs about the same below, a greedy one at 1 row about half."""
     sizes = batch_buckets(batch_size)
     whole = _bucket(n, sizes)
     first = max(size for size in sizes if size <= n)
     if first == n:
         return [n]
     second = _bucket(n - first, sizes)
-    return [first, second] if max(first, SMALLEST_LEVEL) + max(second, SMALLEST_LEVEL) < whole else [whole]
+    floor = schedule.SMALLEST_LEVEL
+    return [first, second] if max(first, floor) + max(second, floor) < whole else [whole]
 
 
 def translation_batches(lengths: Sequence[int], batch_size: int, max_len: int) -> list[tuple[np.ndarray, int, int]]:
@@ -115,111 +94,64 @@ def translation_batches(lengths: Sequence[int], batch_size: int, max_len: int) -
     return batches
 
 
-def batches_at_once(n_batches: int) -> int:
-    """How many of its `n_batches` batches `translate` decodes at the same time, each whole in a thread of its own:
-    `decoding.side_by_side()` (2 on a CPU of two cores or more, 1 elsewhere), when it has that many batches or
-    more; else 1, a batch at a time, which the searches may cut in parts (`decoding.parts`: on a CPU of two cores
-    or more, a batch of 8 sentences or more decodes as two halves side by side). Whole batches side by side
-    beat one batch at a time in halves: each core multiplies matrices of twice the rows, and one that finishes
-    goes on with the next batch instead of waiting for the other half (100 and 1,000 Multi30k sentences on a
-    2-core EPYC: 14-18% more sentences/s greedy, 3-18% with beam 4; docs/benchmarks.md)."""
-    threads = side_by_side()
-    return threads if n_batches >= threads else 1
+@dataclasses.dataclass(frozen=True)
+class TranslationPlan:
+    """How `translate` decodes sources of these lengths: its batches (`translation_batches`), how many it decodes
+    at the same time (each in a thread of its own), and how each runs (`layer`, a `jax_transformer.schedule`)."""
+
+    lengths: np.ndarray  # (N,) each source's length, EOS included
+    batches: list[tuple[np.ndarray, int, int]]  # (sentence indices, rows, width)
+    at_once: int
+    layer: schedule.Whole
+
+    def shapes(self) -> list[tuple[int, int]]:
+        """The distinct (rows, width) of its batches."""
+        return sorted({(rows, width) for _, rows, width in self.batches})
+
+    def encoders(self) -> list[tuple[int, int, int]]:
+        """The (rows, cut width, batch width) of every encoder program its batches run, filler rows included."""
+        shapes = set()
+        for chunk, rows, width in self.batches:
+            row_lengths = np.zeros(rows, np.int64)
+            row_lengths[: len(chunk)] = self.lengths[chunk]
+            shapes |= self.layer.encoders(row_lengths, width)
+        return sorted(shapes)
 
 
-def translation_shapes(lengths: Sequence[int], batch_size: int, max_len: int) -> list[tuple[int, int, bool]]:
-    """The distinct (rows, width, split) shapes `translate` decodes sources of these lengths in: split, whether it
-    lets the search cut a batch in parts (`batches_at_once`; `decoding.parts` decides how many). Each shape compiles
-    one program per level its batch can shrink to, and its encoder a program per group shape and width
-    (`compile_translation`)."""
+def plan_translation(
+    lengths: Sequence[int], batch_size: int, max_len: int, layer: schedule.Whole | None = None
+) -> TranslationPlan:
+    """The plan of `translate` for sources of these lengths (EOS included), on `layer` (default:
+    `schedule.default()`, which says how many whole batches to decode at once and how each then runs)."""
     batches = translation_batches(lengths, batch_size, max_len)
-    split = batches_at_once(len(batches)) == 1
-    return sorted({(rows, width, split) for _, rows, width in batches})
-
-
-def translation_encoders(lengths: Sequence[int], batch_size: int, max_len: int) -> list[tuple[int, int, int]]:
-    """The (rows, cut width, batch width) of every encoder program `translate` runs on sources of these lengths
-    (EOS included): each batch's rows (its filler rows of length 0 among them), in the parts the search cuts it
-    into (`decoding.parts`), grouped as `decoding.encoder_groups` groups them. For `compile_translation`'s
-    `encoders`: fewer programs than every group shape the batches' shapes allow."""
-    batches = translation_batches(lengths, batch_size, max_len)
-    split = batches_at_once(len(batches)) == 1
-    shapes = set()
-    for chunk, rows, width in batches:
-        row_lengths = np.zeros(rows, np.int64)
-        row_lengths[: len(chunk)] = np.asarray(lengths, np.int64)[chunk]
-        n = parts(rows, split)
-        for i in range(n):  # part i takes rows i, i + n, ... (decoding.decode_shrinking)
-            shapes.update((len(group), cut, width) for group, cut in encoder_groups(row_lengths[i::n], width))
-    return sorted(shapes)
+    at_once, layer = (layer or schedule.default()).for_batches(len(batches))
+    return TranslationPlan(np.asarray(lengths, np.int64), batches, at_once, layer)
 
 
 def compile_translation(
     params,
     config: TransformerConfig,
-    shapes: Sequence[tuple[int, int, bool]],
+    plan: TranslationPlan,
     *,
     beam_size: int,
     max_len_a: float = DEFAULT_MAX_LEN_A,
     max_len_b: float = DEFAULT_MAX_LEN_B,
     decode: DecodeConfig | None = None,
-    encoders: Sequence[tuple[int, int, int]] | None = None,
-) -> dict[str, Any]:
-    """Compile jobs for the decoder `translate` uses on batches of these (rows, width, split) shapes (split: the
-    searches' `split`, as `translation_shapes` gives it; True for a search called with its defaults): {name: a
-    function that compiles it}, one per level a batch shrinks through as its sentences finish
-    (`decoding.shrink_levels`), and one per shape its encoder runs at (`decoding.encode_batch`): those of
-    `encoders`, (rows, cut width, batch width) as `translation_encoders` gives them for the sentences to come, or
-    where it is None every one the batches' shapes allow.
-    Run them (e.g. with `compilation.CompileJobs`) before decoding and `translate` compiles none of its searches
-    and encoders (the small gathers between them compile on first use): `compile_ahead` fills the cache its calls
-    look in (alpha is an array argument, any value)."""
+) -> dict[str, Callable[[], Any]]:
+    """Compile jobs for every program `translate` runs for `plan` (the decoders of its batches' shapes, at every
+    level and cache length their search goes through, and its encoders), by name: run them (e.g. with
+    `compilation.CompileJobs`) and `translate` compiles none of them. Alpha is an argument of the programs, not a
+    part of them: any value compiles the same."""
     jobs = {}
-    for rows, width, split in shapes:
-        if decode is not None and decode.rules == "transformers":
-            name, levels = (
-                f"generate {beam_size}",
-                generate.compile_generate(params, config, rows, width, beam_size, decode, split),
-            )
-        else:
-            name, levels = _compile_search(params, config, rows, width, beam_size, max_len_a, max_len_b, split)
-        # A level below the first (the rows of a part of the batch: decoding.parts), or a longer cache, goes on
-        # from a carried state: another program than a fresh batch of that many rows.
-        fresh = (max(n for n, _ in levels), min(end for _, end in levels))
-        for (n, end), job in levels.items():
-            jobs[f"{name} {n}x{width} cache {end}" + ("" if (n, end) == fresh else " resumed")] = job
-    if encoders is None:  # every group shape the batches' parts may meet, whatever their lengths
-        encoders = sorted(
-            {
-                (n, cut, width)
-                for rows, width, split in shapes
-                for n, cut in encoder_shapes(rows // parts(rows, split), width)
-            }
-        )
-    for (n, cut, width), job in encoder_jobs(params, config, encoders).items():
-        jobs[f"encoder {n}x{cut} of width {width}"] = job  # shared by the batches of that width
+    for rows, width in plan.shapes():
+        decoder = decoder_for(config, decode, width, beam_size=beam_size, alpha=0.6, max_len_a=max_len_a,
+                              max_len_b=max_len_b)
+        name = f"{type(decoder.rules).__name__.lower()} {'greedy' if decoder.rules.greedy else f'beam {beam_size}'}"
+        for program, job in decoder.programs(params, rows, width, plan.layer).items():
+            jobs[f"{name} {program}"] = job
+    for (rows, cut, width), job in plan.layer.encoder_programs(on_device(params), config, plan.encoders()).items():
+        jobs[f"encoder {rows}x{cut} of width {width}"] = job  # shared by the batches of that width
     return jobs
-
-
-def _compile_search(
-    params, config: TransformerConfig, rows: int, width: int, beam_size: int, max_len_a, max_len_b, split: bool
-):
-    """(name, compile jobs by level) of this project's greedy or beam search on (rows, width) sources."""
-    length = output_length(width, config, max_len_a, max_len_b)
-    scalar = jax.ShapeDtypeStruct((), jnp.int32)
-
-    def per_row(n: int) -> tuple:
-        return jax.ShapeDtypeStruct((n, width), jnp.int32), jax.ShapeDtypeStruct((n,), jnp.int32)  # src, max_new
-
-    if beam_size == 1:
-        return "greedy search", shrinking_programs(
-            _greedy_core, params, rows, per_row, (scalar,), dict(config=config, length=length), length, split=split
-        )
-    penalties = jax.ShapeDtypeStruct((length + 1,), jnp.float32)
-    static = dict(config=config, length=length, beam_size=int(beam_size))
-    return f"beam search {beam_size}", shrinking_programs(
-        _beam_core, params, rows, per_row, (scalar, penalties), static, length, int(beam_size), split=split
-    )
 
 
 def encode_sources(tokenizer, sentences: Sequence[str], config: TransformerConfig) -> list[np.ndarray]:
@@ -256,9 +188,9 @@ def translate(
 
     beam_size=1 uses greedy search, larger values beam search with length penalty `alpha`, by the rules of
     `decode` (default: this project's). Sentences are sorted by length and decoded `batch_size` at a time, each
-    batch padded to one of a few shapes (`translation_batches`), so compilations are few and reused; on a CPU of
-    two cores or more, two batches at once in threads of their own, which take the caller's matmul precision and
-    default device (`batches_at_once`). For a file or stream of any size, `translate_lines` does this chunk by
+    batch padded to one of a few shapes (`plan_translation`), so compilations are few and reused; where the schedule
+    says so (a CPU of two cores or more), several batches at once in threads of their own, which take the caller's
+    matmul precision and default device. For a file or stream of any size, `translate_lines` does this chunk by
     chunk.
     """
     sources = encode_sources(tokenizer, sentences, config)
@@ -281,10 +213,10 @@ def _translate_sources(
     decode: DecodeConfig | None = None,
 ) -> list[str]:
     """Decoded text of encoded sources (ids + EOS), in their order; see `translate`."""
-    batches = translation_batches([len(s) for s in sources], batch_size, config.max_len)
+    plan = plan_translation([len(s) for s in sources], batch_size, config.max_len)
     params = on_device(params)  # once for all the batches of a call (of a chunk, for translate_lines)
-    threads = batches_at_once(len(batches))  # each whole, side by side; or one at a time, which may be cut in parts
-    options, settings = dict(split=threads == 1), callers_settings()
+    settings = schedule.callers_settings()  # the caller's matmul precision and device, in the pool's threads too
+    options = dict(beam_size=beam_size, alpha=alpha, max_len_a=max_len_a, max_len_b=max_len_b)
 
     def decode_batch(batch) -> np.ndarray:  # (rows, T) tokens of one batch
         chunk, rows, width = batch
@@ -292,22 +224,15 @@ def _translate_sources(
         for row, i in enumerate(chunk):
             src[row, : len(sources[i])] = sources[i]
         with settings():
-            if decode is not None and decode.rules == "transformers":
-                return generate.generate_as(
-                    params, config, src, decode, num_beams=beam_size, length_penalty=alpha, **options
-                )
-            limits = dict(max_len_a=max_len_a, max_len_b=max_len_b, **options)
-            if beam_size == 1:
-                return greedy_search(params, config, src, **limits)[0]
-            return beam_search(params, config, src, beam_size=beam_size, alpha=alpha, **limits)[0]
+            return decoder_for(config, decode, width, **options)(params, src, plan.layer)[0]
 
     out: list[str] = [""] * len(sources)
-    bar = tqdm(total=len(batches), desc="translate", unit="batch", disable=not progress or len(batches) < 2)
-    with bar, ThreadPoolExecutor(threads) as pool:
-        # A batch at a time in this thread, or `threads` at once in the pool's (jax releases the GIL as programs run).
-        decoded = pool.map(decode_batch, batches) if threads > 1 else map(decode_batch, batches)
+    bar = tqdm(total=len(plan.batches), desc="translate", unit="batch", disable=not progress or len(plan.batches) < 2)
+    with bar, ThreadPoolExecutor(plan.at_once) as pool:
+        # A batch at a time in this thread, or several at once in the pool's (jax releases the GIL as programs run).
+        decoded = pool.map(decode_batch, plan.batches) if plan.at_once > 1 else map(decode_batch, plan.batches)
         try:
-            for (chunk, _, _), tokens in zip(batches, decoded):
+            for (chunk, _, _), tokens in zip(plan.batches, decoded):
                 for row, i in enumerate(chunk):
                     out[i] = tokenizer.decode(tokens[row])
                 bar.update()

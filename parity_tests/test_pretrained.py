@@ -24,8 +24,8 @@ import pytest
 import torch
 
 from jax_transformer import hub, pretrained
+from jax_transformer.decoding import generate
 from jax_transformer.default_task import default_pairs
-from jax_transformer.generate import generate
 from jax_transformer.model import Transformer
 from tests.helpers.pretrained import (
     end_at_various_lengths,

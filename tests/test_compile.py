@@ -12,11 +12,11 @@ import sys
 import pytest
 
 from jax_transformer import compilation
-from tests.helpers.tooling import compiled_functions, cpu_encoder_groups
+from tests.helpers.tooling import compiled_functions, cpu_schedule
 from tests.helpers.training import REPO, run_main, tiny_train_args, write_corpus
 
 # The names jax gives the run's programs: train and eval steps are jitted lambdas, the decoders named functions.
-RUN_PROGRAMS = {"jit(<lambda>)", "jit(_greedy_core)", "jit(_beam_core)", "jit(_encoder)"}
+RUN_PROGRAMS = {"jit(<lambda>)", "jit(start)", "jit(resume)", "jit(encoder)"}
 
 
 def _records(run_dir, kind: str) -> list[dict]:
@@ -33,7 +33,7 @@ def evaluated_run(tmp_path_factory):
     train = write_corpus(root)
     extra = ("--eval-every", "3", "--eval-sentences", "20", "--beam-size", "2", "--profile", "2:3")
     with compiled_functions() as compiled, pytest.MonkeyPatch.context() as patch:
-        cpu_encoder_groups(patch)  # the encoder programs listed below, on any backend
+        cpu_schedule(patch)  # the CPU's programs listed below, on any backend
         result = run_main(tiny_train_args(root / "run", train, steps=6, valid=train, extra=extra))
     return root / "run", result, compiled
 
@@ -44,26 +44,27 @@ def test_every_program_is_compiled_ahead_and_nothing_in_the_loop(evaluated_run):
     (record,) = _records(run_dir, "compile")
     # One train step and one eval step (packed batches: one shape each), greedy decoders for the evaluations
     # during training (20 short sentences: batches of 16 and 4 rows), beam-2 decoders for the final one (300:
-    # 4 x 64 rows, then 32 and 16), each with the programs its batch goes on in as it shrinks (decoding.shrink_levels:
+    # 4 x 64 rows, then 32 and 16), each with the programs its batch goes on in as it shrinks (schedule.shrink_levels:
     # beam 64 -> 16 -> 4, 32 -> 8 -> 4, 16 -> 4 sentences; greedy 16 -> 4 -> 1, 4 -> 1 rows); one cache length
     # (16: the output limit). Both evaluations have two batches or more: each batch decodes whole, on any machine
-    # (on a CPU of two cores or more, two batches at once: translation.batches_at_once). The encoder runs on a batch's
-    # rows, at most 16 at a time, cut to 8 or 16 positions (decoding.encode_batch), in the groups the sentences
-    # make (translation.translation_encoders): the 20 sentences of the evaluations during training have at most 8
-    # tokens (16 x 8 and 4 x 8), the 300 of the final one up to 16 (16 x 8, 16 x 16); no group of 4 is 16 wide.
+    # (on a CPU of two cores or more, two batches at once: schedule.Scheduled.for_batches). The encoder runs on a
+    # batch's rows, at most 16 at a time, cut to 8 or 16 positions (schedule.encode_batch), in the groups the
+    # sentences make (translation.TranslationPlan.encoders): the 20 sentences of the evaluations during training
+    # have at most 8 tokens (16 x 8 and 4 x 8), the 300 of the final one up to 16 (16 x 8, 16 x 16); no group of 4 is
+    # 16 wide.
     expected = [
         *[f"encoder {rows}x{width} of width 16" for rows, width in ((16, 16), (16, 8), (4, 8))],
-        "beam search 2 16x16 cache 16",
-        "beam search 2 16x16 cache 16 resumed",
-        "beam search 2 32x16 cache 16",
-        "beam search 2 4x16 cache 16 resumed",
-        "beam search 2 64x16 cache 16",
-        "beam search 2 8x16 cache 16 resumed",
+        "gnmt beam 2 16x16 cache 16",
+        "gnmt beam 2 16x16 cache 16 resumed",
+        "gnmt beam 2 32x16 cache 16",
+        "gnmt beam 2 4x16 cache 16 resumed",
+        "gnmt beam 2 64x16 cache 16",
+        "gnmt beam 2 8x16 cache 16 resumed",
         "eval step (32, 16)",
-        "greedy search 16x16 cache 16",
-        "greedy search 1x16 cache 16 resumed",
-        "greedy search 4x16 cache 16",
-        "greedy search 4x16 cache 16 resumed",
+        "gnmt greedy 16x16 cache 16",
+        "gnmt greedy 1x16 cache 16 resumed",
+        "gnmt greedy 4x16 cache 16",
+        "gnmt greedy 4x16 cache 16 resumed",
         "train step (32, 16)",
     ]
     assert record["programs"] == sorted(expected)
@@ -73,7 +74,7 @@ def test_every_program_is_compiled_ahead_and_nothing_in_the_loop(evaluated_run):
     ours = [(name, thread) for name, thread in compiled if name in RUN_PROGRAMS]
     assert all(thread.startswith("compile") for _, thread in ours), ours
     names = [name for name, _ in ours]
-    assert names.count("jit(_greedy_core)") <= 4 and names.count("jit(_beam_core)") <= 6
+    assert names.count("jit(start)") <= 5 and names.count("jit(resume)") <= 5
     assert names.count("jit(<lambda>)") <= 2  # the train step and the eval step
     evaluations = [(r["step"], r["final"], r["beam_size"]) for r in _records(run_dir, "eval")]
     # every decoder compiled ahead was used; step 6 is an evaluation step (eval_every 3), evaluated as during
@@ -123,7 +124,7 @@ def test_the_compilation_cache_is_written_by_one_run_and_used_by_the_next_and_by
     assert first["cache_dir"] == second["cache_dir"] == str(cache)
     assert first["programs"] == second["programs"] and first["errors"] == {}
     assert {"eval step (32, 16)", "train step (32, 16)"} < set(first["programs"])
-    assert any(name.startswith("beam search 2") for name in first["programs"])  # the final evaluation's
+    assert any(name.startswith("gnmt beam 2") for name in first["programs"])  # the final evaluation's
     assert first["cache_misses"] >= 2 and first["cache_hits"] == 0  # compiled, and written to the cache
     assert first["waited_s"] > 0  # a fresh process waits for its train step, and says how long
     assert entries_first >= 2

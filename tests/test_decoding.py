@@ -1,5 +1,6 @@
-"""Fast decoding (jax_transformer.decoding) against the plain model: the cache, greedy and beam search, lengths,
-edge cases, translate and the attention plot. Cross-framework checks are in parity_tests/test_decoding_parity.py.
+"""Decoding (jax_transformer.decoding, .search, .schedule) against the plain model: the cache, greedy and beam
+search, lengths, edge cases, the CPU's schedule, translate and the attention plot. Cross-framework checks are in
+parity_tests/test_decoding_parity.py.
 
 The oracle everywhere is the model's own teacher-forced forward pass (`Transformer.__call__`) re-run over the
 whole prefix at each step: no cache, no while_loop, nothing shared with the code under test but the model.
@@ -15,14 +16,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_transformer import decoding, translation
+from jax_transformer import decoding, schedule, search, translation
 from jax_transformer.config import preset
-from jax_transformer.model import Transformer, init_params
+from jax_transformer.model import Transformer, grow_cache, init_params, select_cache
 from tests.helpers.batches import make_src, pad_rows
 from tests.helpers.configs import DECODING_CONFIGS
 from tests.helpers.configs import DECODING_MAX_LEN as MAX_LEN
 from tests.helpers.configs import DECODING_VOCAB as VOCAB
-from tests.helpers.tooling import compiled_functions, cpu_encoder_groups
+from tests.helpers.tooling import compiled_functions, cpu_schedule
 from tests.helpers.twins import eos_biased
 
 jax.config.update("jax_default_matmul_precision", "highest")
@@ -127,20 +128,26 @@ def cached_and_full_logits(params, src, tgt_in, *, config, cache_len, grown=None
     model = Transformer(config)
     full = model.apply({"params": params}, src, tgt_in)
     memory = model.apply({"params": params}, src, method=Transformer.encode)
-    cache = decoding.create_cache(model, params, memory, src, cache_len)
-    kernel = decoding.output_kernel(model, params)  # the output projection as the decoding loops lay it out
+    cache = search.create_cache(model, params, memory, src, cache_len)
+    kernel = search.output_kernel(model, params)  # the output projection as the decoding loops lay it out
+    B = src.shape[0]
 
-    def step(cache, tokens):  # tokens (B,)
-        logits, cache = decoding.decode_step(model, params, cache, memory, src, tokens, kernel)
-        return cache, logits
+    def step(T):  # one token (B,) at position t of a cache of T positions, one slot each (history all 0)
+        def one(cache, inputs):
+            tokens, t = inputs
+            history = jnp.zeros((B, T), jnp.int32)
+            logits, cache = search.decode_step(model, params, cache, memory, src, tokens, t, history, kernel)
+            return cache, logits
 
+        return one
+
+    steps = jnp.arange(tgt_in.shape[1])
     if grown is None:
-        _, stepped = jax.lax.scan(step, cache, tgt_in.T)  # (T, B, V)
+        _, stepped = jax.lax.scan(step(cache_len), cache, (tgt_in.T, steps))  # (T, B, V)
     else:
-        steps, length = grown
-        cache, first = jax.lax.scan(step, cache, tgt_in[:, :steps].T)
-        assert decoding.cache_length(cache) == steps
-        _, rest = jax.lax.scan(step, decoding.grow_cache(cache, length), tgt_in[:, steps:].T)
+        n, length = grown
+        cache, first = jax.lax.scan(step(cache_len), cache, (tgt_in[:, :n].T, steps[:n]))
+        _, rest = jax.lax.scan(step(length), grow_cache(cache, length, 1), (tgt_in[:, n:].T, steps[n:]))
         stepped = jnp.concatenate([first, rest])
     return full, stepped.transpose(1, 0, 2)
 
@@ -162,7 +169,7 @@ def test_cached_steps_equal_full_forward(norm_first, positions, grown):
     tgt_in = np.random.default_rng(4).integers(3, VOCAB, (len(src), 10)).astype(np.int32)
     tgt_in[:, 0] = config.bos_id
     # A cache longer than the 10 steps: its unused positions must not count; or a cache of 4 positions, full
-    # after 4 steps, padded to 13 (decoding.phases) for the other 6.
+    # after 4 steps, padded to 13 (a next phase: schedule.phases) for the other 6.
     cache_len = 13 if grown is None else grown[0]
     full, stepped = cached_and_full_logits(params, src, tgt_in, config=config, cache_len=cache_len, grown=grown)
     worst = float(np.max(np.abs(np.asarray(full) - np.asarray(stepped))))
@@ -171,24 +178,24 @@ def test_cached_steps_equal_full_forward(norm_first, positions, grown):
 
 
 def test_phases_double_up_to_the_cache_length():
-    wide = decoding.PHASED_FROM
-    assert decoding.phases(10, wide) == [10]
-    assert decoding.phases(16, wide) == [16]
-    assert decoding.phases(24, wide) == [24] and decoding.phases(33, wide) == [16, 33]
-    assert decoding.phases(64, wide) == [16, 32, 64] and decoding.phases(65, wide) == [16, 32, 65]
-    assert decoding.phases(511, wide) == [16, 32, 64, 128, 511]
+    wide = schedule.PHASED_FROM
+    assert schedule.phases(10, wide) == [10]
+    assert schedule.phases(16, wide) == [16]
+    assert schedule.phases(24, wide) == [24] and schedule.phases(33, wide) == [16, 33]
+    assert schedule.phases(64, wide) == [16, 32, 64] and schedule.phases(65, wide) == [16, 32, 65]
+    assert schedule.phases(511, wide) == [16, 32, 64, 128, 511]
 
 
 def test_batches_shrink_to_4_sentences_of_a_beam_search_and_1_row_of_a_greedy_one():
-    assert decoding.shrink_levels(64, beams=4) == (64, 16, 4)
-    assert decoding.shrink_levels(32, beams=4) == (32, 8, 4) and decoding.shrink_levels(4, beams=4) == (4,)
-    assert decoding.shrink_levels(64) == (64, 16, 4, 1) and decoding.shrink_levels(32) == (32, 8, 2, 1)
-    assert decoding.shrink_levels(2) == (2, 1) and decoding.shrink_levels(1) == (1,)
+    assert schedule.shrink_levels(64, beams=4) == (64, 16, 4)
+    assert schedule.shrink_levels(32, beams=4) == (32, 8, 4) and schedule.shrink_levels(4, beams=4) == (4,)
+    assert schedule.shrink_levels(64) == (64, 16, 4, 1) and schedule.shrink_levels(32) == (32, 8, 2, 1)
+    assert schedule.shrink_levels(2) == (2, 1) and schedule.shrink_levels(1) == (1,)
 
 
 def test_phases_below_a_few_hypotheses_are_one_cache():
-    assert decoding.phases(65, decoding.PHASED_FROM - 1) == [65]
-    assert decoding.phases(65, 1) == [65]
+    assert schedule.phases(65, schedule.PHASED_FROM - 1) == [65]
+    assert schedule.phases(65, 1) == [65]
 
 
 def test_weights_given_as_numpy_go_to_the_device_once(model_b, monkeypatch):
@@ -199,9 +206,9 @@ def test_weights_given_as_numpy_go_to_the_device_once(model_b, monkeypatch):
     out = decoding.on_device(tree)
     assert isinstance(out["numpy"], jax.Array) and out["device"] is on_device
     np.testing.assert_array_equal(out["numpy"], tree["numpy"])
-    # A search given numpy weights hands its encoder and every program device arrays.
+    # A search given numpy weights hands its encoder and every program device arrays, whichever the schedule.
     config, params, src = model_b
-    seen, encoder, core = [], decoding._encoder, decoding._greedy_core
+    seen = []
 
     def noting(fn):
         def called(params, *args, **kwargs):
@@ -210,34 +217,35 @@ def test_weights_given_as_numpy_go_to_the_device_once(model_b, monkeypatch):
 
         return called
 
-    monkeypatch.setattr(decoding, "_encoder", noting(encoder))
-    monkeypatch.setattr(decoding, "_greedy_core", noting(core))
-    decoding.greedy_search(jax.tree.map(np.asarray, params), config, src)
-    assert seen and all(seen)
+    for name in ("encoder", "start", "resume"):
+        monkeypatch.setattr(search, name, noting(getattr(search, name)))
+    for layer in (schedule.Whole(), schedule.Scheduled()):
+        seen.clear()
+        decoding.greedy_search(jax.tree.map(np.asarray, params), config, src, layer=layer)
+        assert seen and all(seen)
 
 
 def test_the_encoder_runs_on_groups_of_alike_sources_cut_to_their_length(monkeypatch):
-    """encode_batch sorts a batch's sources by length and encodes them ENCODER_ROWS at a time, each group cut to
-    its longest source rounded up to ENCODER_WIDTH_STEP: the encoder's output over the whole batch at every real
-    position, zero past the group's width, every row back in its place."""
+    """The CPU's encode_batch sorts a batch's sources by length and encodes them ENCODER_ROWS at a time, each group
+    cut to its longest source rounded up to ENCODER_WIDTH_STEP: the encoder's output over the whole batch at every
+    real position, zero past the group's width, every row back in its place."""
     config = CONFIG_B
     params = init_params(config, 5)
     # 16 short sources (1..7 tokens) and 4 long ones (9..14) in no order, and a filler row of PAD only: 21 rows.
     lengths = np.random.default_rng(5).permutation([1 + i % 7 for i in range(16)] + [9, 12, 13, 14]).tolist()
     src = np.concatenate([make_src(config, lengths, seed=5), np.full((1, MAX_LEN), config.pad_id, np.int32)])
-    shapes, encoder = [], decoding._encoder
+    shapes, encoder = [], search.encoder
 
     def recorded(params, src, *, config, width):
         shapes.append(src.shape)
         return encoder(params, src, config=config, width=width)
 
-    monkeypatch.setattr(decoding, "_encoder", recorded)
-    cpu_encoder_groups(monkeypatch)
-    memory = np.asarray(decoding.encode_batch(params, config, src))
-    whole = np.asarray(decoding.encode_memory(Transformer(config), params, jnp.asarray(src)))
+    monkeypatch.setattr(search, "encoder", recorded)
+    memory = np.asarray(schedule.encode_batch(params, config, src))
+    whole = np.asarray(Transformer(config).apply({"params": params}, jnp.asarray(src), method=Transformer.encode))
     # Sorted: the filler row and 15 short ones (up to 7 tokens) in a group cut to 8 positions; the other short
     # one and the 4 long ones (up to 14) in one cut to 16, here the full width.
-    assert sorted(shapes) == [(5, 16), (16, 8)] and set(shapes) <= set(decoding.encoder_shapes(*src.shape))
+    assert sorted(shapes) == [(5, 16), (16, 8)]
     real = src != config.pad_id
     # The same products over fewer rows and masked keys that were exact zeros: float32 reassociation only
     # (values of LayerNorm'd size O(1): ~1e-6); CACHE_ATOL's margin. A row routed to another's place moves O(1).
@@ -248,7 +256,7 @@ def test_the_encoder_runs_on_groups_of_alike_sources_cut_to_their_length(monkeyp
     # padded back to the batch's width.
     short = [row for row, n in enumerate(lengths) if n <= 7]  # 16 rows, in no order
     shapes.clear()
-    few = np.asarray(decoding.encode_batch(params, config, src[short]))
+    few = np.asarray(schedule.encode_batch(params, config, src[short]))
     assert shapes == [(16, 8)] and few.shape == (16, MAX_LEN, config.d_model)
     np.testing.assert_allclose(few[real[short]], whole[short][real[short]], atol=CACHE_ATOL, rtol=0)
     assert not few[:, 8:].any()
@@ -256,37 +264,46 @@ def test_the_encoder_runs_on_groups_of_alike_sources_cut_to_their_length(monkeyp
     assert memory.shape == whole.shape
 
 
-def test_select_rows_and_grow_cache_follow_the_caches_layout():
+def test_select_rows_and_grow_follow_the_caches_layout():
     """A beam cache of 3 sentences x 2 hypotheses, 2 heads, 4 positions, laid out as MultiHeadAttention keeps it:
-    keys (sentences * heads, d_k, positions * beams), values (sentences * heads, positions * beams, d_k), slots
-    (hypotheses, positions). Each entry holds 100 * sentence + 10 * head + the slot column/row it sits in."""
+    keys (sentences * heads, d_k, positions * beams), values (sentences * heads, positions * beams, d_k); the
+    search's table of slots (sentences, beams, positions). Each entry holds 100 * sentence + 10 * head + the slot
+    column/row it sits in."""
     S, H, K, T, G = 3, 2, 1, 4, 2
     owner = 100 * np.repeat(np.arange(S), H) + 10 * np.tile(np.arange(H), S)  # (S * H,) sentence, head
     keys = owner[:, None, None] + np.arange(T * G)[None, None, :]  # (S * H, K, T * G)
     values = owner[:, None, None] + np.arange(T * G)[None, :, None]  # (S * H, T * G, K)
-    slots = 100 * np.repeat(np.arange(S), G)[:, None] + np.arange(T)  # (S * G, T)
     cross = np.broadcast_to(100 * np.arange(S)[:, None, None, None], (S, H, 5, K))  # (sentences, heads, source, d_k)
     layer = {"self_attention": {"cached_key": keys, "cached_value": values}, "cross_attention": {"cached_key": cross}}
-    tree = {"decoder": {"layer_0": layer, "slots": slots, "position": np.int32(4)}, "memory": np.arange(S) * 100}
+    cache = {"decoder": {"layer_0": layer}}
 
-    picked = decoding.select_rows(tree, np.array([2, 0]), beams=G)
-    attention = picked["decoder"]["layer_0"]["self_attention"]
+    picked = select_cache(cache, np.array([2, 0]), sentences=S)["decoder"]["layer_0"]
     # sentence 2's two heads, then sentence 0's: rows of (sentences * heads), not of sentences
-    np.testing.assert_array_equal(attention["cached_key"][:, 0, 0], [200, 210, 0, 10])
-    np.testing.assert_array_equal(attention["cached_value"][:, 0, 0], [200, 210, 0, 10])
-    np.testing.assert_array_equal(picked["decoder"]["slots"][:, 0], [200, 200, 0, 0])  # both hypotheses of each
-    np.testing.assert_array_equal(picked["memory"], [200, 0])
+    np.testing.assert_array_equal(picked["self_attention"]["cached_key"][:, 0, 0], [200, 210, 0, 10])
+    np.testing.assert_array_equal(picked["self_attention"]["cached_value"][:, 0, 0], [200, 210, 0, 10])
     # the cross-attention's keys have a row per sentence: rows 2 and 0
-    np.testing.assert_array_equal(picked["decoder"]["layer_0"]["cross_attention"]["cached_key"][:, 0, 0, 0], [200, 0])
-    assert picked["decoder"]["position"] == 4
+    np.testing.assert_array_equal(picked["cross_attention"]["cached_key"][:, 0, 0, 0], [200, 0])
 
-    grown = decoding.grow_cache(tree, 6)  # 4 -> 6 positions: G = 2 more slots per position, zeros at the end
-    attention = grown["decoder"]["layer_0"]["self_attention"]
+    grown = grow_cache(cache, 6, G)["decoder"]["layer_0"]  # 4 -> 6 positions: G more slots a position, zeros
+    attention = grown["self_attention"]
     assert attention["cached_key"].shape == (S * H, K, 6 * G) and attention["cached_value"].shape == (S * H, 6 * G, K)
     np.testing.assert_array_equal(attention["cached_key"][:, :, : T * G], keys)
     assert not np.any(attention["cached_key"][:, :, T * G :]) and not np.any(attention["cached_value"][:, T * G :])
-    assert grown["decoder"]["slots"].shape == (S * G, 6)
-    assert grown["decoder"]["layer_0"]["cross_attention"]["cached_key"].shape == cross.shape  # the source's
+    assert grown["cross_attention"]["cached_key"].shape == cross.shape  # the source's
+
+    # A whole decoding state: every array with a row per sentence follows, the table of slots grows with the cache.
+    rules = decoding.gnmt_decoder(CONFIG_A, 8, beam_size=G).rules
+    state = search.initial_state(rules, np.ones((S, 8), np.int32), np.array([5, 6, 7]), 10, T, cache, 0)
+    state = state.replace(history=np.arange(S)[:, None, None] * 100 + np.zeros((S, G, T), np.int32))
+    memory, src = np.arange(S)[:, None, None] * np.ones((S, 8, 2)), np.arange(S)[:, None] * np.ones((S, 8), np.int32)
+    picked, memory, src = schedule.select_rows(state, memory, src, np.array([2, 0]))
+    assert picked.limit.tolist() == [7, 5] and picked.history[:, 0, 0].tolist() == [200, 0]
+    assert memory[:, 0, 0].tolist() == [2, 0] and src[:, 0].tolist() == [2, 0]
+    assert picked.cache["decoder"]["layer_0"]["self_attention"]["cached_key"][:, 0, 0].tolist() == [200, 210, 0, 10]
+    assert picked.step == 0 and picked.live_tokens.shape == (2, G, 10)
+    grown = schedule.grow(state, 6)
+    assert grown.history.shape == (S, G, 6) and not np.any(grown.history[:, :, T:])
+    assert grown.cache["decoder"]["layer_0"]["self_attention"]["cached_value"].shape == (S * H, 6 * G, K)
 
 
 # --- 2. greedy search --------------------------------------------------------------------------------------
@@ -347,8 +364,8 @@ def test_length_limits_and_min_len(model_a):
     assert np.any(tokens == config.eos_id), "some rows should still end with EOS after min_len"
     # min_len at least the limits forces every row to exactly its limit (how benchmarks fix the length).
     limits = decoding.max_new_tokens(src, config)
-    for search in (decoding.greedy_search, decoding.beam_search):
-        tokens, _ = search(params, config, src, min_len=MAX_LEN)
+    for decode in (decoding.greedy_search, decoding.beam_search):
+        tokens, _ = decode(params, config, src, min_len=MAX_LEN)
         assert np.count_nonzero(tokens != config.pad_id, axis=1).tolist() == limits.tolist()
         assert not np.any(tokens == config.eos_id)
     # Other length parameters: at most floor(0 * n + 6) = 6 tokens per row, and the output is 6 wide.
@@ -445,8 +462,9 @@ def tiny_translator():
     return config, init_params(config, 7), tokenizer, pairs.sources
 
 
-def test_translate_keeps_order_and_reuses_compilations(tiny_translator):
+def test_translate_keeps_order_and_reuses_compilations(tiny_translator, monkeypatch):
     config, params, tokenizer, sentences = tiny_translator
+    cpu_schedule(monkeypatch)  # the CPU's programs (levels, phases) on any backend
     # Seven sentences of at most 7 tokens (+ EOS): with batch_size=4 they make two batches of shape (4, 16).
     lengths = [len(ids) for ids in tokenizer.encode_batch(sentences)]
     short = [s for s, n in zip(sentences, lengths) if 2 <= n <= 7]
@@ -464,16 +482,20 @@ def test_translate_keeps_order_and_reuses_compilations(tiny_translator):
     # Other sentences of the same shapes compile at most the programs of that shape their outputs reach and the
     # first ones did not (a level of the shrinking batch, a cache length: compile_translation lists them all);
     # the same sentences again compile nothing.
-    shapes = translation.translation_shapes([len(s) for s in sources], 4, config.max_len)
-    assert [(rows, width) for rows, width, _ in shapes] == [(4, 16)]
-    jobs = translation.compile_translation(params, config, shapes, beam_size=1)
+    plan = translation.plan_translation([len(s) for s in sources], 4, config.max_len)
+    assert plan.shapes() == [(4, 16)]
+    jobs = translation.compile_translation(params, config, plan, beam_size=1)
     planned = len([name for name in jobs if not name.startswith("encoder")])
-    compiled = decoding._greedy_core._cache_size()
+
+    def compiled():
+        return search.start._cache_size() + search.resume._cache_size()
+
+    before = compiled()
     translation.translate(params, config, tokenizer, short[100:107], beam_size=1, batch_size=4, progress=False)
-    assert decoding._greedy_core._cache_size() - compiled <= planned - 1
-    compiled = decoding._greedy_core._cache_size()
+    assert compiled() - before <= planned - 1
+    before = compiled()
     translation.translate(params, config, tokenizer, short[100:107], beam_size=1, batch_size=4, progress=False)
-    assert decoding._greedy_core._cache_size() == compiled
+    assert compiled() == before
     with pytest.raises(ValueError, match="sentence 1 has"):
         translation.translate(params, config, tokenizer, ["one", " ".join(["ninety"] * 40)], progress=False)
 
@@ -493,41 +515,42 @@ def test_translation_batches_use_a_small_fixed_set_of_shapes():
     ]
     assert sorted(np.concatenate([chunk for chunk, _, _ in batches]).tolist()) == list(range(150))
     assert all(max(lengths[i] for i in chunk) <= width for chunk, _, width in batches)
-    # Four batches: on a CPU of two cores or more each decodes whole, two at once (translation.batches_at_once);
-    # elsewhere one at a time, each cut in parts where that helps (decoding.parts).
-    split = decoding.side_by_side() == 1
-    assert translation.translation_shapes(lengths, 64, 128) == [
-        (8, 64, split),
-        (16, 64, split),
-        (64, 32, split),
-        (64, 64, split),
-    ]
+    # Four batches: on the CPU's schedule with two cores or more, each decodes whole, two at once; elsewhere one at a
+    # time, each cut in parts where that helps (schedule.parts).
+    plan = translation.plan_translation(lengths, 64, 128, schedule.Scheduled())
+    assert plan.shapes() == [(8, 64), (16, 64), (64, 32), (64, 64)]
+    two = schedule.side_by_side() > 1
+    assert (plan.at_once, plan.layer) == ((2, schedule.Scheduled(split=False)) if two else (1, schedule.Scheduled()))
+    plan = translation.plan_translation(lengths, 64, 128, schedule.Whole())
+    assert (plan.at_once, plan.layer) == (1, schedule.Whole())
     # Fewer sentences than batch_size: one batch of the next power of two, or two whose rows add up to fewer
     # (counting a batch of fewer than 4 rows as 4).
     rows = {n: [r for _, r, _ in translation.translation_batches([5] * n, 64, 128)] for n in (3, 5, 9, 36, 50, 63)}
     assert rows == {3: [4], 5: [8], 9: [8, 1], 36: [32, 4], 50: [64], 63: [64]}
-    assert translation.translation_shapes([5, 9, 3], 64, 128) == [(4, 16, True)]  # one batch: cut in parts
+    plan = translation.plan_translation([5, 9, 3], 64, 128, schedule.Scheduled())
+    assert plan.shapes() == [(4, 16)] and plan.layer == schedule.Scheduled()  # one batch: it may be cut in parts
     assert translation.translation_batches([], 64, 128) == []
     with pytest.raises(ValueError, match="batch_size must be an int >= 1"):
         translation.translation_batches([3], 0, 128)
 
 
 def test_translate_decodes_whole_batches_side_by_side(tiny_translator, monkeypatch):
-    """With two batches or more where two decoding loops run side by side (decoding.side_by_side: a CPU of two cores
-    or more), translate decodes each batch whole, two at once in threads of their own, with the caller's matmul
-    precision and default device, and gives the translations of one whole batch at a time; where one loop runs at a
-    time, it decodes a batch at a time in the caller's thread, letting the search cut it in parts."""
+    """Where two decoding loops run side by side (the CPU's schedule on two cores or more), translate decodes each
+    of two batches or more whole, two at once in threads of their own, with the caller's matmul precision and
+    default device, and gives the translations of one whole batch at a time; where one loop runs at a time, it
+    decodes a batch at a time in the caller's thread, letting the schedule cut it in parts."""
     config, params, tokenizer, sentences = tiny_translator
+    cpu_schedule(monkeypatch)
     chosen = sentences[200:230]  # 30 sentences in batches of 8: 8, 8, 8 and 6 (in 8 rows)
-    greedy_search, caller, device = decoding.greedy_search, threading.get_ident(), jax.devices("cpu")[0]
+    decode, caller, device = schedule.Scheduled.decode, threading.get_ident(), jax.devices("cpu")[0]
     calls, both_running, loops = [], threading.Barrier(2, timeout=60), [1]  # loops: what side_by_side says
 
-    def watched(*args, **kwargs):  # greedy_search, noting where and how it was called
+    def watched(layer, *args, **kwargs):  # Scheduled.decode, noting where and how it was called
         settings = (jax.config.jax_default_matmul_precision, str(jax.config.jax_default_device))
-        calls.append((threading.get_ident() == caller, kwargs["split"], *settings))  # one append: atomic
+        calls.append((threading.get_ident() == caller, layer.split, *settings))  # one append: atomic
         if loops[0] > 1 and len(calls) <= 2:
             both_running.wait()  # the first two batches are decoding at the same time, or this times out
-        return greedy_search(*args, **kwargs)
+        return decode(layer, *args, **kwargs)
 
     def translate(threads: int) -> list[str]:
         loops[0] = threads
@@ -535,97 +558,96 @@ def test_translate_decodes_whole_batches_side_by_side(tiny_translator, monkeypat
         with jax.default_matmul_precision("float32"), jax.default_device(device):
             return translation.translate(params, config, tokenizer, chosen, beam_size=1, batch_size=8, progress=False)
 
-    monkeypatch.setattr(translation, "side_by_side", lambda: loops[0])
-    monkeypatch.setattr(translation, "greedy_search", watched)
-    # One loop at a time: a batch at a time in this thread, each the search's to cut (here whole: no parts).
-    monkeypatch.setattr(decoding, "PARTED_FROM", 10**6)
+    monkeypatch.setattr(schedule, "side_by_side", lambda: loops[0])
+    monkeypatch.setattr(schedule.Scheduled, "decode", watched)
+    # One loop at a time: a batch at a time in this thread, each the schedule's to cut (here whole: one part).
     expected = translate(threads=1)
     assert calls == [(True, True, "float32", str(device))] * 4
     # Two side by side: the four batches whole, in the pool's threads, with this thread's settings; the same text.
     assert translate(threads=2) == expected
     assert calls == [(False, False, "float32", str(device))] * 4
-    assert translation.batches_at_once(4) == 2 and translation.batches_at_once(1) == 1
 
 
-def test_translate_compiles_once_per_shape_and_ahead_of_time(tiny_translator):
-    """Sources of many lengths (the old ladder of widths 8, 16, 24 would give three) decode in the planned shapes,
-    each compiled once: ahead of time by compile_translation, after which translate compiles nothing."""
+def test_translate_compiles_once_per_shape_and_ahead_of_time(tiny_translator, monkeypatch):
+    """Sources of many lengths decode in the planned shapes, each program compiled once: ahead of time by
+    compile_translation, after which translate compiles nothing."""
     config, params, tokenizer, sentences = tiny_translator
+    cpu_schedule(monkeypatch)
+    monkeypatch.setattr(schedule, "side_by_side", lambda: 2)  # the plan of a CPU of two cores, on any machine
     # A config no other test decodes with (dropout is off when decoding), so nothing is compiled for it yet.
     config = config.replace(activation_dropout=0.01)
     texts = sentences + [f"{a} {b}" for a, b in zip(sentences[::7], sentences[1::7])]  # up to 30 tokens
     lengths = [len(ids) + 1 for ids in tokenizer.encode_batch(texts)]
     chosen = [s for n in range(3, 21) for s in [s for s, m in zip(texts, lengths) if m == n][:3]]  # 3..20 tokens
     few = chosen[-3:]  # fewer sentences than batch_size: a batch of 4 rows
-    source_lengths = [len(s) for s in translation.encode_sources(tokenizer, chosen, config)]
-    shapes = sorted(
-        {*translation.translation_shapes(source_lengths, 8, 24), *translation.translation_shapes([20] * 3, 8, 24)}
-    )
-    # Widths 16 and max_len 24 (not 8, 16, 24); 3 sentences: 4 rows. The many batches of `chosen` decode whole,
-    # two at once on a CPU of two cores or more (translation.batches_at_once); the one batch of `few` is cut in parts
-    # where that helps (decoding.parts: not at 4 rows).
-    whole = decoding.side_by_side() > 1
-    assert shapes == sorted([(4, 24, True), (8, 16, not whole), (8, 24, not whole)])
+    plans = [
+        translation.plan_translation([len(s) for s in translation.encode_sources(tokenizer, batch, config)], 8, 24)
+        for batch in (chosen, few)
+    ]
+    # Widths 16 and max_len 24; 3 sentences: 4 rows. The many batches of `chosen` decode whole, two at once; the one
+    # batch of `few` may be cut in parts (schedule.parts: not at 4 rows).
+    assert [(plan.shapes(), plan.at_once) for plan in plans] == [([(8, 16), (8, 24)], 2), ([(4, 24)], 1)]
     # Greedy here; beam search goes through the same shapes (tests/test_compile.py compiles its decoders ahead).
     with compiled_functions() as compiled:
-        jobs = translation.compile_translation(params, config, shapes, beam_size=1)
+        jobs = {}
+        for plan in plans:
+            jobs |= translation.compile_translation(params, config, plan, beam_size=1)
         for compile_job in jobs.values():
             compile_job()
-    # An output limit of 24 tokens (max_len) decodes with one cache of 24 positions (decoding.phases); batches
-    # of 8 rows shrink to 2 and 1, batches of 4 to 1 (decoding.shrink_levels).
+    # An output limit of 24 tokens (max_len) decodes with one cache of 24 positions (schedule.phases); batches of 8
+    # rows shrink to 2 and 1, batches of 4 to 1 (schedule.shrink_levels).
     expected = [
-        "greedy search 1x16 cache 24 resumed",
-        "greedy search 1x24 cache 24 resumed",
-        "greedy search 2x16 cache 24 resumed",
-        "greedy search 2x24 cache 24 resumed",
-        "greedy search 4x24 cache 24",
-        "greedy search 8x16 cache 24",
-        "greedy search 8x24 cache 24",
+        "gnmt greedy 1x16 cache 24 resumed",
+        "gnmt greedy 1x24 cache 24 resumed",
+        "gnmt greedy 2x16 cache 24 resumed",
+        "gnmt greedy 2x24 cache 24 resumed",
+        "gnmt greedy 4x24 cache 24",
+        "gnmt greedy 8x16 cache 24",
+        "gnmt greedy 8x24 cache 24",
     ]
-    # The encoder runs on a batch's rows (at most decoding.ENCODER_ROWS) cut to widths of 8, 16, ... up to the
-    # batch's, its output padded back to the batch's width (decoding.encode_batch): a program per cut width and
-    # batch width, shared by the shapes of that width.
-    encoders = [f"encoder 8x{w} of width 16" for w in (8, 16)]
-    encoders += [f"encoder {rows}x{w} of width 24" for rows in (4, 8) for w in (8, 16, 24)]
+    # The encoder runs on a batch's rows (at most schedule.ENCODER_ROWS) cut to widths of 8, 16, ... up to the
+    # batch's, its output padded back to the batch's width (schedule.encode_batch): a program per group shape and
+    # batch width, shared by the shapes of that width; the plans list the groups their sentences make.
+    encoders = sorted({f"encoder {r}x{c} of width {w}" for plan in plans for r, c, w in plan.encoders()})
     assert sorted(jobs) == sorted(expected + encoders)
     assert sorted(name for name, _ in compiled) == sorted(
-        ["jit(_greedy_core)"] * len(expected) + ["jit(_encoder)"] * len(encoders)
+        ["jit(start)"] * 3 + ["jit(resume)"] * 4 + ["jit(encoder)"] * len(encoders)
     )
     with compiled_functions() as compiled:
         for batch in (chosen, few):
             translation.translate(params, config, tokenizer, batch, beam_size=1, batch_size=8, progress=False)
-    assert not {"jit(_greedy_core)", "jit(_encoder)"} & {name for name, _ in compiled}  # nothing compiled again
+    assert not {"jit(start)", "jit(resume)", "jit(encoder)"} & {name for name, _ in compiled}  # none again
     # Between the programs, only the jitted gathers and pads that move a batch from one to the next compile (once
     # per shape): the loop's bookkeeping runs in numpy, not as eager jax ops that compile a program per shape.
-    assert {name for name, _ in compiled} <= {"jit(select_rows)", "jit(grow_cache)", "jit(_in_row_order)"}, compiled
+    assert {name for name, _ in compiled} <= {"jit(select_rows)", "jit(grow)", "jit(_in_row_order)"}, compiled
 
 
 def test_translation_encoders_are_the_encoder_programs_translate_runs(tiny_translator, monkeypatch):
-    """translation_encoders lists the (rows, cut width, batch width) encoder programs translate runs, no more, no
-    fewer: each batch's parts, its sources grouped by length, filler rows among them. (A training run compiles its
+    """A plan's encoders are the (rows, cut width, batch width) encoder programs translate runs, no more, no fewer:
+    each batch's parts, its sources grouped by length, filler rows among them. (A training run compiles its
     evaluations' encoders ahead from this list: tests/test_compile.py checks that its loop compiles none.)"""
     config, params, tokenizer, sentences = tiny_translator
+    cpu_schedule(monkeypatch)
     texts = sentences + [f"{a} {b}" for a, b in zip(sentences[::7], sentences[1::7])]
     lengths = [len(ids) + 1 for ids in tokenizer.encode_batch(texts)]  # + EOS
     fitting = [t for t, n in zip(texts, lengths) if n <= config.max_len]
-    ran, encoder, plans = set(), decoding._encoder, []
+    ran, encoder, plans = set(), search.encoder, []
 
     def recorded(params, src, *, config, width):
         ran.add((*src.shape, width))
         return encoder(params, src, config=config, width=width)
 
-    monkeypatch.setattr(decoding, "_encoder", recorded)
-    cpu_encoder_groups(monkeypatch)
+    monkeypatch.setattr(search, "encoder", recorded)
     # Batches of 32 (groups of 16; widths 16 and 24: the joined sentences are longer) and a tail; then 14 sentences
     # in one batch of 16 rows, 2 of them filler, cut in halves where the CPU has two cores or more.
     for batch in (fitting[:100] + fitting[-50:], fitting[100:114]):
         ran.clear()
         translation.translate(params, config, tokenizer, batch, beam_size=1, batch_size=32, progress=False)
         batch_lengths = [len(s) for s in translation.encode_sources(tokenizer, batch, config)]
-        plans.append(translation.translation_encoders(batch_lengths, 32, config.max_len))
+        plans.append(translation.plan_translation(batch_lengths, 32, config.max_len).encoders())
         assert ran == set(plans[-1])
     assert {width for _, _, width in plans[0]} == {16, 24} and (16, 8, 16) in plans[0]
-    assert {(rows, width) for rows, _, width in plans[1]} == {(16 // decoding.parts(16), 16)}
+    assert {(rows, width) for rows, _, width in plans[1]} == {(16 // schedule.parts(16), 16)}
 
 
 def test_plot_attention_draws_every_layer_and_head(tiny_translator, tmp_path):
@@ -667,7 +689,7 @@ def test_decoding_output_kernel_gives_the_models_logits(tie_output, dtype):
         params = {**params, "output_proj": {**params["output_proj"], "bias": bias}}
     hidden = jax.random.normal(jax.random.key(7), (3, 2, config.d_model))
     plain = np.asarray(model.apply({"params": params}, hidden, method=Transformer.logits))
-    kernel = decoding.output_kernel(model, params)
+    kernel = search.output_kernel(model, params)
     assert kernel.shape == (VOCAB, config.d_model) and kernel.dtype == jnp.dtype(dtype)
     laid_out = np.asarray(model.apply({"params": params}, hidden, kernel, method=Transformer.logits))
     assert laid_out.shape == plain.shape and laid_out.dtype == np.float32
@@ -686,12 +708,12 @@ def test_first_argmax_is_argmax_with_its_tie_break():
     x[:8, 5] = x[:8, 200] = 10.0  # ties: the first index wins, as in argmax
     x[8:16] = 0.0  # a whole row tied
     x[16:24, :100] = -np.inf  # -inf entries (banned tokens) are never the maximum
-    np.testing.assert_array_equal(np.asarray(decoding.first_argmax(jnp.asarray(x))), np.argmax(x, axis=-1))
+    np.testing.assert_array_equal(np.asarray(search.first_argmax(jnp.asarray(x))), np.argmax(x, axis=-1))
 
 
 @pytest.mark.parametrize("k", [1, 8])
 def test_top_k_is_lax_top_k_ties_and_infinities_included(k):
-    """decoding.top_k's two passes pick what lax.top_k picks (the reference: XLA's own TopK), index for index:
+    """search.top_k's two passes pick what lax.top_k picks (the reference: XLA's own TopK), index for index:
     few distinct values (ties within and across blocks), rows of -inf but a few entries, rows all -inf, widths
     that are and are not a multiple of its blocks, and too few blocks (lax.top_k itself then)."""
     rng = np.random.default_rng(0)
@@ -703,7 +725,7 @@ def test_top_k_is_lax_top_k_ties_and_infinities_included(k):
         x[8, :] = 1.0
         x[8, [64 * 3 + 5, width - 2]] = 9.0  # two blocks' maxima, all else tied
         want_values, want_index = jax.lax.top_k(jnp.asarray(x), k)
-        values, index = jax.jit(decoding.top_k, static_argnums=1)(jnp.asarray(x), k)
+        values, index = jax.jit(search.top_k, static_argnums=1)(jnp.asarray(x), k)
         np.testing.assert_array_equal(np.asarray(values), np.asarray(want_values))
         np.testing.assert_array_equal(np.asarray(index), np.asarray(want_index))
 
@@ -713,7 +735,7 @@ def test_generate_leaves_filler_rows_finished_from_the_start(num_beams, model_a)
     """transformers-rules decoding (generate) of a batch with an all-PAD filler row, as `translate` pads its
     batches: the filler row comes out all PAD (decoded, it produced tokens up to max_length and held up the batch's
     loop), and the real rows come out as without it."""
-    from jax_transformer.generate import generate
+    from jax_transformer.decoding import generate
 
     config, params, src = model_a
     filler = np.full((1, src.shape[1]), config.pad_id, np.int32)
@@ -725,36 +747,34 @@ def test_generate_leaves_filler_rows_finished_from_the_start(num_beams, model_a)
 
 
 def test_batch_parts_run_with_the_callers_precision_and_come_back_in_row_order(monkeypatch):
-    """decode_shrinking hands each part (decoding.parts: two on a CPU of two cores or more) every n-th row, decodes
+    """The CPU's schedule hands each part (schedule.parts: two on a CPU of two cores or more) every n-th row, decodes
     the parts in threads of their own, each under the caller's matmul precision (a per-thread jax setting), and
     puts the rows of every result back where they were."""
     seen = []
 
-    def part(run, encode, rows_args, unfinished, outputs, length, beams):  # stands in for one part's decoding
-        src, max_new = rows_args
+    def part(layer, params, config, rules, src, limit, length):  # stands in for one part's decoding
         seen.append((jax.config.jax_default_matmul_precision, np.asarray(src)[:, 0].tolist()))
-        return [np.asarray(src) * 10, np.asarray(max_new) + 0.5]
+        return np.asarray(src) * 10, np.asarray(limit) + 0.5
 
-    monkeypatch.setattr(decoding, "_decode_shrinking", part)
+    monkeypatch.setattr(schedule.Scheduled, "_decode_part", part)
+    monkeypatch.setattr(schedule, "side_by_side", lambda: 2)
     src = np.arange(8 * 3).reshape(8, 3)  # row r starts with 3 * r
-    max_new = np.arange(8)
+    limit = np.arange(8)
     with jax.default_matmul_precision("float32"):
-        tokens, scores = decoding.decode_shrinking(None, None, (src, max_new), None, None, length=4)
-    n = decoding.parts(8)
-    assert sorted(seen) == [("float32", list(range(3 * i, 24, 3 * n))) for i in range(n)]  # every n-th row
+        tokens, scores = schedule.Scheduled().decode(None, None, None, src, limit, length=4)
+    assert sorted(seen) == [("float32", list(range(3 * i, 24, 6))) for i in range(2)]  # every other row
     np.testing.assert_array_equal(tokens, src * 10)
-    np.testing.assert_array_equal(scores, max_new + 0.5)
+    np.testing.assert_array_equal(scores, limit + 0.5)
 
 
-@pytest.mark.parametrize("search", ["greedy", "beam 4", "generate greedy", "generate beam 4"])
-def test_finished_sentences_leave_the_batch_and_change_nothing(search, monkeypatch):
+@pytest.mark.parametrize("search_kind", ["greedy", "beam 4", "generate greedy", "generate beam 4"])
+def test_finished_sentences_leave_the_batch_and_change_nothing(search_kind, monkeypatch):
     """A batch of 32 real sentences of a trained model (saved weights: their output lengths differ, so rows finish
-    at different steps), decoded in two halves at once where the CPU has two cores (decoding.parts), shrinks as
-    they finish (beam 16 -> 4 sentences a half, greedy on to 1 row; decoding.decode_shrinking) and gives the
-    tokens and scores of one loop over the whole batch, by both rule sets; the programs of every level are those
-    `compile_translation` compiles ahead."""
+    at different steps), decoded on the CPU's schedule in two halves at once (schedule.parts), shrinks as they
+    finish (beam 16 -> 4 sentences a half, greedy on to 1 row) and gives the tokens and scores of one loop over the
+    whole batch (schedule.Whole), by both rule sets; the programs of every level are those the schedule lists
+    (`programs`), compiled ahead."""
     from jax_transformer.config import DecodeConfig
-    from jax_transformer.generate import generate_as
     from tests.helpers.saved import load_saved_model
 
     saved = load_saved_model("trained_tiny")
@@ -765,43 +785,31 @@ def test_finished_sentences_leave_the_batch_and_change_nothing(search, monkeypat
         "beam 4": (4, None),
         "generate greedy": (1, transformers_rules),
         "generate beam 4": (4, transformers_rules),
-    }[search]
+    }[search_kind]
+    decoder = decoding.decoder_for(config, rules, src.shape[1], beam_size=beam_size, alpha=0.6)
+    monkeypatch.setattr(schedule, "side_by_side", lambda: 2)  # two halves, on any machine
+    layer = schedule.Scheduled()
+    levels, select_rows = [], schedule._select_rows_jit
 
-    def decode():
-        if rules is not None:
-            return generate_as(params, config, src, rules, num_beams=beam_size, length_penalty=1.0), None
-        if beam_size == 1:
-            return decoding.greedy_search(params, config, src)
-        return decoding.beam_search(params, config, src, beam_size=beam_size, alpha=0.6)
-
-    levels, select_rows = [], decoding._select_rows_jit
-
-    def counted(tree, index, beams=1):  # decoding's select_rows, noting the level it shrinks to
+    def counted(state, memory, src, index):  # the schedule's select_rows, noting the level it shrinks to
         levels.append(len(index))
-        return select_rows(tree, index, beams)
+        return select_rows(state, memory, src, index)
 
     # The programs of every level compiled ahead, as translate does: decoding compiles nothing more.
-    for compile_job in translation.compile_translation(
-        params, config, [(*src.shape, True)], beam_size=beam_size, decode=rules
-    ).values():
+    for compile_job in decoder.programs(params, *src.shape, layer).values():
         compile_job()
-    monkeypatch.setattr(decoding, "_select_rows_jit", counted)
+    encoders = layer.encoders(np.count_nonzero(src != config.pad_id, axis=1), src.shape[1])  # of the two halves
+    for compile_job in layer.encoder_programs(decoding.on_device(params), config, encoders).values():
+        compile_job()
+    monkeypatch.setattr(schedule, "_select_rows_jit", counted)
     with compiled_functions() as compiled:
-        tokens, scores = decode()
-    assert not {name for name, _ in compiled} & {"jit(_greedy_core)", "jit(_beam_core)", "jit(_encoder)"}, compiled
-    # Each part of the batch (two halves at once on a CPU of two cores or more: decoding.parts) shrinks alone.
-    n_parts = decoding.parts(len(src))
-    below = decoding.shrink_levels(len(src) // n_parts, beam_size)[1:]  # of a half of 16: 4 sentences; greedy 4, 1
+        tokens, scores = decoder(params, src, layer)
+    assert not {name for name, _ in compiled} & {"jit(start)", "jit(resume)", "jit(encoder)"}, compiled
+    below = schedule.shrink_levels(len(src) // 2, decoder.rules.beams)[1:]  # of a half of 16: 4 sentences; greedy 4, 1
     assert levels and set(levels) <= set(below), levels  # it shrank
-    assert all(levels.count(n) <= n_parts for n in below), levels  # each part once through each level
-    monkeypatch.setattr(decoding, "SMALLEST_LEVEL", 10**6)  # one level: the whole batch runs to the end,
-    monkeypatch.setattr(decoding, "SMALLEST_GREEDY_LEVEL", 10**6)
-    monkeypatch.setattr(decoding, "PARTED_FROM", 10**6)  # in one part
-    levels.clear()
-    whole_tokens, whole_scores = decode()
-    assert levels == []
+    assert all(levels.count(n) <= 2 for n in below), levels  # each half once through each level
+    whole_tokens, whole_scores = decoder(params, src, schedule.Whole())
     np.testing.assert_array_equal(tokens, whole_tokens)
-    if scores is not None:
-        # The same sums of log-probs, computed in matrix products of fewer rows: float32 rounding of the
-        # products differs by a few ulps of log-probs ~1, summed over at most 33 tokens.
-        np.testing.assert_allclose(scores, whole_scores, rtol=0, atol=1e-5)
+    # The same sums of log-probs, computed in matrix products of fewer rows: float32 rounding of the products
+    # differs by a few ulps of log-probs ~1, summed over at most 33 tokens.
+    np.testing.assert_allclose(scores, whole_scores, rtol=0, atol=1e-5)

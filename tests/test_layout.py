@@ -30,8 +30,9 @@ LAYERS = [
     ("port",),  # numpy-only weight map
     ("pretrained",),  # Marian, FSMT and fairseq configs and weight maps (numpy only)
     ("training",),  # optimiser, train state, train/eval steps: the twin of torch_reference/training.py
-    ("decoding",),
-    ("generate",),  # decoding with transformers' rules, for imported models
+    ("search",),  # the one search loop over the model's cache, its rules as strategies (this project's, transformers')
+    ("schedule",),  # how a batch runs through the search's programs: whole, or the CPU's throughput schedule
+    ("decoding",),  # the decoders callers use: greedy and beam search, generate, a run's decoder
     ("translation",),  # text in, text out: batches of a few shapes, decoded by the model's rules
     ("evaluation", "visualize"),
     ("checkpoint",),

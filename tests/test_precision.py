@@ -13,7 +13,6 @@ test_attention_kernels.py.
 
 from __future__ import annotations
 
-import functools
 import re
 
 import jax
@@ -24,7 +23,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from jax_transformer import checkpoint as ckpt_lib
-from jax_transformer import decoding, training
+from jax_transformer import decoding, search, training
 from jax_transformer.config import ConfigError, preset
 from jax_transformer.model import Transformer, attention_maps, init_params
 from tests.helpers.batches import make_batch
@@ -67,14 +66,14 @@ def _lowered_programs(config) -> dict[str, str]:
     src = jax.ShapeDtypeStruct((2, 6), jnp.int32)
     rows = jax.ShapeDtypeStruct((2,), jnp.int32)
     scalar = jax.ShapeDtypeStruct((), jnp.int32)
-    encoder = decoding._encoder.lower(params, src, config=config, width=6)
-    encode = functools.partial(decoding._encoder.__wrapped__, config=config, width=6)
-    start = (None, jax.eval_shape(encode, params, src))
-    greedy = decoding._greedy_core.lower(params, src, rows, scalar, scalar, start, config=config, length=8)
-    penalties = jax.ShapeDtypeStruct((9,), jnp.float32)
-    beam = decoding._beam_core.lower(
-        params, src, rows, scalar, penalties, scalar, start, config=config, length=8, beam_size=2
-    )
+    memory = jax.ShapeDtypeStruct((2, 6, config.d_model), jnp.float32)
+    encoder = search.encoder.lower(params, src, config=config, width=6)
+    programs = {}
+    for name, greedy in (("greedy", True), ("beam", False)):
+        rules = decoding.gnmt_decoder(config, 6, beam_size=2, greedy=greedy, max_len_a=0, max_len_b=8).rules
+        options = dict(config=config, length=8, cache_len=8)
+        programs[name] = search.start.lower(params, src, memory, rules, rows, scalar, **options)
+    greedy, beam = programs["greedy"], programs["beam"]
     texts = (step, encoder, greedy, beam)
     return dict(zip(("train step", "encoder", "greedy", "beam"), (program.as_text() for program in texts)))
 

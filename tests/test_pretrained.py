@@ -16,9 +16,9 @@ from jax_transformer import checkpoint as ckpt_lib
 from jax_transformer import hub
 from jax_transformer.checks import TokenError, check_batch
 from jax_transformer.config import DecodeConfig
+from jax_transformer.decoding import generate
 from jax_transformer.default_task import default_pairs
 from jax_transformer.errors import DataError, UsageError
-from jax_transformer.generate import generate
 from jax_transformer.model import Transformer
 from tests.helpers.pretrained import end_at_various_lengths, marian_tokenizer_files, tiny_marian
 from tests.helpers.saved import load_saved_model

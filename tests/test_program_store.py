@@ -19,14 +19,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_transformer import compilation, decoding, generate
+from jax_transformer import compilation, decoding, schedule
 from jax_transformer.model import init_params
 from tests.helpers.batches import make_src
 from tests.helpers.configs import DECODING_CONFIGS
 from tests.helpers.tooling import compiled_functions
 from tests.helpers.training import REPO
 
-DECODERS = ("_encoder", "_greedy_core", "_beam_core")  # as jax names them in its trace events
+DECODERS = ("encoder", "start", "resume")  # as jax names them in its trace events
+LAYER = schedule.Scheduled()
 
 
 @contextlib.contextmanager
@@ -47,11 +48,11 @@ def traced_functions() -> Iterator[list[str]]:
 
 def _searches(params, config, src) -> dict[str, tuple]:
     """Searches that store programs: this project's greedy and beam search, and transformers' rules' beam search
-    (whose state is a class of its own)."""
+    (whose rules are another class), each through the CPU's schedule (programs that start and go on)."""
     return {
-        "greedy": decoding.greedy_search(params, config, src),
-        "beam 3": decoding.beam_search(params, config, src, beam_size=3, alpha=0.6),
-        "generate beam 2": (generate.generate(params, config, src, max_length=12, num_beams=2),),
+        "greedy": decoding.greedy_search(params, config, src, layer=LAYER),
+        "beam 3": decoding.beam_search(params, config, src, beam_size=3, alpha=0.6, layer=LAYER),
+        "generate beam 2": (decoding.generate(params, config, src, max_length=12, num_beams=2, layer=LAYER),),
     }
 
 

@@ -80,9 +80,17 @@ def test_decoding_step_by_step_past_max_len_is_refused(params):
     token = np.full((1, 1), CONFIG.bos_id, np.int32)
 
     def step_at(position: int):
-        cache = dict(state["cache"], decoder={**state["cache"]["decoder"], "position": jnp.array(position, jnp.int32)})
+        history = np.zeros((1, MAX_LEN), np.int32)  # one slot a position
         return model.apply(
-            {"params": params, "cache": cache}, memory, src, token, decode=True, mutable=["cache"], method=model.decode
+            {"params": params, "cache": state["cache"]},
+            memory,
+            src,
+            token,
+            decode=True,
+            step=position,
+            history=history,
+            mutable=["cache"],
+            method=model.decode,
         )
 
     logits, _ = step_at(MAX_LEN - 1)  # the last position of the table

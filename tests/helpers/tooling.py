@@ -24,7 +24,7 @@ def fuzz(max_examples: int = 30):
 @contextlib.contextmanager
 def compiled_functions() -> Iterator[list[tuple[str, str]]]:
     """Records every function XLA compiles (or loads from the persistent cache) inside the block as (its name, e.g.
-    "jit(_greedy_core)", the name of the thread that compiled it), from jax.monitoring's backend-compile events:
+    "jit(start)", the name of the thread that compiled it), from jax.monitoring's backend-compile events:
     compilations counted, not timed."""
     import threading
 
@@ -43,10 +43,10 @@ def compiled_functions() -> Iterator[list[tuple[str, str]]]:
         jax.monitoring.unregister_event_duration_listener(listen)
 
 
-def cpu_encoder_groups(monkeypatch) -> None:
-    """The encoder groups of a CPU (decoding.ENCODER_ROWS sources at a time) on any backend, through `monkeypatch`
-    (pytest's fixture, or a pytest.MonkeyPatch context): a test of the groups' plan, and of the programs a run
-    compiles for them, then holds on a GPU too, where a batch is otherwise encoded whole."""
-    from jax_transformer import decoding
+def cpu_schedule(monkeypatch) -> None:
+    """The CPU's decoding schedule (`schedule.Scheduled`: parts, shrinking batches, cache phases, encoder groups) as
+    the default on any backend, through `monkeypatch` (pytest's fixture, or a pytest.MonkeyPatch context): a test of
+    what it runs, and of the programs a run compiles for it, then holds on a GPU too."""
+    from jax_transformer import schedule
 
-    monkeypatch.setattr(decoding, "_encoder_rows", lambda rows: decoding.ENCODER_ROWS)
+    monkeypatch.setattr(schedule, "default", lambda: schedule.Scheduled())

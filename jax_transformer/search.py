@@ -1,0 +1,376 @@
+"""One search loop for every decoder: beam search over the model's key/value cache, greedy search being the same
+loop with one hypothesis, compiled whole (`jax.jit` around a `lax.while_loop`). What differs between decoders is
+their rules, a strategy object (`Rules`): how tokens are scored and banned, what score a finished hypothesis gets,
+when a sentence stops. `Gnmt` is this project's (fairseq's limits, GNMT's length penalty; the PyTorch twin's
+`torch_reference/decoding.py` gives the same tokens), `Transformers` is transformers' `generate`, for the models
+imported from it.
+
+The loop knows nothing of the model: it calls `step_fn(tokens, cache, history, step) -> (logits, cache)`, with the
+beams of each sentence folded into the batch, and keeps the beam layout itself (which cache slot holds each
+position of a hypothesis's past: `SearchState.history`). `start` and `resume` are its two programs: a search from
+the encoder's output, and one that goes on from a state. `jax_transformer.schedule` decides how a batch runs
+through them; `jax_transformer.decoding` holds the functions callers use. Conventions in full:
+docs/internals.md#search.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jax_transformer.compilation import exportable, jit_by_config
+from jax_transformer.config import TransformerConfig
+from jax_transformer.model import Transformer
+
+# Shapes: B sentences, K hypotheses per sentence (beams), C candidates per sentence and step (2K; 1 for greedy),
+# L output length, T cache length, V vocabulary.
+
+
+@exportable  # a program that carries it can be stored (compilation.ProgramStore)
+@flax.struct.dataclass
+class SearchState:
+    """Everything the loop carries."""
+
+    step: jnp.ndarray  # () int32: tokens produced so far by every live hypothesis
+    live_tokens: jnp.ndarray  # (B, K, L) int32: live hypotheses, best first, PAD beyond `step`
+    live_scores: jnp.ndarray  # (B, K) float32: their log P; `rules.impossible` marks an empty slot
+    finished_tokens: jnp.ndarray  # (B, K, L) int32: finished hypotheses, best first
+    finished_scores: jnp.ndarray  # (B, K) float32: their scores by the rules; `rules.impossible`: an empty slot
+    finished: jnp.ndarray  # (B, K) bool: which finished slots hold a hypothesis
+    open: jnp.ndarray  # (B,) bool: sentences whose finished set may still change
+    limit: jnp.ndarray  # (B,) int32: tokens a sentence may produce, EOS included
+    history: jnp.ndarray  # (B, K, T) int32: the cache slot that holds position t of each live hypothesis's past
+    cache: Any  # the model's decoding cache, its self-attention with K slots per sentence
+
+
+# =============================================================================================================
+# The rules: a strategy object, a pytree (static fields are part of the program, arrays are its arguments)
+# =============================================================================================================
+
+
+@flax.struct.dataclass
+class Rules:
+    """What a search's rules decide, around the loop's fixed skeleton (extend, rank, live set, finished set).
+    Subclasses: `Gnmt`, `Transformers`."""
+
+    beams: int = flax.struct.field(pytree_node=False)  # K hypotheses per sentence
+    greedy: bool = flax.struct.field(pytree_node=False)  # rank by the step's scores alone, one candidate (K = 1)
+    start_id: int = flax.struct.field(pytree_node=False)  # the decoder's first input
+    eos_id: int = flax.struct.field(pytree_node=False)
+    impossible = -jnp.inf  # the score of an empty slot and of what may not be chosen
+
+    def token_scores(self, logits, step):
+        """(N, V) scores of the next token for ranking (log-probs, with banned tokens made impossible)."""
+        raise NotImplementedError
+
+    def exclude(self, scores, mask):
+        """`scores` with the entries of `mask` made impossible."""
+        return jnp.where(mask, self.impossible, scores)
+
+    def finished_score(self, log_p, step):
+        """(B, C) the score of hypotheses of log P `log_p` that end with `step + 1` tokens."""
+        raise NotImplementedError
+
+    def still_open(self, s: SearchState, live_scores, finished_scores, finished, ends):
+        """(B,) the sentences whose finished set may still change after this step (`s` is the state before it)."""
+        raise NotImplementedError
+
+    def initially_open(self, src, pad_id: int):
+        """(B,) the sentences that are searched at all."""
+        return jnp.ones(src.shape[0], bool)
+
+    def candidates(self, live_scores, scores):
+        """The step's candidates: (log P (B, C), parent hypothesis (B, C), token (B, C)), best first. Greedy: the
+        best token of the step's scores (first index on ties); beam search: the 2K best extensions of the K live
+        hypotheses (earlier beam, then lower token id, on ties)."""
+        B, K, V = scores.shape
+        if self.greedy:
+            token = first_argmax(scores[:, 0])[:, None]  # (B, 1)
+            gained = jnp.take_along_axis(scores[:, 0], token, axis=-1)
+            return live_scores + gained, jnp.zeros_like(token), token
+        extended = live_scores[:, :, None] + scores  # (B, K, V)
+        log_p, index = top_k(extended.reshape(B, K * V), 2 * K)  # (B, 2K)
+        return log_p, index // V, index % V
+
+
+@exportable
+@flax.struct.dataclass
+class Gnmt(Rules):
+    """This project's rules (as the PyTorch twin's decoders): PAD and BOS never produced, EOS not before `min_len`
+    tokens; a sentence may produce `SearchState.limit` tokens (fairseq's length rule, `decoding.max_new_tokens`);
+    a finished hypothesis scores log P / penalty(length), GNMT's ((5 + length) / 6) ** alpha; a sentence is done
+    at its length limit, or once it has K finished hypotheses and no live one can still beat the worst of them
+    (Flax's WMT example: log-probs only fall and the penalty only grows). Greedy: the sum of the log-probs, done
+    at its first EOS."""
+
+    penalties: jnp.ndarray  # (L + 1,) float32: the length penalty of each length (`decoding.length_penalties`)
+    min_len: jnp.ndarray  # () int32
+    pad_id: int = flax.struct.field(pytree_node=False)
+    bos_id: int | None = flax.struct.field(pytree_node=False)
+
+    def token_scores(self, logits, step):
+        # No renormalisation after the bans, as fairseq does.
+        log_probs = jax.nn.log_softmax(logits, axis=-1).at[..., self.pad_id].set(-jnp.inf)
+        if self.bos_id is not None:
+            log_probs = log_probs.at[..., self.bos_id].set(-jnp.inf)
+        eos = log_probs[..., self.eos_id]
+        return log_probs.at[..., self.eos_id].set(jnp.where(step < self.min_len, -jnp.inf, eos))
+
+    def finished_score(self, log_p, step):
+        return log_p if self.greedy else log_p / self.penalties[step + 1]
+
+    def still_open(self, s, live_scores, finished_scores, finished, ends):
+        if self.greedy:
+            return s.open & ~finished[:, 0]
+        best_reachable = live_scores[:, 0] / self.penalties[s.limit]  # (B,)
+        beaten = jnp.all(finished, axis=1) & (finished_scores[:, -1] > best_reachable)
+        return s.open & (s.step + 1 < s.limit) & ~beaten
+
+
+NEG = -1.0e9  # transformers' "very large negative" score, added rather than set
+
+
+@exportable
+@flax.struct.dataclass
+class Transformers(Rules):
+    """transformers' `generate(do_sample=False)` rules: at most `max_length` tokens counting the decoder's start
+    token; `banned` ids never produced; EOS not before `min_length` (start token counted); with `forced_eos` only
+    EOS at the last position; a finished hypothesis scores log P / (tokens generated) ** length_penalty; unlikely
+    choices get NEG added. `early_stopping` "true" stops a sentence once K hypotheses are finished, "false" once the
+    best live hypothesis's log P over its current length ** length_penalty cannot beat the worst finished one,
+    "never" (with a positive length_penalty) once it cannot at max_length. A row of PAD only (a filler row of
+    `translate`'s batches) is finished from the start. Greedy ranks the processed logits themselves."""
+
+    min_length: jnp.ndarray  # () int32
+    length_penalty: jnp.ndarray  # () float32
+    max_length: int = flax.struct.field(pytree_node=False)
+    banned: tuple[int, ...] = flax.struct.field(pytree_node=False)
+    forced_eos: bool = flax.struct.field(pytree_node=False)
+    early_stopping: str = flax.struct.field(pytree_node=False)  # "false", "true" or "never"
+    impossible = NEG
+
+    def token_scores(self, logits, step):
+        scores = logits if self.greedy else jax.nn.log_softmax(logits, axis=-1)
+        for i in self.banned:
+            scores = scores.at[..., i].set(-jnp.inf)
+        eos = scores[..., self.eos_id]
+        scores = scores.at[..., self.eos_id].set(jnp.where(step + 1 < self.min_length, -jnp.inf, eos))
+        if self.forced_eos:  # the sequence, start token included, would reach max_length: only EOS
+            only_eos = jnp.full_like(scores, -jnp.inf).at[..., self.eos_id].set(0.0)
+            scores = jnp.where(step + 2 == self.max_length, only_eos, scores)
+        return scores
+
+    def exclude(self, scores, mask):
+        return scores + mask * NEG
+
+    def finished_score(self, log_p, step):
+        return log_p / ((step + 1.0) ** self.length_penalty)
+
+    def initially_open(self, src, pad_id: int):
+        return ~jnp.all(src == pad_id, axis=1)
+
+    def still_open(self, s, live_scores, finished_scores, finished, ends):
+        if self.greedy:
+            return s.open & ~finished[:, 0]
+        never = (self.early_stopping == "never") & (self.length_penalty > 0)
+        length = jnp.where(never, self.max_length - 1.0, s.step + 1.0)
+        best_possible = live_scores[:, 0] / (length**self.length_penalty)  # (B,)
+        worst = jnp.where(finished, jnp.min(finished_scores, axis=1, keepdims=True), NEG)
+        improvable = s.open & jnp.any(best_possible[:, None] > worst, axis=1)
+        full = jnp.all(finished, axis=1) & (self.early_stopping == "true")
+        return improvable & ~full & ~jnp.all(ends)  # every candidate ending: transformers stops the whole batch
+
+
+# =============================================================================================================
+# The loop
+# =============================================================================================================
+
+
+def initial_state(rules: Rules, src, limit, length: int, cache_len: int, cache, pad_id: int) -> SearchState:
+    """The state before the first step: K copies of an empty hypothesis of which only the first may extend."""
+    B, K = src.shape[0], rules.beams
+    first_only = jnp.where(jnp.arange(K) == 0, 0.0, rules.impossible).astype(jnp.float32)
+    return SearchState(
+        step=jnp.array(0, jnp.int32),
+        live_tokens=jnp.full((B, K, length), pad_id, jnp.int32),
+        live_scores=jnp.tile(first_only, (B, 1)),
+        finished_tokens=jnp.full((B, K, length), pad_id, jnp.int32),
+        finished_scores=jnp.full((B, K), rules.impossible, jnp.float32),
+        finished=jnp.zeros((B, K), bool),
+        open=rules.initially_open(src, pad_id),
+        limit=jnp.asarray(limit, jnp.int32),
+        history=jnp.zeros((B, K, cache_len), jnp.int32),
+        cache=cache,
+    )
+
+
+def advance(s: SearchState, rules: Rules, step_fn) -> SearchState:
+    """One step of every hypothesis: extend, rank, keep the K best live ones and the K best finished ones."""
+    B, K, L = s.live_tokens.shape
+    t = s.step
+    last = jnp.where(t == 0, rules.start_id, s.live_tokens[:, :, jnp.maximum(t - 1, 0)])  # (B, K)
+    history = s.history.at[:, :, t].set(jnp.arange(K))  # hypothesis k's new position goes to cache slot k
+    logits, cache = step_fn(last.reshape(-1), s.cache, history.reshape(B * K, -1), t)  # (B * K, V)
+    scores = rules.token_scores(logits, t).reshape(B, K, -1)  # (B, K, V)
+
+    log_p, parents, tokens = rules.candidates(s.live_scores, scores)  # (B, C)
+    candidates = _gather(s.live_tokens, parents).at[:, :, t].set(tokens)  # (B, C, L)
+    # A candidate ends with EOS, or when its sentence reaches its length limit (then without EOS).
+    ends = (tokens == rules.eos_id) | (t + 1 >= s.limit)[:, None]  # (B, C)
+
+    # Live: the K best candidates that did not end; each takes its parent's past in the cache.
+    live_scores, pick = _best(rules.exclude(log_p, ends), K)  # (B, K)
+    live_tokens = _gather(candidates, pick)
+    history = _gather(history, jnp.take_along_axis(parents, pick, axis=1))
+
+    # Finished: the K best of the old and of the candidates that end among the first K (fairseq's rule: an ending
+    # candidate ranked below them is dropped), in open sentences only.
+    finishing = ends & (jnp.arange(ends.shape[1]) < K) & s.open[:, None]  # (B, C)
+    new_scores = rules.exclude(rules.finished_score(log_p, t), ~finishing)
+    finished_scores, pick = lax.top_k(jnp.concatenate([s.finished_scores, new_scores], axis=1), K)
+    finished_tokens = _gather(jnp.concatenate([s.finished_tokens, candidates], axis=1), pick)
+    finished = _gather(jnp.concatenate([s.finished, finishing], axis=1), pick)
+
+    is_open = rules.still_open(s, live_scores, finished_scores, finished, ends)
+    return SearchState(
+        t + 1, live_tokens, live_scores, finished_tokens, finished_scores, finished, is_open, s.limit, history, cache
+    )
+
+
+def run(s: SearchState, rules: Rules, step_fn, until) -> SearchState:
+    """The loop: steps until no more than `until` sentences are open (0: all done), the output length is reached,
+    or the cache is full."""
+    length, cache_len = s.live_tokens.shape[-1], s.history.shape[-1]
+
+    def going(s: SearchState):
+        return (s.step < length) & (s.step < cache_len) & (jnp.sum(s.open) > until)
+
+    return lax.while_loop(going, lambda s: advance(s, rules, step_fn), s)
+
+
+def first_argmax(x):
+    """jnp.argmax over the last axis (the first index of the maximum) as two plain reductions, a max and a min over
+    indices: XLA's CPU backend vectorises those, not argmax's single (value, index) reduction."""
+    index = lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
+    is_max = x == jnp.max(x, axis=-1, keepdims=True)
+    return jnp.min(jnp.where(is_max, index, x.shape[-1]), axis=-1)
+
+
+TOP_K_BLOCK = 64  # entries per block in the first pass of `top_k`
+
+
+def top_k(x, k: int):
+    """`lax.top_k(x, k)` over the last axis of x (R, N), the same values and indices, ties to the lower index, in
+    two passes: the k largest entries lie in the k blocks of TOP_K_BLOCK with the largest maxima, so only those
+    are ranked (XLA:CPU's TopK sorts a whole row entry by entry). Exact, ties included: an entry >= the k-th largest
+    block maximum m lies in a block whose maximum is >= m; blocks tied at m are taken lowest index first, each
+    holds an entry equal to m, and the candidates keep index order. No NaN expected: log-probs."""
+    R, N = x.shape
+    blocks = -(-N // TOP_K_BLOCK)
+    if blocks < k:
+        return lax.top_k(x, k)
+    # Each block's maximum (the last block padded with -inf), and the k blocks with the largest, in index order.
+    padding = ((0, 0), (0, blocks * TOP_K_BLOCK - N))
+    maxima = lax.reduce_window(x, -jnp.inf, lax.max, (1, TOP_K_BLOCK), (1, TOP_K_BLOCK), padding)  # (R, blocks)
+    chosen = jnp.sort(lax.top_k(maxima, k)[1], axis=1)  # (R, k), sorted: ties go to the lower index
+    index = (chosen[:, :, None] * TOP_K_BLOCK + jnp.arange(TOP_K_BLOCK)).reshape(R, k * TOP_K_BLOCK)
+    # Their entries; the padding's, beyond N, are -inf and come after every real entry in index order.
+    candidates = jnp.where(index < N, jnp.take_along_axis(x, jnp.minimum(index, N - 1), axis=1), -jnp.inf)
+    values, picked = lax.top_k(candidates, k)  # (R, k)
+    return values, jnp.take_along_axis(index, picked, axis=1)
+
+
+def _best(scores, k: int):
+    """lax.top_k(scores, k) over (B, C); with C == k == 1, the one candidate itself."""
+    if scores.shape[1] == k == 1:
+        return scores, jnp.zeros_like(scores, jnp.int32)
+    return lax.top_k(scores, k)
+
+
+def _gather(x, index):
+    """x (B, N, ...), index (B, M) -> (B, M, ...): entries along axis 1, per sentence (nothing to pick from one)."""
+    if x.shape[1] == 1 and index.shape[1] == 1:
+        return x
+    return jnp.take_along_axis(x, index.reshape(index.shape + (1,) * (x.ndim - 2)), axis=1)
+
+
+# =============================================================================================================
+# The programs: the model's cached decoder as the loop's step function
+# =============================================================================================================
+
+# XLA:CPU options for the loops: its region analysis proves that a step's in-place write of its keys and the
+# cache's reads do not clash, so the greedy loops stop copying every layer's cache twice a step.
+LOOP_CPU_OPTIONS = {"xla_cpu_copy_insertion_use_region_analysis": True}
+
+
+@functools.partial(jit_by_config, static_argnames=("config", "width"))
+def encoder(params, src, *, config: TransformerConfig, width: int):
+    """src (n, w) -> the encoder's output (n, width, D), zero past w (w <= width)."""
+    memory = Transformer(config).apply({"params": params}, src, method=Transformer.encode)  # (n, w, D)
+    return jnp.pad(memory, ((0, 0), (0, width - src.shape[1]), (0, 0)))
+
+
+def create_cache(model: Transformer, params, memory, src, length: int, beams: int = 1):
+    """The decoding cache for `length` positions of `beams` hypotheses per source row: one decode call on a dummy
+    (B * beams, length) target creates the empty self-attention keys/values (`beams` slots per position) and
+    projects the cross-attention's keys/values from `memory`, once per sentence."""
+    dummy = jnp.zeros((src.shape[0] * beams, length), dtype=jnp.int32)
+    _, variables = model.apply(
+        {"params": params}, memory, src, dummy, decode=True, mutable=["cache"], method=Transformer.decode
+    )
+    return variables["cache"]
+
+
+def output_kernel(model: Transformer, params):
+    """The output projection laid out for decoding steps (`Transformer.output_kernel`), computed once per loop."""
+    return model.apply({"params": params}, method=Transformer.output_kernel)
+
+
+def decode_step(model: Transformer, params, cache, memory, src, tokens, step, history, kernel=None):
+    """One decoder step: tokens (N,) at position `step` of rows whose pasts `history` (N, T) places in the cache ->
+    logits (N, V) of the next token, the new cache. `kernel`: `output_kernel`'s."""
+    logits, variables = model.apply(
+        {"params": params, "cache": cache},
+        memory,
+        src,
+        tokens[:, None],
+        decode=True,
+        kernel=kernel,
+        step=step,
+        history=history,
+        mutable=["cache"],
+        method=Transformer.decode,
+    )
+    return logits[:, 0], variables["cache"]  # (N, V)
+
+
+def _step_function(config: TransformerConfig, params, memory, src):
+    model = Transformer(config)
+    kernel = output_kernel(model, params)  # before the loop: a transpose in its body would be redone every step
+
+    def step_fn(tokens, cache, history, step):
+        return decode_step(model, params, cache, memory, src, tokens, step, history, kernel)
+
+    return step_fn
+
+
+@functools.partial(
+    jit_by_config, static_argnames=("config", "length", "cache_len"), cpu_options=LOOP_CPU_OPTIONS
+)
+def start(params, src, memory, rules: Rules, limit, until, *, config: TransformerConfig, length: int, cache_len: int):
+    """A search of the sources `src` (B, S) from the encoder's output `memory` (B, S, D): outputs of `length`
+    tokens, at most `limit` (B,) each, a cache of `cache_len` positions; runs until `until` sentences are open."""
+    cache = create_cache(Transformer(config), params, memory, src, cache_len, rules.beams)
+    state = initial_state(rules, src, limit, length, cache_len, cache, config.pad_id)
+    return run(state, rules, _step_function(config, params, memory, src), until)
+
+
+@functools.partial(jit_by_config, static_argnames=("config",), cpu_options=LOOP_CPU_OPTIONS)
+def resume(params, src, memory, rules: Rules, state: SearchState, until, *, config: TransformerConfig):
+    """`start`'s search going on from `state` (the sources and memory of its rows)."""
+    return run(state, rules, _step_function(config, params, memory, src), until)
