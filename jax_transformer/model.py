@@ -557,7 +557,14 @@ class Transformer(Params, nn.Module):
             )
         self_mask, cross_mask = decoder_masks(src, tgt_in, self.config.pad_id, src_segments, tgt_segments)
         return self.decoder(
-            self._embed("target", tgt_in), memory, self_mask, cross_mask, deterministic, decode, tgt_positions, step,
+            self._embed("target", tgt_in),
+            memory,
+            self_mask,
+            cross_mask,
+            deterministic,
+            decode,
+            tgt_positions,
+            step,
             history,
         )
 

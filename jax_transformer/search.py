@@ -359,9 +359,7 @@ def _step_function(config: TransformerConfig, params, memory, src):
     return step_fn
 
 
-@functools.partial(
-    jit_by_config, static_argnames=("config", "length", "cache_len"), cpu_options=LOOP_CPU_OPTIONS
-)
+@functools.partial(jit_by_config, static_argnames=("config", "length", "cache_len"), cpu_options=LOOP_CPU_OPTIONS)
 def start(params, src, memory, rules: Rules, limit, until, *, config: TransformerConfig, length: int, cache_len: int):
     """A search of the sources `src` (B, S) from the encoder's output `memory` (B, S, D): outputs of `length`
     tokens, at most `limit` (B,) each, a cache of `cache_len` positions; runs until `until` sentences are open."""

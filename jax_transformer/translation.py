@@ -144,8 +144,9 @@ def compile_translation(
     part of them: any value compiles the same."""
     jobs = {}
     for rows, width in plan.shapes():
-        decoder = decoder_for(config, decode, width, beam_size=beam_size, alpha=0.6, max_len_a=max_len_a,
-                              max_len_b=max_len_b)
+        decoder = decoder_for(
+            config, decode, width, beam_size=beam_size, alpha=0.6, max_len_a=max_len_a, max_len_b=max_len_b
+        )
         name = f"{type(decoder.rules).__name__.lower()} {'greedy' if decoder.rules.greedy else f'beam {beam_size}'}"
         for program, job in decoder.programs(params, rows, width, plan.layer).items():
             jobs[f"{name} {program}"] = job
