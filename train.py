@@ -109,7 +109,7 @@ def train_flags(sub) -> None:
         "train",
         help="train a model (the default sub-command)",
         description="Train a model. Without data files: the built-in English->French numbers task (tiny model, "
-        "~2 minutes on 2 CPU cores, with its own defaults: jax_transformer.config.NUMBERS_TASK_DEFAULTS).",
+        "~2 minutes on 2 CPU cores, with its own defaults: the recipe jax_transformer/configs/recipes/numbers.json).",
     )
     g = t.add_argument_group("run")
     g.add_argument(
@@ -149,7 +149,7 @@ def train_flags(sub) -> None:
     g.add_argument(
         "--recipe",
         metavar="NAME",
-        help="a named set of settings (jax_transformer.config.RECIPES) under the flags given: "
+        help="a named set of settings (jax_transformer/configs/recipes/NAME.json) under the flags given: "
         + "; ".join(f"{name}: {recipe['about']}" for name, recipe in sorted(RECIPES.items()))
         + "; or a recipe JSON file of the same form (default: numbers without data files, none with them)",
     )

@@ -15,14 +15,13 @@ whole run (CPU) and time to BLEU 40 (GPU), each in fresh `train.py` processes.
     # GPU: seconds from launch to validation BLEU >= 40 (greedy, 200 sentences), cold then warm compilation cache
     python benchmarks/multi30k.py time-to-bleu --json bleu40.json --plot bleu40.png   # two runs of <= 4 minutes
 
-Both run the `multi30k` recipe (`jax_transformer.run.RECIPES`, docs/quality.md's Multi30k command before the 60-minute
-CPU recipe `multi30k-cpu`), written out as flags so that the code before recipes runs it too (`readme_flags`:
-small preset, 6000-piece vocabulary, 4096 token slots, eval every 500 steps on 200 sentences, greedy) with only
-`--max-minutes`, `--run-dir` and the compilation cache changed, and read what happened from the run's
-metrics.jsonl: target tokens trained (the "tokens" of every step), and the wall time by phase (its "summary"
-record: setup, compile, steps, eval, checkpoint). Code without that record (--old-ref) is split from its records'
-timestamps and `JAX_LOG_COMPILES` lines instead, marked "estimated".
-"""
+Both run the `multi30k` recipe (`jax_transformer/configs/recipes/multi30k.json`, docs/quality.md's Multi30k command
+before the 60-minute CPU recipe `multi30k-cpu`), written out as flags so that the code before recipes runs it too
+(`readme_flags`: small preset, 6000-piece vocabulary, 4096 token slots, eval every 500 steps on 200 sentences, greedy)
+with only `--max-minutes`, `--run-dir` and the compilation cache changed, and read what happened from the run's
+metrics.jsonl: target tokens trained (the "tokens" of every step), and the wall time by phase (its "summary" record:
+setup, compile, steps, eval, checkpoint). Code without that record (--old-ref) is split from its records' timestamps and
+`JAX_LOG_COMPILES` lines instead, marked "estimated"."""
 
 from __future__ import annotations
 

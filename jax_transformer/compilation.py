@@ -103,7 +103,7 @@ class jit_by_config:  # noqa: N801 (used as a decorator, like jax.jit)
             self.lower(*args, config=config, **kwargs).compile()  # fills the cache a later call looks in
             return
         program, traced = self._stored(args, config, kwargs)
-        if isinstance(program, _Bound):
+        if isinstance(program, _PlainJit):
             program.lower(*args, **traced).compile()
 
     def _stored(self, args: tuple, config, kwargs: dict) -> tuple[Any, dict]:
@@ -240,7 +240,7 @@ def _device(leaves: list) -> jax.Device | None:
     return default if isinstance(default, jax.Device) else jax.local_devices()[0]
 
 
-class _Bound:
+class _PlainJit:
     """The plain jitted function with its static arguments bound, called and lowered as a stored program is."""
 
     def __init__(self, jitted: Callable, static: Mapping[str, Any]) -> None:
@@ -295,7 +295,7 @@ class ProgramStore:
 
     def __init__(self, folder: Path, warn: Callable[[str], None] = print) -> None:
         self.folder, self._warn = Path(folder), warn
-        self._programs: dict[tuple, jax.stages.Compiled | _Bound] = {}  # by (signature, device)
+        self._programs: dict[tuple, jax.stages.Compiled | _PlainJit] = {}  # by (signature, device)
         self._locks: dict[tuple, threading.Lock] = {}
         self._lock = threading.Lock()
         self._warned = False
@@ -329,7 +329,7 @@ class ProgramStore:
 
     def program(
         self, fn: Callable, make_jitted: Callable, args: tuple, kwargs: dict, static: dict, options
-    ) -> jax.stages.Compiled | _Bound:
+    ) -> jax.stages.Compiled | _PlainJit:
         """What to call with (*args, **kwargs) for `fn(*args, **kwargs, **static)`
         jitted with `options` (`make_jitted()`: that jitted function); the arguments may be arrays or their shapes
         (jax.ShapeDtypeStruct). The stored program (in memory, or read from the folder), else the jitted function's,
@@ -337,7 +337,7 @@ class ProgramStore:
         leaves, tree = jax.tree_util.tree_flatten((args, kwargs))  # once: every call of a decoder comes here
         device = _device(leaves)
         if device is None:
-            return _Bound(make_jitted(), static)
+            return _PlainJit(make_jitted(), static)
         signature = _signature(fn, leaves, tree, static, options)
         compiled_for = (signature, device)  # in memory: a program compiled for one device runs there
         with self._lock:
@@ -352,7 +352,7 @@ class ProgramStore:
                     self._warn_once(f"warning: a decoding program did not go through {self.folder} ({_brief(e)})")
                     program = None
                 with self._lock:
-                    self._programs[compiled_for] = program or _Bound(make_jitted(), static)
+                    self._programs[compiled_for] = program or _PlainJit(make_jitted(), static)
         return self._programs[compiled_for]
 
     def _find(

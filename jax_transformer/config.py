@@ -299,14 +299,22 @@ class TransformerConfig(Settings):
         return {name: getattr(self, name) for name in COMPUTE_FIELDS}
 
 
-# Size presets. Vocabulary sizes are placeholders: training replaces them with the tokenizer's.
+# The presets and recipes are configuration files (JSON) beside this module.
+CONFIGS = Path(__file__).resolve().parent / "configs"
+
+
+def _read_config(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"{path}: cannot read it as JSON: {e}") from None
+
+
+# Model presets by name (configs/presets.json): TransformerConfig fields over the defaults, "about" aside.
+# Vocabulary sizes are not in them: training takes the tokenizer's.
 PRESETS: dict[str, dict[str, Any]] = {
-    # a few thousand parameters: unit tests and smoke runs
-    "tiny": dict(d_model=32, num_heads=4, d_ff=64, num_encoder_layers=2, num_decoder_layers=2, max_len=64),
-    # the common "small Transformer" of Multi30k papers: 3+3 layers, d_model 256
-    "small": dict(d_model=256, num_heads=4, d_ff=1024, num_encoder_layers=3, num_decoder_layers=3, max_len=128),
-    # the paper's base model
-    "base": dict(),
+    name: {k: v for k, v in fields.items() if k != "about"}
+    for name, fields in _read_config(CONFIGS / "presets.json").items()
 }
 
 
@@ -679,60 +687,15 @@ GROUPS = {
     "decode": DecodeConfig,
 }
 
-# The built-in numbers task: sized to reach a useful model on 2 CPU cores in about two minutes.
-NUMBERS_TASK_DEFAULTS: dict[str, dict[str, Any]] = {
-    "model": {"max_len": 32},
-    "data": {"vocab_size": 256, "tokenizer_type": "bpe", "max_tokens": 2048},
-    "optim": {"lr_scale": 2.0, "warmup_steps": 400},
-    "loop": {"steps": 1000, "eval_every": 500, "save_every": 500},
-}
 DEFAULT_PRESET = {"numbers": "tiny", "files": "small"}
 
-# Named recipes: the settings of a measured training command, by name (`train.py train --recipe NAME`). A recipe
-# fills each group below what is given; "preset" is the model preset it starts from. A JSON file of the same form
-# is a recipe too (`--recipe my-recipe.json`: {"about": ..., "preset": ..., "model": {...}, "data": {...},
-# "optim": {...}, "loop": {...}}, every key optional). Their measured results are in docs/quality.md.
+# Named recipes (configs/recipes/NAME.json): the settings of a measured training command (`train.py train --recipe
+# NAME`). A recipe fills each group below what is given; "preset" is the model preset it starts from. A JSON file of
+# the same form is a recipe too (`--recipe my-recipe.json`: {"about": ..., "preset": ..., "model": {...}, "data":
+# {...}, "optim": {...}, "loop": {...}}, every key optional). "numbers" is the built-in task's: sized to reach a
+# useful model on 2 CPU cores in about two minutes. Measured results: docs/quality.md.
 RECIPES: dict[str, dict[str, Any]] = {
-    "numbers": {
-        "about": "the built-in numbers task's defaults (tiny model, ~2 minutes on 2 CPU cores)",
-        "preset": "tiny",
-        **NUMBERS_TASK_DEFAULTS,
-    },
-    "multi30k": {
-        "about": "Multi30k de->en for a GPU: small preset, joint 6000-piece vocabulary, ~4096-token batches, "
-        "warmup 300, lr scale 0.5, clip 1.0, 50 minutes, greedy BLEU on 200 sentences every 500 steps",
-        "preset": "small",
-        "model": {},
-        "data": {"vocab_size": 6000, "max_tokens": 4096},
-        "optim": {"warmup_steps": 300, "lr_scale": 0.5, "clip_norm": 1.0},
-        "loop": {
-            "steps": 100000,
-            "max_minutes": 50.0,
-            "eval_every": 500,
-            "save_every": 250,
-            "eval_sentences": 200,
-            "eval_beam_size": 1,
-            "beam_size": 4,
-        },
-    },
-    "multi30k-cpu": {
-        "about": "Multi30k de->en in 60 minutes on 2 CPU cores: small preset with d_ff 512, 2048-token batches, "
-        "warmup 300, lr scale 0.5, clip 1.0, 56 minutes of training, greedy BLEU on 200 sentences every 250 "
-        "steps, beam 4 on all sentences at the end",
-        "preset": "small",
-        "model": {"d_ff": 512},
-        "data": {"vocab_size": 6000, "max_tokens": 2048},
-        "optim": {"warmup_steps": 300, "lr_scale": 0.5, "clip_norm": 1.0},
-        "loop": {
-            "steps": 100000,
-            "max_minutes": 56.0,
-            "eval_every": 250,
-            "save_every": 250,
-            "eval_sentences": 200,
-            "eval_beam_size": 1,
-            "beam_size": 4,
-        },
-    },
+    path.stem: _read_config(path) for path in sorted((CONFIGS / "recipes").glob("*.json"))
 }
 # The recipe a run gets when none is named: the numbers task's own; for data files none (the dataclass defaults
 # and the small preset): the measured recipes stop after a fixed number of minutes, which a run on other data

@@ -13,7 +13,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from jax_transformer import checks, schedule
+from jax_transformer import checks
+from jax_transformer import schedule as schedules
 from jax_transformer.checks import TokenError
 from jax_transformer.config import EARLY_STOPPING, DecodeConfig, TransformerConfig
 from jax_transformer.search import Gnmt, Rules, Transformers
@@ -134,14 +135,15 @@ class Decoder:
             return np.full(src.shape[0], self.length, np.int32)
         return max_new_tokens(src, self.config, self.max_len_a, self.max_len_b)
 
-    def __call__(self, params, src: np.ndarray, layer: schedule.Whole | None = None):
-        """The best hypothesis of each row of checked sources `src` (B, S): tokens (B, L), scores (B,)."""
-        layer = layer or schedule.default()
-        return layer.decode(on_device(params), self.config, self.rules, src, self.limits(src), self.length)
+    def __call__(self, params, src: np.ndarray, schedule: schedules.Schedule | None = None):
+        """The best hypothesis of each row of checked sources `src` (B, S): tokens (B, L), scores (B,); `schedule`:
+        how the batch runs (default: `schedule.default()`, the CPU's schedule there, the batch whole elsewhere)."""
+        schedule = schedule or schedules.default()
+        return schedule.decode(on_device(params), self.config, self.rules, src, self.limits(src), self.length)
 
-    def programs(self, params, rows: int, width: int, layer: schedule.Whole) -> dict:
-        """Compile jobs for what `layer` runs this decoder as on (rows, width) sources (`schedule.Whole.programs`)."""
-        return layer.programs(on_device(params), self.config, self.rules, rows, width, self.length)
+    def programs(self, params, rows: int, width: int, schedule: schedules.Schedule) -> dict:
+        """Compile jobs for what `schedule` runs this decoder as on (rows, width) sources (`Schedule.programs`)."""
+        return schedule.programs(on_device(params), self.config, self.rules, rows, width, self.length)
 
 
 def gnmt_decoder(
@@ -244,18 +246,18 @@ def greedy_search(
     max_len_a: float = DEFAULT_MAX_LEN_A,
     max_len_b: float = DEFAULT_MAX_LEN_B,
     min_len: int = 0,
-    layer: schedule.Whole | None = None,
+    schedule: schedules.Schedule | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Greedy decoding of a batch of right-padded sources (B, S).
 
     Returns:
         tokens (B, L) int32 (no BOS; EOS where emitted; PAD after) and scores (B,) float32, the sum of the chosen
-        tokens' log-probabilities. L and the length rule: docs/internals.md#search. `layer`: how the batch runs
+        tokens' log-probabilities. L and the length rule: docs/internals.md#search. `schedule`: how the batch runs
         (`jax_transformer.schedule`; default: `schedule.default()`).
     """
     src = check_source(src, config)
     options = dict(max_len_a=max_len_a, max_len_b=max_len_b, min_len=min_len)
-    return gnmt_decoder(config, src.shape[1], beam_size=1, greedy=True, **options)(params, src, layer)
+    return gnmt_decoder(config, src.shape[1], beam_size=1, greedy=True, **options)(params, src, schedule)
 
 
 def beam_search(
@@ -268,19 +270,19 @@ def beam_search(
     max_len_a: float = DEFAULT_MAX_LEN_A,
     max_len_b: float = DEFAULT_MAX_LEN_B,
     min_len: int = 0,
-    layer: schedule.Whole | None = None,
+    schedule: schedules.Schedule | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Beam search over a batch of right-padded sources (B, S) with the GNMT length penalty.
 
     Returns:
         The best hypothesis of each row, tokens (B, L) int32 (no BOS; EOS where emitted; PAD after), and its score
         (B,) float32 = log P / ((5 + length) / 6) ** alpha. With alpha = 0 and beam_size = 1 this is exactly greedy
-        search (with alpha > 0 the runner-up kept live when greedy's EOS finishes may later beat it). `layer`: as
+        search (with alpha > 0 the runner-up kept live when greedy's EOS finishes may later beat it). `schedule`: as
         for `greedy_search`.
     """
     src = check_source(src, config)
     options = dict(beam_size=beam_size, alpha=alpha, max_len_a=max_len_a, max_len_b=max_len_b, min_len=min_len)
-    return gnmt_decoder(config, src.shape[1], **options)(params, src, layer)
+    return gnmt_decoder(config, src.shape[1], **options)(params, src, schedule)
 
 
 def generate(
@@ -295,7 +297,7 @@ def generate(
     banned: tuple[int, ...] = (),
     forced_eos: bool = False,
     min_length: int = 0,
-    layer: schedule.Whole | None = None,
+    schedule: schedules.Schedule | None = None,
 ) -> np.ndarray:
     """transformers' `generate(num_beams=..., do_sample=False)` on right-padded sources (B, S).
 
@@ -305,7 +307,7 @@ def generate(
         banned: ids never produced (its one-token bad_words_ids).
         forced_eos: only EOS at the last position (its forced_eos_token_id).
         min_length: no EOS before the output (start token included) is this long.
-        layer: as for `greedy_search`.
+        schedule: as for `greedy_search`.
 
     Returns:
         tokens (B, max_length - 1) without the decoder's start token, PAD after the end.
@@ -315,4 +317,4 @@ def generate(
     decoder = transformers_decoder(
         config, max_length=max_length, num_beams=num_beams, length_penalty=length_penalty, **options
     )
-    return decoder(params, src, layer)[0]
+    return decoder(params, src, schedule)[0]

@@ -1,7 +1,7 @@
 """The training loop: `train_loop(run)` steps, evaluates, saves and stops; read it top to bottom.
 
 Each step takes a batch that a background thread has already checked and put on the devices (`Prefetcher`), and
-is dispatched without waiting for the one before (`InFlight` fetches loss sums up to STEPS_AHEAD steps late, and
+is dispatched without waiting for the one before (`PendingSteps` fetches loss sums up to STEPS_AHEAD steps late, and
 always before an evaluation or a save). Every `eval_every` steps the loop validates (loss, BLEU) and saves with
 the score, every `save_every` steps it saves; it stops at the step or time budget, at `patience` evaluations
 without improvement (`EarlyStopping`), at SIGINT/SIGTERM (saving first) or at a non-finite loss (saving nothing).
@@ -82,7 +82,7 @@ class Run:
             self.train_step = self.devices.make_step(self.config, self.optim)
         if self.valid is not None:
             for i, batch in enumerate(self.valid.batches):
-                checked(batch, self.config, f"validation batch {i}")
+                checked_batch(batch, self.config, f"validation batch {i}")
 
 
 @dataclasses.dataclass
@@ -106,7 +106,7 @@ class RunResult:
 
 def train_loop(run: Run) -> RunResult:
     """Trains `run` until a reason to stop (see the module docstring), then evaluates and saves."""
-    loop, out, times = run.loop, Output(run), PhaseTimes()
+    loop, out, times = run.loop, RunOutput(run), PhaseTimes()
     times.seconds["setup"] = time.time() - run.start_time  # data, tokenizer, model: before the loop
     step = int(jax.device_get(run.state.step))
     state = run.devices.place_state(run.state)
@@ -114,10 +114,10 @@ def train_loop(run: Run) -> RunResult:
     early = EarlyStopping.from_dict(run.loop_state)
     evaluator = Evaluator(run, out, times)
     saver = Saver(run, times, first_step=step)
-    in_flight = InFlight(run, out, times)
+    in_flight = PendingSteps(run, out, times)
     compiles = CompileAhead(out, times)
     profile = Profile(loop.profile_steps(), run.run_dir / "profile", out)
-    prepared = [step]  # training batches prepared so far, for the messages of `checked`
+    prepared = [step]  # training batches prepared so far, for the messages of `checked_batch`
     batches = Prefetcher(run.stream, lambda batch: prepare_batch(run, batch, prepared))
     out.start_bar(step)
     try:
@@ -151,7 +151,7 @@ def train_loop(run: Run) -> RunResult:
                     compiles.wait(step, "eval")
                     validate(evaluator, saver, early, step, state, data_state)
                     reason = stopping.reason(step, again=True)  # early stopping may have a reason now
-                if reason is None and itstime(step, loop.save_every):
+                if reason is None and is_due(step, loop.save_every):
                     in_flight.drain()
                     saver.save(step, state, data_state, early)  # (at the last step the final save does it)
             in_flight.drain()
@@ -162,7 +162,7 @@ def train_loop(run: Run) -> RunResult:
                 f"stopped by {reason} at step {step}; checkpoint saved in {run.checkpoints.directory} "
                 f"(resume with --resume {run.run_dir})"
             )
-            return finish(run, out, times, step, reason, None, [])
+            return summarize_run(run, out, times, step, reason, None, [])
         if reason == "time":
             out.print(f"stopping at step {step}: --max-minutes {loop.max_minutes} reached")
         elif reason == "patience":
@@ -176,7 +176,7 @@ def train_loop(run: Run) -> RunResult:
             final, samples, score = final_evaluation(evaluator, early, step, state)
             evaluator.report(final, samples, step, final=True)
         saver.save(step, state, data_state, early, score=score)
-        return finish(run, out, times, step, reason, final, samples)
+        return summarize_run(run, out, times, step, reason, final, samples)
     finally:
         out.close_bar()
         batches.close()
@@ -191,7 +191,7 @@ def train_loop(run: Run) -> RunResult:
             out.close()
 
 
-def itstime(step: int, every: int) -> bool:
+def is_due(step: int, every: int) -> bool:
     """The periodic work of the loop: true at every `every`-th step."""
     return step > 0 and step % every == 0
 
@@ -203,10 +203,10 @@ def is_signal(reason: str | None) -> bool:
 def prepare_batch(run: Run, batch, prepared: list[int]):
     """Runs in the prefetch thread: the batch checked on the host, then placed on the devices."""
     prepared[0] += 1
-    return run.devices.place_batch(checked(batch, run.config, f"training batch {prepared[0]}"))
+    return run.devices.place_batch(checked_batch(batch, run.config, f"training batch {prepared[0]}"))
 
 
-def checked(batch, config: TransformerConfig, where: str):
+def checked_batch(batch, config: TransformerConfig, where: str):
     """The batch boundary: a bad batch is a DataError before it reaches the compiled step (and its donated
     state), never NaN logits or a silently wrong embedding row."""
     try:
@@ -246,7 +246,7 @@ def final_evaluation(evaluator: Evaluator, early: EarlyStopping, step: int, stat
     return final, samples, selection["score"]
 
 
-def finish(run: Run, out: Output, times: PhaseTimes, step: int, reason: str, final, samples) -> RunResult:
+def summarize_run(run: Run, out: RunOutput, times: PhaseTimes, step: int, reason: str, final, samples) -> RunResult:
     """The run's summary (wall time by phase, a metrics record, the loss curve) and its result."""
     with times.phase("checkpoint"):
         run.checkpoints.wait()  # the best step is known once every save is on disk
@@ -401,12 +401,12 @@ class Prefetcher:
         self._thread.join(timeout=10)
 
 
-class InFlight:
+class PendingSteps:
     """Steps dispatched but not yet logged: their loss sums are fetched once ready (at most STEPS_AHEAD behind) or
     when `drain` waits for all, before anything reads or saves the state. A non-finite loss raises TrainingError
     without saving: that step's update is ruined, so the last checkpoint on disk stays the last good one."""
 
-    def __init__(self, run: Run, out: Output, times: PhaseTimes) -> None:
+    def __init__(self, run: Run, out: RunOutput, times: PhaseTimes) -> None:
         self.run, self.out, self.times = run, out, times
         self._steps: collections.deque = collections.deque()  # (step, lr, loss sums still on the device)
         self._window = (0.0, time.time())  # tokens and start time of the tokens/s window
@@ -493,7 +493,7 @@ class CompileAhead:
     cache holds); `wait` blocks, as compile time, until a group is ready; once all are, one metrics record and
     one line say what was compiled and loaded."""
 
-    def __init__(self, out: Output, times: PhaseTimes) -> None:
+    def __init__(self, out: RunOutput, times: PhaseTimes) -> None:
         self.out, self.times = out, times
         self._jobs: CompileJobs | None = None
 
@@ -553,16 +553,16 @@ class CompileAhead:
 class Profile:
     """`--profile START:STOP`: a jax.profiler trace of exactly those steps (the steps before are drained first)."""
 
-    def __init__(self, steps: tuple[int, int] | None, folder: Path, out: Output) -> None:
+    def __init__(self, steps: tuple[int, int] | None, folder: Path, out: RunOutput) -> None:
         self.steps, self.folder, self.out, self.on = steps, folder, out, False
 
-    def before(self, step: int, in_flight: InFlight) -> None:
+    def before(self, step: int, in_flight: PendingSteps) -> None:
         if self.steps and step == self.steps[0]:
             in_flight.retire(wait=True)
             jax.profiler.start_trace(str(self.folder), create_perfetto_trace=True)
             self.on = True
 
-    def after(self, step: int, in_flight: InFlight) -> None:
+    def after(self, step: int, in_flight: PendingSteps) -> None:
         if self.on and step == self.steps[1]:
             in_flight.retire(wait=True)
             self.close()
@@ -588,7 +588,7 @@ class Evaluator:
     ("score", higher is better: BLEU, or minus the loss), which early stopping counts; the final evaluation with
     `beam_size` on every sentence, as a report."""
 
-    def __init__(self, run: Run, out: Output, times: PhaseTimes) -> None:
+    def __init__(self, run: Run, out: RunOutput, times: PhaseTimes) -> None:
         self.run, self.out, self.times = run, out, times
         self.loop, self.valid = run.loop, run.valid
         self.eval_step = make_eval_step(run.config, run.optim.label_smoothing)
@@ -607,7 +607,7 @@ class Evaluator:
 
     def due(self, step: int, early: EarlyStopping) -> bool:
         """This step is an evaluation step not yet evaluated."""
-        return self.valid is not None and itstime(step, self.loop.eval_every) and early.last_eval_step != step
+        return self.valid is not None and is_due(step, self.loop.eval_every) and early.last_eval_step != step
 
     def sentences(self, final: bool) -> int:
         """How many validation sentences an evaluation translates: the final one every sentence, evaluations
@@ -682,7 +682,7 @@ class Evaluator:
 
 
 class Saver:
-    """Checkpoints the state after a step (its loss sums checked first, by `InFlight.drain`) with everything a
+    """Checkpoints the state after a step (its loss sums checked first, by `PendingSteps.drain`) with everything a
     resume needs: config, optimiser settings, tokenizer, data position, run settings, early stopping's state."""
 
     def __init__(self, run: Run, times: PhaseTimes, first_step: int) -> None:
@@ -760,7 +760,7 @@ def truncate_metrics(path: str | os.PathLike, after_step: int) -> None:
     path.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
 
 
-class Output:
+class RunOutput:
     """Process 0's view of the run: printed lines, metrics.jsonl, the progress bar and the loss curve; the other
     processes of a multi-process run show nothing."""
 

@@ -8,11 +8,9 @@ from __future__ import annotations
 
 import math
 
-import flax.errors
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
 from jax_transformer import checks
@@ -25,46 +23,20 @@ from jax_transformer.positions import position_table
 xavier_uniform = nn.initializers.xavier_uniform()
 
 
-class Params:
-    """A mixin for the modules here: `param` hands back an existing parameter after comparing its shape with the
-    one asked for (the initializer's first argument, as for every parameter here), with Flax's own error. Flax's
-    `param` checks it against `jax.eval_shape` of the initializer instead, at every apply: a noticeable share of
-    tracing a program (docs/benchmarks.md, "Starting a translate")."""
-
-    def param(self, name, init_fn, *init_args, unbox=True, **init_kwargs):
-        shape = init_args[0] if init_args and isinstance(init_args[0], (tuple, list)) else None
-        if shape is None or not self.has_variable("params", name):  # being initialised, or no shape to compare
-            return super().param(name, init_fn, *init_args, unbox=unbox, **init_kwargs)
-        self.scope.reserve(name, "params")  # a name used twice is still Flax's error
-        value = self.get_variable("params", name)
-        array = nn.meta.unbox(value)
-        if np.shape(array) != tuple(shape):
-            raise flax.errors.ScopeParamShapeError(name, self.scope.path_text, np.shape(array), tuple(shape))
-        return array if unbox else value
-
-
-class LayerNorm(Params, nn.LayerNorm):
-    """`nn.LayerNorm`, its parameters read as `Params` says."""
-
-
-class Embed(Params, nn.Embed):
-    """`nn.Embed`, its parameters read as `Params` says."""
-
-
 def compute_dtype(cfg: TransformerConfig) -> jnp.dtype:
     """The dtype every matmul runs in: float32 or bfloat16 (`config.dtype`; see the module docstring)."""
     return jnp.dtype(cfg.dtype)
 
 
-def _layer_norm(cfg: TransformerConfig, name: str) -> LayerNorm:
+def _layer_norm(cfg: TransformerConfig, name: str) -> nn.LayerNorm:
     # Two-pass variance E[(x - mean)^2], as torch computes it; the fast E[x^2] - mean^2 loses digits.
     # Always float32: its input is the float32 residual stream, and so is its output.
-    return LayerNorm(
+    return nn.LayerNorm(
         epsilon=cfg.layer_norm_eps, use_bias=cfg.norm_bias, use_fast_variance=False, dtype=jnp.float32, name=name
     )
 
 
-class Dense(Params, nn.Module):
+class Dense(nn.Module):
     """x W + b in the compute dtype, rounded once: the operands are cast to the compute dtype, the matmul
     accumulates in float32, the bias (cast to the compute dtype) is added to that float32 accumulator, and the sum
     is rounded to the compute dtype, as torch's fused bias-matmul (`F.linear`) does. `nn.Dense` would round twice,
@@ -352,7 +324,7 @@ class DecoderLayer(nn.Module):
         )
 
 
-class Positions(Params, nn.Module):
+class Positions(nn.Module):
     """Adds position information to embedded tokens: the paper's fixed sinusoids or a learned table."""
 
     config: TransformerConfig
@@ -487,7 +459,7 @@ class Decoder(nn.Module):
         return x
 
 
-class Transformer(Params, nn.Module):
+class Transformer(nn.Module):
     """The full model: `encode` the source once, `decode` target prefixes against it, logits over the target
     vocabulary. `__call__(src, tgt_in)` does both (teacher forcing)."""
 
@@ -496,10 +468,10 @@ class Transformer(Params, nn.Module):
     def setup(self):
         cfg = self.config
         if cfg.share_embeddings:
-            self.shared_embed = Embed(cfg.src_vocab_size, cfg.d_model, embedding_init=xavier_uniform)
+            self.shared_embed = nn.Embed(cfg.src_vocab_size, cfg.d_model, embedding_init=xavier_uniform)
         else:
-            self.source_embed = Embed(cfg.src_vocab_size, cfg.d_model, embedding_init=xavier_uniform)
-            self.target_embed = Embed(cfg.tgt_vocab_size, cfg.d_model, embedding_init=xavier_uniform)
+            self.source_embed = nn.Embed(cfg.src_vocab_size, cfg.d_model, embedding_init=xavier_uniform)
+            self.target_embed = nn.Embed(cfg.tgt_vocab_size, cfg.d_model, embedding_init=xavier_uniform)
         self.encoder = Encoder(cfg)
         self.decoder = Decoder(cfg)
         if not cfg.tie_output:
@@ -507,7 +479,7 @@ class Transformer(Params, nn.Module):
         elif cfg.logits_bias:  # Marian's final_logits_bias, on the tied output
             self.logits_bias = self.param("logits_bias", nn.initializers.zeros_init(), (cfg.tgt_vocab_size,))
 
-    def _embedding(self, side: str) -> Embed:
+    def _embedding(self, side: str) -> nn.Embed:
         if self.config.share_embeddings:
             return self.shared_embed
         return self.source_embed if side == "source" else self.target_embed

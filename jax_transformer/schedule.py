@@ -7,11 +7,11 @@ default on a CPU, is a throughput layer tuned on CPUs (the measurements behind e
 - finished sentences leave the batch: a program stops once at most the next of `shrink_levels` sentences are open,
   and the next goes on with those rows only (a compiled loop has one batch shape, so a batch would otherwise run
   as long as its longest sentence);
-- the cache grows through `phases` (16, 32, 64, ... positions) instead of being the output limit's length, so a step
-  never reads much more than twice the positions written so far;
+- the cache grows through `cache_lengths` (16, 32, 64, ... positions) instead of being the output limit's length, so a
+  step never reads much more than twice the positions written so far;
 - the encoder runs on groups of ENCODER_ROWS sources of alike length, each cut to its longest source.
 
-Each also says what it will run, so that callers can compile it ahead (`programs`, `encoders`), and how many whole
+Each also says what it will run, so that callers can compile it ahead (`programs`, `encoder_shapes`), and how many whole
 batches `translate` should decode at once (`for_batches`). The search loop knows none of this.
 """
 
@@ -21,6 +21,7 @@ import contextlib
 import dataclasses
 import functools
 import os
+import threading
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 
@@ -34,7 +35,7 @@ from jax_transformer.model import grow_cache, select_cache
 from jax_transformer.search import Rules, SearchState
 
 
-def default() -> Whole:
+def default() -> Schedule:
     """`Scheduled()` where JAX computes on the CPU, else `Whole()`."""
     return Scheduled() if jax.default_backend() == "cpu" else Whole()
 
@@ -43,17 +44,18 @@ def _shape(shape, dtype=jnp.int32) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(shape, dtype)
 
 
-def _abstract(tree):
-    """The shapes of a tree's arrays (and of numpy scalars), for compiling ahead."""
-    return jax.tree.map(lambda x: _shape(np.shape(x), x.dtype), tree)
+class Schedule:
+    """What a schedule answers: how a batch decodes (`decode`), how many of `translate`'s batches run at once
+    (`for_batches`), and what it will compile (`programs`, `encoder_shapes`, `encoder_programs`). `Whole` is the
+    plain one; `Scheduled` the CPU's."""
 
 
 @dataclasses.dataclass(frozen=True)
-class Whole:
-    """A batch as one program: the encoder over the whole batch, then the search from start to end with a cache of
-    the output length."""
+class Whole(Schedule):
+    """A batch as one program: the encoder over the whole batch and its whole width (one program per batch shape:
+    compiling is what costs on a GPU), then the search from start to end with a cache of the output length."""
 
-    def for_batches(self, n_batches: int) -> tuple[int, Whole]:
+    def for_batches(self, n_batches: int) -> tuple[int, Schedule]:
         """How many of `n_batches` batches to decode at the same time, each in a thread of its own (one), and the
         schedule each then runs on."""
         return 1, self
@@ -68,7 +70,7 @@ class Whole:
         state = search.start(params, src, memory, rules, limit, np.int32(0), **options)
         return best(state)
 
-    def encoders(self, row_lengths: np.ndarray, width: int) -> set[tuple[int, int, int]]:
+    def encoder_shapes(self, row_lengths: np.ndarray, width: int) -> set[tuple[int, int, int]]:
         """The (rows, cut width, batch width) of the encoder programs a batch of sources of these lengths (B,),
         `width` wide, runs."""
         return {(len(row_lengths), width, width)}
@@ -127,7 +129,7 @@ def side_by_side() -> int:
     return 2 if usable_cores() >= 2 else 1
 
 
-def parts(rows: int, split: bool = True) -> int:
+def parallel_parts(rows: int, split: bool = True) -> int:
     """How many parts a batch of `rows` sentences is cut into, decoded at the same time: `side_by_side()` for an even
     batch of PARTED_FROM sentences or more, with `split`; else 1."""
     if not split or rows % 2 or rows < PARTED_FROM:
@@ -145,7 +147,7 @@ def shrink_levels(rows: int, beams: int = 1) -> tuple[int, ...]:
     return tuple(levels)
 
 
-def phases(length: int, hypotheses: int, first: int = 16) -> list[int]:
+def cache_lengths(length: int, hypotheses: int, first: int = 16) -> list[int]:
     """The cache lengths a batch of `hypotheses` rows (sentences x beams) goes through: 16, 32, 64, ... and `length`
     last (at most about twice the one before: 16, 32, 65, not 16, 32, 64, 65); one cache of `length` below
     PHASED_FROM hypotheses, where a step's attention is a small part of it and each program costs more than it
@@ -244,7 +246,7 @@ class Scheduled(Whole):
 
     split: bool = True
 
-    def for_batches(self, n_batches: int) -> tuple[int, Whole]:
+    def for_batches(self, n_batches: int) -> tuple[int, Schedule]:
         """`side_by_side()` whole batches at once where there are that many, none cut in parts: each core
         multiplies matrices of twice the rows of a half batch, and one that finishes goes on with the next batch
         instead of waiting for the other half. Else 1, a batch at a time, which `decode` may cut in parts."""
@@ -254,11 +256,11 @@ class Scheduled(Whole):
         return 1, self
 
     def decode(self, params, config, rules, src, limit, length):
-        """`Whole.decode`, with the batch cut in `parts(B, split)` interleaved parts decoded at once (part i takes rows
-        i, i + n, ...: `translate` sorts a batch by length and puts its filler rows last, so the parts get alike
-        lengths), each shrinking and growing its cache as it goes (`_decode_part`). The rows are independent: the
+        """`Whole.decode`, with the batch cut in `parallel_parts(B, split)` interleaved parts decoded at once (part i
+        takes rows i, i + n, ...: `translate` sorts a batch by length and puts its filler rows last, so the parts get
+        alike lengths), each shrinking and growing its cache as it goes (`_decode_part`). The rows are independent: the
         results are those of one loop over the whole batch, up to the rounding of smaller matrix products."""
-        n = parts(src.shape[0], self.split)
+        n = parallel_parts(src.shape[0], self.split)
         if n == 1:
             return self._decode_part(params, config, rules, src, limit, length)
         settings = callers_settings()
@@ -279,7 +281,7 @@ class Scheduled(Whole):
         a small program for each new shape)."""
         K = rules.beams
         levels = shrink_levels(src.shape[0], K)
-        ends = phases(length, levels[0] * K)
+        ends = cache_lengths(length, levels[0] * K)
 
         def until(rows: int):  # the next level below `rows`
             return np.int32(next((level for level in levels if level < rows), 0))
@@ -315,24 +317,29 @@ class Scheduled(Whole):
                 state = _grow_jit(state, length=next(end for end in ends if end > T))
             state = search.resume(params, src, memory, rules, state, until(rows), config=config)
 
-    def encoders(self, row_lengths, width):
-        n = parts(len(row_lengths), self.split)
+    def encoder_shapes(self, row_lengths, width):
+        n = parallel_parts(len(row_lengths), self.split)
         shapes = set()
         for i in range(n):  # part i takes rows i, i + n, ...
             shapes.update((len(group), cut, width) for group, cut in encoder_groups(row_lengths[i::n], width))
         return shapes
 
     def programs(self, params, config, rules, rows, width, length):
-        rows //= parts(rows, self.split)  # each part runs the programs of its own rows
+        rows //= parallel_parts(rows, self.split)  # each part runs the programs of its own rows
         K = rules.beams
-        ends = phases(length, rows * K)
+        ends = cache_lengths(length, rows * K)
         options = dict(config=config, length=length, cache_len=ends[0])
         args = (params, _shape((rows, width)), _memory(config, rows, width), rules, _shape((rows,)), _shape(()))
         jobs = {f"{rows}x{width} cache {ends[0]}": lambda: search.start.compile_ahead(*args, **options)}
 
-        @functools.cache  # traced once for all the programs that go on from it
+        traced = []  # the first program's output state, traced once for all the programs that go on from it
+        lock = threading.Lock()  # compile-ahead jobs run in threads
+
         def first_state():
-            return jax.eval_shape(functools.partial(search.start.__wrapped__, **options), *args)
+            with lock:
+                if not traced:
+                    traced.append(jax.eval_shape(functools.partial(search.start.__wrapped__, **options), *args))
+                return traced[0]
 
         def carried(state, memory, src, level: int, end: int):  # what `decode` carries to a program of that level
             picked, memory, src = select_rows(state, memory, src, jnp.zeros(level, jnp.int32))
@@ -343,10 +350,10 @@ class Scheduled(Whole):
                 if (level, end) == (rows, ends[0]):
                     continue
 
-                def resume(level=level, end=end):
+                def compile_resumed(level=level, end=end):
                     shapes = functools.partial(carried, level=level, end=end)
                     state, memory, src = jax.eval_shape(shapes, first_state(), args[2], args[1])
                     search.resume.compile_ahead(params, src, memory, rules, state, _shape(()), config=config)
 
-                jobs[f"{level}x{width} cache {end} resumed"] = resume
+                jobs[f"{level}x{width} cache {end} resumed"] = compile_resumed
         return jobs

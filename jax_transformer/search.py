@@ -69,7 +69,8 @@ class Rules:
         raise NotImplementedError
 
     def exclude(self, scores, mask):
-        """`scores` with the entries of `mask` made impossible."""
+        """`scores` with the entries of `mask` out of the live set's reach: set to `impossible` here (transformers'
+        rules add it instead)."""
         return jnp.where(mask, self.impossible, scores)
 
     def finished_score(self, log_p, step):
@@ -90,6 +91,8 @@ class Rules:
         hypotheses (earlier beam, then lower token id, on ties)."""
         B, K, V = scores.shape
         if self.greedy:
+            if K != 1:
+                raise ValueError(f"greedy search has one hypothesis per sentence, got beams={K}")
             token = first_argmax(scores[:, 0])[:, None]  # (B, 1)
             gained = jnp.take_along_axis(scores[:, 0], token, axis=-1)
             return live_scores + gained, jnp.zeros_like(token), token
@@ -122,7 +125,7 @@ class Gnmt(Rules):
         return log_probs.at[..., self.eos_id].set(jnp.where(step < self.min_len, -jnp.inf, eos))
 
     def finished_score(self, log_p, step):
-        return log_p if self.greedy else log_p / self.penalties[step + 1]
+        return log_p / self.penalties[step + 1]  # greedy's penalties are all 1 (alpha 0): the sum itself
 
     def still_open(self, s, live_scores, finished_scores, finished, ends):
         if self.greedy:
@@ -183,7 +186,8 @@ class Transformers(Rules):
         worst = jnp.where(finished, jnp.min(finished_scores, axis=1, keepdims=True), NEG)
         improvable = s.open & jnp.any(best_possible[:, None] > worst, axis=1)
         full = jnp.all(finished, axis=1) & (self.early_stopping == "true")
-        return improvable & ~full & ~jnp.all(ends)  # every candidate ending: transformers stops the whole batch
+        # A sentence closes at its length limit too; every candidate ending stops the batch, as in transformers.
+        return improvable & ~full & (s.step + 1 < s.limit) & ~jnp.all(ends)
 
 
 # =============================================================================================================
@@ -211,7 +215,7 @@ def initial_state(rules: Rules, src, limit, length: int, cache_len: int, cache, 
 
 def advance(s: SearchState, rules: Rules, step_fn) -> SearchState:
     """One step of every hypothesis: extend, rank, keep the K best live ones and the K best finished ones."""
-    B, K, L = s.live_tokens.shape
+    B, K, _ = s.live_tokens.shape
     t = s.step
     last = jnp.where(t == 0, rules.start_id, s.live_tokens[:, :, jnp.maximum(t - 1, 0)])  # (B, K)
     history = s.history.at[:, :, t].set(jnp.arange(K))  # hypothesis k's new position goes to cache slot k
@@ -231,14 +235,21 @@ def advance(s: SearchState, rules: Rules, step_fn) -> SearchState:
     # Finished: the K best of the old and of the candidates that end among the first K (fairseq's rule: an ending
     # candidate ranked below them is dropped), in open sentences only.
     finishing = ends & (jnp.arange(ends.shape[1]) < K) & s.open[:, None]  # (B, C)
-    new_scores = rules.exclude(rules.finished_score(log_p, t), ~finishing)
+    new_scores = jnp.where(finishing, rules.finished_score(log_p, t), rules.impossible)
     finished_scores, pick = lax.top_k(jnp.concatenate([s.finished_scores, new_scores], axis=1), K)
     finished_tokens = _gather(jnp.concatenate([s.finished_tokens, candidates], axis=1), pick)
     finished = _gather(jnp.concatenate([s.finished, finishing], axis=1), pick)
 
-    is_open = rules.still_open(s, live_scores, finished_scores, finished, ends)
-    return SearchState(
-        t + 1, live_tokens, live_scores, finished_tokens, finished_scores, finished, is_open, s.limit, history, cache
+    return s.replace(
+        step=t + 1,
+        live_tokens=live_tokens,
+        live_scores=live_scores,
+        finished_tokens=finished_tokens,
+        finished_scores=finished_scores,
+        finished=finished,
+        open=rules.still_open(s, live_scores, finished_scores, finished, ends),
+        history=history,
+        cache=cache,
     )
 
 
@@ -362,7 +373,8 @@ def _step_function(config: TransformerConfig, params, memory, src):
 @functools.partial(jit_by_config, static_argnames=("config", "length", "cache_len"), cpu_options=LOOP_CPU_OPTIONS)
 def start(params, src, memory, rules: Rules, limit, until, *, config: TransformerConfig, length: int, cache_len: int):
     """A search of the sources `src` (B, S) from the encoder's output `memory` (B, S, D): outputs of `length`
-    tokens, at most `limit` (B,) each, a cache of `cache_len` positions; runs until `until` sentences are open."""
+    tokens, at most `limit` (B,) each, a cache of `cache_len` positions; runs until at most `until` sentences are
+    open."""
     cache = create_cache(Transformer(config), params, memory, src, cache_len, rules.beams)
     state = initial_state(rules, src, limit, length, cache_len, cache, config.pad_id)
     return run(state, rules, _step_function(config, params, memory, src), until)

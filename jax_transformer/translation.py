@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 from tqdm.auto import tqdm
 
-from jax_transformer import schedule
+from jax_transformer import schedule as schedules
 from jax_transformer.checks import TokenError
 from jax_transformer.config import DecodeConfig, TransformerConfig
 from jax_transformer.decoding import DEFAULT_MAX_LEN_A, DEFAULT_MAX_LEN_B, decoder_for, on_device
@@ -61,7 +61,7 @@ def _tail_rows(n: int, batch_size: int) -> list[int]:
     """Row counts for the last n < batch_size sentences: one batch of the next power of two, or two whose rows add
     up to fewer: the largest power of two below n, and one for the rest. A step costs about its rows' share of
     the work down to a few rows, and filler rows decode like real ones until the batch shrinks: 36 sentences
-    decode as 32 + 4 rows, not as 64 (28 of them filler). A batch of fewer than `schedule.SMALLEST_LEVEL` (4) rows
+    decode as 32 + 4 rows, not as 64 (28 of them filler). A batch of fewer than `schedules.SMALLEST_LEVEL` (4) rows
     counts as 4 here, a rough floor: a beam step costs about the same below, a greedy one at 1 row about half."""
     sizes = batch_buckets(batch_size)
     whole = _bucket(n, sizes)
@@ -69,7 +69,7 @@ def _tail_rows(n: int, batch_size: int) -> list[int]:
     if first == n:
         return [n]
     second = _bucket(n - first, sizes)
-    floor = schedule.SMALLEST_LEVEL
+    floor = schedules.SMALLEST_LEVEL
     return [first, second] if max(first, floor) + max(second, floor) < whole else [whole]
 
 
@@ -97,35 +97,35 @@ def translation_batches(lengths: Sequence[int], batch_size: int, max_len: int) -
 @dataclasses.dataclass(frozen=True)
 class TranslationPlan:
     """How `translate` decodes sources of these lengths: its batches (`translation_batches`), how many it decodes
-    at the same time (each in a thread of its own), and how each runs (`layer`, a `jax_transformer.schedule`)."""
+    at the same time (each in a thread of its own), and how each runs (`schedule`)."""
 
     lengths: np.ndarray  # (N,) each source's length, EOS included
     batches: list[tuple[np.ndarray, int, int]]  # (sentence indices, rows, width)
     at_once: int
-    layer: schedule.Whole
+    schedule: schedules.Schedule
 
     def shapes(self) -> list[tuple[int, int]]:
         """The distinct (rows, width) of its batches."""
         return sorted({(rows, width) for _, rows, width in self.batches})
 
-    def encoders(self) -> list[tuple[int, int, int]]:
+    def encoder_shapes(self) -> list[tuple[int, int, int]]:
         """The (rows, cut width, batch width) of every encoder program its batches run, filler rows included."""
         shapes = set()
         for chunk, rows, width in self.batches:
             row_lengths = np.zeros(rows, np.int64)
             row_lengths[: len(chunk)] = self.lengths[chunk]
-            shapes |= self.layer.encoders(row_lengths, width)
+            shapes |= self.schedule.encoder_shapes(row_lengths, width)
         return sorted(shapes)
 
 
 def plan_translation(
-    lengths: Sequence[int], batch_size: int, max_len: int, layer: schedule.Whole | None = None
+    lengths: Sequence[int], batch_size: int, max_len: int, schedule: schedules.Schedule | None = None
 ) -> TranslationPlan:
-    """The plan of `translate` for sources of these lengths (EOS included), on `layer` (default:
+    """The plan of `translate` for sources of these lengths (EOS included), on `schedule` (default:
     `schedule.default()`, which says how many whole batches to decode at once and how each then runs)."""
     batches = translation_batches(lengths, batch_size, max_len)
-    at_once, layer = (layer or schedule.default()).for_batches(len(batches))
-    return TranslationPlan(np.asarray(lengths, np.int64), batches, at_once, layer)
+    at_once, schedule = (schedule or schedules.default()).for_batches(len(batches))
+    return TranslationPlan(np.asarray(lengths, np.int64), batches, at_once, schedule)
 
 
 def compile_translation(
@@ -148,9 +148,11 @@ def compile_translation(
             config, decode, width, beam_size=beam_size, alpha=0.6, max_len_a=max_len_a, max_len_b=max_len_b
         )
         name = f"{type(decoder.rules).__name__.lower()} {'greedy' if decoder.rules.greedy else f'beam {beam_size}'}"
-        for program, job in decoder.programs(params, rows, width, plan.layer).items():
+        for program, job in decoder.programs(params, rows, width, plan.schedule).items():
             jobs[f"{name} {program}"] = job
-    for (rows, cut, width), job in plan.layer.encoder_programs(on_device(params), config, plan.encoders()).items():
+    for (rows, cut, width), job in plan.schedule.encoder_programs(
+        on_device(params), config, plan.encoder_shapes()
+    ).items():
         jobs[f"encoder {rows}x{cut} of width {width}"] = job  # shared by the batches of that width
     return jobs
 
@@ -216,7 +218,7 @@ def _translate_sources(
     """Decoded text of encoded sources (ids + EOS), in their order; see `translate`."""
     plan = plan_translation([len(s) for s in sources], batch_size, config.max_len)
     params = on_device(params)  # once for all the batches of a call (of a chunk, for translate_lines)
-    settings = schedule.callers_settings()  # the caller's matmul precision and device, in the pool's threads too
+    settings = schedules.callers_settings()  # the caller's matmul precision and device, in the pool's threads too
     options = dict(beam_size=beam_size, alpha=alpha, max_len_a=max_len_a, max_len_b=max_len_b)
 
     def decode_batch(batch) -> np.ndarray:  # (rows, T) tokens of one batch
@@ -225,7 +227,7 @@ def _translate_sources(
         for row, i in enumerate(chunk):
             src[row, : len(sources[i])] = sources[i]
         with settings():
-            return decoder_for(config, decode, width, **options)(params, src, plan.layer)[0]
+            return decoder_for(config, decode, width, **options)(params, src, plan.schedule)[0]
 
     out: list[str] = [""] * len(sources)
     bar = tqdm(total=len(plan.batches), desc="translate", unit="batch", disable=not progress or len(plan.batches) < 2)

@@ -241,7 +241,7 @@ def test_multi30k_benchmark_runs_the_multi30k_recipe_and_splits_old_runs_by_phas
     records = [{"kind": "train", "step": s, "elapsed_s": t} for s, t in ((1, 3.0), (2, 4.0), (3, 6.0), (4, 7.0))]
     records.insert(2, {"kind": "eval", "step": 2, "elapsed_s": 5.0})
     lines = [
-        (4.5, "Finished XLA compilation of jit(_greedy_core) in 0.5 sec"),
+        (4.5, "Finished XLA compilation of jit(start) in 0.5 sec"),
         (1.5, "Finished tracing f for jit in 1 sec"),
     ]
     phases = multi30k.estimated_phases(records, lines, wall=10.0)

@@ -49,7 +49,7 @@ def test_every_program_is_compiled_ahead_and_nothing_in_the_loop(evaluated_run):
     # (16: the output limit). Both evaluations have two batches or more: each batch decodes whole, on any machine
     # (on a CPU of two cores or more, two batches at once: schedule.Scheduled.for_batches). The encoder runs on a
     # batch's rows, at most 16 at a time, cut to 8 or 16 positions (schedule.encode_batch), in the groups the
-    # sentences make (translation.TranslationPlan.encoders): the 20 sentences of the evaluations during training
+    # sentences make (translation.TranslationPlan.encoder_shapes): the 20 sentences of the evaluations during training
     # have at most 8 tokens (16 x 8 and 4 x 8), the 300 of the final one up to 16 (16 x 8, 16 x 16); no group of 4 is
     # 16 wide.
     expected = [

@@ -169,7 +169,7 @@ def test_cached_steps_equal_full_forward(norm_first, positions, grown):
     tgt_in = np.random.default_rng(4).integers(3, VOCAB, (len(src), 10)).astype(np.int32)
     tgt_in[:, 0] = config.bos_id
     # A cache longer than the 10 steps: its unused positions must not count; or a cache of 4 positions, full
-    # after 4 steps, padded to 13 (a next phase: schedule.phases) for the other 6.
+    # after 4 steps, padded to 13 (a next phase: schedule.cache_lengths) for the other 6.
     cache_len = 13 if grown is None else grown[0]
     full, stepped = cached_and_full_logits(params, src, tgt_in, config=config, cache_len=cache_len, grown=grown)
     worst = float(np.max(np.abs(np.asarray(full) - np.asarray(stepped))))
@@ -179,11 +179,11 @@ def test_cached_steps_equal_full_forward(norm_first, positions, grown):
 
 def test_phases_double_up_to_the_cache_length():
     wide = schedule.PHASED_FROM
-    assert schedule.phases(10, wide) == [10]
-    assert schedule.phases(16, wide) == [16]
-    assert schedule.phases(24, wide) == [24] and schedule.phases(33, wide) == [16, 33]
-    assert schedule.phases(64, wide) == [16, 32, 64] and schedule.phases(65, wide) == [16, 32, 65]
-    assert schedule.phases(511, wide) == [16, 32, 64, 128, 511]
+    assert schedule.cache_lengths(10, wide) == [10]
+    assert schedule.cache_lengths(16, wide) == [16]
+    assert schedule.cache_lengths(24, wide) == [24] and schedule.cache_lengths(33, wide) == [16, 33]
+    assert schedule.cache_lengths(64, wide) == [16, 32, 64] and schedule.cache_lengths(65, wide) == [16, 32, 65]
+    assert schedule.cache_lengths(511, wide) == [16, 32, 64, 128, 511]
 
 
 def test_batches_shrink_to_4_sentences_of_a_beam_search_and_1_row_of_a_greedy_one():
@@ -194,8 +194,8 @@ def test_batches_shrink_to_4_sentences_of_a_beam_search_and_1_row_of_a_greedy_on
 
 
 def test_phases_below_a_few_hypotheses_are_one_cache():
-    assert schedule.phases(65, schedule.PHASED_FROM - 1) == [65]
-    assert schedule.phases(65, 1) == [65]
+    assert schedule.cache_lengths(65, schedule.PHASED_FROM - 1) == [65]
+    assert schedule.cache_lengths(65, 1) == [65]
 
 
 def test_weights_given_as_numpy_go_to_the_device_once(model_b, monkeypatch):
@@ -219,9 +219,9 @@ def test_weights_given_as_numpy_go_to_the_device_once(model_b, monkeypatch):
 
     for name in ("encoder", "start", "resume"):
         monkeypatch.setattr(search, name, noting(getattr(search, name)))
-    for layer in (schedule.Whole(), schedule.Scheduled()):
+    for way in (schedule.Whole(), schedule.Scheduled()):
         seen.clear()
-        decoding.greedy_search(jax.tree.map(np.asarray, params), config, src, layer=layer)
+        decoding.greedy_search(jax.tree.map(np.asarray, params), config, src, schedule=way)
         assert seen and all(seen)
 
 
@@ -516,19 +516,19 @@ def test_translation_batches_use_a_small_fixed_set_of_shapes():
     assert sorted(np.concatenate([chunk for chunk, _, _ in batches]).tolist()) == list(range(150))
     assert all(max(lengths[i] for i in chunk) <= width for chunk, _, width in batches)
     # Four batches: on the CPU's schedule with two cores or more, each decodes whole, two at once; elsewhere one at a
-    # time, each cut in parts where that helps (schedule.parts).
+    # time, each cut in parts where that helps (schedule.parallel_parts).
     plan = translation.plan_translation(lengths, 64, 128, schedule.Scheduled())
     assert plan.shapes() == [(8, 64), (16, 64), (64, 32), (64, 64)]
     two = schedule.side_by_side() > 1
-    assert (plan.at_once, plan.layer) == ((2, schedule.Scheduled(split=False)) if two else (1, schedule.Scheduled()))
+    assert (plan.at_once, plan.schedule) == ((2, schedule.Scheduled(split=False)) if two else (1, schedule.Scheduled()))
     plan = translation.plan_translation(lengths, 64, 128, schedule.Whole())
-    assert (plan.at_once, plan.layer) == (1, schedule.Whole())
+    assert (plan.at_once, plan.schedule) == (1, schedule.Whole())
     # Fewer sentences than batch_size: one batch of the next power of two, or two whose rows add up to fewer
     # (counting a batch of fewer than 4 rows as 4).
     rows = {n: [r for _, r, _ in translation.translation_batches([5] * n, 64, 128)] for n in (3, 5, 9, 36, 50, 63)}
     assert rows == {3: [4], 5: [8], 9: [8, 1], 36: [32, 4], 50: [64], 63: [64]}
     plan = translation.plan_translation([5, 9, 3], 64, 128, schedule.Scheduled())
-    assert plan.shapes() == [(4, 16)] and plan.layer == schedule.Scheduled()  # one batch: it may be cut in parts
+    assert plan.shapes() == [(4, 16)] and plan.schedule == schedule.Scheduled()  # one batch: it may be cut in parts
     assert translation.translation_batches([], 64, 128) == []
     with pytest.raises(ValueError, match="batch_size must be an int >= 1"):
         translation.translation_batches([3], 0, 128)
@@ -585,7 +585,7 @@ def test_translate_compiles_once_per_shape_and_ahead_of_time(tiny_translator, mo
         for batch in (chosen, few)
     ]
     # Widths 16 and max_len 24; 3 sentences: 4 rows. The many batches of `chosen` decode whole, two at once; the one
-    # batch of `few` may be cut in parts (schedule.parts: not at 4 rows).
+    # batch of `few` may be cut in parts (schedule.parallel_parts: not at 4 rows).
     assert [(plan.shapes(), plan.at_once) for plan in plans] == [([(8, 16), (8, 24)], 2), ([(4, 24)], 1)]
     # Greedy here; beam search goes through the same shapes (tests/test_compile.py compiles its decoders ahead).
     with compiled_functions() as compiled:
@@ -594,8 +594,8 @@ def test_translate_compiles_once_per_shape_and_ahead_of_time(tiny_translator, mo
             jobs |= translation.compile_translation(params, config, plan, beam_size=1)
         for compile_job in jobs.values():
             compile_job()
-    # An output limit of 24 tokens (max_len) decodes with one cache of 24 positions (schedule.phases); batches of 8
-    # rows shrink to 2 and 1, batches of 4 to 1 (schedule.shrink_levels).
+    # An output limit of 24 tokens (max_len) decodes with one cache of 24 positions (schedule.cache_lengths); batches
+    # of 8 rows shrink to 2 and 1, batches of 4 to 1 (schedule.shrink_levels).
     expected = [
         "gnmt greedy 1x16 cache 24 resumed",
         "gnmt greedy 1x24 cache 24 resumed",
@@ -608,7 +608,7 @@ def test_translate_compiles_once_per_shape_and_ahead_of_time(tiny_translator, mo
     # The encoder runs on a batch's rows (at most schedule.ENCODER_ROWS) cut to widths of 8, 16, ... up to the
     # batch's, its output padded back to the batch's width (schedule.encode_batch): a program per group shape and
     # batch width, shared by the shapes of that width; the plans list the groups their sentences make.
-    encoders = sorted({f"encoder {r}x{c} of width {w}" for plan in plans for r, c, w in plan.encoders()})
+    encoders = sorted({f"encoder {r}x{c} of width {w}" for plan in plans for r, c, w in plan.encoder_shapes()})
     assert sorted(jobs) == sorted(expected + encoders)
     assert sorted(name for name, _ in compiled) == sorted(
         ["jit(start)"] * 3 + ["jit(resume)"] * 4 + ["jit(encoder)"] * len(encoders)
@@ -644,10 +644,10 @@ def test_translation_encoders_are_the_encoder_programs_translate_runs(tiny_trans
         ran.clear()
         translation.translate(params, config, tokenizer, batch, beam_size=1, batch_size=32, progress=False)
         batch_lengths = [len(s) for s in translation.encode_sources(tokenizer, batch, config)]
-        plans.append(translation.plan_translation(batch_lengths, 32, config.max_len).encoders())
+        plans.append(translation.plan_translation(batch_lengths, 32, config.max_len).encoder_shapes())
         assert ran == set(plans[-1])
     assert {width for _, _, width in plans[0]} == {16, 24} and (16, 8, 16) in plans[0]
-    assert {(rows, width) for rows, _, width in plans[1]} == {(16 // schedule.parts(16), 16)}
+    assert {(rows, width) for rows, _, width in plans[1]} == {(16 // schedule.parallel_parts(16), 16)}
 
 
 def test_plot_attention_draws_every_layer_and_head(tiny_translator, tmp_path):
@@ -730,25 +730,30 @@ def test_top_k_is_lax_top_k_ties_and_infinities_included(k):
         np.testing.assert_array_equal(np.asarray(index), np.asarray(want_index))
 
 
+@pytest.mark.parametrize("shift", [0.0, 100.0], ids=["logits", "logits + 100"])
 @pytest.mark.parametrize("num_beams", [1, 4])
-def test_generate_leaves_filler_rows_finished_from_the_start(num_beams, model_a):
+def test_generate_leaves_filler_rows_finished_from_the_start(num_beams, shift, model_a):
     """transformers-rules decoding (generate) of a batch with an all-PAD filler row, as `translate` pads its
     batches: the filler row comes out all PAD (decoded, it produced tokens up to max_length and held up the batch's
-    loop), and the real rows come out as without it."""
+    loop), and the real rows come out as without it. Also where the logits are large and positive (every one
+    shifted by 100, which changes no log-prob): greedy ranks the logits themselves, and their sums must not push
+    an unfinished hypothesis into the finished set."""
     from jax_transformer.decoding import generate
 
     config, params, src = model_a
+    params = {**params, "output_proj": {**params["output_proj"], "bias": params["output_proj"]["bias"] + shift}}
     filler = np.full((1, src.shape[1]), config.pad_id, np.int32)
     options = dict(max_length=12, num_beams=num_beams, banned=(config.pad_id,))
     alone = generate(params, config, src, **options)
     with_filler = generate(params, config, np.concatenate([src, filler]), **options)
     np.testing.assert_array_equal(with_filler[:-1], alone)
     assert np.all(with_filler[-1] == config.pad_id)
+    assert np.all(alone != config.pad_id, axis=1).sum() < len(alone)  # some rows end before max_length, PAD after
 
 
 def test_batch_parts_run_with_the_callers_precision_and_come_back_in_row_order(monkeypatch):
-    """The CPU's schedule hands each part (schedule.parts: two on a CPU of two cores or more) every n-th row, decodes
-    the parts in threads of their own, each under the caller's matmul precision (a per-thread jax setting), and
+    """The CPU's schedule hands each part (schedule.parallel_parts: two on a CPU of two cores or more) every n-th row,
+    decodes the parts in threads of their own, each under the caller's matmul precision (a per-thread jax setting), and
     puts the rows of every result back where they were."""
     seen = []
 
@@ -770,7 +775,7 @@ def test_batch_parts_run_with_the_callers_precision_and_come_back_in_row_order(m
 @pytest.mark.parametrize("search_kind", ["greedy", "beam 4", "generate greedy", "generate beam 4"])
 def test_finished_sentences_leave_the_batch_and_change_nothing(search_kind, monkeypatch):
     """A batch of 32 real sentences of a trained model (saved weights: their output lengths differ, so rows finish
-    at different steps), decoded on the CPU's schedule in two halves at once (schedule.parts), shrinks as they
+    at different steps), decoded on the CPU's schedule in two halves at once (schedule.parallel_parts), shrinks as they
     finish (beam 16 -> 4 sentences a half, greedy on to 1 row) and gives the tokens and scores of one loop over the
     whole batch (schedule.Whole), by both rule sets; the programs of every level are those the schedule lists
     (`programs`), compiled ahead."""
@@ -798,7 +803,7 @@ def test_finished_sentences_leave_the_batch_and_change_nothing(search_kind, monk
     # The programs of every level compiled ahead, as translate does: decoding compiles nothing more.
     for compile_job in decoder.programs(params, *src.shape, layer).values():
         compile_job()
-    encoders = layer.encoders(np.count_nonzero(src != config.pad_id, axis=1), src.shape[1])  # of the two halves
+    encoders = layer.encoder_shapes(np.count_nonzero(src != config.pad_id, axis=1), src.shape[1])  # of the two halves
     for compile_job in layer.encoder_programs(decoding.on_device(params), config, encoders).values():
         compile_job()
     monkeypatch.setattr(schedule, "_select_rows_jit", counted)

@@ -27,7 +27,7 @@ from tests.helpers.tooling import compiled_functions
 from tests.helpers.training import REPO
 
 DECODERS = ("encoder", "start", "resume")  # as jax names them in its trace events
-LAYER = schedule.Scheduled()
+SCHEDULE = schedule.Scheduled()
 
 
 @contextlib.contextmanager
@@ -50,9 +50,9 @@ def _searches(params, config, src) -> dict[str, tuple]:
     """Searches that store programs: this project's greedy and beam search, and transformers' rules' beam search
     (whose rules are another class), each through the CPU's schedule (programs that start and go on)."""
     return {
-        "greedy": decoding.greedy_search(params, config, src, layer=LAYER),
-        "beam 3": decoding.beam_search(params, config, src, beam_size=3, alpha=0.6, layer=LAYER),
-        "generate beam 2": (decoding.generate(params, config, src, max_length=12, num_beams=2, layer=LAYER),),
+        "greedy": decoding.greedy_search(params, config, src, schedule=SCHEDULE),
+        "beam 3": decoding.beam_search(params, config, src, beam_size=3, alpha=0.6, schedule=SCHEDULE),
+        "generate beam 2": (decoding.generate(params, config, src, max_length=12, num_beams=2, schedule=SCHEDULE),),
     }
 
 
