@@ -66,7 +66,8 @@ def add_settings(
             section.add_argument(flag, action=argparse.BooleanOptionalAction, **options)
             continue
         choices = field.metadata.get("choices")
-        metavar = None if choices else {int: "N", float: "X"}.get(types[0], "FILE" if group == "data" else "S")
+        text = "CODE" if field.name.endswith("_lang") else "FILE" if group == "data" else "S"
+        metavar = None if choices else {int: "N", float: "X"}.get(types[0], text)
         nargs = "+" if field.name in several else None
         section.add_argument(
             flag, *ALIASES.get(field.name, []), type=types[0], metavar=metavar, choices=choices, nargs=nargs, **options
@@ -201,6 +202,13 @@ def checkpoint_flags(p, *, compute: bool = False) -> None:
         add_settings(p, TransformerConfig, "model", "how to compute", only=COMPUTE_FIELDS, default="the checkpoint's")
 
 
+def language_flags(p) -> None:
+    """--src-lang and --tgt-lang: a multilingual model's languages (default: the tokenizer's, stored at import)."""
+    from jax_transformer.config import DataConfig
+
+    add_settings(p, DataConfig, "data", "languages", only=("src_lang", "tgt_lang"), default="the tokenizer's")
+
+
 def decoding_flags(p, *, several: bool = False, more: tuple[str, ...] = (), rules: bool = True) -> None:
     """--beam-size and --alpha (LoopConfig's decoding settings), the `more` LoopConfig fields named and, with
     `rules`, DecodeConfig's (default: what the checkpoint stored)."""
@@ -253,6 +261,7 @@ def evaluate_flags(sub) -> None:
         "to it), to choose the decoding on the validation set.",
     )
     checkpoint_flags(e, compute=True)
+    language_flags(e)
     evaluation_data_flags(e)
     compilation_flags(e)
     decoding_flags(e, several=True, more=("samples",))
@@ -273,6 +282,7 @@ def translate_flags(sub) -> None:
         "Without --progress / --no-progress the progress bar shows when stderr is a terminal.",
     )
     checkpoint_flags(tr, compute=True)
+    language_flags(tr)
     tr.add_argument("--input", metavar="FILE", help="UTF-8 file with one sentence per line (default: stdin)")
     decoding_flags(tr, more=("progress",))
     compilation_flags(tr)
@@ -365,6 +375,7 @@ def verify_flags(sub) -> None:
         "more than --logit-tolerance.",
     )
     checkpoint_flags(v, compute=True)
+    language_flags(v)
     evaluation_data_flags(v)
     decoding_flags(v, more=("progress",), rules=False)
     v.add_argument("--sentences", type=int, metavar="N", help="verify on the first N sentence pairs only (default all)")
@@ -473,6 +484,11 @@ def _load(args):
     # The weights alone, verified (damaged weights are a CheckpointError): no sub-command here reads the
     # optimizer's state, twice their size with Adam.
     loaded = checkpoint.load(args.checkpoint, args.step, weights_only=True)
+    languages = {k: v for k, v in given(args, "data").items() if k in ("src_lang", "tgt_lang")}
+    if languages:
+        from jax_transformer.tokenizer import with_languages
+
+        loaded = dataclasses.replace(loaded, tokenizer=with_languages(loaded.tokenizer, **languages))
     compute = given(args, "model")
     if compute:  # how to compute is not part of the model: any checkpoint runs in either dtype
         loaded = dataclasses.replace(loaded, config=loaded.config.replace(**compute))
@@ -633,7 +649,12 @@ def cmd_export(args, start_time: float) -> int:
 
         settings = run.stored_settings(loaded)
         path, kind = hub.export_transformers(loaded.params, loaded.config, loaded.tokenizer, settings, args.output)
-        model = {"marian": "MarianMTModel", "fsmt": "FSMTForConditionalGeneration"}[kind]
+        model = {
+            "marian": "MarianMTModel",
+            "fsmt": "FSMTForConditionalGeneration",
+            "m2m_100": "M2M100ForConditionalGeneration",
+            "mbart": "MBartForConditionalGeneration",
+        }[kind]
         _print(f"wrote {path}: step {loaded.step} as a transformers {model} with its tokenizer (from_pretrained)")
         return 0
     path = export.export_weights(args.output, loaded.params, loaded.config, loaded.tokenizer, format=args.format)

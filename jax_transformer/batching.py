@@ -280,9 +280,9 @@ class _Packing:
         return list(self.batches(rng))
 
     def batches(self, rng: np.random.Generator | None) -> Iterator[list[list[int]]]:
-        """`plan`'s batches one at a time, each as soon as it is full: packing an epoch of Multi30k takes ~0.2 s,
-        as long as a GPU needs for a hundred small steps, so a stream packs as it goes instead of stalling the run
-        at every epoch's start."""
+        """`plan`'s batches one at a time, each as soon as it is full: packing a whole epoch takes as long as a GPU
+        needs for many small steps, so a stream packs as it goes instead of stalling the run at every epoch's
+        start (docs/benchmarks.md)."""
         order = rng.permutation(len(self.encoded)) if rng is not None else np.arange(len(self.encoded))
         rows: list[list[int]] = [[] for _ in range(self.rows)]
         src_free = np.full(self.rows, self.length)  # free positions left in each row of the open batch

@@ -195,6 +195,9 @@ class TransformerConfig(Settings):
     # --- architecture switches -----------------------------------------------------------------------
     norm_first: bool = setting(False, "pre-norm x + f(LN(x)) instead of the paper's post-norm x = LN(x + f(x))")
     final_norm: bool = setting(False, "a LayerNorm after the last encoder and decoder layer (usual with pre-norm)")
+    embedding_norm: bool = setting(
+        False, "a LayerNorm on embedded tokens + positions, before the first layer (mBART's layernorm_embedding)"
+    )
     layer_norm_eps: float = setting(1e-5, "LayerNorm epsilon (torch's default)", above=0)
     positions: str = setting("sinusoidal", "position encoding: a fixed sinusoid table, or learned", choices=POSITIONS)
     sinusoid_layout: str = setting(
@@ -373,6 +376,10 @@ class DataConfig(Settings):
         8000, "joint SentencePiece vocabulary size, an upper bound", at_least=4, why="(pad, bos, eos, unk)"
     )
     tokenizer_type: str = setting("unigram", "SentencePiece model type", choices=("unigram", "bpe"))
+    src_lang: str | None = setting(
+        None, "a multilingual model's source language code (NLLB's eng_Latn, M2M-100's en, mBART-50's en_XX)"
+    )
+    tgt_lang: str | None = setting(None, "a multilingual model's target language code, forced as its first token")
     max_tokens: int = setting(
         4096,
         "token slots per batch (rows x padded length), all devices together; also of evaluation's loss batches",
@@ -554,6 +561,12 @@ class DecodeConfig(Settings):
     )
     min_length: int = setting(
         0, "transformers rules: no EOS before the output (start token included) is this long", at_least=0
+    )
+    forced_bos: int | None = setting(
+        None,
+        "transformers rules: the first output token (forced_bos_token_id; a multilingual model's target language "
+        "code, which --tgt-lang sets)",
+        at_least=0,
     )
 
     def check(self) -> None:

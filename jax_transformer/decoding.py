@@ -184,6 +184,7 @@ def transformers_decoder(
     banned: tuple[int, ...] = (),
     forced_eos: bool = False,
     min_length: int = 0,
+    forced_bos: int | None = None,
 ) -> Decoder:
     """transformers' `generate(num_beams=..., do_sample=False)` (`search.Transformers`): outputs of max_length - 1
     tokens (the start token not counted)."""
@@ -198,6 +199,7 @@ def transformers_decoder(
         eos_id=config.eos_id,
         min_length=np.int32(min_length),
         length_penalty=np.float32(length_penalty),
+        forced_bos=np.int32(-1 if forced_bos is None else forced_bos),
         max_length=int(max_length),
         banned=tuple(int(i) for i in banned),
         forced_eos=bool(forced_eos),
@@ -230,6 +232,7 @@ def decoder_for(
         banned=decode.banned_ids(),
         forced_eos=decode.forced_eos,
         min_length=decode.min_length,
+        forced_bos=decode.forced_bos,
     )
 
 
@@ -297,6 +300,7 @@ def generate(
     banned: tuple[int, ...] = (),
     forced_eos: bool = False,
     min_length: int = 0,
+    forced_bos: int | None = None,
     schedule: schedules.Schedule | None = None,
 ) -> np.ndarray:
     """transformers' `generate(num_beams=..., do_sample=False)` on right-padded sources (B, S).
@@ -307,6 +311,7 @@ def generate(
         banned: ids never produced (its one-token bad_words_ids).
         forced_eos: only EOS at the last position (its forced_eos_token_id).
         min_length: no EOS before the output (start token included) is this long.
+        forced_bos: the first output token (its forced_bos_token_id: a target language's code).
         schedule: as for `greedy_search`.
 
     Returns:
@@ -314,6 +319,7 @@ def generate(
     """
     src = check_source(src, config)
     options = dict(early_stopping=early_stopping, banned=banned, forced_eos=forced_eos, min_length=min_length)
+    options.update(forced_bos=forced_bos)
     decoder = transformers_decoder(
         config, max_length=max_length, num_beams=num_beams, length_penalty=length_penalty, **options
     )

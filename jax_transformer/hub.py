@@ -16,7 +16,14 @@ import numpy as np
 from jax_transformer import pretrained
 from jax_transformer.config import ConfigError, DecodeConfig, OptimConfig, TransformerConfig
 from jax_transformer.errors import DataError, UsageError
-from jax_transformer.tokenizer import FsmtTokenizer, MarianTokenizer, Tokenizer
+from jax_transformer.tokenizer import (
+    FsmtTokenizer,
+    LanguageCodeTokenizer,
+    M2M100Tokenizer,
+    MarianTokenizer,
+    Tokenizer,
+    TokenizersJsonTokenizer,
+)
 
 MARIAN_TOKENIZER_FILES = ("source.spm", "target.spm", "vocab.json")
 FSMT_TOKENIZER_FILES = ("vocab-src.json", "vocab-tgt.json", "merges.txt")
@@ -32,6 +39,8 @@ class Pretrained:
     tokenizer: Any
     generation: dict[str, Any]  # how it decodes (`generation_settings`)
     source: str
+    # config.json and generation_config.json as read (M2M-100 and mBART: an export writes them back, updated)
+    original: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 # =============================================================================================================
@@ -66,17 +75,27 @@ def _weights(folder: Path) -> dict[str, np.ndarray]:
     pytorch_model.bin (read with torch, weights only)."""
     index = folder / "model.safetensors.index.json"
     files = sorted(set(_json(index)["weight_map"].values())) if index.is_file() else ["model.safetensors"]
-    if all((folder / name).is_file() for name in files):
+    missing = [name for name in files if not (folder / name).is_file()]
+    if index.is_file() and missing:
+        raise DataError(f"{index}: its shard(s) {missing} are missing from {folder}")
+    if not missing:
         from safetensors.numpy import load_file
 
         state = {}
         for name in files:
-            state.update(load_file(str(folder / name)))
+            try:
+                state.update(load_file(str(folder / name)))
+            except Exception as e:  # noqa: BLE001 (safetensors raises its own SafetensorError, or OSError)
+                size = (folder / name).stat().st_size
+                raise DataError(f"{folder / name}: not a complete safetensors file ({size:,} bytes): {e}") from None
         return state
     if (folder / "pytorch_model.bin").is_file():
         import torch
 
-        loaded = torch.load(folder / "pytorch_model.bin", map_location="cpu", weights_only=True)
+        try:
+            loaded = torch.load(folder / "pytorch_model.bin", map_location="cpu", weights_only=True)
+        except Exception as e:  # noqa: BLE001 (torch raises many kinds for a damaged file)
+            raise DataError(f"{folder / 'pytorch_model.bin'}: cannot read it: {type(e).__name__}: {e}") from None
         return {k: v.float().numpy() for k, v in loaded.items()}
     raise DataError(f"{folder}: no model.safetensors or pytorch_model.bin")
 
@@ -95,6 +114,7 @@ def generation_settings(config: dict, generation: dict | None) -> dict[str, Any]
                 "max_length",
                 "bad_words_ids",
                 "forced_eos_token_id",
+                "forced_bos_token_id",
                 "min_length",
             )
             if k in config
@@ -113,6 +133,7 @@ def generation_settings(config: dict, generation: dict | None) -> dict[str, Any]
         "banned": [int(words[0]) for words in bad],
         "forced_eos": g.get("forced_eos_token_id") is not None,
         "min_length": int(g.get("min_length", 0)),
+        "forced_bos": g.get("forced_bos_token_id"),  # (a multilingual tokenizer's --tgt-lang sets it per call)
     }
 
 
@@ -136,16 +157,68 @@ def read_transformers(folder: Path) -> Pretrained:
         options = _json(folder / "tokenizer_config.json") if (folder / "tokenizer_config.json").is_file() else {}
         options = {"langs": options.get("langs", hf.get("langs")), "do_lower_case": options.get("do_lower_case", False)}
         tokenizer = FsmtTokenizer(_files(folder, FSMT_TOKENIZER_FILES), options)
+    elif kind in ("m2m_100", "mbart"):
+        read = pretrained.m2m100_config if kind == "m2m_100" else pretrained.mbart_config
+        config = read(hf, f"{folder}/config.json")
+        tokenizer = _language_code_tokenizer(folder, kind)
     else:
-        raise ConfigError(f"{folder}/config.json: model_type {kind!r}; this project imports 'marian' and 'fsmt'")
+        raise ConfigError(
+            f"{folder}/config.json: model_type {kind!r}; this project imports {', '.join(map(repr, MODEL_TYPES))}"
+        )
     state = _weights(folder)
-    if kind == "marian" and config.share_embeddings and "model.shared.weight" not in state:
-        state["model.shared.weight"] = state.get("model.encoder.embed_tokens.weight")  # a shared table saved untied
-        state = {k: v for k, v in state.items() if v is not None}
+    if kind != "fsmt" and config.share_embeddings and "model.shared.weight" not in state:
+        # the shared table saved under one of the names tied to it
+        for name in ("model.encoder.embed_tokens.weight", "model.decoder.embed_tokens.weight", "lm_head.weight"):
+            if name in state:
+                state["model.shared.weight"] = state[name]
+                break
     pretrained.check_copies(state, config, kind, where)
     params = pretrained.to_params(state, config, kind, where)
     _check_vocabulary(config, tokenizer, where)
-    return Pretrained(kind, config, params, tokenizer, generation_settings(hf, generation), where)
+    original = {"config": hf, "generation_config": generation or {}} if kind in ("m2m_100", "mbart") else {}
+    return Pretrained(kind, config, params, tokenizer, generation_settings(hf, generation), where, original)
+
+
+MODEL_TYPES = ("marian", "fsmt", "m2m_100", "mbart")
+
+
+def _language_code_tokenizer(folder: Path, kind: str) -> LanguageCodeTokenizer:
+    """NLLB-200's or mBART-50's tokenizer.json, else M2M-100's vocab.json and sentencepiece.bpe.model, with the
+    options of tokenizer_config.json that change ids or text (the default languages, the code list, clean-up)."""
+    config_file = folder / "tokenizer_config.json"
+    settings = _json(config_file) if config_file.is_file() else {}
+    if settings.get("legacy_behaviour"):
+        raise ConfigError(
+            f"{config_file}: legacy_behaviour=true (the language code after </s>) is not supported; NLLB's "
+            f"current placement is [src_lang] ... </s>"
+        )
+    options = {k: settings[k] for k in ("src_lang", "tgt_lang", "clean_up_tokenization_spaces") if k in settings}
+    extra = ("tokenizer_config.json", "special_tokens_map.json")
+    if (folder / "tokenizer.json").is_file():
+        files = _files(folder, ("tokenizer.json",))
+        files.update(_files(folder, [name for name in extra if (folder / name).is_file()]))
+        return _named(folder, TokenizersJsonTokenizer, files, options)
+    if kind == "mbart":
+        raise DataError(
+            f"{folder}: tokenizer.json missing (transformers writes it: AutoTokenizer.from_pretrained(folder)"
+            f".save_pretrained(folder))"
+        )
+    from transformers.models.m2m_100.tokenization_m2m_100 import FAIRSEQ_LANGUAGE_CODES
+
+    codes = settings.get("language_codes", "m2m100")
+    if codes not in FAIRSEQ_LANGUAGE_CODES:
+        raise ConfigError(f"{config_file}: language_codes {codes!r} is not one of {sorted(FAIRSEQ_LANGUAGE_CODES)}")
+    names = ["vocab.json", "sentencepiece.bpe.model"] + [name for name in extra if (folder / name).is_file()]
+    options.update(language_codes=list(FAIRSEQ_LANGUAGE_CODES[codes]), language_code_set=codes)
+    return _named(folder, M2M100Tokenizer, _files(folder, names), options)
+
+
+def _named(folder: Path, kind, files: dict[str, bytes], options: dict):
+    """`kind(files, options)`, its errors (which name the file) naming the folder too."""
+    try:
+        return kind(files, options)
+    except DataError as e:
+        raise DataError(f"{folder}/{e}") from None
 
 
 def _files(folder: Path, names) -> dict[str, bytes]:
@@ -245,7 +318,6 @@ def import_model(source: str | Path, output: str | Path, print_fn=print) -> Path
     """Writes `output` as a run directory (checkpoints/0 with the parameters, config, tokenizer and how the model
     decodes; config.json; tokenizer.model) from a pretrained model."""
     from jax_transformer.checkpoint import CheckpointManager
-    from jax_transformer.training import create_train_state, state_for_saving
 
     output = Path(output)
     if output.exists() and any(output.iterdir()):
@@ -258,12 +330,14 @@ def import_model(source: str | Path, output: str | Path, print_fn=print) -> Path
     generation = model.generation
     decode = {k: v for k, v in generation.items() if k not in ("num_beams", "length_penalty", "banned")}
     run = {
-        "imported_from": {"source": str(source), "family": model.family},
+        "imported_from": {"source": str(source), "family": model.family, **model.original},
         "loop": {"beam_size": generation["num_beams"], "alpha": generation["length_penalty"]},
         "decode": {"rules": "transformers", "banned": ",".join(map(str, generation["banned"])), **decode},
     }
     DecodeConfig.from_dict(run["decode"], source=f"{source} generation settings")  # checked before anything is written
-    state = state_for_saving(create_train_state(model.config, OptimConfig(), params=model.params))
+    # The weights alone, as `average` writes them: what translate, export and train --init-from read; no optimizer
+    # moments (zeros, twice the weights' size) held in memory or written.
+    state = {"step": np.asarray(0, np.int32), "params": model.params}
     manager = CheckpointManager(output / "checkpoints", keep=1, async_save=False)
     try:
         manager.save(0, state, config=model.config, optim=OptimConfig().to_dict(), tokenizer=model.tokenizer, run=run)
@@ -302,6 +376,9 @@ def export_transformers(
     if family in ("fsmt", "fairseq"):
         hf, state, files = _fsmt_files(params, config, tokenizer, loop, decode)
         kind = "fsmt"
+    elif family in ("m2m_100", "mbart"):
+        hf, state, files = _multilingual_files(params, config, tokenizer, loop, decode, run["imported_from"])
+        kind = family
     else:
         hf, state, files = _marian_files(params, config, tokenizer, loop, decode, own=family is None)
         kind = "marian"
@@ -396,6 +473,56 @@ def _marian_files(params, config: TransformerConfig, tokenizer, loop, decode, ow
         **{k: v for k, v in options.items() if k in ("source_lang", "target_lang")},
     }
     files["tokenizer_config.json"] = json.dumps(tokenizer_config, indent=2).encode()
+    return hf, state, files
+
+
+def _multilingual_files(params, config: TransformerConfig, tokenizer, loop, decode, origin: dict):
+    """An M2M100ForConditionalGeneration (NLLB-200, M2M-100) or MBartForConditionalGeneration directory: the
+    config.json and generation_config.json read at import with this model's values written over theirs (every
+    other field, tokenizer_class and the like, kept), the weights, and the tokenizer's own files with its
+    languages in tokenizer_config.json."""
+    family = origin["family"]
+    if not isinstance(tokenizer, LanguageCodeTokenizer):
+        raise UsageError(f"a model imported as {family} exports with its multilingual tokenizer, not {tokenizer.kind}")
+    state = pretrained.from_params(params, config, family)
+    hf = {
+        **origin.get("config", {}),
+        "vocab_size": config.src_vocab_size,
+        "d_model": config.d_model,
+        "encoder_layers": config.num_encoder_layers,
+        "decoder_layers": config.num_decoder_layers,
+        "encoder_attention_heads": config.num_heads,
+        "decoder_attention_heads": config.num_heads,
+        "encoder_ffn_dim": config.d_ff,
+        "decoder_ffn_dim": config.d_ff,
+        "max_position_embeddings": config.max_len,
+        "dropout": config.dropout,
+        "attention_dropout": config.attention_dropout,
+        "activation_dropout": config.activation_dropout,
+        "activation_function": config.activation,
+        "scale_embedding": config.scale_embeddings,
+        "tie_word_embeddings": True,
+        "pad_token_id": config.pad_id,
+        "bos_token_id": config.bos_id,
+        "eos_token_id": config.eos_id,
+        "decoder_start_token_id": config.decoder_start_id,
+    }
+    generation = {
+        **origin.get("generation_config", {}),
+        **_generation_json(config, loop, decode),
+    }
+    if not decode.get("forced_eos", True):  # (as _generation_json reads it)
+        generation.pop("forced_eos_token_id", None)
+    files = dict(tokenizer.files)
+    settings = json.loads(files.get("tokenizer_config.json", b"{}"))
+    if family == "mbart":  # BART's fields for what mBART always does, as released configs state them (CTranslate2
+        # reads them), and the tokenizer's class (which tells it the decoder starts from </s>, not a language code)
+        hf = {"normalize_before": True, "normalize_embedding": True, "add_final_layer_norm": True, **hf}
+    if "tokenizer_class" in settings:
+        hf.setdefault("tokenizer_class", settings["tokenizer_class"])
+    settings.update({k: v for k, v in (("src_lang", tokenizer.src_lang), ("tgt_lang", tokenizer.tgt_lang)) if v})
+    files["tokenizer_config.json"] = json.dumps(settings, indent=2).encode()
+    files["generation_config.json"] = json.dumps(generation, indent=2).encode()
     return hf, state, files
 
 

@@ -801,7 +801,7 @@ class RunOutput:
     def plot(self) -> Path | None:
         if not self.primary:
             return None
-        from jax_transformer.visualize import plot_metrics  # matplotlib: 0.3-0.6 s to import, not for `translate`
+        from jax_transformer.visualize import plot_metrics  # matplotlib: slow to import, not for `translate`
 
         try:
             return plot_metrics(self.run_dir / "metrics.jsonl", self.run_dir / "loss_curve.png")

@@ -344,7 +344,7 @@ class Positions(nn.Module):
 
 
 class Encoder(nn.Module):
-    """Positions, embedding dropout, N encoder layers, optional final LayerNorm."""
+    """Positions, optional embedding LayerNorm, embedding dropout, N encoder layers, optional final LayerNorm."""
 
     config: TransformerConfig
 
@@ -354,6 +354,8 @@ class Encoder(nn.Module):
         (B, S, D)."""
         cfg = self.config
         x = Positions(cfg, name="positions")(x, positions=positions)
+        if cfg.embedding_norm:
+            x = _layer_norm(cfg, "embedding_norm")(x)
         x = Dropout(cfg.embedding_dropout)(x, deterministic=deterministic)
         for i in range(cfg.num_encoder_layers):
             x = EncoderLayer(cfg, name=f"layer_{i}")(x, src_mask, deterministic)
@@ -422,7 +424,7 @@ def grow_cache(cache, length: int, slots: int):
 
 
 class Decoder(nn.Module):
-    """Positions, embedding dropout, N decoder layers, optional final LayerNorm."""
+    """Positions, optional embedding LayerNorm, embedding dropout, N decoder layers, optional final LayerNorm."""
 
     config: TransformerConfig
 
@@ -450,6 +452,8 @@ class Decoder(nn.Module):
             _check_decoding_position(step, x.shape[1], cfg.max_len)
             self_mask = history_mask(history, step, x.shape[1], G)
         x = Positions(cfg, name="positions")(x, offset, positions)
+        if cfg.embedding_norm:
+            x = _layer_norm(cfg, "embedding_norm")(x)
         x = Dropout(cfg.embedding_dropout)(x, deterministic=deterministic)
         for i in range(cfg.num_decoder_layers):
             layer = DecoderLayer(cfg, name=f"layer_{i}")

@@ -13,7 +13,7 @@ import numpy as np
 from jax_transformer.config import ConfigError, TransformerConfig
 from jax_transformer.port import PortError, _flatten, _unflatten, expected_param_shapes
 
-FAMILIES = ("marian", "fsmt", "fairseq")
+FAMILIES = ("marian", "fsmt", "fairseq", "m2m_100", "mbart")
 ACTIVATIONS = {"relu": "relu", "gelu": "gelu", "swish": "silu", "silu": "silu"}
 
 # Inside a layer: their module name -> ours (the Linear / LayerNorm leaves map by _LEAF below).
@@ -32,7 +32,11 @@ _LAYER = {
     "fc2": "feed_forward/linear2",
     "final_layer_norm": "feed_forward_norm",
 }
-_PREFIX = {"marian": "model.", "fsmt": "model.", "fairseq": ""}
+_PREFIX = {"marian": "model.", "fsmt": "model.", "fairseq": "", "m2m_100": "model.", "mbart": "model."}
+# The families whose one table is `model.shared` (encoder, decoder and the tied output read it).
+_SHARED_TABLE = ("marian", "m2m_100", "mbart")
+# mBART's learned position table has two rows before position 0 (transformers' `offset = 2`); no input reads them.
+MBART_POSITION_OFFSET = 2
 
 
 # =============================================================================================================
@@ -54,10 +58,11 @@ def _activation(name: str, what: str) -> str:
     return ACTIVATIONS[name]
 
 
-def _common(hf: Mapping[str, Any], what: str) -> dict[str, Any]:
-    """The fields Marian and FSMT configs name alike."""
+def _common(hf: Mapping[str, Any], what: str, layerdrop: bool = False) -> dict[str, Any]:
+    """The fields transformers' translation configs name alike. `layerdrop`: the family's LayerDrop is accepted
+    (it skips layers in training only; fine-tuning here keeps every layer, which the docs say)."""
     for key in ("encoder_layerdrop", "decoder_layerdrop"):
-        if hf.get(key):
+        if hf.get(key) and not layerdrop:
             raise ConfigError(f"{what}: {key}={hf[key]} (LayerDrop) has no counterpart here")
     return dict(
         d_model=hf["d_model"],
@@ -119,6 +124,47 @@ def fsmt_config(hf: Mapping[str, Any], what: str = "FSMT config") -> Transformer
         tie_output=bool(hf.get("tie_word_embeddings", False)),
         output_bias=False,
     )
+
+
+def m2m100_config(hf: Mapping[str, Any], what: str = "M2M-100 config") -> TransformerConfig:
+    """A transformers M2M100Config (M2M-100 and NLLB-200's dense models) as a dict: pre-norm with final norms, one
+    table for encoder, decoder and the tied output, sinusoids in halves with tensor2tensor's frequencies counted
+    from pad + 1 (as FSMT's), scaled embeddings, the decoder starting from EOS, no logits bias."""
+    return TransformerConfig(
+        **{**_common(hf, what, layerdrop=True), "norm_first": True, "final_norm": True},
+        src_vocab_size=hf["vocab_size"],
+        tgt_vocab_size=hf["vocab_size"],
+        bos_id=hf.get("bos_token_id", 0),
+        decoder_start_id=hf.get("decoder_start_token_id", hf["eos_token_id"]),
+        sinusoid_frequencies="tensor2tensor",
+        position_offset=hf["pad_token_id"] + 1,
+        share_embeddings=True,
+        tie_output=_tied(hf, what),
+        logits_bias=False,
+    )
+
+
+def mbart_config(hf: Mapping[str, Any], what: str = "mBART config") -> TransformerConfig:
+    """A transformers MBartConfig (mBART-50 and mBART's fine-tunes) as a dict: pre-norm with final norms, a
+    LayerNorm on the embeddings (layernorm_embedding), learned positions (their table's rows from
+    MBART_POSITION_OFFSET on), one shared table, a bias on the tied logits (final_logits_bias)."""
+    return TransformerConfig(
+        **{**_common(hf, what, layerdrop=True), "norm_first": True, "final_norm": True, "positions": "learned"},
+        embedding_norm=True,
+        src_vocab_size=hf["vocab_size"],
+        tgt_vocab_size=hf["vocab_size"],
+        bos_id=hf.get("bos_token_id", 0),
+        decoder_start_id=hf.get("decoder_start_token_id"),  # None: generate starts from bos_token_id
+        share_embeddings=True,
+        tie_output=_tied(hf, what),
+        logits_bias=True,
+    )
+
+
+def _tied(hf: Mapping[str, Any], what: str) -> bool:
+    if not hf.get("tie_word_embeddings", True):
+        raise ConfigError(f"{what}: tie_word_embeddings=false (an untied lm_head) is not imported for this family")
+    return True
 
 
 def fairseq_config(args: Mapping[str, Any], src_vocab: int, tgt_vocab: int, what: str) -> TransformerConfig:
@@ -196,16 +242,21 @@ def name_table(config: TransformerConfig, family: str) -> dict[tuple[str, ...], 
         if config.final_norm:
             for leaf, their_leaf in (("scale", "weight"), ("bias", "bias")):
                 table[(side, "final_norm", leaf)] = f"{p}{side}.layer_norm.{their_leaf}"
+        if config.embedding_norm:
+            for leaf, their_leaf in (("scale", "weight"), ("bias", "bias")):
+                table[(side, "embedding_norm", leaf)] = f"{p}{side}.layernorm_embedding.{their_leaf}"
+        if config.positions == "learned":
+            table[(side, "positions", "embedding")] = f"{p}{side}.embed_positions.weight"
     if config.share_embeddings:
         table[("shared_embed", "embedding")] = (
-            "model.shared.weight" if family == "marian" else f"{p}encoder.embed_tokens.weight"
+            "model.shared.weight" if family in _SHARED_TABLE else f"{p}encoder.embed_tokens.weight"
         )
     else:
         table[("source_embed", "embedding")] = f"{p}encoder.embed_tokens.weight"
         table[("target_embed", "embedding")] = f"{p}decoder.embed_tokens.weight"
     if not config.tie_output:
         table[("output_proj", "kernel")] = (
-            "lm_head.weight" if family == "marian" else f"{p}decoder.output_projection.weight"
+            "lm_head.weight" if family in _SHARED_TABLE else f"{p}decoder.output_projection.weight"
         )
         table[("output_proj", "bias")] = "final_logits_bias"  # Marian only: an untied output with a bias
     if config.logits_bias:
@@ -217,12 +268,13 @@ def name_table(config: TransformerConfig, family: str) -> dict[tuple[str, ...], 
 # Keys their state_dicts may hold that are not weights, or are copies of weights: tied embeddings and heads, the
 # sinusoid tables (recomputed here), fairseq's bookkeeping.
 def _ignorable(key: str, family: str, config: TransformerConfig) -> bool:
-    if key.endswith(("embed_positions.weight", "embed_positions._float_tensor", ".version")) or key == "version":
+    sinusoids = ("embed_positions.weight", "embed_positions.weights", "embed_positions._float_tensor")
+    if key.endswith((*sinusoids, ".version")) or key == "version":
         return True
     copies = (
         {"model.encoder.embed_tokens.weight", "model.decoder.embed_tokens.weight"} if config.share_embeddings else set()
     )
-    if family == "marian":
+    if family in _SHARED_TABLE:
         copies |= {"lm_head.weight"} if config.tie_output else set()
     elif config.tie_output:
         copies |= {f"{_PREFIX[family]}decoder.output_projection.weight"}
@@ -245,6 +297,8 @@ def to_params(state: Mapping[str, Any], config: TransformerConfig, family: str, 
         array = np.asarray(state[key], dtype=np.float32)
         array = array.reshape(-1) if key == "final_logits_bias" else array
         array = array.T if path[-1] == "kernel" else array
+        if family == "mbart" and path[-2:] == ("positions", "embedding"):
+            array = array[MBART_POSITION_OFFSET:]
         if array.shape != shapes[path]:
             problems.append(f"shape mismatch {key}: expected {shapes[path]} (as {'/'.join(path)}), got {array.shape}")
             continue
@@ -265,14 +319,17 @@ def from_params(params: Mapping[str, Any], config: TransformerConfig, family: st
     for path, key in name_table(config, family).items():
         array = np.asarray(flat[path], dtype=np.float32)
         array = array.T if path[-1] == "kernel" else array
+        if family == "mbart" and path[-2:] == ("positions", "embedding"):  # the rows no input reads, as zeros
+            array = np.concatenate([np.zeros((MBART_POSITION_OFFSET, array.shape[1]), np.float32), array])
         state[key] = np.ascontiguousarray(array[None] if key == "final_logits_bias" else array)
-    if family == "marian":
+    if family in _SHARED_TABLE:
         if config.share_embeddings:
             embed = state["model.shared.weight"]
             state["model.encoder.embed_tokens.weight"] = state["model.decoder.embed_tokens.weight"] = embed
         if config.tie_output:
             state["lm_head.weight"] = state["model.decoder.embed_tokens.weight"]
-        state.setdefault("final_logits_bias", np.zeros((1, config.tgt_vocab_size), np.float32))
+        if family != "m2m_100":  # a buffer of Marian's and mBART's models, zero where the model has no bias
+            state.setdefault("final_logits_bias", np.zeros((1, config.tgt_vocab_size), np.float32))
     elif config.tie_output:
         state[f"{_PREFIX[family]}decoder.output_projection.weight"] = state[
             f"{_PREFIX[family]}decoder.embed_tokens.weight"
@@ -286,10 +343,10 @@ def check_copies(state: Mapping[str, Any], config: TransformerConfig, family: st
     pairs = []
     p = _PREFIX[family]
     if config.tie_output:
-        head = "lm_head.weight" if family == "marian" else f"{p}decoder.output_projection.weight"
+        head = "lm_head.weight" if family in _SHARED_TABLE else f"{p}decoder.output_projection.weight"
         target = (
             "model.shared.weight"
-            if family == "marian" and config.share_embeddings
+            if family in _SHARED_TABLE and config.share_embeddings
             else f"{p}decoder.embed_tokens.weight"
         )
         if family == "fairseq" and config.share_embeddings:
@@ -312,8 +369,8 @@ def marian_refusals(config: TransformerConfig) -> list[str]:
         problems.append(f"positions={config.positions!r}: Marian has sinusoid tables only")
     if config.sinusoid_frequencies != "paper" or config.position_offset != 0:
         problems.append("sinusoid_frequencies/position_offset: Marian's table has the paper's frequencies from 0")
-    if config.norm_first or config.final_norm:
-        problems.append("norm_first/final_norm: Marian is post-norm without final norms")
+    if config.norm_first or config.final_norm or config.embedding_norm:
+        problems.append("norm_first/final_norm/embedding_norm: Marian is post-norm without other norms")
     if config.layer_norm_eps != 1e-5:
         problems.append(f"layer_norm_eps={config.layer_norm_eps}: Marian's LayerNorms use 1e-5")
     if config.embedding_dropout != config.dropout:

@@ -45,7 +45,7 @@ from jax_transformer.config import (
 from jax_transformer.corpus import Corpus, corpus_fingerprint, read_parallel, read_tsv
 from jax_transformer.errors import DataError, UsageError
 from jax_transformer.loop import Run, RunResult, train_loop, truncate_metrics
-from jax_transformer.tokenizer import Tokenizer
+from jax_transformer.tokenizer import Tokenizer, with_languages
 from jax_transformer.training import TrainState, create_train_state, restore_train_state
 
 __all__ = ["ConfigError", "UsageError", "prepare", "train"]
@@ -280,7 +280,9 @@ def model_and_tokenizer(
         requested = restored.config.replace(**changes) if changes else restored.config
         ckpt_lib.check_config(restored.config, requested, where=f"checkpoint in {run_dir}")
         # The saved model, computed as asked: a bfloat16 run may go on in float32 and back (not bitwise then).
-        return restored.config.replace(**requested.compute_settings()), restored.tokenizer, None
+        data = settings.data
+        tokenizer = with_languages(restored.tokenizer, data.src_lang, data.tgt_lang)  # a multilingual model's
+        return restored.config.replace(**requested.compute_settings()), tokenizer, None
     if init_from_torch is not None:
         # Model settings describe the file's model; how to compute (dtype, attention kernel) is this run's choice.
         params, config, tokenizer = _init_from_torch(
@@ -294,8 +296,10 @@ def model_and_tokenizer(
             print_fn=print_fn,
         )
         compute = {k: v for k, v in settings.model.items() if k in COMPUTE_FIELDS}
+        tokenizer = with_languages(tokenizer, settings.data.src_lang, settings.data.tgt_lang)
         return config.replace(**compute), tokenizer, params
     tokenizer = shared_tokenizer(corpus, settings.data, run_dir, print_fn)
+    tokenizer = with_languages(tokenizer, settings.data.src_lang, settings.data.tgt_lang)  # (an error: it has none)
     return model_config(settings.preset, tokenizer.vocab_size, settings.model), tokenizer, None
 
 

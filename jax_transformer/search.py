@@ -142,15 +142,17 @@ NEG = -1.0e9  # transformers' "very large negative" score, added rather than set
 @flax.struct.dataclass
 class Transformers(Rules):
     """transformers' `generate(do_sample=False)` rules: at most `max_length` tokens counting the decoder's start
-    token; `banned` ids never produced; EOS not before `min_length` (start token counted); with `forced_eos` only
-    EOS at the last position; a finished hypothesis scores log P / (tokens generated) ** length_penalty; unlikely
-    choices get NEG added. `early_stopping` "true" stops a sentence once K hypotheses are finished, "false" once the
-    best live hypothesis's log P over its current length ** length_penalty cannot beat the worst finished one,
-    "never" (with a positive length_penalty) once it cannot at max_length. A row of PAD only (a filler row of
-    `translate`'s batches) is finished from the start. Greedy ranks the processed logits themselves."""
+    token; `banned` ids never produced; EOS not before `min_length` (start token counted); `forced_bos` (a target
+    language's code) the first token, scored 0; with `forced_eos` only EOS at the last position; a finished
+    hypothesis scores log P / (tokens generated) ** length_penalty; unlikely choices get NEG added.
+    `early_stopping` "true" stops a sentence once K hypotheses are finished, "false" once the best live
+    hypothesis's log P over its current length ** length_penalty cannot beat the worst finished one, "never" (with
+    a positive length_penalty) once it cannot at max_length. A row of PAD only (a filler row of `translate`'s
+    batches) is finished from the start. Greedy ranks the processed logits themselves."""
 
     min_length: jnp.ndarray  # () int32
     length_penalty: jnp.ndarray  # () float32
+    forced_bos: jnp.ndarray  # () int32: the only first token (a target language's code), or -1: any
     max_length: int = flax.struct.field(pytree_node=False)
     banned: tuple[int, ...] = flax.struct.field(pytree_node=False)
     forced_eos: bool = flax.struct.field(pytree_node=False)
@@ -163,6 +165,8 @@ class Transformers(Rules):
             scores = scores.at[..., i].set(-jnp.inf)
         eos = scores[..., self.eos_id]
         scores = scores.at[..., self.eos_id].set(jnp.where(step + 1 < self.min_length, -jnp.inf, eos))
+        only_bos = jnp.full_like(scores, -jnp.inf).at[..., jnp.maximum(self.forced_bos, 0)].set(0.0)
+        scores = jnp.where((step == 0) & (self.forced_bos >= 0), only_bos, scores)
         if self.forced_eos:  # the sequence, start token included, would reach max_length: only EOS
             only_eos = jnp.full_like(scores, -jnp.inf).at[..., self.eos_id].set(0.0)
             scores = jnp.where(step + 2 == self.max_length, only_eos, scores)

@@ -406,6 +406,200 @@ class FsmtTokenizer(_Bundle):
         return self._tools(self.langs[1])[1](words)
 
 
+class LanguageCodeTokenizer(_Bundle):
+    """The tokenizers of multilingual models that mark a sentence with its language's code (NLLB-200, M2M-100,
+    mBART-50), as transformers' tokenizers place them: a source is `[src_lang] pieces </s>` (the pipeline adds the
+    </s>), a target `[tgt_lang] pieces </s>`; the model's first generated token is forced to `tgt_lang`'s code
+    (`forced_bos_id`). Decoded text leaves out the special tokens and the codes. Subclasses read the files."""
+
+    codes: dict[str, int]  # language code -> id
+
+    def __init__(self, files: dict[str, bytes], options: dict) -> None:
+        super().__init__(files, options)
+        self.start_id = self.eos_id  # the decoder starts from </s>, as fairseq's do
+
+    def checked_language(self, code: str | None, flag: str) -> str:
+        """`code` if the tokenizer knows it, else a DataError naming `flag` and the closest valid codes."""
+        import difflib
+
+        if code is None:
+            raise DataError(f"{flag} is needed: this model translates between {len(self.codes)} languages")
+        if code not in self.codes:
+            close = difflib.get_close_matches(code, list(self.codes), n=5, cutoff=0.4)
+            known = f"closest: {', '.join(close)}" if close else f"e.g. {', '.join(list(self.codes)[:5])}"
+            raise DataError(f"{flag} {code!r} is not a language code of this tokenizer ({known})")
+        return code
+
+    def with_languages(self, src_lang: str | None = None, tgt_lang: str | None = None) -> LanguageCodeTokenizer:
+        """The same tokenizer for another pair of languages (None: keep the current one), each checked."""
+        options = dict(self.options)
+        for key, code in (("src_lang", src_lang), ("tgt_lang", tgt_lang)):
+            if code is not None:
+                options[key] = self.checked_language(code, f"--{key.replace('_', '-')}")
+        return type(self)(self.files, options)
+
+    @property
+    def src_lang(self) -> str | None:
+        return self.options.get("src_lang")
+
+    @property
+    def tgt_lang(self) -> str | None:
+        return self.options.get("tgt_lang")
+
+    @property
+    def forced_bos_id(self) -> int:
+        """The id the model must produce first: the target language's code."""
+        return self.codes[self.checked_language(self.tgt_lang, "--tgt-lang")]
+
+    def encode(self, text: str, side: str = "source") -> list[int]:
+        code = self.src_lang if side == "source" else self.tgt_lang
+        flag = "--src-lang" if side == "source" else "--tgt-lang"
+        return [self.codes[self.checked_language(code, flag)]] + self.pieces_ids(text)
+
+    def encode_batch(self, texts: Sequence[str], side: str = "source") -> list[list[int]]:
+        return [self.encode(text, side) for text in texts]
+
+    def pieces_ids(self, text: str) -> list[int]:
+        raise NotImplementedError
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """Text of a model output row: stops at the first EOS, leaves out special tokens and language codes."""
+        row = []
+        for i in (int(x) for x in ids):
+            if i == self.eos_id:
+                break
+            row.append(i)
+        return self.decode_ids(row)
+
+    def decode_ids(self, ids: list[int]) -> str:
+        raise NotImplementedError
+
+
+class TokenizersJsonTokenizer(LanguageCodeTokenizer):
+    """NLLB-200's and mBART-50's tokenizers from their `tokenizer.json`, read by the `tokenizers` library (the one
+    transformers runs for them): its normalizer, pre-tokenizer and model as saved, the language codes being its
+    special added tokens. Decoding cleans up spaces before punctuation where transformers does (a Unigram model
+    whose tokenizer_config.json asks `clean_up_tokenization_spaces`)."""
+
+    kind = "tokenizers"
+    OTHER_SPECIALS = ("<s>", "<pad>", "</s>", "<unk>", "<mask>")
+
+    def __init__(self, files: dict[str, bytes], options: dict | None = None) -> None:
+        try:
+            from tokenizers import Tokenizer as Backend
+        except ImportError as e:
+            needs = f"this model's tokenizer needs the tokenizers library ({e})"
+            raise DataError(f"{needs}: pip install -e '.[pretrained]'") from None
+        try:
+            self.backend = Backend.from_str(files["tokenizer.json"].decode("utf-8"))
+        except Exception as e:  # noqa: BLE001 (tokenizers raises its own exception type for a bad file)
+            raise DataError(f"tokenizer.json: not a tokenizer the tokenizers library reads: {e}") from None
+        vocab = self.backend.get_vocab(with_added_tokens=True)
+        self.pad_id, self.eos_id, self.unk_id = vocab["<pad>"], vocab["</s>"], vocab["<unk>"]
+        added = self.backend.get_added_tokens_decoder()
+        self.codes = {
+            t.content: i for i, t in sorted(added.items()) if t.special and t.content not in self.OTHER_SPECIALS
+        }
+        self.size = self.backend.get_vocab_size(with_added_tokens=True)
+        self.clean_up = bool((options or {}).get("clean_up_tokenization_spaces")) and (
+            type(self.backend.model).__name__ != "BPE"
+        )
+        super().__init__(files, options or {})
+
+    @property
+    def src_vocab_size(self) -> int:
+        return self.size
+
+    tgt_vocab_size = vocab_size = src_vocab_size
+
+    def pieces_ids(self, text: str) -> list[int]:
+        return self.backend.encode(text, add_special_tokens=False).ids
+
+    def piece(self, index: int, side: str = "target") -> str:
+        return self.backend.id_to_token(int(index)) or "<unk>"
+
+    def decode_ids(self, ids: list[int]) -> str:
+        text = self.backend.decode(ids, skip_special_tokens=True)
+        return _clean_up_tokenization(text) if self.clean_up else text
+
+
+def _clean_up_tokenization(text: str) -> str:
+    """transformers' `clean_up_tokenization`: no space before punctuation and English contractions."""
+    for spaced, joined in ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't")):
+        text = text.replace(spaced, joined)
+    for suffix in ("m", "s", "ve", "re"):
+        text = text.replace(f" '{suffix}", f"'{suffix}")
+    return text
+
+
+class M2M100Tokenizer(LanguageCodeTokenizer):
+    """M2M-100's tokenizer: a SentencePiece model (`sentencepiece.bpe.model`) whose pieces map to ids by
+    `vocab.json` (an unknown piece is <unk>), the language codes `__xx__` numbered after the vocabulary in the order
+    of `options["language_codes"]` (transformers' list for "m2m100" or "wmt21", stored at import), and the literal
+    strings of special tokens in a text read as those tokens, as transformers' M2M100Tokenizer does."""
+
+    kind = "m2m_100"
+
+    def __init__(self, files: dict[str, bytes], options: dict | None = None) -> None:
+        options = options or {}
+        try:
+            self.vocab = json.loads(files["vocab.json"])
+        except ValueError as e:
+            raise DataError(f"vocab.json: not a JSON vocabulary: {e}") from None
+        self.spm = spm.SentencePieceProcessor()
+        try:
+            self.spm.LoadFromSerializedProto(files["sentencepiece.bpe.model"])
+        except Exception as e:  # noqa: BLE001 (sentencepiece raises RuntimeError or OSError)
+            raise DataError(f"sentencepiece.bpe.model: not a SentencePiece model: {e}") from None
+        self.pad_id, self.eos_id, self.unk_id = self.vocab["<pad>"], self.vocab["</s>"], self.vocab["<unk>"]
+        codes = list(options.get("language_codes") or [])
+        self.codes = {code: len(self.vocab) + i for i, code in enumerate(codes)}
+        self.tokens = {f"__{code}__": i for code, i in self.codes.items()}
+        self.specials = ("<s>", "<pad>", "</s>", "<unk>", *self.tokens)
+        self._pieces = {index: piece for piece, index in self.vocab.items()}
+        self.size = len(self.vocab) + len(codes)  # the ids it produces (the model's table has a few more)
+        self.clean_up = bool(options.get("clean_up_tokenization_spaces"))
+        super().__init__(files, options)
+
+    @property
+    def src_vocab_size(self) -> int:
+        return self.size
+
+    tgt_vocab_size = vocab_size = src_vocab_size
+
+    def pieces_ids(self, text: str) -> list[int]:
+        ids = []
+        for chunk, special in _split_specials(text, self.specials):
+            if special:
+                ids.append(self.tokens.get(chunk, self.vocab.get(chunk)))
+            elif chunk:
+                ids.extend(self.vocab.get(piece, self.unk_id) for piece in self.spm.encode(chunk, out_type=str))
+        return ids
+
+    def piece(self, index: int, side: str = "target") -> str:
+        return self._pieces.get(int(index)) or {i: t for t, i in self.tokens.items()}.get(int(index), "<unk>")
+
+    def decode_ids(self, ids: list[int]) -> str:
+        specials = set(self.vocab[t] for t in ("<s>", "<pad>", "</s>", "<unk>") if t in self.vocab)
+        specials |= set(self.tokens.values())
+        pieces = [self._pieces.get(i, "<unk>") for i in ids if i not in specials]
+        text = self.spm.decode_pieces(pieces).strip()
+        return _clean_up_tokenization(text) if self.clean_up else text
+
+
+def with_languages(tokenizer, src_lang: str | None = None, tgt_lang: str | None = None):
+    """`tokenizer` for the languages given (`--src-lang`, `--tgt-lang`; None: as it is). A tokenizer without
+    language codes takes none: a DataError saying so."""
+    if src_lang is None and tgt_lang is None:
+        return tokenizer
+    if not isinstance(tokenizer, LanguageCodeTokenizer):
+        raise DataError(
+            f"--src-lang/--tgt-lang: this model's tokenizer ({tokenizer.kind}) has no language codes (a Marian "
+            f"multilingual model takes its >>xx<< code at the start of each source line)"
+        )
+    return tokenizer.with_languages(src_lang, tgt_lang)
+
+
 def _piece(tokenizer, index: int, side: str) -> str:
     if side == "target":
         return tokenizer._pieces.get(int(index), "<unk>")
@@ -431,7 +625,12 @@ def _split_specials(text: str, specials: Sequence[str]) -> list[tuple[str, bool]
     return out
 
 
-KINDS = {"marian": MarianTokenizer, "fsmt": FsmtTokenizer}
+KINDS = {
+    "marian": MarianTokenizer,
+    "fsmt": FsmtTokenizer,
+    "tokenizers": TokenizersJsonTokenizer,
+    "m2m_100": M2M100Tokenizer,
+}
 
 
 def load_tokenizer(data: bytes, source: str = "tokenizer"):

@@ -19,6 +19,7 @@ from jax_transformer.checks import TokenError
 from jax_transformer.config import DecodeConfig, TransformerConfig
 from jax_transformer.decoding import DEFAULT_MAX_LEN_A, DEFAULT_MAX_LEN_B, decoder_for, on_device
 from jax_transformer.errors import DataError
+from jax_transformer.tokenizer import LanguageCodeTokenizer
 
 TRANSLATE_BATCH_SIZE = 64  # sentences decoded together by `translate`
 # Lines `translate_lines` reads, sorts by length and decodes at a time. More lines make batches of more alike
@@ -157,6 +158,14 @@ def compile_translation(
     return jobs
 
 
+def forced_language(decode: DecodeConfig | None, tokenizer) -> DecodeConfig | None:
+    """`decode` with the target language's code as the first output token, for a tokenizer that marks languages
+    (`tokenizer.LanguageCodeTokenizer`, whose model decodes by transformers' rules); others as they are."""
+    if not isinstance(tokenizer, LanguageCodeTokenizer):
+        return decode
+    return (decode or DecodeConfig(rules="transformers")).replace(forced_bos=tokenizer.forced_bos_id)
+
+
 def encode_sources(tokenizer, sentences: Sequence[str], config: TransformerConfig) -> list[np.ndarray]:
     """Subword ids + [EOS] of each sentence (the encoder-input convention of `jax_transformer.data`); a sentence
     longer than the model allows is a TokenError naming it (`translate_lines` has the rule for files)."""
@@ -216,6 +225,7 @@ def _translate_sources(
     decode: DecodeConfig | None = None,
 ) -> list[str]:
     """Decoded text of encoded sources (ids + EOS), in their order; see `translate`."""
+    decode = forced_language(decode, tokenizer)
     plan = plan_translation([len(s) for s in sources], batch_size, config.max_len)
     params = on_device(params)  # once for all the batches of a call (of a chunk, for translate_lines)
     settings = schedules.callers_settings()  # the caller's matmul precision and device, in the pool's threads too

@@ -28,7 +28,7 @@ LAYERS = [
     ("dropout", "losses"),
     ("model",),
     ("port",),  # numpy-only weight map
-    ("pretrained",),  # Marian, FSMT and fairseq configs and weight maps (numpy only)
+    ("pretrained",),  # Marian, FSMT, fairseq, M2M-100 (NLLB) and mBART configs and weight maps (numpy only)
     ("training",),  # optimiser, train state, train/eval steps: the twin of torch_reference/training.py
     ("search",),  # the one search loop over the model's cache, its rules as strategies (this project's, transformers')
     ("schedule",),  # how a batch runs through the search's programs: whole, or the CPU's throughput schedule

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from jax_transformer.config import TransformerConfig
-from torch_reference.model import MultiHeadAttention, Transformer, compute_dtype, padding_mask
+from torch_reference.model import MultiHeadAttention, Transformer, compute_dtype, embed_positions, padding_mask
 
 DEFAULT_MAX_LEN_A = 1.5
 DEFAULT_MAX_LEN_B = 10
@@ -92,7 +92,7 @@ class IncrementalDecoder:
 
     def step(self) -> torch.Tensor:
         model = self.model
-        x = model.decoder.positions(model._embed("target", self.last[:, None]), self.position)  # (B, 1, D)
+        x = embed_positions(model.decoder, model._embed("target", self.last[:, None]), self.position)  # (B, 1, D)
         for i, layer in enumerate(model.decoder.layers):
             x = layer.residual(x, lambda h: self._self_attention(i, layer.self_attention, h), layer.self_attention_norm)
             k, v = self.cross[i]

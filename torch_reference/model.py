@@ -217,16 +217,23 @@ class Positions(nn.Module):
         return x + table[offset : offset + x.shape[1]][None]
 
 
+def embed_positions(side: nn.Module, x: torch.Tensor, offset: int = 0, positions=None) -> torch.Tensor:
+    """Embedded tokens (B, T, D) of an Encoder or Decoder with their positions, and its embedding LayerNorm."""
+    x = side.positions(x, offset, positions)
+    return side.embedding_norm(x) if side.embedding_norm is not None else x
+
+
 class Encoder(nn.Module):
     def __init__(self, cfg: TransformerConfig):
         super().__init__()
         self.positions = Positions(cfg)
+        self.embedding_norm = _layer_norm(cfg) if cfg.embedding_norm else None
         self.dropout = nn.Dropout(cfg.embedding_dropout)
         self.layers = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.num_encoder_layers))
         self.final_norm = _layer_norm(cfg) if cfg.final_norm else None
 
     def forward(self, x, src_mask, positions=None):
-        x = self.dropout(self.positions(x, positions=positions))
+        x = self.dropout(embed_positions(self, x, positions=positions))
         for layer in self.layers:
             x = layer(x, src_mask)
         return self.final_norm(x) if self.final_norm is not None else x
@@ -236,12 +243,13 @@ class Decoder(nn.Module):
     def __init__(self, cfg: TransformerConfig):
         super().__init__()
         self.positions = Positions(cfg)
+        self.embedding_norm = _layer_norm(cfg) if cfg.embedding_norm else None
         self.dropout = nn.Dropout(cfg.embedding_dropout)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_decoder_layers))
         self.final_norm = _layer_norm(cfg) if cfg.final_norm else None
 
     def forward(self, x, memory, self_mask, cross_mask, positions=None):
-        x = self.dropout(self.positions(x, positions=positions))
+        x = self.dropout(embed_positions(self, x, positions=positions))
         for layer in self.layers:
             x = layer(x, memory, self_mask, cross_mask)
         return self.final_norm(x) if self.final_norm is not None else x

@@ -39,10 +39,12 @@ PARITY_CONFIGS: dict[str, TransformerConfig] = {
     "post_shared_unscaled_final": TransformerConfig(
         **{**_SMALL, "tgt_vocab_size": 97}, share_embeddings=True, scale_embeddings=False, final_norm=True
     ),
-    # what imported models need (Marian, fairseq): sinusoids in halves with tensor2tensor's frequencies counted
-    # from position 2, silu, a bias on the tied logits, no BOS (the decoder starts from the pad id)
+    # what imported models need (Marian, fairseq, mBART): sinusoids in halves with tensor2tensor's frequencies
+    # counted from position 2, silu, a bias on the tied logits, no BOS (the decoder starts from the pad id), a
+    # LayerNorm on the embeddings
     "pretrained_variants": TransformerConfig(
         **_SMALL,
+        embedding_norm=True,
         sinusoid_layout="halves",
         sinusoid_frequencies="tensor2tensor",
         position_offset=2,
@@ -72,7 +74,8 @@ DECODING_CONFIGS: dict[str, TransformerConfig] = {
     "post_sinusoidal_untied": preset(
         "tiny", src_vocab_size=DECODING_VOCAB, tgt_vocab_size=DECODING_VOCAB, max_len=DECODING_MAX_LEN, tie_output=False
     ),
-    # pre-norm with final norms, learned positions, one shared (tied) embedding table, gelu
+    # pre-norm with final norms, learned positions, one shared (tied) embedding table, gelu, a LayerNorm on the
+    # embeddings (mBART's layout)
     "pre_learned_shared": preset(
         "tiny",
         src_vocab_size=DECODING_VOCAB,
@@ -83,6 +86,7 @@ DECODING_CONFIGS: dict[str, TransformerConfig] = {
         positions="learned",
         share_embeddings=True,
         activation="gelu",
+        embedding_norm=True,
     ),
 }
 
