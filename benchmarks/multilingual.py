@@ -12,8 +12,9 @@ The model: an M2M100ForConditionalGeneration of the shape (transformers' random 
 M2M-100 tokenizer learned on the built-in task (tests/helpers/multilingual.py): its vocabulary is the model's
 (256,206 or 128,112 entries), the tokenizer's few hundred pieces the ids the sources use. Written as the hub holds
 it (config.json, model.safetensors, tokenizer files), imported with `train.py import` in a child process (its
-peak resident memory from the OS), converted by CTranslate2's own TransformersConverter (float32; its int8 is
-CTranslate2's quantization of those weights at load, compute_type="int8").
+peak resident memory from the OS, ru_maxrss, which counts the file pages mapped while reading the weights),
+converted by CTranslate2's own TransformersConverter (float32; its int8 is CTranslate2's quantization of those
+weights at load, compute_type="int8").
 
 Decoding: random source ids (the language code first, EOS last), every call producing exactly --new-tokens tokens
 per sentence, the target language's code first (this project's `generate` with forced_bos and min_length;
@@ -89,14 +90,18 @@ def child(argv: list[str], log) -> dict:
     """Runs `python train.py argv` in a child process: {"seconds", "peak_rss_gb"} (ru_maxrss of that child)."""
     began = time.perf_counter()
     process = subprocess.Popen([sys.executable, str(REPO / "train.py"), *argv], stdout=subprocess.PIPE, text=True)
+    out = process.stdout.read()
     _, status, usage = os.wait4(process.pid, 0)
     seconds = time.perf_counter() - began
-    out = process.stdout.read()
-    process.returncode = os.waitstatus_to_exitcode(status)
-    if process.returncode != 0:
-        raise RuntimeError(f"train.py {' '.join(argv)} failed ({process.returncode}):\n{out}")
-    log(out.strip().splitlines()[-1] if out.strip() else "")
-    return {"seconds": round(seconds, 1), "peak_rss_gb": round(usage.ru_maxrss / 2**20, 2)}
+    code = os.waitstatus_to_exitcode(status)
+    measured = {"seconds": round(seconds, 1), "peak_rss_gb": round(usage.ru_maxrss / 2**20, 2), "exit": code}
+    if code == -9:  # the kernel's OOM killer: the figure is what it got to
+        log(f"train.py {argv[0]}: killed (out of memory?) after {seconds:.0f} s at {measured['peak_rss_gb']} GB")
+    elif code != 0:
+        raise RuntimeError(f"train.py {' '.join(argv)} failed ({code}):\n{out}")
+    else:
+        log(out.strip().splitlines()[-1] if out.strip() else "")
+    return measured
 
 
 def decode_rows(run: Path, folder: Path, name: str, rows, new_tokens: int, src_len: int, repeats: int, log) -> list:
@@ -181,21 +186,25 @@ def decode_rows(run: Path, folder: Path, name: str, rows, new_tokens: int, src_l
     return results
 
 
-def train_step(run: Path, work: Path, name: str, log) -> dict:
-    """`train --init-from` of 3 steps on the built-in task: its wall time, peak memory and the last step's time."""
+def train_step(run: Path, work: Path, name: str, max_tokens: int, log) -> dict:
+    """`train --init-from` of 3 steps on the built-in task (in a child process, before this one holds a model):
+    its wall time, peak memory and the time between its last two steps (its end: saving the train state)."""
     from jax_transformer.default_task import write_default_task
     from tests.helpers.multilingual import LANGUAGES
 
     src_lang, tgt_lang = LANGUAGES[MODELS[name]["family"]]
     tsv, _ = write_default_task(work / "task", n_train=2000, n_valid=10)
     args = ["train", "--init-from", str(run), "--tsv", str(tsv), "--src-lang", src_lang, "--tgt-lang", tgt_lang]
-    args += ["--steps", "3", "--max-tokens", "1024", "--eval-every", "1000", "--save-every", "1000"]
+    args += ["--steps", "3", "--max-tokens", str(max_tokens), "--eval-every", "1000", "--save-every", "1000"]
     args += ["--eval-sentences", "0", "--samples", "0", "--no-progress", "--run-dir", str(work / "tuned")]
     measured = child(args, log)
-    records = [json.loads(line) for line in (work / "tuned" / "metrics.jsonl").read_text().splitlines()]
+    metrics = work / "tuned" / "metrics.jsonl"
+    records = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.is_file() else []
     steps = [r for r in records if r.get("kind") == "train"]
-    measured["last_step_seconds"] = round(steps[-1]["elapsed_s"] - steps[-2]["elapsed_s"], 1)
-    measured["tokens_per_step"] = steps[-1].get("tokens")
+    measured["steps_done"] = len(steps)
+    if len(steps) >= 2:
+        measured["step_seconds"] = round(steps[-1]["elapsed_s"] - steps[-2]["elapsed_s"], 1)
+        measured["real_tokens_per_step"] = steps[-1].get("tokens")
     return measured
 
 
@@ -207,6 +216,7 @@ def main(argv=None) -> int:
     parser.add_argument("--src-len", type=int, default=24, help="source tokens per sentence (default: 24)")
     parser.add_argument("--repeats", type=int, default=3, help="timed calls per decoder and row (default: 3)")
     parser.add_argument("--skip-train", action="store_true", help="leave out the training step")
+    parser.add_argument("--max-tokens", type=int, default=256, help="the training step's batch (default: 256)")
     parser.add_argument("--json", type=Path, help="also write the report here")
     args = parser.parse_args(argv)
     try:
@@ -227,13 +237,13 @@ def main(argv=None) -> int:
         report["import"] = child(["import", str(folder), "--output", str(work / "run")], log)
         report["import"]["peak_over_weights"] = round(report["import"]["peak_rss_gb"] / (size / 2**30), 2)
         log(f"import: {report['import']}")
+        if not args.skip_train:
+            report["train_step"] = train_step(work / "run", work, args.model, args.max_tokens, log)
+            log(f"train --init-from: {report['train_step']}")
         rows = args.rows.split(",")
         report["decoding"] = decode_rows(
             work / "run", folder, args.model, rows, args.new_tokens, args.src_len, args.repeats, log
         )
-        if not args.skip_train:
-            report["train_step"] = train_step(work / "run", work, args.model, log)
-            log(f"train --init-from: {report['train_step']}")
     report["settings"] = dict(new_tokens=args.new_tokens, src_len=args.src_len, repeats=args.repeats)
     print(json.dumps(report, indent=1))
     if args.json:

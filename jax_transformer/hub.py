@@ -79,12 +79,14 @@ def _weights(folder: Path) -> dict[str, np.ndarray]:
     if index.is_file() and missing:
         raise DataError(f"{index}: its shard(s) {missing} are missing from {folder}")
     if not missing:
-        from safetensors.numpy import load_file
+        from safetensors import safe_open
 
         state = {}
         for name in files:
-            try:
-                state.update(load_file(str(folder / name)))
+            try:  # a tensor at a time from the mapped file: one copy of the weights in memory, not two
+                with safe_open(str(folder / name), framework="np") as f:
+                    for key in f.keys():
+                        state[key] = f.get_tensor(key)
             except Exception as e:  # noqa: BLE001 (safetensors raises its own SafetensorError, or OSError)
                 size = (folder / name).stat().st_size
                 raise DataError(f"{folder / name}: not a complete safetensors file ({size:,} bytes): {e}") from None
@@ -173,7 +175,7 @@ def read_transformers(folder: Path) -> Pretrained:
                 state["model.shared.weight"] = state[name]
                 break
     pretrained.check_copies(state, config, kind, where)
-    params = pretrained.to_params(state, config, kind, where)
+    params = pretrained.to_params(state, config, kind, where, consume=True)
     _check_vocabulary(config, tokenizer, where)
     original = {"config": hf, "generation_config": generation or {}} if kind in ("m2m_100", "mbart") else {}
     return Pretrained(kind, config, params, tokenizer, generation_settings(hf, generation), where, original)

@@ -283,18 +283,22 @@ def _ignorable(key: str, family: str, config: TransformerConfig) -> bool:
     return key in copies
 
 
-def to_params(state: Mapping[str, Any], config: TransformerConfig, family: str, where: str) -> dict[str, Any]:
+def to_params(
+    state: Mapping[str, Any], config: TransformerConfig, family: str, where: str, consume: bool = False
+) -> dict[str, Any]:
     """Their state_dict (numpy arrays) -> Flax params of `config`, strictly: keys missing, left over or of the wrong
     shape are reported together (PortError naming `where`). Linear weights are transposed; final_logits_bias (1, V)
-    becomes a (V,) vector; tied copies must equal the weight they copy."""
+    becomes a (V,) vector; tied copies must equal the weight they copy. `consume`: `state` (a dict) gives up each
+    array as it is converted, so a model is in memory about once, not twice."""
     table = name_table(config, family)
     shapes = expected_param_shapes(config)
     problems, flat = [], {}
+    keys = set(state)
     for path, key in table.items():
         if key not in state:
             problems.append(f"missing {key} (for {'/'.join(path)}, shape {shapes[path]})")
             continue
-        array = np.asarray(state[key], dtype=np.float32)
+        array = np.asarray(state.pop(key) if consume else state[key], dtype=np.float32)
         array = array.reshape(-1) if key == "final_logits_bias" else array
         array = array.T if path[-1] == "kernel" else array
         if family == "mbart" and path[-2:] == ("positions", "embedding"):
@@ -304,7 +308,7 @@ def to_params(state: Mapping[str, Any], config: TransformerConfig, family: str, 
             continue
         flat[path] = np.ascontiguousarray(array)
     known = set(table.values())
-    for key in sorted(set(state) - known):
+    for key in sorted(keys - known):
         if not _ignorable(key, family, config):
             problems.append(f"unexpected {key}: shape {tuple(np.shape(state[key]))}")
     if problems:
