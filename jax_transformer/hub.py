@@ -441,17 +441,7 @@ def _marian_files(params, config: TransformerConfig, tokenizer, loop, decode, ow
         "decoder_vocab_size": config.tgt_vocab_size,
         "share_encoder_decoder_embeddings": config.share_embeddings,
         "tie_word_embeddings": config.tie_output,
-        "d_model": config.d_model,
-        "encoder_layers": config.num_encoder_layers,
-        "decoder_layers": config.num_decoder_layers,
-        "encoder_attention_heads": config.num_heads,
-        "decoder_attention_heads": config.num_heads,
-        "encoder_ffn_dim": config.d_ff,
-        "decoder_ffn_dim": config.d_ff,
-        "max_position_embeddings": config.max_len,
-        "dropout": config.dropout,
-        "attention_dropout": config.attention_dropout,
-        "activation_dropout": config.activation_dropout,
+        **_shared_fields(config),
         "activation_function": activation,
         "scale_embedding": config.scale_embeddings,
         "pad_token_id": config.pad_id,
@@ -490,17 +480,7 @@ def _multilingual_files(params, config: TransformerConfig, tokenizer, loop, deco
     hf = {
         **origin.get("config", {}),
         "vocab_size": config.src_vocab_size,
-        "d_model": config.d_model,
-        "encoder_layers": config.num_encoder_layers,
-        "decoder_layers": config.num_decoder_layers,
-        "encoder_attention_heads": config.num_heads,
-        "decoder_attention_heads": config.num_heads,
-        "encoder_ffn_dim": config.d_ff,
-        "decoder_ffn_dim": config.d_ff,
-        "max_position_embeddings": config.max_len,
-        "dropout": config.dropout,
-        "attention_dropout": config.attention_dropout,
-        "activation_dropout": config.activation_dropout,
+        **_shared_fields(config),
         "activation_function": config.activation,
         "scale_embedding": config.scale_embeddings,
         "tie_word_embeddings": True,
@@ -528,6 +508,23 @@ def _multilingual_files(params, config: TransformerConfig, tokenizer, loop, deco
     return hf, state, files
 
 
+def _shared_fields(config: TransformerConfig) -> dict:
+    """The config.json fields that transformers' translation models name alike: widths, depths, positions, dropouts."""
+    return {
+        "d_model": config.d_model,
+        "encoder_layers": config.num_encoder_layers,
+        "decoder_layers": config.num_decoder_layers,
+        "encoder_attention_heads": config.num_heads,
+        "decoder_attention_heads": config.num_heads,
+        "encoder_ffn_dim": config.d_ff,
+        "decoder_ffn_dim": config.d_ff,
+        "max_position_embeddings": config.max_len,
+        "dropout": config.dropout,
+        "attention_dropout": config.attention_dropout,
+        "activation_dropout": config.activation_dropout,
+    }
+
+
 def _complete(params, config: TransformerConfig):
     """Params for `config` with any parameter the source model did not have (biases it was built without, a zero
     logits bias) filled in with zeros: the same function, in Marian's shape."""
@@ -549,17 +546,7 @@ def _fsmt_files(params, config: TransformerConfig, tokenizer, loop, decode):
         "langs": tokenizer.langs,
         "src_vocab_size": config.src_vocab_size,
         "tgt_vocab_size": config.tgt_vocab_size,
-        "d_model": config.d_model,
-        "encoder_layers": config.num_encoder_layers,
-        "decoder_layers": config.num_decoder_layers,
-        "encoder_attention_heads": config.num_heads,
-        "decoder_attention_heads": config.num_heads,
-        "encoder_ffn_dim": config.d_ff,
-        "decoder_ffn_dim": config.d_ff,
-        "max_position_embeddings": config.max_len,
-        "dropout": config.dropout,
-        "attention_dropout": config.attention_dropout,
-        "activation_dropout": config.activation_dropout,
+        **_shared_fields(config),
         "activation_function": config.activation,
         "scale_embedding": config.scale_embeddings,
         "tie_word_embeddings": config.tie_output,

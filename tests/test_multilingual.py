@@ -20,8 +20,8 @@ from jax_transformer.config import ConfigError
 from jax_transformer.decoding import generate
 from jax_transformer.default_task import default_pairs
 from jax_transformer.errors import DataError
-from jax_transformer.model import Transformer
 from tests.helpers.multilingual import LANGUAGES, saved_model, their_tokenizer
+from tests.helpers.pretrained import assert_same_logits
 from tests.helpers.training import run_main, write_corpus
 
 pytest.importorskip("transformers")
@@ -164,24 +164,7 @@ def test_fine_tune_an_imported_model_and_export_it(imported, tmp_path):
     assert code == 0, out + err
     assert json.loads((exported / "tokenizer_config.json").read_text())["tgt_lang"] == tgt
     model = AutoModelForSeq2SeqLM.from_pretrained(exported, attn_implementation="eager").eval()
-    config, tokenizer = tuned.config, tuned.tokenizer
-    pairs = default_pairs("valid", n=6)
-    src_rows = [tokenizer.encode(s) + [config.eos_id] for s in pairs.sources]
-    tgt_rows = [[config.start_id] + tokenizer.encode(t, side="target") for t in pairs.targets]
-    src_ids = np.full((6, max(map(len, src_rows))), config.pad_id, np.int32)
-    tgt_ids = np.full((6, max(map(len, tgt_rows))), config.pad_id, np.int32)
-    for r in range(6):
-        src_ids[r, : len(src_rows[r])], tgt_ids[r, : len(tgt_rows[r])] = src_rows[r], tgt_rows[r]
-    ours = np.asarray(Transformer(config).apply({"params": tuned.params}, src_ids, tgt_ids))
-    with torch.no_grad():
-        theirs = model(
-            input_ids=torch.tensor(src_ids, dtype=torch.long),
-            attention_mask=torch.tensor(src_ids != config.pad_id, dtype=torch.long),
-            decoder_input_ids=torch.tensor(tgt_ids, dtype=torch.long),
-            decoder_attention_mask=torch.tensor(tgt_ids != config.pad_id, dtype=torch.long),
-        ).logits.numpy()
-    real = tgt_ids != config.pad_id
-    assert float(np.abs(ours - theirs)[real].max()) <= ATOL
+    assert_same_logits(model, tuned.params, tuned.config, tuned.tokenizer, "fine-tuned NLLB, exported")
 
 
 def test_what_cannot_be_read_is_named(imported, tmp_path):

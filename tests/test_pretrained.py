@@ -19,8 +19,7 @@ from jax_transformer.config import DecodeConfig
 from jax_transformer.decoding import generate
 from jax_transformer.default_task import default_pairs
 from jax_transformer.errors import DataError, UsageError
-from jax_transformer.model import Transformer
-from tests.helpers.pretrained import end_at_various_lengths, marian_tokenizer_files, tiny_marian
+from tests.helpers.pretrained import assert_same_logits, end_at_various_lengths, marian_tokenizer_files, tiny_marian
 from tests.helpers.saved import load_saved_model
 from tests.helpers.training import run_main, write_corpus
 
@@ -189,31 +188,7 @@ def test_fine_tune_an_imported_model_and_export_it(imported, tmp_path):
     )
     assert code == 0, out + err
     model = MarianMTModel.from_pretrained(exported, attn_implementation="eager").eval()
-    _assert_same_logits(model, tuned.params, tuned.config, tuned.tokenizer, "fine-tuned Marian, exported")
-
-
-def _assert_same_logits(model, params, config, tokenizer, what: str):
-    pairs = default_pairs("valid", n=6)
-    src_rows = [tokenizer.encode(s) + [config.eos_id] for s in pairs.sources]
-    tgt_rows = [[config.start_id] + tokenizer.encode(t, side="target") for t in pairs.targets]
-    src = np.full((6, max(map(len, src_rows))), config.pad_id, np.int32)
-    tgt = np.full((6, max(map(len, tgt_rows))), config.pad_id, np.int32)
-    for r in range(6):
-        src[r, : len(src_rows[r])], tgt[r, : len(tgt_rows[r])] = src_rows[r], tgt_rows[r]
-    ours = np.asarray(Transformer(config).apply({"params": params}, src, tgt))
-    real = tgt != config.pad_id
-    real[:, 0] = True
-    with torch.no_grad():
-        theirs = model(
-            input_ids=torch.tensor(src, dtype=torch.long),
-            attention_mask=torch.tensor(src != config.pad_id, dtype=torch.long),
-            decoder_input_ids=torch.tensor(tgt, dtype=torch.long),
-            decoder_attention_mask=torch.tensor(real, dtype=torch.long),
-        ).logits.numpy()
-    diff = float(np.abs(ours - theirs)[real].max())
-    print(f"[pretrained] {what}: largest logit difference {diff:.3e} (largest |logit| {np.abs(theirs).max():.2f})")
-    assert np.abs(theirs).max() > 1.0
-    assert diff <= ATOL
+    assert_same_logits(model, tuned.params, tuned.config, tuned.tokenizer, "fine-tuned Marian, exported")
 
 
 def test_own_model_exports_as_marian(tmp_path):
@@ -227,7 +202,7 @@ def test_own_model_exports_as_marian(tmp_path):
     path, kind = hub.export_transformers(saved.params, saved.config, saved.tokenizer, run, tmp_path / "own")
     assert kind == "marian"
     model = MarianMTModel.from_pretrained(path, attn_implementation="eager").eval()
-    _assert_same_logits(model, saved.params, saved.config, saved.tokenizer, "own model as Marian")
+    assert_same_logits(model, saved.params, saved.config, saved.tokenizer, "own model as Marian")
     generation = json.loads((path / "generation_config.json").read_text())
     assert generation["num_beams"] == 4 and generation["max_length"] == saved.config.max_len + 1
     assert generation["bad_words_ids"] == [[saved.config.pad_id]]

@@ -253,6 +253,38 @@ def end_at_various_lengths(model, input_ids, attention_mask, max_length: int) ->
             model.model.decoder.output_projection.weight[eos] *= float(best)
 
 
+def assert_same_logits(model, params, config, tokenizer, what: str, atol: float = 1e-5):
+    """A transformers model (`model`) and this project's (`params`, `config`) give the same logits, within `atol`
+    (float32: parity_tests/test_pretrained.py justifies 1e-5), on 6 validation pairs of the built-in task encoded
+    by `tokenizer`; the difference is printed."""
+    import torch
+
+    from jax_transformer.default_task import default_pairs
+    from jax_transformer.model import Transformer
+
+    pairs = default_pairs("valid", n=6)
+    src_rows = [tokenizer.encode(s) + [config.eos_id] for s in pairs.sources]
+    tgt_rows = [[config.start_id] + tokenizer.encode(t, side="target") for t in pairs.targets]
+    src = np.full((6, max(map(len, src_rows))), config.pad_id, np.int32)
+    tgt = np.full((6, max(map(len, tgt_rows))), config.pad_id, np.int32)
+    for r in range(6):
+        src[r, : len(src_rows[r])], tgt[r, : len(tgt_rows[r])] = src_rows[r], tgt_rows[r]
+    ours = np.asarray(Transformer(config).apply({"params": params}, src, tgt))
+    real = tgt != config.pad_id
+    real[:, 0] = True
+    with torch.no_grad():
+        theirs = model(
+            input_ids=torch.tensor(src, dtype=torch.long),
+            attention_mask=torch.tensor(src != config.pad_id, dtype=torch.long),
+            decoder_input_ids=torch.tensor(tgt, dtype=torch.long),
+            decoder_attention_mask=torch.tensor(real, dtype=torch.long),
+        ).logits.numpy()
+    diff = float(np.abs(ours - theirs)[real].max())
+    print(f"[pretrained] {what}: largest logit difference {diff:.3e} (largest |logit| {np.abs(theirs).max():.2f})")
+    assert np.abs(theirs).max() > 1.0
+    assert diff <= atol
+
+
 if __name__ == "__main__":
     save_marian_spm()
     print(f"wrote {SAVED_SPM}")
