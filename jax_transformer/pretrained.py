@@ -131,15 +131,10 @@ def m2m100_config(hf: Mapping[str, Any], what: str = "M2M-100 config") -> Transf
     table for encoder, decoder and the tied output, sinusoids in halves with tensor2tensor's frequencies counted
     from pad + 1 (as FSMT's), scaled embeddings, the decoder starting from EOS, no logits bias."""
     return TransformerConfig(
-        **{**_common(hf, what, layerdrop=True), "norm_first": True, "final_norm": True},
-        src_vocab_size=hf["vocab_size"],
-        tgt_vocab_size=hf["vocab_size"],
-        bos_id=hf.get("bos_token_id", 0),
+        **_one_table_pre_norm(hf, what),
         decoder_start_id=hf.get("decoder_start_token_id", hf["eos_token_id"]),
         sinusoid_frequencies="tensor2tensor",
         position_offset=hf["pad_token_id"] + 1,
-        share_embeddings=True,
-        tie_output=_tied(hf, what),
         logits_bias=False,
     )
 
@@ -149,22 +144,28 @@ def mbart_config(hf: Mapping[str, Any], what: str = "mBART config") -> Transform
     LayerNorm on the embeddings (layernorm_embedding), learned positions (their table's rows from
     MBART_POSITION_OFFSET on), one shared table, a bias on the tied logits (final_logits_bias)."""
     return TransformerConfig(
-        **{**_common(hf, what, layerdrop=True), "norm_first": True, "final_norm": True, "positions": "learned"},
+        **{**_one_table_pre_norm(hf, what), "positions": "learned"},
         embedding_norm=True,
-        src_vocab_size=hf["vocab_size"],
-        tgt_vocab_size=hf["vocab_size"],
-        bos_id=hf.get("bos_token_id", 0),
         decoder_start_id=hf.get("decoder_start_token_id"),  # None: generate starts from bos_token_id
-        share_embeddings=True,
-        tie_output=_tied(hf, what),
         logits_bias=True,
     )
 
 
-def _tied(hf: Mapping[str, Any], what: str) -> bool:
+def _one_table_pre_norm(hf: Mapping[str, Any], what: str) -> dict[str, Any]:
+    """What M2M-100's and mBART's configs share: `_common`'s fields (LayerDrop accepted), pre-norm with final
+    norms, one vocabulary in one table for encoder, decoder and the tied output."""
     if not hf.get("tie_word_embeddings", True):
         raise ConfigError(f"{what}: tie_word_embeddings=false (an untied lm_head) is not imported for this family")
-    return True
+    return {
+        **_common(hf, what, layerdrop=True),
+        "norm_first": True,
+        "final_norm": True,
+        "src_vocab_size": hf["vocab_size"],
+        "tgt_vocab_size": hf["vocab_size"],
+        "bos_id": hf.get("bos_token_id", 0),
+        "share_embeddings": True,
+        "tie_output": True,
+    }
 
 
 def fairseq_config(args: Mapping[str, Any], src_vocab: int, tgt_vocab: int, what: str) -> TransformerConfig:

@@ -274,15 +274,23 @@ def model_and_tokenizer(
     settings: RunSettings, restored, init_from_torch, given_model: dict, given_preset, corpus, run_dir: Path, print_fn
 ) -> tuple[TransformerConfig, Tokenizer, Any]:
     """The model config, the tokenizer and initial weights (None: initialise): the checkpoint's on a resume (model
-    settings given then must describe the saved model), a PyTorch file's, or a new tokenizer and the preset."""
+    settings given then must describe the saved model), a PyTorch file's, or a new tokenizer and the preset; the
+    tokenizer for the languages --src-lang / --tgt-lang name (a multilingual model's; an error for others)."""
+    config, tokenizer, params = _model_and_tokenizer(
+        settings, restored, init_from_torch, given_model, given_preset, corpus, run_dir, print_fn
+    )
+    return config, with_languages(tokenizer, settings.data.src_lang, settings.data.tgt_lang), params
+
+
+def _model_and_tokenizer(
+    settings: RunSettings, restored, init_from_torch, given_model: dict, given_preset, corpus, run_dir: Path, print_fn
+) -> tuple[TransformerConfig, Tokenizer, Any]:
     if restored is not None:
         changes = {**(PRESETS[given_preset] if given_preset else {}), **given_model}
         requested = restored.config.replace(**changes) if changes else restored.config
         ckpt_lib.check_config(restored.config, requested, where=f"checkpoint in {run_dir}")
         # The saved model, computed as asked: a bfloat16 run may go on in float32 and back (not bitwise then).
-        data = settings.data
-        tokenizer = with_languages(restored.tokenizer, data.src_lang, data.tgt_lang)  # a multilingual model's
-        return restored.config.replace(**requested.compute_settings()), tokenizer, None
+        return restored.config.replace(**requested.compute_settings()), restored.tokenizer, None
     if init_from_torch is not None:
         # Model settings describe the file's model; how to compute (dtype, attention kernel) is this run's choice.
         params, config, tokenizer = _init_from_torch(
@@ -296,10 +304,8 @@ def model_and_tokenizer(
             print_fn=print_fn,
         )
         compute = {k: v for k, v in settings.model.items() if k in COMPUTE_FIELDS}
-        tokenizer = with_languages(tokenizer, settings.data.src_lang, settings.data.tgt_lang)
         return config.replace(**compute), tokenizer, params
     tokenizer = shared_tokenizer(corpus, settings.data, run_dir, print_fn)
-    tokenizer = with_languages(tokenizer, settings.data.src_lang, settings.data.tgt_lang)  # (an error: it has none)
     return model_config(settings.preset, tokenizer.vocab_size, settings.model), tokenizer, None
 
 

@@ -557,6 +557,10 @@ class M2M100Tokenizer(LanguageCodeTokenizer):
         self.tokens = {f"__{code}__": i for code, i in self.codes.items()}
         self.specials = ("<s>", "<pad>", "</s>", "<unk>", *self.tokens)
         self._pieces = {index: piece for piece, index in self.vocab.items()}
+        self._pieces.update({i: token for token, i in self.tokens.items()})  # the codes after the vocabulary
+        # what decoded text leaves out: the special tokens and the codes
+        self._unspoken = {self.vocab[t] for t in ("<s>", "<pad>", "</s>", "<unk>") if t in self.vocab}
+        self._unspoken |= set(self.tokens.values())
         self.size = len(self.vocab) + len(codes)  # the ids it produces (the model's table has a few more)
         self.clean_up = bool(options.get("clean_up_tokenization_spaces"))
         super().__init__(files, options)
@@ -577,12 +581,10 @@ class M2M100Tokenizer(LanguageCodeTokenizer):
         return ids
 
     def piece(self, index: int, side: str = "target") -> str:
-        return self._pieces.get(int(index)) or {i: t for t, i in self.tokens.items()}.get(int(index), "<unk>")
+        return self._pieces.get(int(index), "<unk>")
 
     def decode_ids(self, ids: list[int]) -> str:
-        specials = set(self.vocab[t] for t in ("<s>", "<pad>", "</s>", "<unk>") if t in self.vocab)
-        specials |= set(self.tokens.values())
-        pieces = [self._pieces.get(i, "<unk>") for i in ids if i not in specials]
+        pieces = [self._pieces.get(i, "<unk>") for i in ids if i not in self._unspoken]
         text = self.spm.decode_pieces(pieces).strip()
         return _clean_up_tokenization(text) if self.clean_up else text
 

@@ -25,6 +25,7 @@ from jax_transformer.decoding import generate
 from jax_transformer.default_task import default_pairs
 from jax_transformer.errors import DataError
 from jax_transformer.model import Transformer
+from tests.helpers.batches import pad_rows
 from tests.helpers.multilingual import (
     FAMILIES,
     LANGUAGES,
@@ -48,13 +49,6 @@ def _their_model(folder):
     return AutoModelForSeq2SeqLM.from_pretrained(folder, attn_implementation="eager").eval()
 
 
-def _padded(rows, pad_id):
-    out = np.full((len(rows), max(map(len, rows))), pad_id, np.int32)
-    for r, row in enumerate(rows):
-        out[r, : len(row)] = row
-    return out
-
-
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     """{family: save_pretrained directory of a tiny model (tests/helpers/multilingual.py: saved_model)}."""
@@ -72,8 +66,9 @@ def test_logits_match_transformers(family, folders, parity_report):
     config = model.config
     pairs = default_pairs("valid", n=40)
     rows = np.random.default_rng(0).choice(len(pairs.sources), 6, replace=False)
-    src = _padded([tokenizer.encode(pairs.sources[i]) + [config.eos_id] for i in rows], config.pad_id)
-    tgt_in = _padded([[config.start_id] + tokenizer.encode(pairs.targets[i], "target") for i in rows], config.pad_id)
+    src = pad_rows([tokenizer.encode(pairs.sources[i]) + [config.eos_id] for i in rows], pad_id=config.pad_id)
+    tgt_rows = [[config.start_id] + tokenizer.encode(pairs.targets[i], "target") for i in rows]
+    tgt_in = pad_rows(tgt_rows, pad_id=config.pad_id)
     ours = np.asarray(Transformer(config).apply({"params": model.params}, src, tgt_in))
     with torch.no_grad():
         theirs = _their_model(folders[family])(
@@ -110,7 +105,7 @@ def test_generate_matches_transformers(family, case, folders):
     outputs that end at several lengths."""
     model, tokenizer = _imported(folders[family], family)
     config = model.config
-    src = _padded([tokenizer.encode(s) + [config.eos_id] for s in SOURCES], config.pad_id)
+    src = pad_rows([tokenizer.encode(s) + [config.eos_id] for s in SOURCES], pad_id=config.pad_id)
     settings = model.generation  # what the import read from generation_config.json
     if GENERATE_CASES[case] is None:
         options = dict(

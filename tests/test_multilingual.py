@@ -20,6 +20,7 @@ from jax_transformer.config import ConfigError
 from jax_transformer.decoding import generate
 from jax_transformer.default_task import default_pairs
 from jax_transformer.errors import DataError
+from tests.helpers.batches import pad_rows
 from tests.helpers.multilingual import LANGUAGES, saved_model, their_tokenizer
 from tests.helpers.pretrained import assert_same_logits
 from tests.helpers.training import run_main, write_corpus
@@ -123,9 +124,7 @@ def test_export_gives_back_the_same_model_files(imported, tmp_path):
         beam_size=1,
         max_decoding_length=MAX_LENGTH - 1,
     )
-    src = np.full((len(rows), max(map(len, rows))), loaded.config.pad_id, np.int32)
-    for r, row in enumerate(rows):
-        src[r, : len(row)] = row
+    src = pad_rows(rows, pad_id=loaded.config.pad_id)
     # (CTranslate2 does not force EOS at the limit: neither does this generate)
     ours = generate(loaded.params, loaded.config, src, max_length=MAX_LENGTH, forced_bos=tokenizer.forced_bos_id)
     special = (loaded.config.pad_id, loaded.config.eos_id)
