@@ -38,6 +38,13 @@ DAMAGED_SUFFIX = "-damaged"  # <run>/checkpoints-damaged/<step>: where `quaranti
 PARTIAL_SAVE = re.compile(r"\d+\.orbax-checkpoint-tmp.*")
 
 
+# Orbax deep-copies every numpy array it is given to save; `CheckpointManager.save` makes the one copy a save needs
+# itself, so the handler's second copy (the whole model again, in memory while it writes) is turned off.
+ocp.type_handlers.register_type_handler(
+    np.ndarray, ocp.type_handlers.NumpyHandler(deepcopy_host_arrays=False), override=True
+)
+
+
 class CheckpointError(RuntimeError):
     """A checkpoint is missing, unreadable or does not fit what it is loaded into; the message says which."""
 
@@ -215,6 +222,7 @@ class CheckpointManager:
             create=not read_only,
         )
         self._manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "meta"))
+        self._async = async_save
         self._pending: int | None = None  # the step being written in the background
         self._failed = False  # a failed save was reported: later waits do not report it again
 
@@ -266,9 +274,11 @@ class CheckpointManager:
         `loop_state`: JSON the run loop restores on resume (this module does not read it). A failure of this save or
         of the previous one is a CheckpointError (see `_save_failed`)."""
         self._finish_pending()  # one save at a time: the previous one is on disk before the next
-        # A host copy: the training step may donate the device buffers of the live state, so the background
-        # writer must not read them.
-        host_state = jax.device_get(state)
+        # An asynchronous save writes its own host copy: the training step may donate the live state's buffers
+        # (which a CPU array's host view shares) while the writer reads. A synchronous one writes the arrays as
+        # they are, so that an import holds the weights once, not twice, while writing.
+        copy = self._async or None
+        host_state = jax.tree.map(lambda x: np.array(x, copy=copy), state)
         meta = {
             "format": FORMAT_VERSION,
             "step": int(step),

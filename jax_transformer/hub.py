@@ -185,8 +185,9 @@ MODEL_TYPES = ("marian", "fsmt", "m2m_100", "mbart")
 
 
 def _language_code_tokenizer(folder: Path, kind: str) -> LanguageCodeTokenizer:
-    """NLLB-200's or mBART-50's tokenizer.json, else M2M-100's vocab.json and sentencepiece.bpe.model, with the
-    options of tokenizer_config.json that change ids or text (the default languages, the code list, clean-up)."""
+    """NLLB-200's or mBART-50's tokenizer.json (built from mBART's sentencepiece.bpe.model where there is none),
+    else M2M-100's vocab.json and sentencepiece.bpe.model, with the options of tokenizer_config.json that change
+    ids or text (the default languages, the code list, clean-up)."""
     config_file = folder / "tokenizer_config.json"
     settings = _json(config_file) if config_file.is_file() else {}
     if settings.get("legacy_behaviour"):
@@ -201,10 +202,9 @@ def _language_code_tokenizer(folder: Path, kind: str) -> LanguageCodeTokenizer:
         files.update(_files(folder, [name for name in extra if (folder / name).is_file()]))
         return _named(folder, TokenizersJsonTokenizer, files, options)
     if kind == "mbart":
-        raise DataError(
-            f"{folder}: tokenizer.json missing (transformers writes it: AutoTokenizer.from_pretrained(folder)"
-            f".save_pretrained(folder))"
-        )
+        files = {"tokenizer.json": _tokenizer_json_from_sentencepiece(folder)}
+        files.update(_files(folder, [name for name in extra if (folder / name).is_file()]))
+        return _named(folder, TokenizersJsonTokenizer, files, options)
     from transformers.models.m2m_100.tokenization_m2m_100 import FAIRSEQ_LANGUAGE_CODES
 
     codes = settings.get("language_codes", "m2m100")
@@ -213,6 +213,22 @@ def _language_code_tokenizer(folder: Path, kind: str) -> LanguageCodeTokenizer:
     names = ["vocab.json", "sentencepiece.bpe.model"] + [name for name in extra if (folder / name).is_file()]
     options.update(language_codes=list(FAIRSEQ_LANGUAGE_CODES[codes]), language_code_set=codes)
     return _named(folder, M2M100Tokenizer, _files(folder, names), options)
+
+
+def _tokenizer_json_from_sentencepiece(folder: Path) -> bytes:
+    """The tokenizer.json transformers builds from an mBART directory's sentencepiece.bpe.model (its own converter,
+    with the class tokenizer_config.json names: the code list and fairseq's id layout), as its save_pretrained
+    would write it."""
+    model = folder / "sentencepiece.bpe.model"
+    if not model.is_file():
+        raise DataError(f"{folder}: tokenizer file(s) ['tokenizer.json' or 'sentencepiece.bpe.model'] missing")
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+    except Exception as e:  # noqa: BLE001 (sentencepiece and transformers raise their own types for a bad file)
+        raise DataError(f"{model}: not a SentencePiece model transformers reads: {type(e).__name__}: {e}") from None
+    return tokenizer.backend_tokenizer.to_str().encode("utf-8")
 
 
 def _named(folder: Path, kind, files: dict[str, bytes], options: dict):

@@ -192,3 +192,23 @@ def test_what_cannot_be_read_is_named(imported, tmp_path):
         hub.read_pretrained(folder)
     code, out, err = run_main(["import", str(folder), "--output", str(tmp_path / "run")])
     assert code != 0 and "tokenizer.json" in err + out and not (tmp_path / "run").exists()
+
+
+def test_mbart_without_tokenizer_json_reads_its_sentencepiece_model(imported, tmp_path):
+    """An mBART-50 directory with sentencepiece.bpe.model and no tokenizer.json (as older uploads hold it) gives
+    transformers' ids, language codes included; a damaged SentencePiece model names the file."""
+    source, _ = imported["mbart50"]
+    folder = tmp_path / "spm-only"
+    shutil.copytree(source, folder)
+    (folder / "tokenizer.json").unlink()
+    tokenizer = hub.read_pretrained(folder).tokenizer.with_languages(*LANGUAGES["mbart50"])
+    theirs = their_tokenizer(source, "mbart50")
+    texts = [*SENTENCES, "  odd   spacing, \u00fcml\u00e4ut and \u2603"]
+    assert [tokenizer.encode(text) + [tokenizer.eos_id] for text in texts] == theirs(texts)["input_ids"]
+    assert tokenizer.codes == hub.read_pretrained(source).tokenizer.codes  # the 52 codes, at the same ids
+    (folder / "sentencepiece.bpe.model").write_bytes(b"not a model")
+    with pytest.raises(DataError, match=r"spm-only/sentencepiece.bpe.model: not a SentencePiece model"):
+        hub.read_pretrained(folder)
+    (folder / "sentencepiece.bpe.model").unlink()
+    with pytest.raises(DataError, match=r"\['tokenizer.json' or 'sentencepiece.bpe.model'\] missing"):
+        hub.read_pretrained(folder)

@@ -88,12 +88,16 @@ def m2m100_tokenizer(folder: Path):
 
 def mbart50_tokenizer(folder: Path):
     """MBart50Tokenizer of a SentencePiece Unigram of 300 pieces with their scores, saved to `folder`
-    (tokenizer.json); returns transformers' tokenizer."""
+    (tokenizer.json, and the SentencePiece model beside it as sentencepiece.bpe.model, as the hub holds mBART-50);
+    returns transformers' tokenizer."""
     import sentencepiece as spm
     from transformers import MBart50Tokenizer
 
+    data = _spm_model(300, "unigram")
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "sentencepiece.bpe.model").write_bytes(data)
     processor = spm.SentencePieceProcessor()
-    processor.LoadFromSerializedProto(_spm_model(300, "unigram"))
+    processor.LoadFromSerializedProto(data)
     pieces = [(processor.IdToPiece(i), processor.GetScore(i)) for i in range(processor.get_piece_size())]
     # (bos_token as the released tokenizer_config.json names it; transformers 5 no longer sets it itself)
     tokenizer = MBart50Tokenizer(vocab=pieces, src_lang="en_XX", tgt_lang="fr_XX", bos_token="<s>")
