@@ -34,7 +34,7 @@ import time
 import typing
 from pathlib import Path
 
-COMMANDS = ("train", "evaluate", "translate", "export", "import", "attention", "average", "verify", "plot")
+COMMANDS = ("train", "evaluate", "translate", "export", "import", "attention", "average", "verify", "plot", "plan")
 EXIT_ERROR, EXIT_DIVERGED, EXIT_NOT_VERIFIED = 1, 3, 4  # and distributed.EXIT_PEER_LOST (5)
 ALIASES = {"warmup_steps": ["--warmup"]}  # old spellings people have in their scripts
 
@@ -90,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", metavar="SUBCOMMAND")
     for add in (train_flags, evaluate_flags, translate_flags, export_flags, import_flags, attention_flags,
-                average_flags, verify_flags, plot_flags):  # fmt: skip
+                average_flags, verify_flags, plot_flags, plan_flags):  # fmt: skip
         add(sub)
     return parser
 
@@ -425,6 +425,63 @@ def plot_flags(sub) -> None:
 
 def _print(text: str = "") -> None:
     print(text, flush=True)
+
+
+def plan_flags(sub) -> None:
+    from jax_transformer.config import PRESETS
+
+    pl = sub.add_parser(
+        "plan",
+        help="the memory a training step needs per device on a mesh, before the run (nothing allocated)",
+        description="Compiles the training step ahead of time from abstract shapes on the mesh and prints XLA's "
+        "account of its memory per device (arguments, outputs, temporaries) and whether it fits common "
+        "accelerators (docs/scaling.md). With --devices: compiled for that many simulated CPU devices (exact "
+        "argument and output sizes; the CPU compiler's temporaries); without: for the devices JAX sees.",
+    )
+    model = pl.add_mutually_exclusive_group()
+    model.add_argument("--preset", choices=sorted(PRESETS), help="a preset's shape (default: base)")
+    model.add_argument("--init-from", metavar="DIR", help="the model of a run directory (an imported one too)")
+    pl.add_argument("--mesh", help="data=D,fsdp=F,tensor=T (as train's --mesh; default: all devices on data)")
+    pl.add_argument("--devices", type=int, help="simulated CPU devices of the mesh (default: the devices JAX sees)")
+    pl.add_argument("--max-tokens", type=int, default=4096, help="target tokens per batch (default: 4096)")
+    pl.add_argument("--width", type=int, help="tokens per row (default: the model's positions, at most 128)")
+    pl.add_argument("--accumulate", type=int, default=1, help="micro-batches per step (default: 1)")
+    pl.add_argument("--dtype", choices=("float32", "bfloat16"), help="compute dtype (default: the model's)")
+    pl.set_defaults(func=cmd_plan)
+
+
+def cmd_plan(args, start_time: float) -> int:
+    import os
+
+    if args.devices:  # that many simulated CPU devices: set before JAX starts
+        flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "host_platform_device_count" not in f]
+        os.environ["XLA_FLAGS"] = " ".join([*flags, f"--xla_force_host_platform_device_count={args.devices}"])
+        os.environ["JAX_PLATFORMS"] = "cpu"
+    import jax
+
+    from jax_transformer import plan
+    from jax_transformer.config import OptimConfig, preset
+    from jax_transformer.errors import UsageError
+    from jax_transformer.sharding import MeshShape
+
+    if args.devices and jax.device_count() != args.devices:
+        raise UsageError(f"--devices {args.devices}: JAX sees {jax.device_count()} (it started before the flag)")
+    if args.init_from:
+        from jax_transformer.checkpoint import CheckpointManager, find_checkpoint_dir
+        from jax_transformer.config import TransformerConfig
+
+        manager = CheckpointManager(find_checkpoint_dir(args.init_from), read_only=True)
+        config = TransformerConfig.from_dict(manager.read_meta("latest")["config"], source=args.init_from)
+    else:
+        config = preset(args.preset or "base")
+    if args.dtype:
+        config = config.replace(dtype=args.dtype)
+    n = args.devices or jax.device_count()
+    mesh = MeshShape.parse(args.mesh, n)
+    width = args.width or min(config.max_len, 128)
+    rows = plan.rows_for(args.max_tokens, width, mesh.batch_devices * args.accumulate)
+    _print(plan.describe(plan.plan_step(config, OptimConfig(), mesh, rows, width, args.accumulate), config))
+    return 0
 
 
 def cmd_train(args, start_time: float) -> int:

@@ -7,6 +7,7 @@
     python benchmarks/ctranslate2_decoding.py --run runs/m30k-marian --input test.de       # translate, end to end
     python benchmarks/ctranslate2_decoding.py --write-marian DIR --texts train.de train.en  # a model for --run
     python benchmarks/ctranslate2_decoding.py --device cuda --dtype bfloat16 --decoders flax,ctranslate2  # GPU
+    python benchmarks/ctranslate2_decoding.py --model nllb-600m --rows greedy:1,greedy:16,beam4:16   # a real shape
 
 Needs the `ctranslate2` extra (`pip install -e ".[ctranslate2]"`) and transformers (the `pretrained` extra): the
 model is written with `export --format transformers` (jax_transformer.hub) and converted by CTranslate2's own
@@ -376,6 +377,12 @@ def table(report: dict) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", default="small", help="model shape (default: small)")
+    parser.add_argument(
+        "--model",
+        choices=("nllb-600m", "m2m100-418m"),
+        help="a released multilingual model's shape instead of --preset: benchmarks/multilingual.py's rows (Flax "
+        "against CTranslate2's float32 and int8, on the CPU; --rows, --new-tokens, --src-len, --repeats, --json)",
+    )
     rows_help = f"comma-separated search:batch (default: {','.join(ROWS)})"
     parser.add_argument("--rows", default=",".join(ROWS), help=rows_help)
     parser.add_argument("--new-tokens", type=int, default=64, help="tokens produced per sentence (default: 64)")
@@ -417,6 +424,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--texts", type=Path, nargs="+", default=(), help="with --write-marian: its vocabulary's text")
     parser.add_argument("--max-len", type=int, default=128, help="with --write-marian: positions (default: 128)")
     args = parser.parse_args(argv)
+    if args.model:  # the real shapes need their own model files and tokenizer: that script's decoding rows
+        from benchmarks import multilingual
+
+        forwarded = ["--model", args.model, "--skip-train", "--rows", args.rows, "--new-tokens", str(args.new_tokens)]
+        forwarded += ["--src-len", str(args.src_len), "--repeats", str(3 if args.quick else args.repeats)]
+        return multilingual.main(forwarded + (["--json", str(args.json)] if args.json else []))
     if args.write_marian:
         from jax_transformer import hub
 

@@ -38,13 +38,6 @@ DAMAGED_SUFFIX = "-damaged"  # <run>/checkpoints-damaged/<step>: where `quaranti
 PARTIAL_SAVE = re.compile(r"\d+\.orbax-checkpoint-tmp.*")
 
 
-# Orbax deep-copies every numpy array it is given to save; `CheckpointManager.save` makes the one copy a save needs
-# itself, so the handler's second copy (the whole model again, in memory while it writes) is turned off.
-ocp.type_handlers.register_type_handler(
-    np.ndarray, ocp.type_handlers.NumpyHandler(deepcopy_host_arrays=False), override=True
-)
-
-
 class CheckpointError(RuntimeError):
     """A checkpoint is missing, unreadable or does not fit what it is loaded into; the message says which."""
 
@@ -147,10 +140,15 @@ def committed_steps(directory: str | os.PathLike) -> list[int]:
 
 class _QuietExpectedWarnings(logging.Filter):
     """orbax's warnings about what this module does on purpose: a save without metrics when a best_fn is set
-    (periodic saves have none by design), and a manager opened read-only (every translate, evaluate and export
-    opens one)."""
+    (periodic saves have none by design), a manager opened read-only (every translate, evaluate and export
+    opens one), and the numpy handler registered below in place of its own."""
 
-    EXPECTED = ("did not provide metrics", "Given directory is read only", "read_only=True, setting save_interval")
+    EXPECTED = (
+        "did not provide metrics",
+        "Given directory is read only",
+        "read_only=True, setting save_interval",
+        "overriding np.ndarray",
+    )
 
     def filter(self, record: logging.LogRecord) -> bool:
         return not any(text in record.getMessage() for text in self.EXPECTED)
@@ -185,6 +183,12 @@ class _NoUnaskedWriteErrors(logging.Filter):
 logging.getLogger("absl").addFilter(_QuietExpectedWarnings())
 logging.getLogger("absl").addFilter(_NoBackgroundTracebacks())
 logging.getLogger("asyncio").addFilter(_NoUnaskedWriteErrors())
+
+# Orbax deep-copies every numpy array it is given to save; `CheckpointManager.save` makes the one copy a save needs
+# itself, so the handler's second copy (the whole model again, in memory while it writes) is turned off.
+ocp.type_handlers.register_type_handler(
+    np.ndarray, ocp.type_handlers.NumpyHandler(deepcopy_host_arrays=False), override=True
+)
 
 
 def _score(metrics: Mapping[str, Any]) -> float:

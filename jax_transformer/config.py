@@ -607,6 +607,12 @@ class ParallelConfig(Settings):
         "compiled step (same update, about 1/K of the activation memory)",
         at_least=1,
     )
+    mesh: str | None = setting(
+        None,
+        "the sharded step's mesh, e.g. data=2,fsdp=2,tensor=2: batch rows over data and fsdp, the state split over "
+        "fsdp (each large array) and tensor (heads, feed-forward units); an axis left out is 1, data takes the "
+        "devices the others leave; default: all devices on data (docs/scaling.md)",
+    )
     coordinator: str | None = setting(
         None, "HOST:PORT where process 0 runs JAX's coordination service (multi-process runs; same on every process)"
     )

@@ -21,14 +21,8 @@ import jax
 import numpy as np
 
 from jax_transformer.config import ConfigError, OptimConfig, ParallelConfig, TransformerConfig, host_port
-from jax_transformer.training import (
-    DATA_AXIS,
-    data_mesh,
-    make_train_step,
-    replicate,
-    shard_batch,
-    unreplicate,
-)
+from jax_transformer.sharding import BATCH_AXES, MeshShape, check_divisible, tree_shardings
+from jax_transformer.training import make_train_step, replicate, shard_batch, unreplicate
 
 # =============================================================================================================
 # Joining the processes
@@ -331,43 +325,55 @@ class DataParallel:
     """The devices of a run and how a step uses them (see the module docstring): `place_state`, `place_batch`,
     `local` (one device's copy of a replicated tree, for evaluation and saving) and `make_step`."""
 
-    def __init__(self, parallel: str = "auto", accumulate: int = 1) -> None:
+    def __init__(self, parallel: str = "auto", accumulate: int = 1, mesh: str | None = None) -> None:
         if parallel == "auto":
-            parallel = "sharded" if jax.device_count() > 1 else "jit"
+            parallel = "sharded" if jax.device_count() > 1 or mesh else "jit"
         if parallel in ("jit", "pmap") and jax.process_count() > 1:
             raise ConfigError(f"--parallel {parallel} runs in one process; this run has {jax.process_count()}")
+        if mesh and parallel != "sharded":
+            raise ConfigError(f"--mesh {mesh} is for --parallel sharded (or auto), not --parallel {parallel}")
         self.mode, self.accumulate = parallel, accumulate
         self.n_devices = {"jit": 1, "pmap": jax.local_device_count(), "sharded": jax.device_count()}[parallel]
+        self.mesh_shape = MeshShape.parse(mesh, self.n_devices) if parallel == "sharded" else None
         if parallel == "sharded":
             from jax.sharding import NamedSharding
             from jax.sharding import PartitionSpec as P
 
-            self.mesh = data_mesh(self.n_devices)
+            self.mesh = self.mesh_shape.mesh()
             self.replicated = NamedSharding(self.mesh, P())
-            self.by_rows = NamedSharding(self.mesh, P(DATA_AXIS))
+            self.by_rows = NamedSharding(self.mesh, P(BATCH_AXES))
 
     @classmethod
     def from_config(cls, parallel: ParallelConfig) -> DataParallel:
-        return cls(parallel.parallel, parallel.accumulate)
+        return cls(parallel.parallel, parallel.accumulate, parallel.mesh)
 
     def describe(self) -> str:
         where = f"{self.n_devices} device(s)"
         if jax.process_count() > 1:
             where += f" in {jax.process_count()} processes"
+        if self.mesh_shape is not None and self.mesh_shape.shards_state:
+            where += f", mesh {self.mesh_shape}"
         text = f"{self.mode} on {where} ({jax.devices()[0].platform})"
         return text + (f", {self.accumulate} micro-batches per step" if self.accumulate > 1 else "")
 
     # --- batches -------------------------------------------------------------------------------------------
     @property
+    def batch_devices(self) -> int:
+        """The devices a batch's rows are split over (a mesh's tensor devices share their rows)."""
+        return self.n_devices if self.mesh_shape is None else self.mesh_shape.batch_devices
+
+    @property
     def row_divisor(self) -> int:
-        """A batch's rows must be a multiple of this: devices x micro-batches."""
-        return self.n_devices * self.accumulate
+        """A batch's rows must be a multiple of this: devices holding rows x micro-batches."""
+        return self.batch_devices * self.accumulate
 
     def check_rows(self, rows: int, where: str = "a batch") -> None:
         """ConfigError unless `rows` split evenly over the devices and micro-batches."""
         if rows % self.row_divisor:
+            split = self.mesh_shape is not None and self.mesh_shape.shards_state
+            over = f"{self.batch_devices} device(s)" + (f" (data x fsdp of --mesh {self.mesh_shape})" if split else "")
             raise ConfigError(
-                f"{where} has {rows} rows, which do not split evenly over {self.n_devices} device(s) x "
+                f"{where} has {rows} rows, which do not split evenly over {over} x "
                 f"{self.accumulate} micro-batch(es) (--accumulate): rows must be a multiple of {self.row_divisor}. "
                 f"Set --row-multiple to a multiple of {self.row_divisor} (bucketed batches) or choose --max-tokens "
                 f"so that every batch's rows divide"
@@ -393,40 +399,60 @@ class DataParallel:
         `make_array_from_process_local_data` expects them (increasing)."""
         blocks = self.by_rows.addressable_devices_indices_map((rows,)).values()
         starts = sorted({index[0].start or 0 for index in blocks})
-        per_device = rows // self.n_devices
+        per_device = rows // self.batch_devices
         return np.concatenate([np.arange(start, start + per_device) for start in starts])
 
     # --- the state -----------------------------------------------------------------------------------------
     def place_state(self, state):
-        """A TrainState (host or one-device arrays) as the step wants it: replicated on every device."""
+        """A TrainState (host or one-device arrays) as the step wants it: replicated on every device, or laid out
+        over the mesh by `sharding.RULES` (each process supplies the shards of its own devices)."""
         if self.mode == "jit":
             return state
         if self.mode == "pmap":
             return replicate(state, self.n_devices)
-        return jax.tree_util.tree_map(self._replicated_array, state)
-
-    def _replicated_array(self, leaf):
-        if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):  # a typed key: its words, then wrapped again
-            return jax.random.wrap_key_data(self._replicated_array(jax.random.key_data(leaf)))
-        return jax.make_array_from_process_local_data(self.replicated, np.asarray(leaf))
+        shardings = tree_shardings(state, self.mesh, self.mesh_shape)
+        return jax.tree_util.tree_map(_placed, state, shardings)
 
     def local(self, tree):
-        """One local device's copy of a replicated tree (the state, a step's loss sums): what evaluation and
-        saving read. Under sharded jit each process reads its own first device, no communication."""
+        """A tree of the step's (the state, a step's loss sums) whole on this process: what evaluation and saving
+        read. Replicated, each process reads its own first device, no communication; split over fsdp / tensor,
+        the shards are gathered (every process then holds the whole state: docs/scaling.md)."""
         if self.mode == "jit":
             return tree
         if self.mode == "pmap":
             return unreplicate(tree, self.n_devices)
-        return jax.tree_util.tree_map(_first_shard, tree)
+        return jax.tree_util.tree_map(_whole, tree)
 
     # --- the step ------------------------------------------------------------------------------------------
     def make_step(self, config: TransformerConfig, optim: OptimConfig, *, dropout: bool = True):
+        if self.mesh_shape is not None:
+            check_divisible(config, self.mesh_shape)
         return make_train_step(
-            config, optim, n_devices=self.n_devices, parallel=self.mode, accumulate=self.accumulate, dropout=dropout
+            config,
+            optim,
+            n_devices=self.n_devices,
+            parallel=self.mode,
+            accumulate=self.accumulate,
+            dropout=dropout,
+            mesh=self.mesh_shape,
         )
 
 
-def _first_shard(leaf):
+def _placed(leaf, sharding):
+    """A host or one-device array as a global array of `sharding`, from this process's copy of the whole."""
+    if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):  # a typed key: its words, then wrapped again
+        return jax.random.wrap_key_data(_placed(jax.random.key_data(leaf), sharding))
+    host = np.asarray(leaf)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+
+def _whole(leaf):
     if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
-        return jax.random.wrap_key_data(_first_shard(jax.random.key_data(leaf)))
-    return leaf.addressable_data(0)
+        return jax.random.wrap_key_data(_whole(jax.random.key_data(leaf)))
+    if leaf.sharding.is_fully_replicated:
+        return leaf.addressable_data(0)
+    if leaf.is_fully_addressable:  # one process: gathered onto its first device
+        return jax.device_put(leaf, jax.local_devices()[0])
+    from jax.experimental import multihost_utils
+
+    return multihost_utils.process_allgather(leaf, tiled=True)

@@ -25,6 +25,7 @@ from jax_transformer.config import PARALLEL_MODES, OptimConfig, TransformerConfi
 from jax_transformer.dropout import global_rows
 from jax_transformer.losses import loss_sums
 from jax_transformer.model import Transformer, init_params
+from jax_transformer.sharding import BATCH_AXES, MeshShape, check_divisible, tree_shardings
 
 __all__ = [
     "OptimConfig",
@@ -40,7 +41,7 @@ __all__ = [
 ]
 
 AXIS = "devices"  # pmap axis name used by the data-parallel step
-DATA_AXIS = "data"  # the mesh axis a batch's rows are split along under sharded jit
+DATA_AXIS = "data"  # the mesh axis of plain data parallelism (sharding.MESH_AXES: data, fsdp, tensor)
 # A batch is a dict of (B, L) int32 arrays: src, tgt_in, tgt_out, and for packed rows these as well.
 PACKING_KEYS = ("src_segments", "tgt_segments", "src_positions", "tgt_positions")
 
@@ -188,6 +189,7 @@ def train_step(
     axis_name: str | None = None,
     accumulate: int = 1,
     mesh: Mesh | None = None,
+    param_shardings=None,
 ):
     """One optimiser update. Returns (new state, the batch's loss sums before the update).
 
@@ -196,13 +198,15 @@ def train_step(
     of float additions); averaging per-part means would weight a token by 1 / its part's own token count:
     - pmap (axis_name given): each device holds a block of rows; gradients and sums are added over devices
       with psum.
-    - sharded jit (`mesh` given: the batch is a global array split over the mesh's devices by rows): the compiler
+    - sharded jit (`mesh` given: the batch is a global array split over the mesh's (data, fsdp) devices by rows;
+      `param_shardings` where the state is split over fsdp / tensor, `jax_transformer.sharding`): the compiler
       adds the devices' partial sums itself.
     - `accumulate` K > 1 (gradient accumulation): K micro-batches, one after the other in a `lax.scan`, their
       gradient and loss sums added up; only one micro-batch's activations are alive at a time. Under sharded
-      jit each device adds up its own rows' partial sums over the micro-batches (a per-device block axis, under
-      `vmap`) and the devices' sums are added once after the scan: one all-reduce per step, not one per
-      micro-batch.
+      jit with a replicated state each device adds up its own rows' partial sums over the micro-batches (a
+      per-device block axis, under `vmap`) and the devices' sums are added once after the scan: one all-reduce
+      per step, not one per micro-batch. With a split state, each micro-batch's gradient is reduce-scattered
+      into the parameters' layout as it is added (a whole gradient per device is what splitting avoids).
     Dropout masks are a function of each element's global batch row (`dropout.global_rows`), so they do not
     depend on any of these splits either: every path takes the same step as one device on the whole batch.
     """
@@ -221,20 +225,32 @@ def train_step(
     if accumulate == 1:
         grads, sums = grads_and_sums(batch, first_row + jnp.arange(rows))
     else:
-        blocks = 1 if mesh is None else mesh.size  # the devices' row blocks, each summed on its own device
-        per_block = jax.vmap(grads_and_sums)  # (blocks, m, L) rows -> (blocks, ...) partial sums
-        micro = _laid_out(micro_batches(batch, accumulate, blocks), mesh, P(None, DATA_AXIS))  # (K, blocks, m, L)
+        # the devices' row blocks (data x fsdp), each micro-batch a slice of every block: no row moves
+        blocks = 1 if mesh is None else mesh.shape[BATCH_AXES[0]] * mesh.shape[BATCH_AXES[1]]
+        micro = _laid_out(micro_batches(batch, accumulate, blocks), mesh, P(None, BATCH_AXES))  # (K, blocks, m, L)
+        first = jax.tree_util.tree_map(lambda x: x[0], micro)
+        if param_shardings is None:
+            per_block = jax.vmap(grads_and_sums)  # (blocks, m, L) rows -> (blocks, ...) partial sums
+            layout = lambda tree: _laid_out(tree, mesh, P(BATCH_AXES))  # noqa: E731
+            shapes = jax.eval_shape(per_block, first, micro_batch_rows(0, rows, accumulate, blocks, first_row))
+        else:  # the micro-batch's rows all at once: (blocks, m, L) -> (blocks * m, L), still in the devices' order
+
+            def per_block(part, row_ids):
+                flat = jax.tree_util.tree_map(lambda x: x.reshape(-1, *x.shape[2:]), (part, row_ids))
+                return grads_and_sums(*flat)
+
+            layout = lambda tree: (lax.with_sharding_constraint(tree[0], param_shardings), tree[1])  # noqa: E731
+            shapes = jax.eval_shape(per_block, first, micro_batch_rows(0, rows, accumulate, blocks, first_row))
 
         def add_micro_batch(total, k_and_micro):
             k, part = k_and_micro
             partial_sums = per_block(part, micro_batch_rows(k, rows, accumulate, blocks, first_row))
-            return _laid_out(jax.tree_util.tree_map(jnp.add, total, partial_sums), mesh, P(DATA_AXIS)), None
+            return layout(jax.tree_util.tree_map(jnp.add, total, partial_sums)), None
 
-        first = jax.tree_util.tree_map(lambda x: x[0], micro)
-        shapes = jax.eval_shape(per_block, first, micro_batch_rows(0, rows, accumulate, blocks, first_row))
-        zeros = _laid_out(jax.tree_util.tree_map(lambda x: jnp.zeros(x.shape, x.dtype), shapes), mesh, P(DATA_AXIS))
+        zeros = layout(jax.tree_util.tree_map(lambda x: jnp.zeros(x.shape, x.dtype), shapes))
         (grads, sums), _ = lax.scan(add_micro_batch, zeros, (jnp.arange(accumulate), micro))
-        grads, sums = jax.tree_util.tree_map(lambda x: x.sum(axis=0), (grads, sums))  # over the blocks
+        if param_shardings is None:
+            grads, sums = jax.tree_util.tree_map(lambda x: x.sum(axis=0), (grads, sums))  # over the blocks
     if axis_name is not None:
         grads, sums = lax.psum((grads, sums), axis_name)
     tokens = jnp.maximum(sums["tokens"], 1.0)  # an all-padding batch has no tokens: avoid 0 / 0
@@ -272,14 +288,18 @@ def make_train_step(
     dropout: bool = True,
     parallel: str = "auto",
     accumulate: int = 1,
+    mesh: MeshShape | None = None,
+    donate: bool | None = None,
 ):
     """The compiled step. Callers must not use the state they passed in after the call: on accelerators it is
-    donated (its buffers are reused for the new state; see `state_donation`). `parallel`:
+    donated (its buffers are reused for the new state; see `state_donation`; `donate` says so for any backend: the
+    memory plan compiles as an accelerator would). `parallel`:
     - "jit": `jax.jit` on one device (n_devices must be 1);
     - "pmap": `jax.pmap` over the first `n_devices` local devices; the state is replicated and the batch has a
       leading device axis (`replicate`, `shard_batch`);
-    - "sharded": `jax.jit` over a `Mesh` of the first `n_devices` global devices (`data_mesh`): the state
-      replicated (`NamedSharding(mesh, P())`), the batch a global array split by rows (`P("data")`);
+    - "sharded": `jax.jit` over a `Mesh` of the first `n_devices` global devices, shaped by `mesh` (default: all
+      on `data`): the state laid out by `sharding.RULES` (replicated on a data-only mesh), the batch a global array
+      split by rows over data x fsdp (`P(("data", "fsdp"))`);
     - "auto": jit on one device, sharded on more.
     `accumulate` K splits each device's rows into K micro-batches (see `train_step`)."""
     if parallel == "auto":
@@ -290,7 +310,15 @@ def make_train_step(
         raise ValueError(f"parallel='jit' runs on one device, got n_devices={n_devices}")
     if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
         raise ValueError(f"accumulate must be an int >= 1, got {accumulate!r}")
-    return _compiled_train_step(config, opt, n_devices, dropout, parallel, accumulate)
+    if parallel == "sharded":
+        mesh = mesh or MeshShape(data=n_devices)
+        if mesh.size != n_devices:
+            raise ValueError(f"a mesh of {mesh.size} devices ({mesh}) for a step on {n_devices}")
+        check_divisible(config, mesh)
+    elif mesh is not None and mesh.size > 1:
+        raise ValueError(f"a mesh ({mesh}) is for parallel='sharded', not {parallel!r}")
+    donated = state_donation() if donate is None else ((0,) if donate else ())
+    return _compiled_train_step(config, opt, n_devices, dropout, parallel, accumulate, mesh, donated)
 
 
 def state_donation() -> tuple[int, ...]:
@@ -303,11 +331,17 @@ def state_donation() -> tuple[int, ...]:
 
 @functools.lru_cache(maxsize=16)  # one compiled step per (config, optimiser, devices, options), reused by later runs
 def _compiled_train_step(
-    config: TransformerConfig, opt: OptimConfig, n_devices: int, dropout: bool, parallel: str, accumulate: int
+    config: TransformerConfig,
+    opt: OptimConfig,
+    n_devices: int,
+    dropout: bool,
+    parallel: str,
+    accumulate: int,
+    mesh_shape: MeshShape | None,
+    donate: tuple[int, ...],
 ):
     tx = make_optimizer(config, opt)
     options = dict(config=config, tx=tx, label_smoothing=opt.label_smoothing, dropout=dropout, accumulate=accumulate)
-    donate = state_donation()
     if parallel == "jit":
         return compilation.jit(functools.partial(train_step, **options), config.dtype, donate_argnums=donate)
     if parallel == "pmap":
@@ -315,20 +349,24 @@ def _compiled_train_step(
         # options (jit of pmap is pmap's own program; its outputs keep pmap's sharding).
         pmapped = jax.pmap(functools.partial(train_step, axis_name=AXIS, **options), axis_name=AXIS)
         return compilation.jit(pmapped, config.dtype, donate_argnums=donate)
-    mesh = data_mesh(n_devices)
-    replicated, by_rows = NamedSharding(mesh, P()), NamedSharding(mesh, P(DATA_AXIS))
-    fn = functools.partial(train_step, mesh=mesh, **options)
-    shardings = dict(in_shardings=(replicated, by_rows), out_shardings=(replicated, replicated))
+    mesh = mesh_shape.mesh()
+    state = state_shardings(config, opt, mesh_shape, mesh)
+    replicated, by_rows = NamedSharding(mesh, P()), NamedSharding(mesh, P(BATCH_AXES))
+    split = state.params if mesh_shape.shards_state else None
+    fn = functools.partial(train_step, mesh=mesh, param_shardings=split, **options)
+    shardings = dict(in_shardings=(state, by_rows), out_shardings=(state, replicated))
     return compilation.jit(fn, config.dtype, donate_argnums=donate, **shardings)
 
 
+def state_shardings(config: TransformerConfig, opt: OptimConfig, mesh_shape: MeshShape, mesh: Mesh | None = None):
+    """Where each array of the train state lives on the mesh (a TrainState of NamedShardings, `sharding.RULES`)."""
+    return tree_shardings(abstract_train_state(config, opt), mesh or mesh_shape.mesh(), mesh_shape)
+
+
 def data_mesh(n_devices: int) -> Mesh:
-    """A one-axis ("data") mesh over the first n global devices, in `jax.devices()` order: process by process,
-    so each process's devices hold one contiguous block of a batch's rows."""
-    devices = jax.devices()
-    if n_devices > len(devices):
-        raise ValueError(f"a mesh of {n_devices} devices was asked for; jax sees {len(devices)}")
-    return Mesh(np.array(devices[:n_devices]), (DATA_AXIS,))
+    """The mesh of plain data parallelism over the first n global devices, in `jax.devices()` order (process by
+    process, so each process's devices hold one contiguous block of a batch's rows): all on `data`."""
+    return MeshShape(data=n_devices).mesh()
 
 
 @functools.lru_cache(maxsize=16)

@@ -1,0 +1,133 @@
+"""The sharded training step on meshes of (data, fsdp, tensor) against single-device jit, and where the state lives.
+
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 JAX_PLATFORMS=cpu python -m tests.helpers.mesh_paths
+
+Three steps, dropout on, from the same state and the same global batches of packed rows (parallel_paths.py's,
+16 rows), on the meshes (8,1,1), (2,4,1), (2,2,2), (1,2,4) and (2,2,2) with 2 micro-batches. Prints one line
+"REPORT {json}" in parallel_paths' form (so `parallel_paths.check` judges it: the same tolerances of float summation
+order) plus, per mesh, the bytes of the placed state's parameters and Adam moments on the most loaded device against
+their total; then the check's lines.
+"""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from jax_transformer import sharding, training
+from jax_transformer.distributed import DataParallel
+from tests.helpers.configs import unit_config
+from tests.helpers.parallel_paths import check, packed_batch
+from tests.helpers.twins import flat
+
+STEPS = 3
+ROWS = 16  # 2 rows per device on (8,1,1); 8 per (data, fsdp) position on (1,2,4)
+MESHES = {
+    "data=8": ("data=8", 1),
+    "data=2,fsdp=4": ("data=2,fsdp=4", 1),
+    "data=2,fsdp=2,tensor=2": ("data=2,fsdp=2,tensor=2", 1),
+    "fsdp=2,tensor=4": ("data=1,fsdp=2,tensor=4", 1),
+    "data=2,fsdp=2,tensor=2, accumulate 2": ("data=2,fsdp=2,tensor=2", 2),
+}
+
+
+def run(mode: str, accumulate: int, mesh: str | None, config, optim, batches) -> dict:
+    devices = DataParallel(mode, accumulate, mesh)
+    state = devices.place_state(training.create_train_state(config, optim, seed=0))
+    arrays = jax.tree.leaves((state.params, state.opt_state))
+    matrices = [x for x in arrays if x.ndim == 2]  # what the rules split over fsdp and tensor both
+    placed = {
+        "per_device": sharding.bytes_per_device(arrays),
+        "total": sharding.total_bytes(arrays),
+        "matrices_per_device": sharding.bytes_per_device(matrices),
+        "matrices_total": sharding.total_bytes(matrices),
+    }
+    step = devices.make_step(config, optim)
+    losses, tokens = [], []
+    for batch in batches:
+        state, sums = step(state, devices.place_batch(batch))
+        sums = jax.device_get(devices.local(sums))
+        losses.append(float(sums["loss"]) / float(sums["tokens"]))
+        tokens.append(float(sums["tokens"]))
+    kept = True  # the step returns the state in the layout it was given (the next step compiles nothing new)
+    if devices.mesh_shape is not None:
+        wanted = jax.tree.leaves(sharding.tree_specs(state, devices.mesh_shape), is_leaf=lambda x: isinstance(x, P))
+        kept = [tuple(x.sharding.spec) for x in jax.tree.leaves(state)] == [tuple(spec) for spec in wanted]
+    params = flat(jax.device_get(devices.local(state).params))
+    return {"losses": losses, "tokens": tokens, "params": params, "devices": devices, "bytes": placed, "kept": kept}
+
+
+def main() -> dict:
+    jax.config.update("jax_default_matmul_precision", "highest")
+    # the tiny preset, vocabulary and positions divisible by 8: every matrix splits on every mesh
+    config = unit_config().replace(num_encoder_layers=1, num_decoder_layers=1, src_vocab_size=64, tgt_vocab_size=64)
+    optim = training.OptimConfig(warmup_steps=5)
+    batches = [packed_batch(config, 10 + i, ROWS) for i in range(STEPS)]
+    start = flat(training.create_train_state(config, optim, seed=0).params)
+    results = {"jit": run("jit", 1, None, config, optim, batches)}
+    for name, (mesh, accumulate) in MESHES.items():
+        results[name] = run("sharded", accumulate, mesh, config, optim, batches)
+    _, sums = DataParallel("jit").make_step(config, optim, dropout=False)(
+        training.create_train_state(config, optim, seed=0), batches[0]
+    )
+    reference = results["jit"]
+    report = {
+        "devices": jax.device_count(),
+        "platform": jax.devices()[0].platform,
+        "dropout_off_first_loss": float(sums["loss"]) / float(sums["tokens"]),
+        "quarter_tokens": [[int((block != 0).sum()) for block in np.split(b["tgt_out"], 4)] for b in batches],
+        "moved": {k: float(np.max(np.abs(reference["params"][k] - start[k]))) for k in start},
+        "paths": {},
+    }
+    for name, result in results.items():
+        mesh_shape = result["devices"].mesh_shape
+        report["paths"][name] = {
+            "mode": result["devices"].mode,
+            "n_devices": result["devices"].n_devices,
+            "mesh": None if mesh_shape is None else [mesh_shape.data, mesh_shape.fsdp, mesh_shape.tensor],
+            "losses": result["losses"],
+            "tokens": result["tokens"],
+            "bytes": result["bytes"],
+            "kept_layout": result["kept"],
+            "max_abs": {k: float(np.max(np.abs(result["params"][k] - reference["params"][k]))) for k in start},
+            "relative": {
+                k: float(
+                    np.linalg.norm(result["params"][k] - reference["params"][k])
+                    / max(np.linalg.norm(reference["params"][k] - start[k]), 1e-30)
+                )
+                for k in start
+            },
+        }
+    return report
+
+
+def check_meshes(report: dict) -> list[str]:
+    """`parallel_paths.check` on every mesh (its tolerances; dropout's effect on this batch's loss, 8e-4 relative,
+    is 800 times the loss tolerance, where that check asks for 1e-3 of its own batches), and per mesh: the step
+    kept the state's layout, and each device holds exactly 1/(fsdp x tensor) of the matrices' bytes (every matrix
+    divides on every mesh here) and the small arrays whole."""
+    lines = check(report, dropout_effect=1e-4)
+    for name, path in report["paths"].items():
+        if path["mesh"] is None:
+            continue
+        _, fsdp, tensor = path["mesh"]
+        b = path["bytes"]
+        assert path["kept_layout"], name
+        assert b["matrices_per_device"] * fsdp * tensor == b["matrices_total"], (name, b)
+        small = b["total"] - b["matrices_total"]
+        assert b["per_device"] <= b["matrices_per_device"] + small, (name, b)
+        lines.append(
+            f"{name}: parameters + Adam moments {b['per_device']:,} bytes on the most loaded device of "
+            f"{b['total']:,}; matrices {b['matrices_per_device']:,} of {b['matrices_total']:,} (1/{fsdp * tensor})"
+        )
+    return lines
+
+
+if __name__ == "__main__":
+    report = main()
+    print("REPORT " + json.dumps(report))
+    print(f"{report['devices']} {report['platform']} device(s), {STEPS} steps, dropout on; each mesh against jit:")
+    print("\n".join("  " + line for line in check_meshes(report)))
