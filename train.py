@@ -428,7 +428,7 @@ def _print(text: str = "") -> None:
 
 
 def plan_flags(sub) -> None:
-    from jax_transformer.config import PRESETS
+    from jax_transformer.config import PRESETS, REMAT_POLICIES
 
     pl = sub.add_parser(
         "plan",
@@ -447,6 +447,7 @@ def plan_flags(sub) -> None:
     pl.add_argument("--width", type=int, help="tokens per row (default: the model's positions, at most 128)")
     pl.add_argument("--accumulate", type=int, default=1, help="micro-batches per step (default: 1)")
     pl.add_argument("--dtype", choices=("float32", "bfloat16"), help="compute dtype (default: the model's)")
+    pl.add_argument("--remat", choices=REMAT_POLICIES, help="recompute layers in the backward pass (as train's)")
     pl.set_defaults(func=cmd_plan)
 
 
@@ -474,8 +475,7 @@ def cmd_plan(args, start_time: float) -> int:
         config = TransformerConfig.from_dict(manager.read_meta("latest")["config"], source=args.init_from)
     else:
         config = preset(args.preset or "base")
-    if args.dtype:
-        config = config.replace(dtype=args.dtype)
+    config = config.replace(**{k: getattr(args, k) for k in ("dtype", "remat") if getattr(args, k)})
     n = args.devices or jax.device_count()
     mesh = MeshShape.parse(args.mesh, n)
     width = args.width or min(config.max_len, 128)

@@ -28,9 +28,12 @@ SINUSOID_FREQUENCIES = ("paper", "tensor2tensor")
 ACTIVATIONS = ("relu", "gelu", "silu")
 DTYPES = ("float32", "bfloat16")
 ATTENTION_KERNELS = ("explicit", "xla", "cudnn")
+# What a training step keeps of each layer's forward pass for the backward pass (`jax.checkpoint` policies): all
+# (none recomputed), nothing (the layer recomputed), or the matmuls' outputs (the rest recomputed).
+REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
 # How the model computes, not what it is: the same parameters serve every value, so checkpoints and weight files
 # ignore these fields when they compare configs (a bfloat16 run evaluates or resumes in float32 and back).
-COMPUTE_FIELDS = ("dtype", "attention_kernel")
+COMPUTE_FIELDS = ("dtype", "attention_kernel", "remat")
 BATCHINGS = ("packed", "buckets")
 PARALLEL_MODES = ("jit", "pmap", "sharded")
 BEST_METRICS = ("bleu", "loss")
@@ -239,6 +242,14 @@ class TransformerConfig(Settings):
         "xla or cudnn (jax.nn.dot_product_attention; cudnn: a CUDA GPU, bfloat16, head_dim a multiple of 8)",
         choices=ATTENTION_KERNELS,
     )
+    remat: str = setting(
+        "none",
+        "recompute each layer's activations in the backward pass instead of keeping them (jax.checkpoint per "
+        "layer): none; full (keep only the layer's input); dots (keep the matmuls' outputs, jax's dots_saveable); "
+        "dots_no_batch (those without a batch dimension: the weights' products). Less memory, more step time "
+        "(docs/scaling.md)",
+        choices=REMAT_POLICIES,
+    )
 
     def check(self) -> None:
         if self.d_model % self.num_heads:
@@ -298,7 +309,8 @@ class TransformerConfig(Settings):
         return cls.from_dict(values, source=source)
 
     def compute_settings(self) -> dict[str, Any]:
-        """The COMPUTE_FIELDS (dtype, attention kernel): how to compute, which any parameters of the model serve."""
+        """The COMPUTE_FIELDS (dtype, attention kernel, remat): how to compute, which any parameters of the model
+        serve."""
         return {name: getattr(self, name) for name in COMPUTE_FIELDS}
 
 

@@ -262,6 +262,21 @@ def _residual(cfg, x, sublayer, norm, deterministic):
     return norm(x + drop(sublayer(x).astype(jnp.float32), deterministic=deterministic))
 
 
+_REMAT_POLICIES = {
+    "full": None,  # nothing saved: the whole layer is recomputed
+    "dots": jax.checkpoint_policies.dots_saveable,
+    "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+def _remat(layer: type[nn.Module], cfg: TransformerConfig, *static: int) -> type[nn.Module]:
+    """`layer` under `jax.checkpoint` with `cfg.remat`'s policy (`nn.remat`: its parameters keep their names), or
+    as it is with remat "none". `static`: the positions (self = 0) of its Python-valued arguments."""
+    if cfg.remat == "none":
+        return layer
+    return nn.remat(layer, policy=_REMAT_POLICIES[cfg.remat], static_argnums=static)
+
+
 class EncoderLayer(nn.Module):
     """Self-attention then feed-forward, each wrapped in a residual connection and LayerNorm."""
 
@@ -358,7 +373,7 @@ class Encoder(nn.Module):
             x = _layer_norm(cfg, "embedding_norm")(x)
         x = Dropout(cfg.embedding_dropout)(x, deterministic=deterministic)
         for i in range(cfg.num_encoder_layers):
-            x = EncoderLayer(cfg, name=f"layer_{i}")(x, src_mask, deterministic)
+            x = _remat(EncoderLayer, cfg, 3)(cfg, name=f"layer_{i}")(x, src_mask, deterministic)
         if cfg.final_norm:
             x = _layer_norm(cfg, "final_norm")(x)
         return x
@@ -456,7 +471,8 @@ class Decoder(nn.Module):
             x = _layer_norm(cfg, "embedding_norm")(x)
         x = Dropout(cfg.embedding_dropout)(x, deterministic=deterministic)
         for i in range(cfg.num_decoder_layers):
-            layer = DecoderLayer(cfg, name=f"layer_{i}")
+            # (decoding step by step keeps nothing for a backward pass: no recomputation there)
+            layer = (DecoderLayer if decode else _remat(DecoderLayer, cfg, 5, 6, 7))(cfg, name=f"layer_{i}")
             x = layer(x, memory, self_mask, cross_mask, deterministic, decode, G, step)
         if cfg.final_norm:
             x = _layer_norm(cfg, "final_norm")(x)

@@ -105,7 +105,7 @@ def describe(plan: Plan, config: TransformerConfig) -> str:
     params = sum(math.prod(x.shape) for x in jax.tree.leaves(abstract_train_state(config, OptimConfig()).params))
     lines = [
         f"mesh {plan.mesh} ({plan.mesh.size} devices): {params:,} parameters; batch {plan.rows} rows x {plan.width} "
-        f"tokens, {plan.accumulate} micro-batch(es); {config.dtype}",
+        f"tokens, {plan.accumulate} micro-batch(es); {config.dtype}, remat {config.remat}",
         f"state (parameters + optimizer moments), all devices: {_size(plan.state_total)}",
         "per device (XLA's memory_analysis of the compiled step):",
         f"  arguments    {_size(plan.arguments):>11}  (the state's shards and the batch's)",

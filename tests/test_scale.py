@@ -4,7 +4,9 @@ decision for all processes, a dead peer, and the errors of the new flags.
 One session-scoped fixture (`runs`) trains the tiny 1+1-layer model on the tiny numbers corpus, in child
 processes that share a persistent compilation cache, in two stages of concurrent runs:
 
-    stage 1   two-process  2 processes x 2 simulated CPU devices, 5 steps, with validation (the final evaluation)
+    stage 1   two-process  2 processes x 2 simulated CPU devices on the mesh fsdp=2,tensor=2 (the state split over
+                           fsdp across the processes, over tensor within each), 5 steps, with validation (the final
+                           evaluation)
               four         1 process, 4 devices (sharded jit), 5 steps
               one          1 process, 1 device, 8 steps, checkpoints at 5 and 8: the uninterrupted reference
     stage 2   two-process  resumed in 1 process on 1 device with --accumulate 4, to step 8
@@ -76,7 +78,15 @@ def runs(tmp_path_factory):
                 train,
                 steps=5,
                 valid=valid,
-                extra=("--eval-sentences", "16", "--beam-size", "1", *process_flags(port, 2, i)),
+                extra=(
+                    "--eval-sentences",
+                    "16",
+                    "--beam-size",
+                    "1",
+                    "--mesh",
+                    "fsdp=2,tensor=2",
+                    *process_flags(port, 2, i),
+                ),
             ),
             2,
             f"two-process-{i}",
@@ -153,7 +163,8 @@ def _start(run: Path) -> dict[str, np.ndarray]:
 
 @pytest.mark.slow
 def test_two_processes_equal_one_process_on_four_devices_and_on_one(runs):
-    """5 steps, dropout on: two processes x 2 devices == 1 process x 4 devices == 1 device (jit)."""
+    """5 steps, dropout on: two processes x 2 devices with the state split (mesh data=1,fsdp=2,tensor=2) == 1
+    process x 4 devices (data parallel, the state replicated) == 1 device (jit)."""
     dirs = runs["dirs"]
     two, four, one = (_state(dirs[name], 5) for name in ("two-process", "four", "one"))
     start = _start(dirs["one"])
@@ -187,10 +198,11 @@ def test_process_zero_alone_writes_and_prints(runs):
 
 
 def test_validation_of_a_multi_process_run_is_what_one_process_reports(runs):
-    """The final evaluation of the two-process run (every process evaluates its own copy of the replicated
-    parameters, process 0 logs) against `train.py evaluate` of the same checkpoint in this single process.
-    Same parameters, same one-device programs, same batches (--max-tokens 512 as the run): the loss agrees to
-    float32 rounding (1e-6 relative) and the greedy translations, hence BLEU and chrF, exactly."""
+    """The final evaluation of the two-process run (every process evaluates its own copy of the parameters,
+    gathered from their fsdp and tensor shards; process 0 logs) against `train.py evaluate` of the same checkpoint
+    in this single process. Same parameters, same one-device programs, same batches (--max-tokens 512 as the
+    run): the loss agrees to float32 rounding (1e-6 relative) and the greedy translations, hence BLEU and chrF,
+    exactly."""
     run = runs["dirs"]["two-process"]
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     final = [r for r in records if r["kind"] == "eval" and r["step"] == 5]

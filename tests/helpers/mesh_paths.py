@@ -3,10 +3,11 @@
     XLA_FLAGS=--xla_force_host_platform_device_count=8 JAX_PLATFORMS=cpu python -m tests.helpers.mesh_paths
 
 Three steps, dropout on, from the same state and the same global batches of packed rows (parallel_paths.py's,
-16 rows), on the meshes (8,1,1), (2,4,1), (2,2,2), (1,2,4) and (2,2,2) with 2 micro-batches. Prints one line
+16 rows), on the meshes (2,4,1), (2,2,2), (1,2,4) and (2,2,2) with 2 micro-batches. Prints one line
 "REPORT {json}" in parallel_paths' form (so `parallel_paths.check` judges it: the same tolerances of float summation
 order) plus, per mesh, the bytes of the placed state's parameters and Adam moments on the most loaded device against
-their total; then the check's lines.
+their total, and the memory plan's figure for the state's arguments (`plan.plan_step`, compiled from abstract
+shapes) on (2,2,2) beside the placed arrays' own; then the check's lines.
 """
 
 from __future__ import annotations
@@ -24,9 +25,9 @@ from tests.helpers.parallel_paths import check, packed_batch
 from tests.helpers.twins import flat
 
 STEPS = 3
-ROWS = 16  # 2 rows per device on (8,1,1); 8 per (data, fsdp) position on (1,2,4)
-MESHES = {
-    "data=8": ("data=8", 1),
+ROWS = 16  # 2 rows per device on (2,4,1); 8 per (data, fsdp) position on (1,2,4)
+PLANNED = "data=2,fsdp=2,tensor=2"  # the mesh whose memory plan is compared with its arrays (a compile of its own)
+MESHES = {  # (8,1,1), plain data parallelism, is parallel_paths.py's "sharded"
     "data=2,fsdp=4": ("data=2,fsdp=4", 1),
     "data=2,fsdp=2,tensor=2": ("data=2,fsdp=2,tensor=2", 1),
     "fsdp=2,tensor=4": ("data=1,fsdp=2,tensor=4", 1),
@@ -45,6 +46,13 @@ def run(mode: str, accumulate: int, mesh: str | None, config, optim, batches) ->
         "matrices_per_device": sharding.bytes_per_device(matrices),
         "matrices_total": sharding.total_bytes(matrices),
     }
+    if mesh == PLANNED and accumulate == 1:  # the plan's arguments, less its batch, against the placed state's bytes
+        from jax_transformer.plan import plan_step
+
+        planned = plan_step(config, optim, devices.mesh_shape, ROWS, 16, accumulate)
+        batch_bytes = 3 * (ROWS // devices.mesh_shape.batch_devices) * 16 * 4  # src, tgt_in, tgt_out int32
+        placed["plan_state_per_device"] = planned.arguments - batch_bytes
+        placed["state_per_device"] = sharding.bytes_per_device(jax.tree.leaves(state)) + 8  # + the key's 2 words
     step = devices.make_step(config, optim)
     losses, tokens = [], []
     for batch in batches:
@@ -119,6 +127,8 @@ def check_meshes(report: dict) -> list[str]:
         assert b["matrices_per_device"] * fsdp * tensor == b["matrices_total"], (name, b)
         small = b["total"] - b["matrices_total"]
         assert b["per_device"] <= b["matrices_per_device"] + small, (name, b)
+        if "plan_state_per_device" in b:  # the plan's figure is the arrays' own
+            assert b["plan_state_per_device"] == b["state_per_device"], (name, b)
         lines.append(
             f"{name}: parameters + Adam moments {b['per_device']:,} bytes on the most loaded device of "
             f"{b['total']:,}; matrices {b['matrices_per_device']:,} of {b['matrices_total']:,} (1/{fsdp * tensor})"

@@ -1,0 +1,129 @@
+#!/usr/bin/env python3
+"""The memory plan (`train.py plan`: the training step compiled from abstract shapes, XLA's memory_analysis per
+device) of real models' shapes on 8, 16 and 64 devices under a few meshes: docs/scaling.md's table. Each device
+count runs in a child process with that many simulated CPU devices (nothing is allocated; the arguments' and
+outputs' bytes are exact, the temporaries the CPU compiler's).
+
+    python benchmarks/memory_plan.py                               # the whole table (minutes: compiling)
+    python benchmarks/memory_plan.py --models nllb-600m --devices 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+# The released models' shapes (config.json): one table for source, target and output, pre-norm (M2M-100 / NLLB),
+# or post-norm (Marian). Positions: the batches' width (128 tokens a row) is what the step sees.
+SHAPES = {
+    "opus-mt-base": dict(d_model=512, num_heads=8, d_ff=2048, layers=6, vocab=58101, norm_first=False),
+    "nllb-600m": dict(d_model=1024, num_heads=16, d_ff=4096, layers=12, vocab=256206, norm_first=True),
+    "nllb-1.3b": dict(d_model=1024, num_heads=16, d_ff=8192, layers=24, vocab=256206, norm_first=True),
+    "nllb-3.3b": dict(d_model=2048, num_heads=16, d_ff=8192, layers=24, vocab=256206, norm_first=True),
+}
+MESHES = {  # device count -> meshes
+    8: ("data=8", "fsdp=8", "fsdp=4,tensor=2"),
+    16: ("fsdp=16", "fsdp=8,tensor=2"),
+    64: ("fsdp=64", "data=8,fsdp=8", "data=4,fsdp=8,tensor=2"),
+}
+
+
+def config_of(name: str):
+    from jax_transformer.config import TransformerConfig
+
+    s = SHAPES[name]
+    return TransformerConfig(
+        d_model=s["d_model"],
+        num_heads=s["num_heads"],
+        d_ff=s["d_ff"],
+        num_encoder_layers=s["layers"],
+        num_decoder_layers=s["layers"],
+        src_vocab_size=s["vocab"],
+        tgt_vocab_size=s["vocab"],
+        share_embeddings=True,
+        norm_first=s["norm_first"],
+        final_norm=s["norm_first"],
+        max_len=1024,
+    )
+
+
+def child(models: list[str], meshes: list[str], max_tokens: int, width: int) -> list[dict]:
+    """In a process with the devices: one plan per (model, mesh)."""
+    import jax
+
+    from jax_transformer import plan
+    from jax_transformer.config import OptimConfig
+    from jax_transformer.sharding import MeshShape
+
+    rows = []
+    for model in models:
+        config = config_of(model)
+        for text in meshes:
+            mesh = MeshShape.parse(text, jax.device_count())
+            n_rows = plan.rows_for(max_tokens, width, mesh.batch_devices)
+            p = plan.plan_step(config, OptimConfig(), mesh, n_rows, width)
+            rows.append(
+                dict(
+                    model=model,
+                    devices=mesh.size,
+                    mesh=str(mesh),
+                    rows=n_rows,
+                    width=width,
+                    state_gib=p.state_total / plan.GiB,
+                    arguments_gib=p.arguments / plan.GiB,
+                    temporaries_gib=p.temporaries / plan.GiB,
+                    peak_gib=p.peak / plan.GiB,
+                    unsplit=list(p.unsplit),
+                )
+            )
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", default=",".join(SHAPES), help=f"comma-separated, of {','.join(SHAPES)}")
+    parser.add_argument("--devices", default="8,16,64", help="comma-separated device counts (default: 8,16,64)")
+    parser.add_argument("--max-tokens", type=int, default=8192, help="target tokens per global batch (default: 8192)")
+    parser.add_argument("--width", type=int, default=128, help="tokens per row (default: 128)")
+    parser.add_argument("--json", type=Path, help="also write the rows here")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    models = args.models.split(",")
+    if args.child:
+        child(models, args.child.split(";"), args.max_tokens, args.width)
+        return 0
+    from benchmarks.machine import machine_info
+
+    info = machine_info()
+    print(f"machine: {info['cpu_model']}, {info['cores']} cores; {info['libraries']}", flush=True)
+    rows = []
+    for n in map(int, args.devices.split(",")):
+        env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={n}", JAX_PLATFORMS="cpu")
+        command = [sys.executable, __file__, "--models", args.models, "--child", ";".join(MESHES[n])]
+        command += ["--max-tokens", str(args.max_tokens), "--width", str(args.width)]
+        out = subprocess.run(command, env=env, capture_output=True, text=True, check=True).stdout
+        rows += [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    print(f"\n{args.max_tokens} target tokens per global batch, rows of {args.width}; float32, Adam, state donated\n")
+    print("| model | devices | mesh | state, all devices | per device: arguments | temporaries | peak |")
+    print("|---|---:|---|---:|---:|---:|---:|")
+    for r in rows:
+        print(
+            f"| {r['model']} | {r['devices']} | {r['mesh']} | {r['state_gib']:.2f} GiB | {r['arguments_gib']:.2f} GiB"
+            f" | {r['temporaries_gib']:.2f} GiB | {r['peak_gib']:.2f} GiB |"
+        )
+    if args.json:
+        args.json.write_text(json.dumps({"machine": info, "rows": rows}, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
