@@ -425,11 +425,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--max-len", type=int, default=128, help="with --write-marian: positions (default: 128)")
     args = parser.parse_args(argv)
     if args.model:  # the real shapes need their own model files and tokenizer: that script's decoding rows
-        from benchmarks import multilingual
+        import subprocess
 
         forwarded = ["--model", args.model, "--skip-train", "--rows", args.rows, "--new-tokens", str(args.new_tokens)]
         forwarded += ["--src-len", str(args.src_len), "--repeats", str(3 if args.quick else args.repeats)]
-        return multilingual.main(forwarded + (["--json", str(args.json)] if args.json else []))
+        forwarded += ["--json", str(args.json)] if args.json else []
+        return subprocess.run([sys.executable, str(REPO / "benchmarks" / "multilingual.py"), *forwarded]).returncode
     if args.write_marian:
         from jax_transformer import hub
 

@@ -6,6 +6,11 @@ outputs' bytes are exact, the temporaries the CPU compiler's).
 
     python benchmarks/memory_plan.py                               # the whole table (minutes: compiling)
     python benchmarks/memory_plan.py --models nllb-600m --devices 8
+    python benchmarks/memory_plan.py --remat-cost base --max-tokens 4096   # --remat: step time and memory, 1 device
+
+--remat-cost: the training step of a preset on this machine's first device with each remat policy: its
+temporaries (memory_analysis) and the median and best of --repeats timed steps (after one untimed), the policies
+interleaved within each repeat.
 """
 
 from __future__ import annotations
@@ -88,6 +93,51 @@ def child(models: list[str], meshes: list[str], max_tokens: int, width: int) -> 
     return rows
 
 
+def remat_cost(name: str, max_tokens: int, width: int, repeats: int) -> list[dict]:
+    """Temporaries and step time of `name`'s training step with each remat policy, on one device."""
+    import statistics
+    import time
+
+    import jax
+    import numpy as np
+
+    from jax_transformer import plan, training
+    from jax_transformer.config import REMAT_POLICIES, OptimConfig, preset
+    from jax_transformer.sharding import MeshShape
+
+    optim, rows = OptimConfig(), max_tokens // width
+    rng = np.random.default_rng(0)
+    runs = {}
+    for remat in REMAT_POLICIES:
+        config = preset(name, remat=remat)
+        memory = plan.plan_step(config, optim, MeshShape(), rows, width)
+        batch = {k: rng.integers(4, config.tgt_vocab_size, (rows, width), dtype=np.int32) for k in ("src", "tgt_in")}
+        batch["tgt_out"] = batch["tgt_in"]
+        step = training.make_train_step(config, optim)
+        state = training.create_train_state(config, optim, seed=0)
+        state, _ = step(state, batch)  # compiles
+        runs[remat] = dict(step=step, state=state, batch=batch, memory=memory, seconds=[])
+    for _ in range(repeats):
+        for run in runs.values():
+            began = time.perf_counter()
+            run["state"], sums = run["step"](run["state"], run["batch"])
+            jax.block_until_ready(sums)
+            run["seconds"].append(time.perf_counter() - began)
+    out = []
+    for remat, run in runs.items():
+        out.append(
+            dict(
+                remat=remat,
+                temporaries_gib=run["memory"].temporaries / plan.GiB,
+                peak_gib=run["memory"].peak / plan.GiB,
+                step_s_median=statistics.median(run["seconds"]),
+                step_s_best=min(run["seconds"]),
+            )
+        )
+        print(json.dumps(out[-1]), flush=True)
+    return out
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default=",".join(SHAPES), help=f"comma-separated, of {','.join(SHAPES)}")
@@ -95,9 +145,28 @@ def main(argv=None) -> int:
     parser.add_argument("--max-tokens", type=int, default=8192, help="target tokens per global batch (default: 8192)")
     parser.add_argument("--width", type=int, default=128, help="tokens per row (default: 128)")
     parser.add_argument("--json", type=Path, help="also write the rows here")
+    parser.add_argument("--remat-cost", metavar="PRESET", help="time and memory of --remat's policies instead")
+    parser.add_argument("--repeats", type=int, default=5, help="timed steps per policy with --remat-cost")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     models = args.models.split(",")
+    if args.remat_cost:
+        from benchmarks.machine import machine_info
+
+        info = machine_info()
+        print(f"machine: {info['cpu_model']}, {info['cores']} cores; {info['libraries']}", flush=True)
+        rows = remat_cost(args.remat_cost, args.max_tokens, args.width, args.repeats)
+        none = next(r for r in rows if r["remat"] == "none")
+        print(f"\n{args.remat_cost}, {args.max_tokens} token slots in rows of {args.width}, one device, float32\n")
+        print("| remat | temporaries | peak | step, median | best | time / none |")
+        print("|---|---:|---:|---:|---:|---:|")
+        for r in rows:
+            print(
+                f"| {r['remat']} | {r['temporaries_gib']:.2f} GiB | {r['peak_gib']:.2f} GiB | "
+                f"{r['step_s_median']:.3f} s | {r['step_s_best']:.3f} s | "
+                f"{r['step_s_median'] / none['step_s_median']:.2f} |"
+            )
+        return 0
     if args.child:
         child(models, args.child.split(";"), args.max_tokens, args.width)
         return 0

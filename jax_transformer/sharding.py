@@ -122,24 +122,15 @@ def check_divisible(config: TransformerConfig, shape: MeshShape) -> None:
 
 
 def spec_for(path: str, shape: tuple[int, ...], mesh_shape: MeshShape) -> P:
-    """The PartitionSpec of the array at `path` (keys joined by "/") of `shape`: its rule's axes (axes of size 1
-    left out). An axis that does not divide its dimension (NLLB's 256,206-entry vocabulary over fsdp=4) moves to
-    another dimension it divides, beside that dimension's own axis; where none, the array stays whole along it."""
+    """The PartitionSpec of the array at `path` (keys joined by "/") of `shape`: its rule's axes, less the axes of
+    size 1 and those that do not divide their dimension (NLLB's 256,206-entry vocabulary over fsdp=4): the array
+    stays whole along such an axis. (Splitting the table's width over fsdp instead, as the batch is, makes every
+    device compute its own copy of the whole batch's logits: measured, docs/scaling.md.)"""
     axes = _rule(path, shape)
     if axes is None:
         return P()
     sizes = dataclasses.asdict(mesh_shape)
-    dims: list[list[str]] = [[] for _ in shape]
-    moved = []
-    for d, axis in enumerate(axes):
-        if axis and sizes[axis] > 1:
-            (dims[d] if shape[d] % sizes[axis] == 0 else moved).append(axis)
-    for axis in moved:
-        for d, n in enumerate(shape):
-            if n % (math.prod(sizes[a] for a in dims[d]) * sizes[axis]) == 0:
-                dims[d].append(axis)
-                break
-    return P(*(None if not names else names[0] if len(names) == 1 else tuple(names) for names in dims))
+    return P(*(a if a and sizes[a] > 1 and n % sizes[a] == 0 else None for a, n in zip(axes, shape)))
 
 
 def _rule(path: str, shape: tuple[int, ...]) -> tuple[str | None, ...] | None:
@@ -169,21 +160,15 @@ def _is_spec(x) -> bool:
 
 
 def unsplit(tree, mesh_shape: MeshShape) -> list[str]:
-    """The arrays that stay whole along a mesh axis their rule names, no dimension dividing by it: "path (shape):
-    whole along axis=k". The memory plan lists them."""
+    """The arrays that stay whole along a mesh axis their rule names, the axis not dividing that dimension:
+    "path (shape): dimension d of n whole along axis=k". The memory plan lists them."""
     out = []
     sizes = dataclasses.asdict(mesh_shape)
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
         name, shape = path_name(path), tuple(np.shape(leaf))
-        axes = _rule(name, shape)
-        if axes is None:
-            continue
-        used = {
-            a for entry in spec_for(name, shape, mesh_shape) for a in (entry if isinstance(entry, tuple) else [entry])
-        }
-        for axis in axes:
-            if axis and sizes[axis] > 1 and axis not in used:
-                out.append(f"{name} {shape}: whole along {axis}={sizes[axis]}")
+        for d, (axis, n) in enumerate(zip(_rule(name, shape) or (), shape)):
+            if axis and sizes[axis] > 1 and n % sizes[axis]:
+                out.append(f"{name} {shape}: dimension {d} of {n} whole along {axis}={sizes[axis]}")
     return out
 
 

@@ -29,7 +29,9 @@ LAYERS = [
     ("model",),
     ("port",),  # numpy-only weight map
     ("pretrained",),  # Marian, FSMT, fairseq, M2M-100 (NLLB) and mBART configs and weight maps (numpy only)
+    ("sharding",),  # the mesh's axes (data, fsdp, tensor) and where each array of a train state lives on it
     ("training",),  # optimiser, train state, train/eval steps: the twin of torch_reference/training.py
+    ("plan",),  # the memory a training step needs per device, compiled ahead from abstract shapes
     ("search",),  # the one search loop over the model's cache, its rules as strategies (this project's, transformers')
     ("schedule",),  # how a batch runs through the search's programs: whole, or the CPU's throughput schedule
     ("decoding",),  # the decoders callers use: greedy and beam search, generate, a run's decoder

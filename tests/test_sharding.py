@@ -10,11 +10,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
 from jax_transformer.config import ConfigError, preset
-from jax_transformer.sharding import MeshShape, check_divisible, spec_for
+from jax_transformer.sharding import MeshShape, check_divisible, spec_for, unsplit
 from tests.helpers.training import run_main
 
 REPO = Path(__file__).resolve().parent.parent
@@ -72,11 +73,16 @@ def test_bad_meshes_name_the_axis_sizes_and_flag():
     assert code != 0 and "--mesh 'tensor=2': fsdp x tensor = 2 does not divide the 1 devices" in err + out, out + err
 
 
-def test_an_axis_that_does_not_divide_moves_to_a_dimension_it_divides():
-    """NLLB's 256,206-entry vocabulary over fsdp=4: the table is split along its width instead, beside tensor; a
-    layer norm stays whole; a query kernel splits its heads over tensor and its input over fsdp."""
-    assert spec_for("params/shared_embed/embedding", (256206, 1024), MeshShape(1, 4, 2)) == P(None, ("tensor", "fsdp"))
-    assert spec_for("params/shared_embed/embedding", (256206, 1024), MeshShape(1, 2, 2)) == P("fsdp", "tensor")
+def test_an_axis_that_does_not_divide_leaves_the_array_whole_along_it():
+    """NLLB's 256,206-entry vocabulary over fsdp=4: the table stays whole along fsdp (its width still over tensor)
+    and the plan lists it; over fsdp=2 it splits. A layer norm stays whole; Adam's moment of a query kernel splits
+    as the kernel does, its input over fsdp and its heads over tensor."""
+    table = "params/shared_embed/embedding"
+    assert spec_for(table, (256206, 1024), MeshShape(1, 4, 2)) == P(None, "tensor")
+    assert spec_for(table, (256206, 1024), MeshShape(1, 2, 2)) == P("fsdp", "tensor")
+    assert unsplit({"params": {"shared_embed": {"embedding": np.zeros((256206, 8))}}}, MeshShape(1, 4, 1)) == [
+        f"{table} (256206, 8): dimension 0 of 256206 whole along fsdp=4"
+    ]
     assert spec_for("params/encoder/final_norm/scale", (1024,), MeshShape(1, 4, 2)) == P()
     query = "opt_state/1/0/mu/encoder/layer_0/self_attention/query/kernel"  # Adam's moment of a parameter
     assert spec_for(query, (1024, 1024), MeshShape(2, 2, 4)) == P("fsdp", "tensor")
