@@ -110,6 +110,25 @@ def child(argv: list[str], log) -> dict:
     return measured
 
 
+def m2m100_codes_for_ctranslate2() -> None:
+    """CTranslate2 4.8's M2M-100 loader takes the language codes from the tokenizer's `special_tokens_map`
+    ("additional_special_tokens"), which transformers 5's M2M100Tokenizer no longer fills, so its vocabulary lacks
+    the 100 codes and the conversion fails. For this benchmark's conversion only, the loader appends them as
+    transformers numbers them (`lang_token_to_id`), before the made-up words, as it did with transformers 4."""
+    from ctranslate2.converters import transformers as ct2_transformers
+
+    class Loader(ct2_transformers.M2M100Loader):
+        def get_vocabulary(self, model, tokenizer):
+            tokens = ct2_transformers.BartLoader.get_vocabulary(self, model, tokenizer)
+            if tokens[-1] == tokenizer.unk_token:  # the loader's own workaround, kept
+                tokens.insert(tokenizer.unk_token_id, tokens.pop())
+            codes = sorted(getattr(tokenizer, "lang_token_to_id", {}).items(), key=lambda item: item[1])
+            tokens += [code for code, _ in codes if code not in tokens]
+            return tokens + [f"madeupword{i}" for i in range(model.config.vocab_size - len(tokens))]
+
+    ct2_transformers._MODEL_LOADERS["M2M100Config"] = Loader()
+
+
 def decode_rows(run: Path, folder: Path, name: str, rows, new_tokens: int, src_len: int, repeats: int, log) -> list:
     """Tokens/s of this project's generate and CTranslate2's float32 and int8 on each row (search:batch)."""
     import ctranslate2
@@ -127,6 +146,8 @@ def decode_rows(run: Path, folder: Path, name: str, rows, new_tokens: int, src_l
     ct2 = folder.parent / "ctranslate2"
     began = time.perf_counter()
     translators, threads = {}, os.cpu_count() or 1
+    if MODELS[name]["family"] == "m2m100":
+        m2m100_codes_for_ctranslate2()
     try:
         ctranslate2.converters.TransformersConverter(str(folder)).convert(str(ct2), quantization="float32", force=True)
         log(f"CTranslate2 conversion: {time.perf_counter() - began:.0f} s")

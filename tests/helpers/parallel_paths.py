@@ -72,13 +72,18 @@ def main() -> dict:
     config = unit_config().replace(num_encoder_layers=1, num_decoder_layers=1)  # depth changes nothing here
     optim = training.OptimConfig(warmup_steps=5)
     batches = [packed_batch(config, 10 + i) for i in range(STEPS)]
-    start = flat(training.create_train_state(config, optim, seed=0).params)
     paths = {"jit": ("jit", 1), "pmap": ("pmap", 1), "sharded": ("sharded", 1), "sharded, accumulate 2": ("sharded", 2)}
     paths.update({"pmap, accumulate 2": ("pmap", 2), "jit, accumulate 4": ("jit", 4)})
     results = {name: run_path(mode, k, config, optim, batches) for name, (mode, k) in paths.items()}
+    return build_report(results, config, optim, batches)
+
+
+def build_report(results: dict, config, optim, batches) -> dict:
+    """What `check` reads, from each path's `run_path` result ("jit" the reference): per path its losses, token
+    counts and parameter differences from jit; the loss with dropout off; the parts' token counts."""
+    start = flat(training.create_train_state(config, optim, seed=0).params)
     # Without dropout the loss differs: dropout really is on in the steps above.
-    no_dropout = DataParallel("jit", 1)
-    _, sums = no_dropout.make_step(config, optim, dropout=False)(
+    _, sums = DataParallel("jit", 1).make_step(config, optim, dropout=False)(
         training.create_train_state(config, optim, seed=0), batches[0]
     )
     reference = results["jit"]
