@@ -21,7 +21,7 @@ import jax
 import numpy as np
 
 from jax_transformer.config import ConfigError, OptimConfig, ParallelConfig, TransformerConfig, host_port
-from jax_transformer.sharding import BATCH_AXES, MeshShape, check_divisible, tree_shardings
+from jax_transformer.sharding import BATCH_AXES, MeshShape, tree_shardings
 from jax_transformer.training import make_train_step, replicate, shard_batch, unreplicate
 
 # =============================================================================================================
@@ -425,8 +425,6 @@ class DataParallel:
 
     # --- the step ------------------------------------------------------------------------------------------
     def make_step(self, config: TransformerConfig, optim: OptimConfig, *, dropout: bool = True):
-        if self.mesh_shape is not None:
-            check_divisible(config, self.mesh_shape)
         return make_train_step(
             config,
             optim,

@@ -197,12 +197,11 @@ def _language_code_tokenizer(folder: Path, kind: str) -> LanguageCodeTokenizer:
         )
     options = {k: settings[k] for k in ("src_lang", "tgt_lang", "clean_up_tokenization_spaces") if k in settings}
     extra = ("tokenizer_config.json", "special_tokens_map.json")
-    if (folder / "tokenizer.json").is_file():
-        files = _files(folder, ("tokenizer.json",))
-        files.update(_files(folder, [name for name in extra if (folder / name).is_file()]))
-        return _named(folder, TokenizersJsonTokenizer, files, options)
-    if kind == "mbart":
-        files = {"tokenizer.json": _tokenizer_json_from_sentencepiece(folder)}
+    if (folder / "tokenizer.json").is_file() or kind == "mbart":
+        if (folder / "tokenizer.json").is_file():
+            files = _files(folder, ("tokenizer.json",))
+        else:
+            files = {"tokenizer.json": _tokenizer_json_from_sentencepiece(folder)}
         files.update(_files(folder, [name for name in extra if (folder / name).is_file()]))
         return _named(folder, TokenizersJsonTokenizer, files, options)
     from transformers.models.m2m_100.tokenization_m2m_100 import FAIRSEQ_LANGUAGE_CODES

@@ -19,8 +19,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jax_transformer.config import ConfigError, OptimConfig, TransformerConfig
-from jax_transformer.sharding import BATCH_AXES, MeshShape, check_divisible, total_bytes, unsplit
-from jax_transformer.training import abstract_train_state, make_train_step, state_shardings
+from jax_transformer.sharding import BATCH_AXES, MeshShape, total_bytes, tree_shardings, unsplit
+from jax_transformer.training import abstract_train_state, make_train_step
 
 GiB = 2**30
 # The memory of one device as its maker states it (HBM; what a framework can use is a little less).
@@ -42,6 +42,7 @@ class Plan:
     rows: int  # the global batch's rows
     width: int  # tokens per row
     accumulate: int
+    parameters: int  # how many the model has
     state_total: int  # parameters + optimizer state, all devices together
     arguments: int  # per device: the state's shards and the batch's
     outputs: int  # per device: the new state's shards and the loss sums
@@ -63,7 +64,6 @@ def plan_step(
     config: TransformerConfig, optim: OptimConfig, mesh: MeshShape, rows: int, width: int, accumulate: int = 1
 ) -> Plan:
     """Compiles the training step for `mesh` on the devices JAX has (abstract shapes only) and reads its memory."""
-    check_divisible(config, mesh)
     if rows % (mesh.batch_devices * accumulate):
         raise ConfigError(
             f"{rows} rows of a batch do not split over data x fsdp = {mesh.batch_devices} devices x {accumulate} "
@@ -74,7 +74,7 @@ def plan_step(
         config, optim, n_devices=mesh.size, parallel="sharded", accumulate=accumulate, mesh=mesh, donate=True
     )
     abstract = abstract_train_state(config, optim)
-    shardings = state_shardings(config, optim, mesh, devices)
+    shardings = tree_shardings(abstract, devices, mesh)
     state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, shardings)
     by_rows = NamedSharding(devices, P(BATCH_AXES))
     batch = {k: jax.ShapeDtypeStruct((rows, width), jnp.int32, sharding=by_rows) for k in ("src", "tgt_in", "tgt_out")}
@@ -84,6 +84,7 @@ def plan_step(
         rows=rows,
         width=width,
         accumulate=accumulate,
+        parameters=sum(math.prod(x.shape) for x in jax.tree.leaves(abstract.params)),
         state_total=total_bytes(abstract),
         arguments=int(memory.argument_size_in_bytes),
         outputs=int(memory.output_size_in_bytes),
@@ -102,10 +103,9 @@ def rows_for(max_tokens: int, width: int, divisor: int) -> int:
 def describe(plan: Plan, config: TransformerConfig) -> str:
     """The plan as a reader wants it: the mesh, the per-device figures, and the fit on each device kind, with the
     axis that would make it fit where it does not."""
-    params = sum(math.prod(x.shape) for x in jax.tree.leaves(abstract_train_state(config, OptimConfig()).params))
     lines = [
-        f"mesh {plan.mesh} ({plan.mesh.size} devices): {params:,} parameters; batch {plan.rows} rows x {plan.width} "
-        f"tokens, {plan.accumulate} micro-batch(es); {config.dtype}, remat {config.remat}",
+        f"mesh {plan.mesh} ({plan.mesh.size} devices): {plan.parameters:,} parameters; batch {plan.rows} rows x "
+        f"{plan.width} tokens, {plan.accumulate} micro-batch(es); {config.dtype}, remat {config.remat}",
         f"state (parameters + optimizer moments), all devices: {_size(plan.state_total)}",
         "per device (XLA's memory_analysis of the compiled step):",
         f"  arguments    {_size(plan.arguments):>11}  (the state's shards and the batch's)",

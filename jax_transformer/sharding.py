@@ -166,9 +166,10 @@ def unsplit(tree, mesh_shape: MeshShape) -> list[str]:
     sizes = dataclasses.asdict(mesh_shape)
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
         name, shape = path_name(path), tuple(np.shape(leaf))
-        for d, (axis, n) in enumerate(zip(_rule(name, shape) or (), shape)):
-            if axis and sizes[axis] > 1 and n % sizes[axis]:
-                out.append(f"{name} {shape}: dimension {d} of {n} whole along {axis}={sizes[axis]}")
+        spec = spec_for(name, shape, mesh_shape)
+        for d, axis in enumerate(_rule(name, shape) or ()):
+            if axis and sizes[axis] > 1 and spec[d] is None:
+                out.append(f"{name} {shape}: dimension {d} of {shape[d]} whole along {axis}={sizes[axis]}")
     return out
 
 

@@ -42,7 +42,6 @@ __all__ = [
 ]
 
 AXIS = "devices"  # pmap axis name used by the data-parallel step
-DATA_AXIS = "data"  # the mesh axis of plain data parallelism (sharding.MESH_AXES: data, fsdp, tensor)
 # A batch is a dict of (B, L) int32 arrays: src, tgt_in, tgt_out, and for packed rows these as well.
 PACKING_KEYS = ("src_segments", "tgt_segments", "src_positions", "tgt_positions")
 
@@ -233,7 +232,6 @@ def train_step(
         if param_shardings is None:
             per_block = jax.vmap(grads_and_sums)  # (blocks, m, L) rows -> (blocks, ...) partial sums
             layout = lambda tree: _laid_out(tree, mesh, P(BATCH_AXES))  # noqa: E731
-            shapes = jax.eval_shape(per_block, first, micro_batch_rows(0, rows, accumulate, blocks, first_row))
         else:  # the micro-batch's rows all at once: (blocks, m, L) -> (blocks * m, L), still in the devices' order
 
             def per_block(part, row_ids):
@@ -241,7 +239,7 @@ def train_step(
                 return grads_and_sums(*flat)
 
             layout = lambda tree: (lax.with_sharding_constraint(tree[0], param_shardings), tree[1])  # noqa: E731
-            shapes = jax.eval_shape(per_block, first, micro_batch_rows(0, rows, accumulate, blocks, first_row))
+        shapes = jax.eval_shape(per_block, first, micro_batch_rows(0, rows, accumulate, blocks, first_row))
 
         def add_micro_batch(total, k_and_micro):
             k, part = k_and_micro
@@ -318,23 +316,17 @@ def make_train_step(
         check_divisible(config, mesh)
     elif mesh is not None and mesh.size > 1:
         raise ValueError(f"a mesh ({mesh}) is for parallel='sharded', not {parallel!r}")
-    if donate is None:
-        donated = state_donation(config, opt)
-    else:
-        donated = (0,) if donate else ()
-    return _compiled_train_step(config, opt, n_devices, dropout, parallel, accumulate, mesh, donated)
+    return _compiled_train_step(config, opt, n_devices, dropout, parallel, accumulate, mesh, donate)
 
 
-def state_donation(config: TransformerConfig | None = None, opt: OptimConfig | None = None) -> tuple[int, ...]:
+def state_donation(config: TransformerConfig, opt: OptimConfig) -> tuple[int, ...]:
     """The step's donated arguments: the state on GPU and TPU, where memory is scarce. On a CPU, nothing while two
-    copies of the train state (of `config` and `opt`) take at most half the host's memory: there XLA, given a
-    donated state, copies every parameter that the backward pass reads before the update may write the new value
-    over it (all but the embeddings), which costs more step time than fresh buffers do (measured in
-    docs/benchmarks.md). A larger state is donated there too (NLLB-600M's 7.4 GB on a 24 GB host)."""
+    copies of the train state take at most half the host's memory: there XLA, given a donated state, copies every
+    parameter that the backward pass reads before the update may write the new value over it (all but the
+    embeddings), which costs more step time than fresh buffers do (measured in docs/benchmarks.md). A state too
+    large for two copies is donated there too."""
     if jax.default_backend() != "cpu":
         return (0,)
-    if config is None or opt is None:
-        return ()
     state_bytes = total_bytes(abstract_train_state(config, opt))
     host_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return (0,) if 2 * state_bytes > host_bytes / 2 else ()
@@ -349,8 +341,9 @@ def _compiled_train_step(
     parallel: str,
     accumulate: int,
     mesh_shape: MeshShape | None,
-    donate: tuple[int, ...],
+    donate_state: bool | None,
 ):
+    donate = state_donation(config, opt) if donate_state is None else ((0,) if donate_state else ())
     tx = make_optimizer(config, opt)
     options = dict(config=config, tx=tx, label_smoothing=opt.label_smoothing, dropout=dropout, accumulate=accumulate)
     if parallel == "jit":
@@ -372,12 +365,6 @@ def _compiled_train_step(
 def state_shardings(config: TransformerConfig, opt: OptimConfig, mesh_shape: MeshShape, mesh: Mesh | None = None):
     """Where each array of the train state lives on the mesh (a TrainState of NamedShardings, `sharding.RULES`)."""
     return tree_shardings(abstract_train_state(config, opt), mesh or mesh_shape.mesh(), mesh_shape)
-
-
-def data_mesh(n_devices: int) -> Mesh:
-    """The mesh of plain data parallelism over the first n global devices, in `jax.devices()` order (process by
-    process, so each process's devices hold one contiguous block of a batch's rows): all on `data`."""
-    return MeshShape(data=n_devices).mesh()
 
 
 @functools.lru_cache(maxsize=16)

@@ -4,21 +4,13 @@ the state, the memory plan's figure is the placed arrays' own, and bad meshes ar
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
 from jax_transformer.config import ConfigError, preset
 from jax_transformer.sharding import MeshShape, check_divisible, spec_for, unsplit
-from tests.helpers.training import run_main
-
-REPO = Path(__file__).resolve().parent.parent
+from tests.helpers.training import report_on_cpu_devices, run_main
 
 
 @pytest.mark.slow
@@ -30,19 +22,7 @@ def test_every_mesh_takes_the_single_device_step_and_holds_its_share():
     the memory plan's arguments on (2,2,2) are the placed state's bytes (`mesh_paths.check_meshes`)."""
     from tests.helpers.mesh_paths import check_meshes
 
-    env = dict(
-        os.environ, PYTHONPATH=str(REPO), XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu"
-    )
-    result = subprocess.run(
-        [sys.executable, "-m", "tests.helpers.mesh_paths"],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=REPO,
-        timeout=600,
-    )
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
-    report = json.loads(result.stdout.split("REPORT ", 1)[1].splitlines()[0])
+    report = report_on_cpu_devices("tests.helpers.mesh_paths", 8)
     assert report["devices"] == 8
     assert {name: p["mesh"] for name, p in report["paths"].items()} == {
         "jit": None,

@@ -3,11 +3,6 @@ learns."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import jax
 import numpy as np
 import pytest
@@ -15,7 +10,7 @@ import pytest
 from jax_transformer import training
 from tests.helpers.batches import corpus_batches, unit_batch
 from tests.helpers.configs import unit_config, unit_optim
-from tests.helpers.training import REPO
+from tests.helpers.training import report_on_cpu_devices
 
 CONFIG = unit_config()
 OPTIM = unit_optim()
@@ -85,20 +80,7 @@ def test_every_parallel_path_equals_the_single_device_step():
     jit on the whole batch, within the tolerances of float summation order that `parallel_paths.check` states."""
     from tests.helpers.parallel_paths import check
 
-    # The simulated devices are CPU devices: ask for the CPU backend, which is not the default on a GPU machine.
-    env = dict(
-        os.environ, PYTHONPATH=str(REPO), XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu"
-    )
-    result = subprocess.run(
-        [sys.executable, "-m", "tests.helpers.parallel_paths"],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=str(REPO),
-        timeout=600,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    report = json.loads(result.stdout.split("REPORT ", 1)[1].splitlines()[0])
+    report = report_on_cpu_devices("tests.helpers.parallel_paths", 4)
     assert report["devices"] == 4
     assert {name: (p["mode"], p["n_devices"]) for name, p in report["paths"].items()} == {
         "jit": ("jit", 1),

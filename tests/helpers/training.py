@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import os
 import subprocess
 import sys
@@ -107,6 +108,22 @@ def run_main(argv: list[str]) -> tuple[int, str, str]:
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         code = train.main(argv)
     return code, out.getvalue(), err.getvalue()
+
+
+def report_on_cpu_devices(module: str, devices: int) -> dict:
+    """Runs `python -m module` in a child process with `devices` simulated CPU devices (the CPU backend, also on a
+    GPU machine) and returns the JSON of its "REPORT {...}" line; fails with its output if it exits non-zero."""
+    env = dict(
+        os.environ,
+        PYTHONPATH=str(REPO),
+        XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+        JAX_PLATFORMS="cpu",
+    )
+    result = subprocess.run(
+        [sys.executable, "-m", module], capture_output=True, text=True, env=env, cwd=str(REPO), timeout=600
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    return json.loads(result.stdout.split("REPORT ", 1)[1].splitlines()[0])
 
 
 def start_train_process(
