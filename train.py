@@ -185,9 +185,10 @@ def train_flags(sub) -> None:
     t.set_defaults(func=cmd_train)
 
 
-def checkpoint_flags(p, *, compute: bool = False) -> None:
-    """--checkpoint and --step; with `compute`, how to compute (--dtype, --attention-kernel: TransformerConfig's)."""
-    from jax_transformer.config import COMPUTE_FIELDS, TransformerConfig
+def checkpoint_flags(p, *, compute: bool = False, mesh: bool = False) -> None:
+    """--checkpoint and --step; with `compute`, how to compute (--dtype, --attention-kernel: TransformerConfig's);
+    with `mesh`, --mesh: the weights read straight onto a mesh of the devices, split as training splits them."""
+    from jax_transformer.config import COMPUTE_FIELDS, ParallelConfig, TransformerConfig
 
     p.add_argument(
         "--checkpoint", required=True, metavar="DIR", help="run directory (or its checkpoints/ folder) of a training"
@@ -200,6 +201,8 @@ def checkpoint_flags(p, *, compute: bool = False) -> None:
     )
     if compute:
         add_settings(p, TransformerConfig, "model", "how to compute", only=COMPUTE_FIELDS, default="the checkpoint's")
+    if mesh:
+        add_settings(p, ParallelConfig, "parallel", "devices", only=("mesh",), default="one device")
 
 
 def language_flags(p) -> None:
@@ -260,7 +263,7 @@ def evaluate_flags(sub) -> None:
         "--beam-size/--alpha values give a table of every combination (beam 1 is greedy; alpha does not apply "
         "to it), to choose the decoding on the validation set.",
     )
-    checkpoint_flags(e, compute=True)
+    checkpoint_flags(e, compute=True, mesh=True)
     language_flags(e)
     evaluation_data_flags(e)
     compilation_flags(e)
@@ -281,7 +284,7 @@ def translate_flags(sub) -> None:
         "line (an empty line stays empty), read and translated in chunks, so input of any size streams through. "
         "Without --progress / --no-progress the progress bar shows when stderr is a terminal.",
     )
-    checkpoint_flags(tr, compute=True)
+    checkpoint_flags(tr, compute=True, mesh=True)
     language_flags(tr)
     tr.add_argument("--input", metavar="FILE", help="UTF-8 file with one sentence per line (default: stdin)")
     decoding_flags(tr, more=("progress",))
@@ -535,12 +538,25 @@ def decoding(args, loaded, several: bool = False):
 
 
 def _load(args):
-    """The checkpoint, its model computed as --dtype / --attention-kernel ask (where the sub-command has them)."""
+    """The checkpoint, its model computed as --dtype / --attention-kernel ask (where the sub-command has them), its
+    weights on one device or on --mesh."""
+    import jax
+
     from jax_transformer import checkpoint
+    from jax_transformer.distributed import DataParallel
+    from jax_transformer.sharding import path_name
 
     # The weights alone, verified (damaged weights are a CheckpointError): no sub-command here reads the
-    # optimizer's state, twice their size with Adam.
-    loaded = checkpoint.load(args.checkpoint, args.step, weights_only=True)
+    # optimizer's state, twice their size with Adam. With --mesh, read onto the mesh as training splits them, for a
+    # model that does not fit one device: each program then runs over the mesh (the compiler partitions it).
+    mesh = given(args, "parallel").get("mesh")
+    placement = None if mesh is None else DataParallel("sharded", 1, mesh).placement
+    loaded = checkpoint.load(args.checkpoint, args.step, weights_only=True, placement=placement)
+    if placement is not None:  # a format-3 step reads onto the host: placed here
+        params = jax.tree_util.tree_map_with_path(
+            lambda path, x: jax.device_put(x, placement("params/" + path_name(path), x.shape)), loaded.params
+        )
+        loaded = dataclasses.replace(loaded, state={"params": params})
     languages = {k: v for k, v in given(args, "data").items() if k in ("src_lang", "tgt_lang")}
     if languages:
         from jax_transformer.tokenizer import with_languages

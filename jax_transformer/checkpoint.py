@@ -1,7 +1,8 @@
 """Checkpoints with orbax: a training run saved so that it resumes exactly, or translates. Each step is written
 atomically, with the train state's arrays, the config, optimiser settings, tokenizer, data position and run
-settings, and the SHA-256 of every array, checked on every restore (a weights-only one checks the parameters'); a
-damaged step is an error naming the file at fault, and a resume falls back to the newest step that verifies.
+settings, and a checksum of every array (one that any split of it over devices computes alike), checked on every
+restore (a weights-only one checks the parameters'); a damaged step is an error naming the file at fault, and a
+resume falls back to the newest step that verifies. Arrays split over devices are written and read as they lie.
 Layout, formats and integrity: docs/internals.md#checkpoint."""
 
 from __future__ import annotations
@@ -16,11 +17,12 @@ import re
 import shutil
 import time
 import traceback
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
@@ -29,13 +31,17 @@ from orbax.checkpoint import checkpoint_managers as policies
 from jax_transformer.config import COMPUTE_FIELDS, ConfigError, TransformerConfig
 from jax_transformer.tokenizer import Tokenizer, load_tokenizer
 
-FORMAT_VERSION = 3
-READABLE_FORMATS = (1, 2, 3)
-CHECKSUM_FORMATS = (3,)  # formats whose steps carry checksums
+FORMAT_VERSION = 4
+READABLE_FORMATS = (1, 2, 3, 4)
+CHECKSUM_FORMATS = (3, 4)  # formats whose steps carry checksums: SHA-256 (3), element sums (4: `array_sums`)
 CHECKPOINT_SUBDIR = "checkpoints"
 DAMAGED_SUFFIX = "-damaged"  # <run>/checkpoints-damaged/<step>: where `quarantine` moves damaged steps
 # orbax writes a step into "<step>.orbax-checkpoint-tmp..." and renames it to "<step>" when complete.
 PARTIAL_SAVE = re.compile(r"\d+\.orbax-checkpoint-tmp.*")
+
+
+# Where a restore puts each array: (its name, "params/encoder/...", and its shape) -> a jax.sharding.Sharding.
+Placement = Callable[[str, tuple[int, ...]], jax.sharding.Sharding]
 
 
 class CheckpointError(RuntimeError):
@@ -60,8 +66,9 @@ def check_config(saved: TransformerConfig, requested: TransformerConfig, where: 
 
 @dataclasses.dataclass
 class Checkpoint:
-    """One restored step. `state` is the saved train state as a nested dict of numpy arrays
-    (`jax_transformer.training.restore_train_state` rebuilds the TrainState from it)."""
+    """One restored step. `state` is the saved train state as a nested dict of numpy arrays, or of jax.Arrays
+    where a restore's `placement` put them (`jax_transformer.training.restore_train_state` rebuilds the TrainState
+    from it)."""
 
     directory: Path
     step: int
@@ -91,7 +98,8 @@ def _array_name(path) -> str:
 
 
 def array_checksums(state: Mapping[str, Any]) -> dict[str, str]:
-    """{array name: "sha256:<hex>"} of every array of a state tree; the hash covers dtype, shape and bytes."""
+    """{array name: "sha256:<hex>"} of every array of a state tree; the hash covers dtype, shape and bytes. What
+    format-3 steps carry; format 4 carries `array_sums`."""
     out = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
         array = np.ascontiguousarray(np.asarray(leaf))
@@ -99,6 +107,98 @@ def array_checksums(state: Mapping[str, Any]) -> dict[str, str]:
         digest.update(array.data if array.size else b"")
         out[_array_name(path)] = "sha256:" + digest.hexdigest()
     return out
+
+
+# A step's arrays may be split over devices and processes, and read back onto another split: their checksum must
+# come out the same from any split, without gathering an array anywhere (SHA-256 needs the bytes in order on one
+# host; no library checksums a sharded array). So an array's checksum is a sum, over its elements, of a 64-bit
+# hash of (position, bits): sums do not depend on order, so each device sums its own shard and the compiler adds
+# the shards' sums exactly (integers wrap). A change of any one element always changes it (at each position the
+# hash is a bijection of the bits); random damage to several goes unseen with a chance of 2^-64.
+
+
+def _fmix32(x):
+    """MurmurHash3's 32-bit finaliser: a bijection of uint32 that mixes every input bit into every output bit."""
+    x = x ^ (x >> 16)
+    x = x * jnp.uint32(0x85EBCA6B)
+    x = x ^ (x >> 13)
+    x = x * jnp.uint32(0xC2B2AE35)
+    return x ^ (x >> 16)
+
+
+def _hash(bits, position):
+    """(low, high): the two 32-bit halves of the hash of elements (uint32 words) at row-major `position`s."""
+    low = _fmix32(bits + position * jnp.uint32(0x9E3779B1))
+    high = _fmix32((bits ^ jnp.uint32(0x5BD1E995)) + position * jnp.uint32(0x7FEB352D) + jnp.uint32(1))
+    return low, high
+
+
+@jax.jit
+def _device_sums(x: jax.Array) -> jax.Array:
+    """(2,) uint32: an array's sums, computed on the devices that hold it (the compiler adds the shards')."""
+    if x.dtype == jnp.bool_:
+        bits = x.astype(jnp.uint32)
+    else:
+        bits = jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * x.dtype.itemsize}"))
+        bits = bits.astype(jnp.uint32) if x.dtype.itemsize < 4 else jax.lax.bitcast_convert_type(bits, jnp.uint32)
+    position, stride = jnp.zeros(bits.shape, jnp.uint32), 1  # the row-major index (mod 2^32), without a reshape
+    for axis in reversed(range(bits.ndim)):
+        position = position + jax.lax.broadcasted_iota(jnp.uint32, bits.shape, axis) * jnp.uint32(stride % 2**32)
+        stride *= bits.shape[axis]
+    low, high = _hash(bits, position)
+    return jnp.stack([jnp.sum(low, dtype=jnp.uint32), jnp.sum(high, dtype=jnp.uint32)])
+
+
+_CHUNKS = (1 << 12, 1 << 16, 1 << 20)  # a host array is summed in flat chunks of one of these lengths: 3 programs
+
+
+@jax.jit
+def _chunk_sums(bits: jax.Array, start: jax.Array, count: jax.Array) -> jax.Array:
+    """(2,) uint32: the sums of the first `count` words of a flat chunk whose first word is at `start`."""
+    offset = jax.lax.iota(jnp.uint32, bits.shape[0])
+    low, high = _hash(bits, start + offset)
+    low, high = (jnp.where(offset < count, half, jnp.uint32(0)) for half in (low, high))
+    return jnp.stack([jnp.sum(low, dtype=jnp.uint32), jnp.sum(high, dtype=jnp.uint32)])
+
+
+def _host_sums(array: np.ndarray) -> np.ndarray:
+    """`_device_sums` of a host array, on the host's CPU, in fixed-length chunks (a program per chunk length, not
+    one per array shape)."""
+    array = np.ascontiguousarray(array)
+    if array.dtype == np.bool_:
+        words = array.astype(np.uint32)
+    elif array.dtype.itemsize < 4:
+        words = array.view(f"u{array.dtype.itemsize}").astype(np.uint32)
+    else:  # 8-byte elements as two words each, as jax's bitcast splits them
+        words = array.view(np.uint32)
+    words = words.reshape(-1)
+    length = next((c for c in _CHUNKS if words.size <= c), _CHUNKS[-1])
+    cpu, total = jax.devices("cpu")[0], np.zeros(2, np.uint32)
+    for start in range(0, max(words.size, 1), length):
+        chunk = words[start : start + length]
+        count = chunk.size
+        if count < length:
+            chunk = np.concatenate([chunk, np.zeros(length - count, np.uint32)])
+        sums = _chunk_sums(jax.device_put(chunk, cpu), np.uint32(start % 2**32), np.uint32(count))
+        total += np.asarray(sums)  # uint32: wraps, as the device's sums do
+    return total
+
+
+def array_sum(leaf) -> str:
+    """ "sum64:<hex>" of one array (numpy, or a jax.Array laid out in any way, in any number of processes): its
+    dtype, shape and element sums (above)."""
+    header = f"{np.dtype(leaf.dtype).name}{tuple(np.shape(leaf))}".encode()
+    if isinstance(leaf, jax.Array):
+        words = np.asarray(_device_sums(leaf).addressable_data(0))  # replicated: every process holds the (2,)
+    else:
+        words = _host_sums(np.asarray(leaf))
+    digest = hashlib.sha256(header + words.tobytes())
+    return "sum64:" + digest.hexdigest()[:32]
+
+
+def array_sums(state: Mapping[str, Any]) -> dict[str, str]:
+    """{array name: `array_sum`} of every array of a state tree: what format-4 steps carry."""
+    return {_array_name(path): array_sum(leaf) for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]}
 
 
 def _meta_checksum(meta: Mapping[str, Any]) -> str:
@@ -274,15 +374,15 @@ class CheckpointManager:
         loop_state: Mapping[str, Any] | None = None,
     ) -> None:
         """Saves `state` (a nested dict of arrays: `training.state_for_saving(train_state)`) as `step`,
-        asynchronously. `metrics` needs a "score" (higher is better) to take part in the choice of the best step.
-        `loop_state`: JSON the run loop restores on resume (this module does not read it). A failure of this save or
-        of the previous one is a CheckpointError (see `_save_failed`)."""
+        asynchronously. An array split over devices (and processes) is written as it lies: each process writes
+        its own shards, and nothing is gathered. `metrics` needs a "score" (higher is better) to take part in the
+        choice of the best step. `loop_state`: JSON the run loop restores on resume (this module does not read it).
+        A failure of this save or of the previous one is a CheckpointError (see `_save_failed`)."""
         self._finish_pending()  # one save at a time: the previous one is on disk before the next
         # An asynchronous save writes its own host copy: the training step may donate the live state's buffers
         # (which a CPU array's host view shares) while the writer reads. A synchronous one writes the arrays as
         # they are, so that an import holds the weights once, not twice, while writing.
-        copy = self._async or None
-        host_state = jax.tree.map(lambda x: np.array(x, copy=copy), state)
+        host_state = jax.tree.map(lambda x: _for_writing(x, copy=self._async), state)
         meta = {
             "format": FORMAT_VERSION,
             "step": int(step),
@@ -293,7 +393,7 @@ class CheckpointManager:
             "loop_state": None if loop_state is None else dict(loop_state),
             "tokenizer": base64.b64encode(tokenizer.to_bytes()).decode("ascii"),
         }
-        meta["checksums"] = {"arrays": array_checksums(host_state), "meta": _meta_checksum(meta)}
+        meta["checksums"] = {"arrays": array_sums(host_state), "meta": _meta_checksum(meta)}
         self._pending = int(step)
         try:
             self._manager.save(
@@ -371,12 +471,15 @@ class CheckpointManager:
         *,
         expected_config: TransformerConfig | None = None,
         weights_only: bool = False,
+        placement: Placement | None = None,
     ) -> Checkpoint:
         """Loads a step and verifies its checksums (CheckpointError naming what is damaged). With
         `expected_config`, a different saved config is a ConfigError naming the fields. `weights_only`: the
         parameters alone (`state` is {"params": ...}), verified against their own checksums: what translating,
         evaluating, exporting or starting from the weights reads, without the optimizer's state (Adam's two
-        moments, twice the parameters' bytes). Damage there shows when a run resumes from the step."""
+        moments, twice the parameters' bytes). Damage there shows when a run resumes from the step. `placement`:
+        each array read straight onto the devices `placement(name, shape)` names (each process reads only its own
+        shards; the layout it was saved with does not matter), and verified there; without it, numpy arrays."""
         step = self.resolve_step(step)
         meta = self.read_meta(step)
         if meta.get("format") not in READABLE_FORMATS:
@@ -385,6 +488,8 @@ class CheckpointManager:
                 f"code reads formats {READABLE_FORMATS}"
             )
         verified = meta["format"] in CHECKSUM_FORMATS
+        if meta["format"] < 4:  # SHA-256 or no checksums: read whole onto the host, and placed by the caller
+            placement = None
         if verified and not isinstance(meta.get("checksums"), dict):
             raise self._damaged(step, "its metadata has no checksums, which every format-3 step has")
         try:
@@ -397,11 +502,7 @@ class CheckpointManager:
         if expected_config is not None:
             check_config(config, expected_config, where=f"checkpoint {self.directory} (step {step})")
         try:
-            if weights_only:
-                state = _restore_params(self._item_dir(step, "state"))
-            else:
-                restored = self._manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore()))
-                state = jax.tree_util.tree_map(np.asarray, restored["state"])
+            state = _restore_state(self._item_dir(step, "state"), params_only=weights_only, placement=placement)
         except Exception as e:
             raise self._damaged(
                 step, f"cannot read the saved state ({self._item_dir(step, 'state')}): {_short(e)}"
@@ -426,7 +527,8 @@ class CheckpointManager:
         )
 
     def _verify_arrays(self, step: int, state, expected: Mapping[str, str]) -> None:
-        found = array_checksums(state)
+        sha = any(digest.startswith("sha256:") for digest in expected.values())  # a format-3 step
+        found = array_checksums(state) if sha else array_sums(state)
         problems = [f"{name} is missing" for name in sorted(set(expected) - set(found))]
         problems += [f"{name} was not saved" for name in sorted(set(found) - set(expected))]
         problems += [
@@ -457,11 +559,11 @@ def newest_intact_step(directory: str | os.PathLike, *, before: int | None = Non
 
 
 def newest_intact(
-    path: str | os.PathLike, *, strict: bool = False
+    path: str | os.PathLike, *, strict: bool = False, placement: Placement | None = None
 ) -> tuple[Checkpoint, list[tuple[int, CheckpointError]]]:
     """The newest step of a run that restores and verifies, for a resume, and the newer steps that did not,
     each with its error. strict: the newest step must be intact (CheckpointError otherwise, naming it and the
-    step a fallback would take)."""
+    step a fallback would take). placement: as `CheckpointManager.restore`'s."""
     directory = find_checkpoint_dir(path)
     steps = committed_steps(directory)
     if not steps:
@@ -469,7 +571,7 @@ def newest_intact(
     damaged: list[tuple[int, CheckpointError]] = []
     for step in reversed(steps):
         try:
-            restored = load(directory, step)
+            restored = load(directory, step, placement=placement)
         except CheckpointError as e:
             damaged.append((step, e))
             continue
@@ -509,20 +611,21 @@ def load(
     *,
     expected_config: TransformerConfig | None = None,
     weights_only: bool = False,
+    placement: Placement | None = None,
 ) -> Checkpoint:
     """Loads one step of a run directory (or its `checkpoints` folder) for evaluation, translation or export,
     verified: a damaged step is a CheckpointError naming it (see the module docstring). `weights_only`: the
-    parameters alone (CheckpointManager.restore)."""
+    parameters alone; `placement`: onto devices (CheckpointManager.restore)."""
     manager = CheckpointManager(find_checkpoint_dir(path), read_only=True)
     try:
-        return manager.restore(step, expected_config=expected_config, weights_only=weights_only)
+        return manager.restore(step, expected_config=expected_config, weights_only=weights_only, placement=placement)
     finally:
         manager.close()
 
 
-def _restore_params(state_dir: Path) -> dict[str, Any]:
-    """{"params": the saved parameters as numpy arrays} from a step's `state` item, the rest left unread: orbax's
-    partial restore of the subtree its metadata describes."""
+def _restore_state(state_dir: Path, *, params_only: bool, placement: Placement | None) -> dict[str, Any]:
+    """A step's `state` item as numpy arrays, or as jax.Arrays where `placement` puts them; `params_only`: {"params":
+    ...} alone, the rest left unread (orbax's partial restore of the subtree its metadata describes)."""
     if not state_dir.is_dir():
         raise FileNotFoundError(f'Item "state" was not found: no folder {state_dir}')
     checkpointer = ocp.PyTreeCheckpointer()
@@ -530,11 +633,29 @@ def _restore_params(state_dir: Path) -> dict[str, Any]:
         # The handler's own metadata: the checkpointer's would also look for a step's metadata file inside the
         # item (a warning each time) and turn an unreadable one into None instead of its error.
         tree = checkpointer.handler.metadata(epath.Path(state_dir)).tree
-        if "params" not in tree:
-            raise KeyError(f"the saved state has no parameters (it holds {sorted(tree)})")
-        item = {"params": jax.tree_util.tree_map(lambda m: np.empty(m.shape, m.dtype), tree["params"])}
-        restore_args = jax.tree_util.tree_map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), item)
-        args = ocp.args.PyTreeRestore(item=item, restore_args=restore_args, partial_restore=True)
+        if params_only:
+            if "params" not in tree:
+                raise KeyError(f"the saved state has no parameters (it holds {sorted(tree)})")
+            tree = {"params": tree["params"]}
+        item = jax.tree_util.tree_map(lambda m: np.empty(m.shape, m.dtype), tree)
+
+        def how(path, m):
+            if placement is None:
+                return ocp.RestoreArgs(restore_type=np.ndarray)
+            return ocp.ArrayRestoreArgs(sharding=placement(_array_name(path), tuple(m.shape)), dtype=m.dtype)
+
+        restore_args = jax.tree_util.tree_map_with_path(how, item)
+        args = ocp.args.PyTreeRestore(item=item, restore_args=restore_args, partial_restore=params_only)
         return checkpointer.restore(state_dir, args=args)
     finally:
         checkpointer.close()
+
+
+def _for_writing(leaf, *, copy: bool):
+    """An array as a save hands it to orbax. orbax copies a device array's shards to the host before `save`
+    returns; a CPU device's copy is a view of the array's buffer, which a donating step may overwrite while an
+    asynchronous save still writes it: there (`copy`) the save writes a copy of its own."""
+    if isinstance(leaf, jax.Array):
+        on_cpu = next(iter(leaf.devices())).platform == "cpu"
+        return jnp.copy(leaf) if copy and on_cpu else leaf
+    return np.array(leaf, copy=copy or None)

@@ -21,7 +21,7 @@ import jax
 import numpy as np
 
 from jax_transformer.config import ConfigError, OptimConfig, ParallelConfig, TransformerConfig, host_port
-from jax_transformer.sharding import BATCH_AXES, MeshShape, tree_shardings
+from jax_transformer.sharding import BATCH_AXES, MeshShape, spec_for, tree_shardings
 from jax_transformer.training import make_train_step, replicate, shard_batch, unreplicate
 
 # =============================================================================================================
@@ -413,6 +413,20 @@ class DataParallel:
         shardings = tree_shardings(state, self.mesh, self.mesh_shape)
         return jax.tree_util.tree_map(_placed, state, shardings)
 
+    def global_view(self, tree):
+        """A tree of the step's as global arrays, each where it lies (what a checkpoint writes, shard by shard):
+        pmap's stacked replicas as one copy; jit's and sharded jit's arrays as they are."""
+        return unreplicate(tree, self.n_devices) if self.mode == "pmap" else tree
+
+    def placement(self, name: str, shape: tuple[int, ...]):
+        """Where the step wants the state's array `name` (checkpoint.Placement): a restore reads each array straight
+        onto the mesh, each process only its own shards. Not for pmap, which places whole copies."""
+        if self.mode != "sharded":
+            return jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+        from jax.sharding import NamedSharding
+
+        return NamedSharding(self.mesh, spec_for(name, shape, self.mesh_shape))
+
     def local(self, tree):
         """A tree of the step's (the state, a step's loss sums) whole on this process: what evaluation and saving
         read. Replicated, each process reads its own first device, no communication; split over fsdp / tensor,
@@ -440,6 +454,10 @@ def _placed(leaf, sharding):
     """A host or one-device array as a global array of `sharding`, from this process's copy of the whole."""
     if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):  # a typed key: its words, then wrapped again
         return jax.random.wrap_key_data(_placed(jax.random.key_data(leaf), sharding))
+    if isinstance(leaf, jax.Array) and leaf.sharding.is_equivalent_to(sharding, leaf.ndim):
+        return leaf  # restored onto the mesh already
+    if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:  # on another mesh: the compiler moves it
+        return jax.device_put(leaf, sharding)
     host = np.asarray(leaf)
     return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 

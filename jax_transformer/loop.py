@@ -698,7 +698,7 @@ class Saver:
             try:
                 run.checkpoints.save(
                     step,
-                    state_for_saving(run.devices.local(state)),
+                    state_for_saving(run.devices.global_view(state)),
                     config=run.config,
                     optim=run.optim.to_dict(),
                     tokenizer=run.tokenizer,

@@ -120,10 +120,13 @@ def prepare(
     run_dir, held = open_run_dir(run_dir, resume, init_from_torch, owner, print_fn)
     distributed.watch_run(run_dir, resume_command(run_dir, parallel_config))
     try:
+        devices = distributed.DataParallel.from_config(parallel_config)
+        # A sharded run reads its state straight onto the mesh, each process only its own shards.
+        placement = devices.placement if devices.mode == "sharded" else None
         restored = (
             None
             if resume is None
-            else restore_for_resume(run_dir, strict=strict_resume, owner=owner, print_fn=print_fn)
+            else restore_for_resume(run_dir, strict=strict_resume, owner=owner, print_fn=print_fn, placement=placement)
         )
         stored = None if restored is None else stored_settings(restored)
         start = None if init_from is None else ckpt_lib.load(init_from, "best", weights_only=True)
@@ -142,7 +145,6 @@ def prepare(
             restored_for_state = restored
         # Before anything compiles; the decoders compiled ahead are stored as traced, for a `translate` after the run.
         cache_dir = compilation.use_cache(settings.loop.compilation_cache, print_fn, programs=True)
-        devices = distributed.DataParallel.from_config(settings.parallel)
         stream, valid = batches(settings, config, tokenizer, corpus, valid_corpus, devices, restored, print_fn)
         state = initial_state(restored_for_state, config, settings, params)
         stored_now = run_settings(settings, fingerprint, devices, imported_from(restored or start))
@@ -467,7 +469,12 @@ def lock_run_dir(run_dir: str | os.PathLike, print_fn: Callable[[str], None] = p
 
 
 def restore_for_resume(
-    run_dir: Path, *, strict: bool = False, owner: bool = True, print_fn: Callable[[str], None] = print
+    run_dir: Path,
+    *,
+    strict: bool = False,
+    owner: bool = True,
+    print_fn: Callable[[str], None] = print,
+    placement: ckpt_lib.Placement | None = None,
 ) -> ckpt_lib.Checkpoint:
     """The checkpoint a resume continues from: the newest one that verifies. Half-written saves (a kill or a
     failed save) are removed and damaged newer steps moved to `checkpoints-damaged/`, each with a warning
@@ -479,7 +486,7 @@ def restore_for_resume(
     # In a multi-process run every process reads the checkpoints in the same order (orbax synchronises the
     # processes as it opens them), after the owner's clean-up and before it moves damaged steps aside.
     distributed.barrier("resume: half-written saves removed")
-    restored, damaged = ckpt_lib.newest_intact(run_dir, strict=strict)
+    restored, damaged = ckpt_lib.newest_intact(run_dir, strict=strict, placement=placement)
     for step, error in damaged:
         where = ckpt_lib.quarantine(folder, step) if owner else None
         print_fn(f"warning: {error}" + (f"; moved to {where}" if where else ""))

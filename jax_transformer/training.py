@@ -136,9 +136,9 @@ def restore_train_state(saved: Mapping[str, Any], config: TransformerConfig, opt
 
 
 def state_for_saving(state: TrainState) -> dict[str, Any]:
-    """The state as a nested dict of host numpy arrays, the dropout key as its raw words: what a checkpoint holds."""
-    state = jax.device_get(state.replace(dropout_key=jax.random.key_data(state.dropout_key)))
-    return serialization.to_state_dict(state)
+    """The state as a nested dict of arrays, left where they are (a checkpoint writes each process's shards), the
+    dropout key as its raw words: what a checkpoint holds."""
+    return serialization.to_state_dict(state.replace(dropout_key=jax.random.key_data(state.dropout_key)))
 
 
 # =============================================================================================================

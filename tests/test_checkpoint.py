@@ -93,15 +93,15 @@ def test_weights_only_reads_the_parameters_alone_and_verifies_them(tmp_path, tok
     for key in before:
         assert before[key].dtype == after[key].dtype and np.array_equal(before[key], after[key]), key
 
-    read = ckpt_lib._restore_params
+    read = ckpt_lib._restore_state
 
-    def one_bit_off(state_dir):  # what a damaged file read without an error would give
-        state = read(state_dir)
+    def one_bit_off(state_dir, **how):  # what a damaged file read without an error would give
+        state = read(state_dir, **how)
         kernel = state["params"]["encoder"]["layer_0"]["feed_forward"]["linear1"]["kernel"]
         kernel.view(np.uint32)[0, 0] ^= 1
         return state
 
-    monkeypatch.setattr(ckpt_lib, "_restore_params", one_bit_off)
+    monkeypatch.setattr(ckpt_lib, "_restore_state", one_bit_off)
     with pytest.raises(ckpt_lib.CheckpointError, match=r"array params/encoder/layer_0/feed_forward/linear1/kernel "):
         ckpt_lib.load(tmp_path / "ckpt", "latest", weights_only=True)
 
@@ -220,3 +220,61 @@ def test_runs_from_before_packing_resume_with_length_buckets():
         data({"batching": "packed"}, old)
     with pytest.raises(UsageError, match="pack_length=None"):
         data({"pack_length": 32}, {**old, "batching": "packed"})
+
+
+def test_array_sums_are_the_same_on_host_and_device_and_see_any_change():
+    """The format-4 checksum: a host array (summed in flat chunks on the CPU) and the same array on a device
+    (summed as it lies, in any layout; tests/helpers/mesh_paths.py compares split arrays) give the same value, for
+    every dtype a state holds, an empty and a 0-d array, and an array over one chunk; one element changed by one
+    bit, or two elements swapped, changes it."""
+    import jax.numpy as jnp
+    from ml_dtypes import bfloat16
+
+    rng = np.random.default_rng(0)
+    arrays = [
+        np.full((), 1.5, np.float32),
+        np.zeros((0, 3), np.float32),
+        rng.standard_normal(7).astype(bfloat16),
+        rng.integers(0, 2**31, (3, 5), dtype=np.uint32),
+        rng.integers(-5, 5, (4100,), dtype=np.int32),
+        rng.standard_normal((1100, 1000)).astype(np.float32),  # 1.1M elements: two chunks of 2^20
+        np.array([True, False, True]),
+    ]
+    for array in arrays:
+        assert ckpt_lib.array_sum(array) == ckpt_lib.array_sum(jnp.asarray(array)), array.dtype
+    big = arrays[5].copy()
+    before = ckpt_lib.array_sum(big)
+    big.view(np.uint32)[1099, 999] ^= 1
+    assert ckpt_lib.array_sum(big) != before
+    big.view(np.uint32)[1099, 999] ^= 1
+    big[0, 0], big[0, 1] = big[0, 1], big[0, 0]
+    assert ckpt_lib.array_sum(big) != before
+    assert ckpt_lib.array_sum(arrays[4].astype(np.float32)) != ckpt_lib.array_sum(arrays[4])  # the dtype counts
+
+
+def test_a_format_3_step_is_still_verified_by_its_sha256(tmp_path, tokenizer):
+    """Steps written before the element sums carry the SHA-256 of each whole array: they load verified by it, and
+    an array that does not match it is named."""
+    from jax_transformer.checkpoint import _meta_checksum
+
+    manager = ckpt_lib.CheckpointManager(tmp_path / "ckpt")
+    state = jax.device_get(training.state_for_saving(_trained_state()))
+    manager.save(3, state, config=CONFIG, optim=OPTIM.to_dict(), tokenizer=tokenizer)
+    manager.close()
+    meta_file = tmp_path / "ckpt" / "3" / "meta" / "metadata"
+
+    def write_as_format_3(arrays):
+        meta = json.loads(meta_file.read_text())
+        meta["format"] = 3
+        meta["checksums"] = {"arrays": arrays, "meta": _meta_checksum(meta)}
+        meta_file.write_text(json.dumps(meta))
+
+    sha = ckpt_lib.array_checksums(state)
+    assert all(digest.startswith("sha256:") for digest in sha.values())
+    write_as_format_3(sha)
+    loaded = ckpt_lib.load(tmp_path / "ckpt", 3)
+    assert (loaded.format, loaded.verified) == (3, True)
+    name = next(name for name in sha if name.startswith("params/"))
+    write_as_format_3({**sha, name: "sha256:" + "0" * 64})
+    with pytest.raises(ckpt_lib.CheckpointError, match=f"array {name} does not match its checksum"):
+        ckpt_lib.load(tmp_path / "ckpt", 3)

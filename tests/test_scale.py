@@ -4,13 +4,13 @@ decision for all processes, a dead peer, and the errors of the new flags.
 One session-scoped fixture (`runs`) trains the tiny 1+1-layer model on the tiny numbers corpus, in child
 processes that share a persistent compilation cache, in two stages of concurrent runs:
 
-    stage 1   two-process  2 processes x 2 simulated CPU devices on the mesh fsdp=2,tensor=2 (the state split over
-                           fsdp across the processes, over tensor within each), 5 steps, with validation (the final
-                           evaluation)
-              four         1 process, 4 devices (sharded jit), 5 steps
+    stage 1   two-process  2 processes x 4 simulated CPU devices on the mesh data=2,fsdp=2,tensor=2 (the state
+                           split over fsdp and tensor, each process writing its own shards of a checkpoint), 5 steps,
+                           with validation (the final evaluation)
+              eight        1 process, 8 devices, the same mesh, 5 steps
               one          1 process, 1 device, 8 steps, checkpoints at 5 and 8: the uninterrupted reference
     stage 2   two-process  resumed in 1 process on 1 device with --accumulate 4, to step 8
-              four         resumed on 2 devices, to step 8
+              eight        resumed on 8 devices as (8,1,1), the state replicated, to step 8
               one's step 5 (a copy without step 8) resumed on 4 devices, to step 8
 
 and the tests compare what they wrote. Tolerances are those of tests/test_training.py's parallel-path test (float
@@ -57,11 +57,14 @@ def _valid_file(directory: Path) -> Path:
     return path
 
 
+MESH = "data=2,fsdp=2,tensor=2"  # the mesh of the two-process run and of its one-process twin
+
+
 @pytest.fixture(scope="session")
 def runs(tmp_path_factory):
     d = tmp_path_factory.mktemp("scale")
     train, valid, cache = write_corpus(d), _valid_file(d), d / "xla-cache"
-    dirs = {name: d / name for name in ("two-process", "four", "one", "one-on-four")}
+    dirs = {name: d / name for name in ("two-process", "eight", "one", "one-on-four")}
 
     def start(name, argv, devices, log_name=None):
         return start_train_process(
@@ -84,18 +87,18 @@ def runs(tmp_path_factory):
                     "--beam-size",
                     "1",
                     "--mesh",
-                    "fsdp=2,tensor=2",
+                    MESH,
                     *process_flags(port, 2, i),
                 ),
             ),
-            2,
+            4,
             f"two-process-{i}",
         )
         for i in range(2)
     ]
-    four = start("four", tiny_train_args(dirs["four"], train, steps=5), 4)
+    eight = start("eight", tiny_train_args(dirs["eight"], train, steps=5, extra=("--mesh", MESH)), 8)
     one = start("one", tiny_train_args(dirs["one"], train, steps=8, save_every=5), 1)
-    started = [*two, four, one]
+    started = [*two, eight, one]
     codes = finish([p for p, _ in started], [log for _, log in started])
     for (_, log), code in zip(started, codes):
         assert code == 0, f"{log.name} exited {code}:\n{log.read_text()[-3000:]}"
@@ -105,7 +108,7 @@ def runs(tmp_path_factory):
     shutil.rmtree(dirs["one-on-four"] / "checkpoints" / "8")  # as if the 1-device run had stopped at step 5
     # run -> devices of its resume, and its flags: the two-process run goes on in 4 micro-batches (unpacked
     # batches through --accumulate; tests/helpers/parallel_paths.py checks accumulation on packed ones)
-    resumes = {"two-process": (1, ["--accumulate", "4"]), "four": (2, []), "one-on-four": (4, [])}
+    resumes = {"two-process": (1, ["--accumulate", "4"]), "eight": (8, []), "one-on-four": (4, [])}
     resumed = [
         start(
             name,
@@ -162,22 +165,23 @@ def _start(run: Path) -> dict[str, np.ndarray]:
 
 
 @pytest.mark.slow
-def test_two_processes_equal_one_process_on_four_devices_and_on_one(runs):
-    """5 steps, dropout on: two processes x 2 devices with the state split (mesh data=1,fsdp=2,tensor=2) == 1
-    process x 4 devices (data parallel, the state replicated) == 1 device (jit)."""
+def test_two_processes_equal_one_process_on_eight_devices_and_on_one(runs):
+    """5 steps, dropout on: 2 processes x 4 devices with the state split over the mesh (2,2,2) == 1 process x 8
+    devices on the same mesh == 1 device (jit). Each process wrote its own shards of the step-5 checkpoint; it is
+    read here onto the host."""
     dirs = runs["dirs"]
-    two, four, one = (_state(dirs[name], 5) for name in ("two-process", "four", "one"))
+    two, eight, one = (_state(dirs[name], 5) for name in ("two-process", "eight", "one"))
     start = _start(dirs["one"])
     lines = [
-        _compare("two processes vs one process, 4 devices", two, four, start),
-        _compare("4 devices (sharded) vs 1 device (jit)", four, one, start),
+        _compare("2 processes x 4 devices vs 1 process x 8, mesh (2,2,2)", two, eight, start),
+        _compare("8 devices, mesh (2,2,2) vs 1 device (jit)", eight, one, start),
     ]
     # The losses each step reported, as process 0 logged them (once per step), agree as in the parallel-path test.
-    losses = {name: _train_losses(dirs[name]) for name in ("two-process", "four", "one")}
+    losses = {name: _train_losses(dirs[name]) for name in ("two-process", "eight", "one")}
     assert sorted(losses["two-process"]) == list(range(1, 9))  # once per step (6-8 by its resume, below)
     for step in range(1, 6):
         assert losses["two-process"][step] == pytest.approx(losses["one"][step], rel=1e-6)
-        assert losses["four"][step] == pytest.approx(losses["one"][step], rel=1e-6)
+        assert losses["eight"][step] == pytest.approx(losses["one"][step], rel=1e-6)
     lines.append(
         "losses: two processes vs one device "
         f"{max(abs(losses['two-process'][s] / losses['one'][s] - 1) for s in range(1, 6)):.1e} relative"
@@ -221,9 +225,9 @@ def test_validation_of_a_multi_process_run_is_what_one_process_reports(runs):
 
 
 def test_resumes_on_other_device_counts_continue_like_the_uninterrupted_run(runs):
-    """Step 5 checkpoints resumed to step 8 on another device count: the two-process run (4 devices) on 1 (with
-    --accumulate 4), the 4-device run on 2, the 1-device run on 4, against the 1-device run that went from 0 to 8
-    without stopping.
+    """Step 5 checkpoints resumed to step 8 on another device count or mesh: the two-process run (mesh (2,2,2)) on
+    1 device (with --accumulate 4), the one-process (2,2,2) run on (8,1,1) (read straight onto that mesh), the
+    1-device run on 4, against the 1-device run that went from 0 to 8 without stopping.
     The batch plan does not depend on the device count (--row-multiple), nor do the dropout masks, so each
     continues with the same batches and masks. Losses of steps 6-8: relative 1e-5 (the runs start from states
     that differ by the float-order noise bounded above, which moves a loss by ~1e-6 relative)."""
@@ -233,8 +237,8 @@ def test_resumes_on_other_device_counts_continue_like_the_uninterrupted_run(runs
     reference_losses = _train_losses(dirs["one"])
     lines = []
     for name, label in (
-        ("two-process", "2 processes x 2 devices -> 1 device, 4 micro-batches"),
-        ("four", "4 devices -> 2 devices"),
+        ("two-process", "2 processes x 4 devices, mesh (2,2,2) -> 1 device, 4 micro-batches"),
+        ("eight", "8 devices, mesh (2,2,2) -> (8,1,1)"),
         ("one-on-four", "1 device -> 4 devices"),
     ):
         resumed = ckpt_lib.load(dirs[name], "latest")
