@@ -120,16 +120,17 @@ def array_checksums(state: Mapping[str, Any]) -> dict[str, str]:
 def _fmix32(x):
     """MurmurHash3's 32-bit finaliser: a bijection of uint32 that mixes every input bit into every output bit."""
     x = x ^ (x >> 16)
-    x = x * jnp.uint32(0x85EBCA6B)
+    x = x * np.uint32(0x85EBCA6B)
     x = x ^ (x >> 13)
-    x = x * jnp.uint32(0xC2B2AE35)
+    x = x * np.uint32(0xC2B2AE35)
     return x ^ (x >> 16)
 
 
 def _hash(bits, position):
-    """(low, high): the two 32-bit halves of the hash of elements (uint32 words) at row-major `position`s."""
-    low = _fmix32(bits + position * jnp.uint32(0x9E3779B1))
-    high = _fmix32((bits ^ jnp.uint32(0x5BD1E995)) + position * jnp.uint32(0x7FEB352D) + jnp.uint32(1))
+    """(low, high): the two 32-bit halves of the hash of elements (uint32 words) at row-major `position`s; of numpy
+    arrays or of jax's, alike (uint32 products wrap in both)."""
+    low = _fmix32(bits + position * np.uint32(0x9E3779B1))
+    high = _fmix32((bits ^ np.uint32(0x5BD1E995)) + position * np.uint32(0x7FEB352D) + np.uint32(1))
     return low, high
 
 
@@ -149,7 +150,8 @@ def _device_sums(x: jax.Array) -> jax.Array:
     return jnp.stack([jnp.sum(low, dtype=jnp.uint32), jnp.sum(high, dtype=jnp.uint32)])
 
 
-_CHUNKS = (1 << 12, 1 << 16, 1 << 20)  # a host array is summed in flat chunks of one of these lengths: 3 programs
+_SMALL = 1 << 14  # a host array of fewer elements is summed by numpy (faster than calling a program)
+_CHUNKS = (1 << 16, 1 << 18, 1 << 20)  # a larger one in flat chunks of one of these lengths: three programs
 
 
 @jax.jit
@@ -162,8 +164,8 @@ def _chunk_sums(bits: jax.Array, start: jax.Array, count: jax.Array) -> jax.Arra
 
 
 def _host_sums(array: np.ndarray) -> np.ndarray:
-    """`_device_sums` of a host array, on the host's CPU, in fixed-length chunks (a program per chunk length, not
-    one per array shape)."""
+    """`_device_sums` of a host array, on the host's CPU: by numpy when small, else in fixed-length chunks (a program
+    per chunk length, not one per array shape)."""
     array = np.ascontiguousarray(array)
     if array.dtype == np.bool_:
         words = array.astype(np.uint32)
@@ -172,25 +174,31 @@ def _host_sums(array: np.ndarray) -> np.ndarray:
     else:  # 8-byte elements as two words each, as jax's bitcast splits them
         words = array.view(np.uint32)
     words = words.reshape(-1)
+    if words.size < _SMALL:
+        low, high = _hash(words, np.arange(words.size, dtype=np.uint32))
+        return np.array([low.sum(dtype=np.uint32), high.sum(dtype=np.uint32)], np.uint32)
     length = next((c for c in _CHUNKS if words.size <= c), _CHUNKS[-1])
-    cpu, total = jax.devices("cpu")[0], np.zeros(2, np.uint32)
+    cpu, parts = jax.devices("cpu")[0], []
     for start in range(0, max(words.size, 1), length):
         chunk = words[start : start + length]
         count = chunk.size
         if count < length:
             chunk = np.concatenate([chunk, np.zeros(length - count, np.uint32)])
-        sums = _chunk_sums(jax.device_put(chunk, cpu), np.uint32(start % 2**32), np.uint32(count))
-        total += np.asarray(sums)  # uint32: wraps, as the device's sums do
-    return total
+        parts.append(_chunk_sums(jax.device_put(chunk, cpu), np.uint32(start % 2**32), np.uint32(count)))
+    return np.sum(np.stack(jax.device_get(parts)), axis=0, dtype=np.uint32)  # wraps, as the device's sums do
+
+
+def _on_one_cpu(leaf: jax.Array) -> bool:
+    return len(leaf.devices()) == 1 and next(iter(leaf.devices())).platform == "cpu"
 
 
 def array_sum(leaf) -> str:
     """ "sum64:<hex>" of one array (numpy, or a jax.Array laid out in any way, in any number of processes): its
     dtype, shape and element sums (above)."""
     header = f"{np.dtype(leaf.dtype).name}{tuple(np.shape(leaf))}".encode()
-    if isinstance(leaf, jax.Array):
+    if isinstance(leaf, jax.Array) and not _on_one_cpu(leaf):
         words = np.asarray(_device_sums(leaf).addressable_data(0))  # replicated: every process holds the (2,)
-    else:
+    else:  # numpy, or a CPU device's array, viewed without a copy: the same three programs for every shape
         words = _host_sums(np.asarray(leaf))
     digest = hashlib.sha256(header + words.tobytes())
     return "sum64:" + digest.hexdigest()[:32]

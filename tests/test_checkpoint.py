@@ -223,8 +223,8 @@ def test_runs_from_before_packing_resume_with_length_buckets():
 
 
 def test_array_sums_are_the_same_on_host_and_device_and_see_any_change():
-    """The format-4 checksum: a host array (summed in flat chunks on the CPU) and the same array on a device
-    (summed as it lies, in any layout; tests/helpers/mesh_paths.py compares split arrays) give the same value, for
+    """The format-4 checksum: a host array (summed in flat chunks on the CPU) and the same array summed on a device
+    where it lies (as a split array is; tests/helpers/mesh_paths.py compares split arrays) give the same sums, for
     every dtype a state holds, an empty and a 0-d array, and an array over one chunk; one element changed by one
     bit, or two elements swapped, changes it."""
     import jax.numpy as jnp
@@ -241,6 +241,8 @@ def test_array_sums_are_the_same_on_host_and_device_and_see_any_change():
         np.array([True, False, True]),
     ]
     for array in arrays:
+        on_device = np.asarray(ckpt_lib._device_sums(jnp.asarray(array)))  # how split arrays are summed
+        assert np.array_equal(on_device, ckpt_lib._host_sums(array)), array.dtype
         assert ckpt_lib.array_sum(array) == ckpt_lib.array_sum(jnp.asarray(array)), array.dtype
     big = arrays[5].copy()
     before = ckpt_lib.array_sum(big)
