@@ -29,6 +29,7 @@ from etils import epath
 from orbax.checkpoint import checkpoint_managers as policies
 
 from jax_transformer.config import COMPUTE_FIELDS, ConfigError, TransformerConfig
+from jax_transformer.dropout import fmix32
 from jax_transformer.tokenizer import Tokenizer, load_tokenizer
 
 FORMAT_VERSION = 4
@@ -112,25 +113,17 @@ def array_checksums(state: Mapping[str, Any]) -> dict[str, str]:
 # A step's arrays may be split over devices and processes, and read back onto another split: their checksum must
 # come out the same from any split, without gathering an array anywhere (SHA-256 needs the bytes in order on one
 # host; no library checksums a sharded array). So an array's checksum is a sum, over its elements, of a 64-bit
-# hash of (position, bits): sums do not depend on order, so each device sums its own shard and the compiler adds
-# the shards' sums exactly (integers wrap). A change of any one element always changes it (at each position the
-# hash is a bijection of the bits); random damage to several goes unseen with a chance of 2^-64.
-
-
-def _fmix32(x):
-    """MurmurHash3's 32-bit finaliser: a bijection of uint32 that mixes every input bit into every output bit."""
-    x = x ^ (x >> 16)
-    x = x * np.uint32(0x85EBCA6B)
-    x = x ^ (x >> 13)
-    x = x * np.uint32(0xC2B2AE35)
-    return x ^ (x >> 16)
+# hash of (position, bits) (MurmurHash3's finaliser, `dropout.fmix32`): sums do not depend on order, so each device
+# sums its own shard and the compiler adds the shards' sums exactly (integers wrap). A change of any one element
+# always changes it (at each position the hash is a bijection of the bits); random damage to several goes unseen
+# with a chance of 2^-64.
 
 
 def _hash(bits, position):
     """(low, high): the two 32-bit halves of the hash of elements (uint32 words) at row-major `position`s; of numpy
     arrays or of jax's, alike (uint32 products wrap in both)."""
-    low = _fmix32(bits + position * np.uint32(0x9E3779B1))
-    high = _fmix32((bits ^ np.uint32(0x5BD1E995)) + position * np.uint32(0x7FEB352D) + np.uint32(1))
+    low = fmix32(bits + position * np.uint32(0x9E3779B1))
+    high = fmix32((bits ^ np.uint32(0x5BD1E995)) + position * np.uint32(0x7FEB352D) + np.uint32(1))
     return low, high
 
 

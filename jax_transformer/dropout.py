@@ -14,12 +14,13 @@ import numpy as np
 from jax import lax
 
 
-def _fmix32(x):
-    """MurmurHash3's 32-bit finaliser: a bijection on uint32 in which every input bit affects every output bit."""
+def fmix32(x):
+    """MurmurHash3's 32-bit finaliser: a bijection on uint32 in which every input bit affects every output bit (of
+    jax's uint32 arrays or numpy's: the products wrap in both)."""
     x = x ^ (x >> 16)
-    x = x * jnp.uint32(0x85EBCA6B)
+    x = x * np.uint32(0x85EBCA6B)
     x = x ^ (x >> 13)
-    x = x * jnp.uint32(0xC2B2AE35)
+    x = x * np.uint32(0xC2B2AE35)
     return x ^ (x >> 16)
 
 
@@ -61,7 +62,7 @@ def hashed_bits(key, shape, row_ids=None) -> jax.Array:
     words = jax.random.key_data(key) if jnp.issubdtype(key.dtype, jax.dtypes.prng_key) else key
     words = words.reshape(-1).astype(jnp.uint32)
     index = element_index(shape, row_ids)
-    return _fmix32(_fmix32(index ^ words[0]) + words[-1])
+    return fmix32(fmix32(index ^ words[0]) + words[-1])
 
 
 def keep_mask(key, rate: float, shape, row_ids=None) -> jax.Array:
