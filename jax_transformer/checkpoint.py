@@ -167,11 +167,16 @@ def _host_sums(array: np.ndarray) -> np.ndarray:
     else:  # 8-byte elements as two words each, as jax's bitcast splits them
         words = array.view(np.uint32)
     words = words.reshape(-1)
-    if words.size < _SMALL:
-        low, high = _hash(words, np.arange(words.size, dtype=np.uint32))
-        return np.array([low.sum(dtype=np.uint32), high.sum(dtype=np.uint32)], np.uint32)
+    cpu = _host_cpu()
+    if words.size < _SMALL or cpu is None:  # numpy (in chunks, to bound its temporaries) where there is no CPU backend
+        total = np.zeros(2, np.uint32)
+        for start in range(0, words.size, _CHUNKS[-1]):
+            chunk = words[start : start + _CHUNKS[-1]]
+            low, high = _hash(chunk, np.arange(start, start + chunk.size, dtype=np.uint64).astype(np.uint32))
+            total += np.array([low.sum(dtype=np.uint32), high.sum(dtype=np.uint32)], np.uint32)
+        return total
     length = next((c for c in _CHUNKS if words.size <= c), _CHUNKS[-1])
-    cpu, parts = jax.devices("cpu")[0], []
+    parts = []
     for start in range(0, max(words.size, 1), length):
         chunk = words[start : start + length]
         count = chunk.size
@@ -179,6 +184,15 @@ def _host_sums(array: np.ndarray) -> np.ndarray:
             chunk = np.concatenate([chunk, np.zeros(length - count, np.uint32)])
         parts.append(_chunk_sums(jax.device_put(chunk, cpu), np.uint32(start % 2**32), np.uint32(count)))
     return np.sum(np.stack(jax.device_get(parts)), axis=0, dtype=np.uint32)  # wraps, as the device's sums do
+
+
+def _host_cpu() -> jax.Device | None:
+    """This process's own CPU device (another process's cannot run its programs); None where JAX was started
+    without the CPU backend (JAX_PLATFORMS=cuda, say)."""
+    try:
+        return jax.local_devices(backend="cpu")[0]
+    except RuntimeError:
+        return None
 
 
 def _on_one_cpu(leaf: jax.Array) -> bool:
@@ -503,10 +517,19 @@ class CheckpointManager:
         if expected_config is not None:
             check_config(config, expected_config, where=f"checkpoint {self.directory} (step {step})")
         try:
-            state = _restore_state(self._item_dir(step, "state"), params_only=weights_only, placement=placement)
+            state, failure = (
+                _restore_state(self._item_dir(step, "state"), params_only=weights_only, placement=placement),
+                None,
+            )
         except Exception as e:
+            if "RESOURCE_EXHAUSTED" in str(e):  # out of memory: not damage (a resume would move the step aside)
+                raise
+            state, failure = None, e
+        if placement is not None and _failed_anywhere(failure is not None):
+            failure = failure or RuntimeError("another process could not read its shards of it")
+        if failure is not None:
             raise self._damaged(
-                step, f"cannot read the saved state ({self._item_dir(step, 'state')}): {_short(e)}"
+                step, f"cannot read the saved state ({self._item_dir(step, 'state')}): {_short(failure)}"
             ) from None
         if verified:
             expected = meta["checksums"].get("arrays", {})
@@ -624,6 +647,17 @@ def load(
         manager.close()
 
 
+def _failed_anywhere(failed: bool) -> bool:
+    """Whether a read failed in any process: with `placement` each process reads only its own shards, so damage in
+    one part shows in one process, and all must give up the step together (the checksums that follow are
+    collective)."""
+    if jax.process_count() == 1:
+        return failed
+    from jax.experimental import multihost_utils
+
+    return bool(np.any(multihost_utils.process_allgather(np.array([failed]))))
+
+
 def _restore_state(state_dir: Path, *, params_only: bool, placement: Placement | None) -> dict[str, Any]:
     """A step's `state` item as numpy arrays, or as jax.Arrays where `placement` puts them; `params_only`: {"params":
     ...} alone, the rest left unread (orbax's partial restore of the subtree its metadata describes)."""
@@ -641,8 +675,8 @@ def _restore_state(state_dir: Path, *, params_only: bool, placement: Placement |
         item = jax.tree_util.tree_map(lambda m: np.empty(m.shape, m.dtype), tree)
 
         def how(path, m):
-            if placement is None:
-                return ocp.RestoreArgs(restore_type=np.ndarray)
+            if placement is None or (np.dtype(m.dtype).itemsize == 8 and not jax.config.jax_enable_x64):
+                return ocp.RestoreArgs(restore_type=np.ndarray)  # (jax's 32-bit mode would narrow 8-byte arrays)
             return ocp.ArrayRestoreArgs(sharding=placement(_array_name(path), tuple(m.shape)), dtype=m.dtype)
 
         restore_args = jax.tree_util.tree_map_with_path(how, item)

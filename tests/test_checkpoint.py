@@ -222,7 +222,7 @@ def test_runs_from_before_packing_resume_with_length_buckets():
         data({"pack_length": 32}, {**old, "batching": "packed"})
 
 
-def test_array_sums_are_the_same_on_host_and_device_and_see_any_change():
+def test_array_sums_are_the_same_on_host_and_device_and_see_any_change(monkeypatch):
     """The format-4 checksum: a host array (summed in flat chunks on the CPU) and the same array summed on a device
     where it lies (as a split array is; tests/helpers/mesh_paths.py compares split arrays) give the same sums, for
     every dtype a state holds, an empty and a 0-d array, and an array over one chunk; one element changed by one
@@ -244,6 +244,10 @@ def test_array_sums_are_the_same_on_host_and_device_and_see_any_change():
         on_device = np.asarray(ckpt_lib._device_sums(jnp.asarray(array)))  # how split arrays are summed
         assert np.array_equal(on_device, ckpt_lib._host_sums(array)), array.dtype
         assert ckpt_lib.array_sum(array) == ckpt_lib.array_sum(jnp.asarray(array)), array.dtype
+    with monkeypatch.context() as m:  # JAX without its CPU backend: numpy alone, the same sums
+        m.setattr(ckpt_lib, "_host_cpu", lambda: None)
+        for array in arrays:
+            assert np.array_equal(np.asarray(ckpt_lib._device_sums(jnp.asarray(array))), ckpt_lib._host_sums(array))
     big = arrays[5].copy()
     before = ckpt_lib.array_sum(big)
     big.view(np.uint32)[1099, 999] ^= 1
