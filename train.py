@@ -540,11 +540,8 @@ def decoding(args, loaded, several: bool = False):
 def _load(args):
     """The checkpoint, its model computed as --dtype / --attention-kernel ask (where the sub-command has them), its
     weights on one device or on --mesh."""
-    import jax
-
     from jax_transformer import checkpoint
     from jax_transformer.distributed import DataParallel
-    from jax_transformer.sharding import path_name
 
     # The weights alone, verified (damaged weights are a CheckpointError): no sub-command here reads the
     # optimizer's state, twice their size with Adam. With --mesh, read onto the mesh as training splits them, for a
@@ -552,11 +549,6 @@ def _load(args):
     mesh = given(args, "parallel").get("mesh")
     placement = None if mesh is None else DataParallel("sharded", 1, mesh).placement
     loaded = checkpoint.load(args.checkpoint, args.step, weights_only=True, placement=placement)
-    if placement is not None:  # a format-3 step reads onto the host: placed here
-        params = jax.tree_util.tree_map_with_path(
-            lambda path, x: jax.device_put(x, placement("params/" + path_name(path), x.shape)), loaded.params
-        )
-        loaded = dataclasses.replace(loaded, state={"params": params})
     languages = {k: v for k, v in given(args, "data").items() if k in ("src_lang", "tgt_lang")}
     if languages:
         from jax_transformer.tokenizer import with_languages

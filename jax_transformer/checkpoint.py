@@ -494,7 +494,8 @@ class CheckpointManager:
         evaluating, exporting or starting from the weights reads, without the optimizer's state (Adam's two
         moments, twice the parameters' bytes). Damage there shows when a run resumes from the step. `placement`:
         each array read straight onto the devices `placement(name, shape)` names (each process reads only its own
-        shards; the layout it was saved with does not matter), and verified there; without it, numpy arrays."""
+        shards; the layout it was saved with does not matter), and verified there (a step of an older format: read
+        onto the host, verified, then placed); without it, numpy arrays."""
         step = self.resolve_step(step)
         meta = self.read_meta(step)
         if meta.get("format") not in READABLE_FORMATS:
@@ -503,8 +504,8 @@ class CheckpointManager:
                 f"code reads formats {READABLE_FORMATS}"
             )
         verified = meta["format"] in CHECKSUM_FORMATS
-        if meta["format"] < 4:  # SHA-256 or no checksums: read whole onto the host, and placed by the caller
-            placement = None
+        # Before format 4 (SHA-256 of whole arrays, or no checksums): read whole onto the host, placed once verified.
+        place_after, placement = (placement, None) if meta["format"] < 4 else (None, placement)
         if verified and not isinstance(meta.get("checksums"), dict):
             raise self._damaged(step, "its metadata has no checksums, which every format-3 step has")
         try:
@@ -536,6 +537,10 @@ class CheckpointManager:
             if weights_only:
                 expected = {name: digest for name, digest in expected.items() if name.startswith("params/")}
             self._verify_arrays(step, state, expected)
+        if place_after is not None:
+            state = jax.tree_util.tree_map_with_path(
+                lambda path, x: jax.device_put(x, place_after(_array_name(path), x.shape)), state
+            )
         return Checkpoint(
             directory=self.directory,
             step=step,

@@ -419,10 +419,8 @@ class DataParallel:
         return unreplicate(tree, self.n_devices) if self.mode == "pmap" else tree
 
     def placement(self, name: str, shape: tuple[int, ...]):
-        """Where the step wants the state's array `name` (checkpoint.Placement): a restore reads each array straight
-        onto the mesh, each process only its own shards. Not for pmap, which places whole copies."""
-        if self.mode != "sharded":
-            return jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+        """Where the sharded step wants the state's array `name` (checkpoint.Placement): a restore reads each array
+        straight onto the mesh, each process only its own shards."""
         from jax.sharding import NamedSharding
 
         return NamedSharding(self.mesh, spec_for(name, shape, self.mesh_shape))

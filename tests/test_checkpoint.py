@@ -259,8 +259,8 @@ def test_array_sums_are_the_same_on_host_and_device_and_see_any_change(monkeypat
 
 
 def test_a_format_3_step_is_still_verified_by_its_sha256(tmp_path, tokenizer):
-    """Steps written before the element sums carry the SHA-256 of each whole array: they load verified by it, and
-    an array that does not match it is named."""
+    """Steps written before the element sums carry the SHA-256 of each whole array: they load verified by it (onto
+    the host, then where a placement asks), and an array that does not match it is named."""
     from jax_transformer.checkpoint import _meta_checksum
 
     manager = ckpt_lib.CheckpointManager(tmp_path / "ckpt")
@@ -280,6 +280,10 @@ def test_a_format_3_step_is_still_verified_by_its_sha256(tmp_path, tokenizer):
     write_as_format_3(sha)
     loaded = ckpt_lib.load(tmp_path / "ckpt", 3)
     assert (loaded.format, loaded.verified) == (3, True)
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    placed = ckpt_lib.load(tmp_path / "ckpt", 3, placement=lambda name, shape: device)  # read whole, then placed
+    for a, b in zip(jax.tree.leaves(placed.state), jax.tree.leaves(loaded.state)):
+        assert isinstance(a, jax.Array) and a.sharding == device and np.array_equal(np.asarray(a), b)
     name = next(name for name in sha if name.startswith("params/"))
     write_as_format_3({**sha, name: "sha256:" + "0" * 64})
     with pytest.raises(ckpt_lib.CheckpointError, match=f"array {name} does not match its checksum"):
