@@ -537,9 +537,10 @@ def decoding(args, loaded, several: bool = False):
     return beam, alpha, decode
 
 
-def _load(args):
-    """The checkpoint, its model computed as --dtype / --attention-kernel ask (where the sub-command has them), its
-    weights on one device or on --mesh."""
+def _load(args, quantize_weights: bool = True):
+    """The checkpoint, its model computed as --dtype / --attention-kernel / --quantize ask (where the sub-command has
+    them), its weights on one device or on --mesh; with --quantize, quantized here unless `quantize_weights` is
+    False (verify, which exports the float weights to the twin)."""
     from jax_transformer import checkpoint
     from jax_transformer.distributed import DataParallel
 
@@ -557,8 +558,13 @@ def _load(args):
     compute = given(args, "model")
     if compute:  # how to compute is not part of the model: any checkpoint runs in either dtype
         loaded = dataclasses.replace(loaded, config=loaded.config.replace(**compute))
+    if loaded.config.quantize != "none" and quantize_weights:  # in memory only: never written back
+        from jax_transformer.quantization import quantize_params
+
+        loaded = loaded.with_params(quantize_params(loaded.params))
     note = "" if loaded.verified else f", format {loaded.format}, written before checksums: not verified"
-    print(f"loaded {loaded.directory} step {loaded.step} ({loaded.config.dtype}{note})", file=sys.stderr)
+    how = loaded.config.dtype + ("" if loaded.config.quantize == "none" else f", {loaded.config.quantize}")
+    print(f"loaded {loaded.directory} step {loaded.step} ({how}{note})", file=sys.stderr)
     return loaded
 
 
@@ -810,7 +816,7 @@ def cmd_verify(args, start_time: float) -> int:
 
     # One thread by default: under load, torch's threads fight XLA's for the cores (docs/internals.md#verify).
     torch.set_num_threads(args.torch_threads)
-    loaded = _load(args)
+    loaded = _load(args, quantize_weights=False)
     beam_size, alpha, _ = decoding(args, loaded)  # the frameworks compared with this project's search rules
     valid = _evaluation_data(args, loaded, limit=args.sentences)
     report = verify(

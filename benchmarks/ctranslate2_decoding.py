@@ -65,6 +65,10 @@ from benchmarks.machine import machine_info  # noqa: E402
 
 ROWS = ("greedy:16", "greedy:64", "greedy:1", "beam4:16", "beam4:64", "beam4:1")
 DECODERS = ("flax", "flax-generate", "ctranslate2")
+# int8 (--decoders): this project's search on weights quantized at load (jax_transformer.quantization: int8 x int8
+# products, or int8 weights converted inside float ones) and CTranslate2's compute_type "int8", same weights.
+INT8_DECODERS = ("flax-int8", "flax-int8-weights", "ctranslate2-int8")
+QUANTIZE = {"flax-int8": "int8-dynamic", "flax-int8-weights": "int8-weights"}
 
 
 def marian_shaped_model(preset_name: str, vocab: int, max_len: int, seed: int = 0, texts: Sequence[str] = ()):
@@ -134,8 +138,15 @@ def convert(params, config, tokenizer, folder: Path, run: dict | None = None) ->
     return ct2
 
 
-def decoders(config, params, translator, pieces, src: np.ndarray, beam: int, new_tokens: int) -> dict:
-    """name -> a zero-argument call that decodes `src` into (B, new_tokens) token ids."""
+def baseline(name: str, names: Sequence[str]) -> str:
+    """The CTranslate2 decoder a row is compared with: its int8 for the int8 rows and where it is the only one,
+    else its --dtype."""
+    return "ctranslate2-int8" if "int8" in name or "ctranslate2" not in names else "ctranslate2"
+
+
+def decoders(config, params, translators, pieces, src: np.ndarray, beam: int, new_tokens: int, quantized=None) -> dict:
+    """name -> a zero-argument call that decodes `src` into (B, new_tokens) token ids. `translators`: CTranslate2's
+    by decoder name; `quantized`: {decoder name: (params, config)} of the int8 rows."""
     from jax_transformer import decoding
     from jax_transformer.decoding import generate
 
@@ -144,12 +155,12 @@ def decoders(config, params, translator, pieces, src: np.ndarray, beam: int, new
     source = [[pieces[i] for i in row] for row in src]
     limits = dict(min_decoding_length=new_tokens, max_decoding_length=new_tokens)
 
-    def ct2():
+    def ct2(translator):
         results = translator.translate_batch(source, beam_size=beam, **limits)
         return np.array([[index[t] for t in r.hypotheses[0]] for r in results], np.int32)
 
     # The searches return their tokens as numpy, on the host: on a GPU a call's time includes the device's work.
-    def flax():
+    def flax(params=params, config=config):
         if beam == 1:
             return decoding.greedy_search(params, config, src, **fixed)[0]
         return decoding.beam_search(params, config, src, beam_size=beam, alpha=1.0, **fixed)[0]
@@ -165,7 +176,10 @@ def decoders(config, params, translator, pieces, src: np.ndarray, beam: int, new
             banned=(config.pad_id,),
         )
 
-    return {"flax": flax, "flax-generate": flax_generate, "ctranslate2": ct2}
+    calls = {"flax": flax, "flax-generate": flax_generate}
+    calls.update({name: (lambda t=t: ct2(t)) for name, t in translators.items()})
+    calls.update({name: (lambda pc=pc: flax(*pc)) for name, pc in (quantized or {}).items()})
+    return calls
 
 
 def timed(call: Callable[[], object]) -> tuple[float, float]:
@@ -212,14 +226,23 @@ def benchmark(
 
     threads = threads or os.cpu_count() or 1
     ct2_compute_type = ct2_compute_type or dtype
+    if len([name for name in names if name.startswith("ctranslate2")]) != 1:
+        raise ValueError(f"one CTranslate2 decoder per run (two in one process slow each other), got {names}")
+    from jax_transformer import quantization
+
     config, params, tokenizer = marian_shaped_model(preset_name, vocab, max(new_tokens, src_len) + 1)
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         ct2_dir = convert(params, config, tokenizer, Path(tmp))  # the float32 weights; each engine casts its own
         config = config.replace(dtype=dtype)
-        translator = ctranslate2.Translator(
-            str(ct2_dir), device=device, compute_type=ct2_compute_type, intra_threads=threads
-        )
+        types = {"ctranslate2": ct2_compute_type, "ctranslate2-int8": "int8"}
+        translators = {
+            name: ctranslate2.Translator(str(ct2_dir), device=device, compute_type=types[name], intra_threads=threads)
+            for name in types
+            if name in names
+        }
+        translator = next(iter(translators.values()))
+        quantized = {name: quantization.quantized(params, config, QUANTIZE[name]) for name in QUANTIZE if name in names}
         pieces = [tokenizer.piece(i) for i in range(vocab - 1)]  # CTranslate2's vocabulary: all but <pad>
         rng = np.random.default_rng(0)
         for row in rows:
@@ -227,14 +250,16 @@ def benchmark(
             beam, batch = (1 if search == "greedy" else int(search.removeprefix("beam"))), int(batch)
             src = rng.integers(2, vocab - 1, (batch, src_len)).astype(np.int32)
             src[:, -1] = config.eos_id
-            every = decoders(config, params, translator, pieces, src, beam, new_tokens)
+            every = decoders(config, params, translators, pieces, src, beam, new_tokens, quantized)
             calls = {name: every[name] for name in names}
             outputs = {name: call() for name, call in calls.items()}  # warm-up (compilation), untimed
             times, cores_used = interleaved(calls, repeats)
             for name in calls:
                 best, median = min(times[name]), statistics.median(times[name])
                 cores = cores_used[name]
-                same = int(np.sum(np.all(outputs[name] == outputs["ctranslate2"], axis=1)))
+                agree = lambda other: int(np.sum(np.all(outputs[name] == outputs[other], axis=1)))  # noqa: E731
+                same = agree(baseline(name, names))
+                same_as_flax = agree("flax") if "flax" in names else None
                 results.append(
                     dict(
                         search=search,
@@ -244,14 +269,15 @@ def benchmark(
                         seconds_median=median,
                         tokens_per_s_best=batch * new_tokens / best,
                         tokens_per_s_median=batch * new_tokens / median,
-                        same_as_ctranslate2=f"{same}/{batch}",
+                        same_as_ctranslate2=f"{same}/{batch}",  # as the baseline(name), int8 for int8
+                        same_as_flax=None if same_as_flax is None else f"{same_as_flax}/{batch}",
                         cores_used=cores,
                     )
                 )
                 log(
-                    f"{search:>7} batch {batch:>3}  {name:<14} {batch * new_tokens / median:>9.0f} tokens/s median "
-                    f"{batch * new_tokens / best:>9.0f} best   {cores:.2f} cores   same tokens as ctranslate2: "
-                    f"{same}/{batch}"
+                    f"{search:>7} batch {batch:>3}  {name:<17} {batch * new_tokens / median:>9.0f} tokens/s median "
+                    f"{batch * new_tokens / best:>9.0f} best   {cores:.2f} cores   same tokens as "
+                    f"{baseline(name, names)}: {same}/{batch}"
                 )
     settings = dict(
         preset=preset_name,
@@ -359,12 +385,12 @@ def translate_run(run_dir: Path, input_path: Path, beam: int, repeats: int, log=
 def table(report: dict) -> str:
     rows = report["results"]
     lines = [
-        "| search | batch | decoder | tokens/s (median) | tokens/s (best) | / ctranslate2 (medians) | cores used | "
-        "same tokens |",
+        "| search | batch | decoder | tokens/s (median) | tokens/s (best) | / ctranslate2 of its precision (medians) "
+        "| cores used | same tokens as that ctranslate2 |",
         "|---|---:|---|---:|---:|---:|---:|---:|",
     ]
     for row in rows:
-        key = (row["search"], row["batch"], "ctranslate2")
+        key = (row["search"], row["batch"], baseline(row["decoder"], report["settings"]["decoders"]))
         base = next(r for r in rows if (r["search"], r["batch"], r["decoder"]) == key)
         lines.append(
             f"| {row['search']} | {row['batch']} | {row['decoder']} | {row['tokens_per_s_median']:,.0f} | "
@@ -408,7 +434,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--decoders",
         default=",".join(DECODERS),
-        help=f"comma-separated decoders to time, ctranslate2 among them (default: {','.join(DECODERS)})",
+        help=f"comma-separated decoders to time, ctranslate2 among them (default: {','.join(DECODERS)}); int8: "
+        f"{','.join(INT8_DECODERS)} (ctranslate2-int8 in place of ctranslate2)",
     )
     parser.add_argument("--run", type=Path, help="a run directory: time translate end to end on --input instead")
     parser.add_argument("--input", type=Path, help="text to translate with --run, one sentence per line")
@@ -446,8 +473,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("ctranslate2 is not installed (pip install -e '.[ctranslate2]'): this benchmark is skipped")
         return 0
     names = tuple(name for name in args.decoders.split(",") if name)
-    if "ctranslate2" not in names or not set(names) <= set(DECODERS):
-        parser.error(f"--decoders: a comma-separated subset of {','.join(DECODERS)} with ctranslate2 in it")
+    engines = [name for name in names if name.startswith("ctranslate2")]
+    if len(engines) != 1 or not set(names) <= {*DECODERS, *INT8_DECODERS}:
+        # Two CTranslate2 translators in one process slowed each other 2-4x here (docs/benchmarks.md#int8).
+        parser.error(
+            f"--decoders: a comma-separated subset of {','.join(DECODERS + INT8_DECODERS)} with one CTranslate2 in "
+            "it (ctranslate2 or ctranslate2-int8: time the other in a run of its own)"
+        )
     import jax
 
     if args.matmul_precision:

@@ -87,6 +87,10 @@ class Checkpoint:
     def params(self):
         return self.state["params"]
 
+    def with_params(self, params) -> Checkpoint:
+        """This step with other parameters (quantized ones, at load), in memory."""
+        return dataclasses.replace(self, state={**self.state, "params": params})
+
 
 # =============================================================================================================
 # Checksums

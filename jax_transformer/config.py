@@ -31,9 +31,11 @@ ATTENTION_KERNELS = ("explicit", "xla", "cudnn")
 # What a training step keeps of each layer's forward pass for the backward pass (`jax.checkpoint` policies): all
 # (none recomputed), nothing (the layer recomputed), or the matmuls' outputs (the rest recomputed).
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
+# Decoding with int8 weights (jax_transformer/quantization.py): int8 picks one of the other two for the backend.
+QUANTIZE_MODES = ("none", "int8", "int8-dynamic", "int8-weights")
 # How the model computes, not what it is: the same parameters serve every value, so checkpoints and weight files
 # ignore these fields when they compare configs (a bfloat16 run evaluates or resumes in float32 and back).
-COMPUTE_FIELDS = ("dtype", "attention_kernel", "remat")
+COMPUTE_FIELDS = ("dtype", "attention_kernel", "remat", "quantize")
 BATCHINGS = ("packed", "buckets")
 PARALLEL_MODES = ("jit", "pmap", "sharded")
 BEST_METRICS = ("bleu", "loss")
@@ -250,6 +252,14 @@ class TransformerConfig(Settings):
         "(docs/scaling.md)",
         choices=REMAT_POLICIES,
     )
+    quantize: str = setting(
+        "none",
+        "decode with int8 weights, quantized at load per output channel with qwix (never written back): "
+        "int8-dynamic (activations quantized per row at run time, int8 x int8 products), int8-weights (weights "
+        "converted inside float products), int8 (the one measured faster on this backend); not for training "
+        "(docs/decoding.md#int8)",
+        choices=QUANTIZE_MODES,
+    )
 
     def check(self) -> None:
         if self.d_model % self.num_heads:
@@ -309,8 +319,8 @@ class TransformerConfig(Settings):
         return cls.from_dict(values, source=source)
 
     def compute_settings(self) -> dict[str, Any]:
-        """The COMPUTE_FIELDS (dtype, attention kernel, remat): how to compute, which any parameters of the model
-        serve."""
+        """The COMPUTE_FIELDS (dtype, attention kernel, remat, quantization): how to compute, which any parameters
+        of the model serve."""
         return {name: getattr(self, name) for name in COMPUTE_FIELDS}
 
 

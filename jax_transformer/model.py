@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_transformer import checks
+from jax_transformer import checks, quantization
 from jax_transformer.config import ConfigError, TransformerConfig
 from jax_transformer.dropout import Dropout
 from jax_transformer.masks import decoder_masks, encoder_mask
@@ -42,17 +42,25 @@ class Dense(nn.Module):
     is rounded to the compute dtype, as torch's fused bias-matmul (`F.linear`) does. `nn.Dense` would round twice,
     the matmul's result and then the bias sum, each in bfloat16: twice the twin's error, enough to reorder a
     trained model's beam. Parameters (float32) and their names are those of `nn.Dense`. `float32_result` keeps the
-    float32 sum (the output projection: logits are never rounded)."""
+    float32 sum (the output projection: logits are never rounded). `quantize`: the kernel is int8
+    (`quantization`), its product float32, then as above."""
 
     features: int
     use_bias: bool = True
     dtype: jnp.dtype = jnp.float32
     float32_result: bool = False
+    quantize: str = "none"
 
     @nn.compact
     def __call__(self, x):
-        kernel = self.param("kernel", xavier_uniform, (x.shape[-1], self.features))  # (D_in, D_out) float32
+        kernel = self.param("kernel", xavier_uniform, (x.shape[-1], self.features))  # (D_in, D_out) float32 or int8
         bias = self.param("bias", nn.initializers.zeros_init(), (self.features,)) if self.use_bias else None
+        quantization.check_mode(kernel, self.quantize, "/".join(self.scope.path) + "/kernel")
+        if self.quantize != "none":
+            y = quantization.rows_times_kernel(x, kernel, self.quantize, self.dtype)  # (..., D_out) float32
+            if bias is not None:
+                y = y + bias.astype(self.dtype).astype(jnp.float32)
+            return y if self.float32_result else y.astype(self.dtype)
         if self.dtype == jnp.float32:  # what nn.Dense computes
             y = lax.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())))
             return y if bias is None else y + bias
@@ -66,7 +74,7 @@ def _dense(
     cfg: TransformerConfig, features: int, name: str | None, use_bias: bool = True, float32_result: bool = False
 ) -> Dense:
     # float32 parameters, computed in the compute dtype (float32 result with float32_result: the output projection).
-    return Dense(features, use_bias, compute_dtype(cfg), float32_result, name=name)
+    return Dense(features, use_bias, compute_dtype(cfg), float32_result, cfg.quantize, name=name)
 
 
 @jax.custom_vjp
@@ -95,15 +103,18 @@ def _matmul_float32_result_backward(saved, g):
 matmul_float32_result.defvjp(_matmul_float32_result_forward, _matmul_float32_result_backward)
 
 
-def vocabulary_major_logits(hidden, kernel):
+def vocabulary_major_logits(hidden, kernel, quantize: str = "none", dtype=jnp.float32):
     """hidden (..., D) @ kernel (V, D)^T -> (..., V) float32 logits, for the few rows of a decoding step: computed
     as kernel @ hidden^T, (V, N), then transposed. Written the plain way, XLA:CPU fused the (N, V) product with the
     log-softmax's reduction after it into one kernel that ran about twice as long as the product alone, and no
     barrier around that product split it. In this orientation the product reads the (V, D) matrix once, as it
     lies, and the barrier keeps the transpose out of it, so the reduction reads a separate (N, V) result. Operands
-    in the kernel's dtype, float32 accumulator."""
-    rows = hidden.reshape(-1, hidden.shape[-1]).astype(kernel.dtype)  # (N, D)
-    products = lax.dot_general(kernel, rows, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)  # (V, N)
+    in the kernel's dtype, float32 accumulator; an int8 kernel (`quantize`) through `quantization`."""
+    if quantize != "none":
+        products = quantization.table_times_rows(kernel, hidden, quantize, dtype)  # (V, N)
+    else:
+        rows = hidden.reshape(-1, hidden.shape[-1]).astype(kernel.dtype)  # (N, D)
+        products = lax.dot_general(kernel, rows, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
     return lax.optimization_barrier(products).T.reshape(*hidden.shape[:-1], kernel.shape[0])  # (..., V)
 
 
@@ -479,6 +490,22 @@ class Decoder(nn.Module):
         return x
 
 
+class Embed(nn.Module):
+    """A token embedding table (V, D) and its lookup: `nn.Embed`'s parameter and result, and an int8 table
+    (`quantization`) looked up as its rows times their scales."""
+
+    num_embeddings: int
+    features: int
+
+    def setup(self):
+        self.embedding = self.param("embedding", xavier_uniform, (self.num_embeddings, self.features))
+
+    def __call__(self, tokens):
+        if quantization.is_quantized(self.embedding):
+            return quantization.lookup(self.embedding, tokens)  # (..., D) float32
+        return jnp.take(self.embedding, tokens, axis=0)  # (..., D)
+
+
 class Transformer(nn.Module):
     """The full model: `encode` the source once, `decode` target prefixes against it, logits over the target
     vocabulary. `__call__(src, tgt_in)` does both (teacher forcing)."""
@@ -488,10 +515,10 @@ class Transformer(nn.Module):
     def setup(self):
         cfg = self.config
         if cfg.share_embeddings:
-            self.shared_embed = nn.Embed(cfg.src_vocab_size, cfg.d_model, embedding_init=xavier_uniform)
+            self.shared_embed = Embed(cfg.src_vocab_size, cfg.d_model)
         else:
-            self.source_embed = nn.Embed(cfg.src_vocab_size, cfg.d_model, embedding_init=xavier_uniform)
-            self.target_embed = nn.Embed(cfg.tgt_vocab_size, cfg.d_model, embedding_init=xavier_uniform)
+            self.source_embed = Embed(cfg.src_vocab_size, cfg.d_model)
+            self.target_embed = Embed(cfg.tgt_vocab_size, cfg.d_model)
         self.encoder = Encoder(cfg)
         self.decoder = Decoder(cfg)
         if not cfg.tie_output:
@@ -499,7 +526,7 @@ class Transformer(nn.Module):
         elif cfg.logits_bias:  # Marian's final_logits_bias, on the tied output
             self.logits_bias = self.param("logits_bias", nn.initializers.zeros_init(), (cfg.tgt_vocab_size,))
 
-    def _embedding(self, side: str) -> nn.Embed:
+    def _embedding(self, side: str) -> Embed:
         if self.config.share_embeddings:
             return self.shared_embed
         return self.source_embed if side == "source" else self.target_embed
@@ -563,8 +590,13 @@ class Transformer(nn.Module):
     def output_kernel(self):
         """The output projection as a (V, D) matrix in the compute dtype, for `logits(kernel=...)`: the tied
         embedding table as it lies, or the untied projection's (D, V) kernel transposed. Decoding loops compute it
-        once, before the loop (a transpose written inside the loop body would be redone at every step)."""
+        once, before the loop (a transpose written inside the loop body would be redone at every step). Quantized:
+        the int8 (V, D) matrix with its per-row scales."""
         dtype = compute_dtype(self.config)
+        if self.config.quantize != "none":
+            if self.config.tie_output:
+                return self._embedding("target").embedding  # (V, D) int8
+            return quantization.transposed(self.output_proj.variables["params"]["kernel"])  # (V, D) int8
         if self.config.tie_output:
             return self._embedding("target").embedding.astype(dtype)  # (V, D)
         return self.output_proj.variables["params"]["kernel"].astype(dtype).T  # (V, D)
@@ -577,8 +609,13 @@ class Transformer(nn.Module):
         if not self.config.tie_output and kernel is None:
             return self.output_proj(hidden)  # (B, T, V)
         dtype = compute_dtype(self.config)
+        quantize = self.config.quantize
         if kernel is not None:
-            logits = vocabulary_major_logits(hidden, kernel)  # (B, T, V)
+            logits = vocabulary_major_logits(hidden, kernel, quantize, dtype)  # (B, T, V)
+        elif quantize != "none":
+            table = self._embedding("target").embedding  # (V, D) int8
+            quantization.check_mode(table, quantize, "the target embedding")
+            logits = quantization.rows_times_table(hidden, table, quantize, dtype)  # (B, T, V)
         elif dtype == jnp.float32:
             # hidden @ table.T (what nn.Embed.attend computes), with the table read as it lies: written as a
             # transpose, XLA may copy the whole table at every decoding step.

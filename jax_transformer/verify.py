@@ -14,7 +14,7 @@ import jax
 import numpy as np
 from tqdm.auto import tqdm
 
-from jax_transformer import compilation
+from jax_transformer import compilation, quantization
 from jax_transformer.batching import bucket_lengths
 from jax_transformer.checkpoint import Checkpoint
 from jax_transformer.decoding import beam_search, greedy_search
@@ -53,6 +53,7 @@ class VerifyReport:
     torch_device: str
     jax_device: str
     bleu_signature: str
+    quantize: str = "none"  # the Flax side's weights: float, or int8 (`config.quantize`) against the float twin
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
@@ -64,7 +65,7 @@ class VerifyReport:
         """The report as text: one line for the logits, a table for the searches."""
         lines = [
             f"checkpoint step {self.step}; {self.sentences} sentences; PyTorch on {self.torch_device}, JAX on "
-            f"{self.jax_device}",
+            f"{self.jax_device}" + ("" if self.quantize == "none" else f"; Flax quantized ({self.quantize})"),
             f"teacher forcing: largest |logit difference| {self.logit_max_abs_diff:.3e} over {self.target_tokens:,} "
             f"target positions (largest |logit| {self.logit_max_abs:.2f}); from a float64 evaluation: Flax "
             f"{self.flax_vs_float64:.3e}, PyTorch {self.torch_vs_float64:.3e}",
@@ -251,8 +252,14 @@ def verify(
     began = time.time()
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
+    quantize = loaded.config.quantize
+    if quantize != "none":  # the twin gets the float weights; the Flax side its int8 ones
+        flax_side = loaded.with_params(quantization.quantize_params(loaded.params))
+        loaded = dataclasses.replace(loaded, config=loaded.config.replace(quantize="none"))
     with jax.default_matmul_precision("highest"):
         torch_model = torch_twin_from_export(loaded, device)
+        if quantize != "none":
+            loaded = flax_side
         print_fn(f"exported step {loaded.step} to PyTorch (safetensors, torch_reference.Transformer, strict load)")
         logits = compare_logits(loaded, torch_model, batches, device, progress)
         print_fn(f"teacher forcing: largest |logit difference| {logits['diff']:.3e} ({time.time() - began:.0f} s)")
@@ -286,4 +293,5 @@ def verify(
         torch_device=str(device),
         jax_device=str(jax.devices()[0]),
         bleu_signature=decodings[0].bleu_signature,
+        quantize=quantize,
     )

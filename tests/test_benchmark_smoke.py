@@ -303,6 +303,15 @@ def test_ctranslate2_benchmark_runs_both_engines_on_the_same_weights():
         "cpu",
     ]
     assert settings["decoders"] == ["flax", "ctranslate2"]
+    # int8 rows beside CTranslate2's int8, the float32 row compared with it too
+    names = ("flax", "flax-int8", "ctranslate2-int8")
+    report = bench.benchmark(
+        "tiny", ["greedy:2"], new_tokens=6, src_len=5, vocab=300, repeats=1, names=names, log=lambda line: None
+    )
+    assert [r["decoder"] for r in report["results"]] == list(names)
+    assert report["settings"]["ctranslate2_compute_type"].startswith("int8"), report["settings"]
+    assert "| greedy | 2 | flax-int8 |" in bench.table(report)
+    assert all(_positive(r["seconds_min"]) and r["same_as_flax"] is not None for r in report["results"])
 
 
 _HLO = """HloModule step

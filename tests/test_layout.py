@@ -26,6 +26,7 @@ LAYERS = [
     ("corpus", "tokenizer"),  # text in: reading files (file:line errors); the joint SentencePiece model
     ("batching", "default_task"),  # ids and batches (packed rows or length buckets); the built-in task's pairs
     ("dropout", "losses"),
+    ("quantization",),  # int8 weights with qwix, and the products that read them
     ("model",),
     ("port",),  # numpy-only weight map
     ("pretrained",),  # Marian, FSMT, fairseq, M2M-100 (NLLB) and mBART configs and weight maps (numpy only)

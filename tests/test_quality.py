@@ -353,6 +353,35 @@ def test_verify_a_trained_checkpoint_against_its_pytorch_twin(trained, tmp_path,
         assert code == 4 and "the frameworks differ" in err
 
 
+def test_evaluate_and_verify_with_int8_weights(trained, tmp_path, torch_threads_restored):
+    """`evaluate --quantize int8` scores the int8 model; `verify --quantize int8` puts it against the float32 twin:
+    the logits now differ by quantization's error, far beyond float32 rounding (the twin stays within float32 of
+    float64, the int8 side does not)."""
+    pytest.importorskip("qwix")
+    root, _ = trained
+    code, out, err = run_main(
+        ["evaluate", "--checkpoint", str(root / "run"), "--beam-size", "1", "--samples", "0", "--quantize", "int8"]
+    )
+    assert code == 0 and "(float32, int8)" in err, out + err
+    assert 0 <= json.loads(out.splitlines()[-1])["bleu"] <= 100
+    report_path = tmp_path / "verify.json"
+    argv = ["verify", "--checkpoint", str(root / "run"), "--beam-size", "1", "--sentences", "4", "--quantize", "int8"]
+    code, out, err = run_main([*argv, "--logit-tolerance", "1", "--json", str(report_path), "--no-progress"])
+    assert code == 0, out + err
+    report = json.loads(report_path.read_text())
+    assert report["quantize"] == "int8" and "Flax quantized (int8)" in out
+    assert report["torch_vs_float64"] <= 5e-5 < report["flax_vs_float64"]  # the twin float32, the Flax side int8
+    assert 1e-4 < report["logit_max_abs_diff"] < 0.2 * report["logit_max_abs"]
+    # The quality benchmark on the same run: BLEU, identical translations and logits, float32 against int8
+    from benchmarks import int8_quality
+
+    quality = tmp_path / "quality.json"
+    argv = ["--run", str(root / "run"), "--sentences", "6", "--beams", "1", "--modes", "int8-dynamic"]
+    assert int8_quality.main([*argv, "--json", str(quality)]) == 0
+    (row,) = json.loads(quality.read_text())["results"]
+    assert row["sentences"] == 6 and 0 <= row["identical"] <= 6 and 0 < row["logit_max_abs_diff"] < row["logit_max_abs"]
+
+
 # --- the plot -----------------------------------------------------------------------------------------------------
 
 

@@ -133,3 +133,26 @@ def test_a_second_translate_loads_its_decoders_from_the_cache(trained, tmp_path)
     assert compilation.cache_entries(cache) > 0 and len(outputs[0].splitlines()) == 3
     assert any(name.startswith(f"{compilation.PROGRAMS}/") and name.endswith(".jax_exported") for name in files[0])
     assert files[1] == files[0] and outputs[1] == outputs[0]  # every program loaded, none compiled and written
+
+
+def test_translate_with_int8_weights_quantized_at_load(trained, tmp_path):
+    """`--quantize int8`: the weights quantized in memory at load (the checkpoint's files untouched), decoded as the
+    Python API decodes the quantized tree; training refuses it."""
+    pytest.importorskip("qwix")
+    from jax_transformer import quantization
+
+    run, loaded = trained
+    lines = ["one", "two hundred", "three thousand and twelve"]
+    path = tmp_path / "input.txt"
+    path.write_text("\n".join(lines) + "\n")
+    before = {p: p.stat().st_mtime_ns for p in (run / "checkpoints").rglob("*")}
+    code, out, err = run_main(
+        ["translate", "--checkpoint", str(run), "--input", str(path), "--beam-size", "2", "--quantize", "int8"]
+    )
+    assert code == 0, out + err
+    assert "(float32, int8)" in err  # how the model computes, said when it is loaded
+    qparams, qconfig = quantization.quantized(loaded.params, loaded.config, "int8")
+    assert out.splitlines() == translate(qparams, qconfig, loaded.tokenizer, lines, beam_size=2)
+    assert {p: p.stat().st_mtime_ns for p in (run / "checkpoints").rglob("*")} == before
+    code, out, err = run_main(["train", "--resume", str(run), "--steps", "3", "--quantize", "int8"])
+    assert code == 1 and "--quantize int8: int8 is for decoding a trained model" in err and "Traceback" not in err
