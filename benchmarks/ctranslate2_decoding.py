@@ -475,7 +475,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     names = tuple(name for name in args.decoders.split(",") if name)
     engines = [name for name in names if name.startswith("ctranslate2")]
     if len(engines) != 1 or not set(names) <= {*DECODERS, *INT8_DECODERS}:
-        # Two CTranslate2 translators in one process slowed each other 2-4x here (docs/benchmarks.md#int8).
+        # Two CTranslate2 translators in one process slow each other down (docs/benchmarks.md#int8).
         parser.error(
             f"--decoders: a comma-separated subset of {','.join(DECODERS + INT8_DECODERS)} with one CTranslate2 in "
             "it (ctranslate2 or ctranslate2-int8: time the other in a run of its own)"

@@ -57,7 +57,7 @@ class Dense(nn.Module):
         bias = self.param("bias", nn.initializers.zeros_init(), (self.features,)) if self.use_bias else None
         quantization.check_mode(kernel, self.quantize, "/".join(self.scope.path) + "/kernel")
         if self.quantize != "none":
-            y = quantization.rows_times_kernel(x, kernel, self.quantize, self.dtype)  # (..., D_out) float32
+            y = quantization.rows_times(x, kernel, self.quantize, self.dtype)  # (..., D_out) float32
             if bias is not None:
                 y = y + bias.astype(self.dtype).astype(jnp.float32)
             return y if self.float32_result else y.astype(self.dtype)
@@ -615,7 +615,7 @@ class Transformer(nn.Module):
         elif quantize != "none":
             table = self._embedding("target").embedding  # (V, D) int8
             quantization.check_mode(table, quantize, "the target embedding")
-            logits = quantization.rows_times_table(hidden, table, quantize, dtype)  # (B, T, V)
+            logits = quantization.rows_times(hidden, table, quantize, dtype, contract=1)  # (B, T, V)
         elif dtype == jnp.float32:
             # hidden @ table.T (what nn.Embed.attend computes), with the table read as it lies: written as a
             # transpose, XLA may copy the whole table at every decoding step.

@@ -115,9 +115,9 @@ def check_mode(kernel, mode: str, name: str) -> None:
         )
 
 
-# XLA:CPU multiplies an int8 matrix by a single int8 row in a scalar loop (a decoding step of one sentence: 13x
-# slower than float32 at a 58k vocabulary); from two rows on, the product goes to YNNPACK. One row is padded to
-# two there; other backends take the product as it is.
+# XLA:CPU multiplies an int8 matrix by a single int8 row in a scalar loop, far slower than float32 (a decoding step
+# of one sentence; docs/benchmarks.md#int8); from two rows on, the product goes to YNNPACK. One row is padded to two
+# there; other backends take the product as it is.
 def _min_rows() -> int:
     return 2 if jax.default_backend() == "cpu" else 1
 
@@ -131,25 +131,20 @@ def _rows_quantized(rows, mode: str, dtype):
     return qwix.quantize(rows.astype(jnp.float32), jnp.int8, channelwise_axes=(0,))
 
 
-def rows_times_kernel(x, kernel, mode: str, dtype):
-    """x (..., D_in) @ kernel (D_in, D_out), the kernel a QArray -> (..., D_out) float32."""
-    import qwix
-
-    rows = x.reshape(-1, x.shape[-1])  # (N, D_in)
-    n = rows.shape[0]
-    rows = jnp.pad(rows, ((0, max(0, _min_rows() - n)), (0, 0)))
-    y = qwix.dot_general(_rows_quantized(rows, mode, dtype), kernel, (((1,), (0,)), ((), ())))  # (N, D_out)
-    return y[:n].astype(jnp.float32).reshape(*x.shape[:-1], y.shape[-1])
-
-
-def rows_times_table(x, table, mode: str, dtype):
-    """x (..., D) @ table (V, D)^T, the table a QArray (per-row scales) -> (..., V) float32: a tied projection."""
-    import qwix
-
+def _rows(x):
+    """x (..., D) as the (N, D) rows of a product, padded to `_min_rows()`; and N."""
     rows = x.reshape(-1, x.shape[-1])  # (N, D)
     n = rows.shape[0]
-    rows = jnp.pad(rows, ((0, max(0, _min_rows() - n)), (0, 0)))
-    y = qwix.dot_general(_rows_quantized(rows, mode, dtype), table, (((1,), (1,)), ((), ())))  # (N, V)
+    return jnp.pad(rows, ((0, max(0, _min_rows() - n)), (0, 0))), n
+
+
+def rows_times(x, w, mode: str, dtype, contract: int = 0):
+    """x (..., D) times the QArray `w` contracted over its axis `contract` -> (..., F) float32: a kernel (D, F)
+    with contract 0, a table (V, D) with contract 1 (the tied projection, hidden @ table^T)."""
+    import qwix
+
+    rows, n = _rows(x)
+    y = qwix.dot_general(_rows_quantized(rows, mode, dtype), w, (((1,), (contract,)), ((), ())))  # (N, F)
     return y[:n].astype(jnp.float32).reshape(*x.shape[:-1], y.shape[-1])
 
 
@@ -158,9 +153,7 @@ def table_times_rows(table, x, mode: str, dtype):
     step (`model.vocabulary_major_logits`), the table a QArray with per-row scales."""
     import qwix
 
-    rows = x.reshape(-1, x.shape[-1])  # (N, D)
-    n = rows.shape[0]
-    rows = jnp.pad(rows, ((0, max(0, _min_rows() - n)), (0, 0)))
+    rows, n = _rows(x)
     y = qwix.dot_general(table, _rows_quantized(rows, mode, dtype), (((1,), (1,)), ((), ())))  # (V, N)
     return y[:, :n].astype(jnp.float32)
 

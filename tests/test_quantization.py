@@ -99,17 +99,17 @@ def test_int8_dynamic_product_is_integer_arithmetic_scaled_once(rows):
     rng = np.random.default_rng(rows)
     x = jnp.asarray(rng.standard_normal((rows, 48)), jnp.float32)
     kernel = quantization.quantize_params({"linear": {"kernel": rng.standard_normal((48, 40))}})["linear"]["kernel"]
-    y = quantization.rows_times_kernel(x, kernel, "int8-dynamic", jnp.float32)  # (rows, 40)
+    y = quantization.rows_times(x, kernel, "int8-dynamic", jnp.float32)  # (rows, 40)
     xq = qwix.quantize(x, jnp.int8, channelwise_axes=(0,))
     exact = np.asarray(xq.qvalue, np.int64) @ np.asarray(kernel.qvalue, np.int64)  # the int32 sums, exactly
     expected = exact * np.asarray(xq.scale, np.float64) * np.asarray(kernel.scale, np.float64)
     np.testing.assert_allclose(y, expected, rtol=2.0**-22, atol=1e-30)
-    lowered = jax.jit(lambda x: quantization.rows_times_kernel(x, kernel, "int8-dynamic", jnp.float32)).lower(x)
+    lowered = jax.jit(lambda x: quantization.rows_times(x, kernel, "int8-dynamic", jnp.float32)).lower(x)
     tensor = r"tensor<[\dx]*x(\w+)>"
     dots = re.findall(rf"dot_general.*\({tensor}, {tensor}\) -> {tensor}", lowered.as_text())
     assert dots == [("i8", "i8", "i32")], dots
     assert re.findall(r"= (\w+)\[[\d,]*\]\S* dot\(", lowered.compile().as_text()) == ["s32"]
-    alone = quantization.rows_times_kernel(x[:1], kernel, "int8-dynamic", jnp.float32)
+    alone = quantization.rows_times(x[:1], kernel, "int8-dynamic", jnp.float32)
     np.testing.assert_array_equal(alone[0], y[0])
 
 
