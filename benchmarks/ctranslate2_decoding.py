@@ -138,15 +138,16 @@ def convert(params, config, tokenizer, folder: Path, run: dict | None = None) ->
     return ct2
 
 
-def baseline(name: str, names: Sequence[str]) -> str:
-    """The CTranslate2 decoder a row is compared with: its int8 for the int8 rows and where it is the only one,
-    else its --dtype."""
-    return "ctranslate2-int8" if "int8" in name or "ctranslate2" not in names else "ctranslate2"
+def engine(names: Sequence[str]) -> str:
+    """The run's one CTranslate2 decoder (ctranslate2 or ctranslate2-int8), which every row is compared with."""
+    return next(name for name in names if name.startswith("ctranslate2"))
 
 
-def decoders(config, params, translators, pieces, src: np.ndarray, beam: int, new_tokens: int, quantized=None) -> dict:
-    """name -> a zero-argument call that decodes `src` into (B, new_tokens) token ids. `translators`: CTranslate2's
-    by decoder name; `quantized`: {decoder name: (params, config)} of the int8 rows."""
+def decoders(
+    config, params, translator, name: str, pieces, src: np.ndarray, beam: int, new_tokens: int, quantized=None
+) -> dict:
+    """name -> a zero-argument call that decodes `src` into (B, new_tokens) token ids. `translator` is CTranslate2's,
+    its decoder called `name`; `quantized`: {decoder name: (params, config)} of the int8 rows."""
     from jax_transformer import decoding
     from jax_transformer.decoding import generate
 
@@ -155,7 +156,7 @@ def decoders(config, params, translators, pieces, src: np.ndarray, beam: int, ne
     source = [[pieces[i] for i in row] for row in src]
     limits = dict(min_decoding_length=new_tokens, max_decoding_length=new_tokens)
 
-    def ct2(translator):
+    def ct2():
         results = translator.translate_batch(source, beam_size=beam, **limits)
         return np.array([[index[t] for t in r.hypotheses[0]] for r in results], np.int32)
 
@@ -176,8 +177,7 @@ def decoders(config, params, translators, pieces, src: np.ndarray, beam: int, ne
             banned=(config.pad_id,),
         )
 
-    calls = {"flax": flax, "flax-generate": flax_generate}
-    calls.update({name: (lambda t=t: ct2(t)) for name, t in translators.items()})
+    calls = {"flax": flax, "flax-generate": flax_generate, name: ct2}
     calls.update({name: (lambda pc=pc: flax(*pc)) for name, pc in (quantized or {}).items()})
     return calls
 
@@ -235,13 +235,11 @@ def benchmark(
     with tempfile.TemporaryDirectory() as tmp:
         ct2_dir = convert(params, config, tokenizer, Path(tmp))  # the float32 weights; each engine casts its own
         config = config.replace(dtype=dtype)
-        types = {"ctranslate2": ct2_compute_type, "ctranslate2-int8": "int8"}
-        translators = {
-            name: ctranslate2.Translator(str(ct2_dir), device=device, compute_type=types[name], intra_threads=threads)
-            for name in types
-            if name in names
-        }
-        translator = next(iter(translators.values()))
+        base = engine(names)
+        compute_type = "int8" if base == "ctranslate2-int8" else ct2_compute_type
+        translator = ctranslate2.Translator(
+            str(ct2_dir), device=device, compute_type=compute_type, intra_threads=threads
+        )
         quantized = {name: quantization.quantized(params, config, QUANTIZE[name]) for name in QUANTIZE if name in names}
         pieces = [tokenizer.piece(i) for i in range(vocab - 1)]  # CTranslate2's vocabulary: all but <pad>
         rng = np.random.default_rng(0)
@@ -250,7 +248,7 @@ def benchmark(
             beam, batch = (1 if search == "greedy" else int(search.removeprefix("beam"))), int(batch)
             src = rng.integers(2, vocab - 1, (batch, src_len)).astype(np.int32)
             src[:, -1] = config.eos_id
-            every = decoders(config, params, translators, pieces, src, beam, new_tokens, quantized)
+            every = decoders(config, params, translator, base, pieces, src, beam, new_tokens, quantized)
             calls = {name: every[name] for name in names}
             outputs = {name: call() for name, call in calls.items()}  # warm-up (compilation), untimed
             times, cores_used = interleaved(calls, repeats)
@@ -258,7 +256,7 @@ def benchmark(
                 best, median = min(times[name]), statistics.median(times[name])
                 cores = cores_used[name]
                 agree = lambda other: int(np.sum(np.all(outputs[name] == outputs[other], axis=1)))  # noqa: E731
-                same = agree(baseline(name, names))
+                same = agree(base)
                 same_as_flax = agree("flax") if "flax" in names else None
                 results.append(
                     dict(
@@ -269,7 +267,7 @@ def benchmark(
                         seconds_median=median,
                         tokens_per_s_best=batch * new_tokens / best,
                         tokens_per_s_median=batch * new_tokens / median,
-                        same_as_ctranslate2=f"{same}/{batch}",  # as the baseline(name), int8 for int8
+                        same_as_ctranslate2=f"{same}/{batch}",  # as the run's CTranslate2 decoder
                         same_as_flax=None if same_as_flax is None else f"{same_as_flax}/{batch}",
                         cores_used=cores,
                     )
@@ -277,7 +275,7 @@ def benchmark(
                 log(
                     f"{search:>7} batch {batch:>3}  {name:<17} {batch * new_tokens / median:>9.0f} tokens/s median "
                     f"{batch * new_tokens / best:>9.0f} best   {cores:.2f} cores   same tokens as "
-                    f"{baseline(name, names)}: {same}/{batch}"
+                    f"{base}: {same}/{batch}"
                 )
     settings = dict(
         preset=preset_name,
@@ -385,12 +383,12 @@ def translate_run(run_dir: Path, input_path: Path, beam: int, repeats: int, log=
 def table(report: dict) -> str:
     rows = report["results"]
     lines = [
-        "| search | batch | decoder | tokens/s (median) | tokens/s (best) | / ctranslate2 of its precision (medians) "
-        "| cores used | same tokens as that ctranslate2 |",
+        "| search | batch | decoder | tokens/s (median) | tokens/s (best) | / ctranslate2 (medians) | cores used | "
+        "same tokens as ctranslate2 |",
         "|---|---:|---|---:|---:|---:|---:|---:|",
     ]
     for row in rows:
-        key = (row["search"], row["batch"], baseline(row["decoder"], report["settings"]["decoders"]))
+        key = (row["search"], row["batch"], engine(report["settings"]["decoders"]))
         base = next(r for r in rows if (r["search"], r["batch"], r["decoder"]) == key)
         lines.append(
             f"| {row['search']} | {row['batch']} | {row['decoder']} | {row['tokens_per_s_median']:,.0f} | "

@@ -33,14 +33,9 @@ MODES = ("int8-dynamic", "int8-weights")
 
 def largest_logit_difference(params, config, qparams, qconfig, batches) -> tuple[float, float]:
     """(largest |float32 - int8| logit, largest |float32 logit|) over the real target positions of `batches`."""
-    import jax
+    from jax_transformer.verify import flax_logits_fn
 
-    from jax_transformer.model import Transformer
-
-    def logits(config):
-        return jax.jit(lambda p, src, tgt_in: Transformer(config).apply({"params": p}, src, tgt_in))
-
-    exact, quantized = logits(config), logits(qconfig)
+    exact, quantized = flax_logits_fn(config), flax_logits_fn(qconfig)
     diff = largest = 0.0
     for batch in batches:
         real = batch["tgt_out"] != config.pad_id  # (B, T)

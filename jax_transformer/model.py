@@ -596,7 +596,7 @@ class Transformer(nn.Module):
         if self.config.quantize != "none":
             if self.config.tie_output:
                 return self._embedding("target").embedding  # (V, D) int8
-            return quantization.transposed(self.output_proj.variables["params"]["kernel"])  # (V, D) int8
+            return self.output_proj.variables["params"]["kernel"].T  # (V, D) int8 (a QArray's .T moves its scales too)
         if self.config.tie_output:
             return self._embedding("target").embedding.astype(dtype)  # (V, D)
         return self.output_proj.variables["params"]["kernel"].astype(dtype).T  # (V, D)

@@ -162,8 +162,3 @@ def lookup(table, tokens):
     """Rows of a quantized table (V, D) for `tokens` (...) -> (..., D) float32: each int8 row times its scale."""
     rows = jnp.take(table.qvalue, tokens, axis=0).astype(jnp.float32)  # (..., D)
     return rows * jnp.take(table.scale, tokens, axis=0)  # scale (V, 1) -> (..., 1)
-
-
-def transposed(kernel):
-    """A quantized (D, V) kernel as a (V, D) one (its scales follow)."""
-    return kernel.T

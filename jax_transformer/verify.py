@@ -108,7 +108,8 @@ def torch_twin_from_export(loaded: Checkpoint, device: str = "cpu"):
     return model.to(device).eval()
 
 
-def _flax_logits_fn(config):
+def flax_logits_fn(config):
+    """(params, src, tgt_in) -> teacher-forced logits of `config`'s model, compiled (`compilation.jit`)."""
     model = Transformer(config)
     return compilation.jit(lambda params, src, tgt_in: model.apply({"params": params}, src, tgt_in), config.dtype)
 
@@ -121,7 +122,7 @@ def compare_logits(loaded: Checkpoint, torch_model, batches, device: str, progre
 
     import torch
 
-    flax_logits = _flax_logits_fn(loaded.config)
+    flax_logits = flax_logits_fn(loaded.config)
     reference = copy.deepcopy(torch_model).double()
     out = {"diff": 0.0, "flax64": 0.0, "torch64": 0.0, "largest": 0.0, "count": 0}
     for batch in tqdm(batches, desc="teacher forcing", unit="batch", disable=not progress):
@@ -253,13 +254,11 @@ def verify(
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     quantize = loaded.config.quantize
-    if quantize != "none":  # the twin gets the float weights; the Flax side its int8 ones
-        flax_side = loaded.with_params(quantization.quantize_params(loaded.params))
-        loaded = dataclasses.replace(loaded, config=loaded.config.replace(quantize="none"))
+    twin = dataclasses.replace(loaded, config=loaded.config.replace(quantize="none"))  # the float weights
+    if quantize != "none":  # the Flax side decodes its int8 ones
+        loaded = loaded.with_params(quantization.quantize_params(loaded.params))
     with jax.default_matmul_precision("highest"):
-        torch_model = torch_twin_from_export(loaded, device)
-        if quantize != "none":
-            loaded = flax_side
+        torch_model = torch_twin_from_export(twin, device)
         print_fn(f"exported step {loaded.step} to PyTorch (safetensors, torch_reference.Transformer, strict load)")
         logits = compare_logits(loaded, torch_model, batches, device, progress)
         print_fn(f"teacher forcing: largest |logit difference| {logits['diff']:.3e} ({time.time() - began:.0f} s)")

@@ -131,7 +131,7 @@ def test_compiled_bfloat16_programs_round_where_the_model_says():
     tgt_in[tgt_in == config.eos_id] = config.pad_id
     with jax.disable_jit():
         eager = np.asarray(Transformer(config).apply({"params": saved.params}, src, tgt_in))
-    compiled = np.asarray(verify._flax_logits_fn(config)(saved.params, src, tgt_in))
+    compiled = np.asarray(verify.flax_logits_fn(config)(saved.params, src, tgt_in))
     tolerance = logit_tolerance(config, eager)
     assert np.abs(compiled - eager).max() <= tolerance
     assert compilation.compiler_options("bfloat16") == {"xla_allow_excess_precision": False}
