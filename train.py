@@ -21,7 +21,8 @@
 
 Exit status: 0 done, 1 bad input, settings or checkpoint (one "error: ..." line), 2 bad flags (argparse), 3 the
 training diverged (a non-finite loss), 4 `verify` found the frameworks apart, 5 another process of a
-multi-process run stopped answering, 128 + N when stopped by signal N (130 SIGINT, 143 SIGTERM) after saving.
+multi-process run stopped answering, 128 + N when stopped by signal N (130 SIGINT, 143 SIGTERM) after saving,
+141 (as SIGPIPE) quietly when the reader of stdout went away (`translate | head`).
 """
 
 from __future__ import annotations
@@ -29,13 +30,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import sys
 import time
 import typing
-from pathlib import Path
 
 COMMANDS = ("train", "evaluate", "translate", "export", "import", "attention", "average", "verify", "plot", "plan")
 EXIT_ERROR, EXIT_DIVERGED, EXIT_NOT_VERIFIED = 1, 3, 4  # and distributed.EXIT_PEER_LOST (5)
+EXIT_BROKEN_PIPE = 128 + 13  # SIGPIPE's: what a Unix tool killed by it reports
 ALIASES = {"warmup_steps": ["--warmup"]}  # old spellings people have in their scripts
 
 
@@ -69,9 +71,45 @@ def add_settings(
         text = "CODE" if field.name.endswith("_lang") else "FILE" if group == "data" else "S"
         metavar = None if choices else {int: "N", float: "X"}.get(types[0], text)
         nargs = "+" if field.name in several else None
+        kind = types[0] if choices else setting_type(cls, field, types[0])
         section.add_argument(
-            flag, *ALIASES.get(field.name, []), type=types[0], metavar=metavar, choices=choices, nargs=nargs, **options
+            flag, *ALIASES.get(field.name, []), type=kind, metavar=metavar, choices=choices, nargs=nargs, **options
         )
+
+
+def setting_type(cls, field, kind):
+    """The argparse type of a settings flag: the value parsed as `kind`, then checked as its settings group checks
+    the field (`config.check_field`: range, finiteness), so that a bad value is a parse error naming the flag, in
+    every sub-command alike, before a file is read or JAX starts."""
+    from jax_transformer.config import check_field
+
+    def parse(text: str):
+        value = kind(text)  # a ValueError here: argparse's "invalid int value: 'x'"
+        try:
+            check_field(cls, field, value)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+        return value
+
+    parse.__name__ = kind.__name__
+    low, above = field.metadata.get("at_least"), field.metadata.get("above")
+    parse.bounds = (low if low is not None else above, field.metadata.get("below"))  # for the tests' sweep
+    return parse
+
+
+def number(kind, at_least: float, below: float | None = None):
+    """The argparse type of a plain numeric flag (not a setting): `kind` in [at_least, below), finite."""
+
+    def parse(text: str):
+        value = kind(text)
+        if not (math.isfinite(value) and value >= at_least and (below is None or value < below)):
+            bound = f"in [{at_least}, {below})" if below is not None else f">= {at_least}"
+            raise argparse.ArgumentTypeError(f"must be {'an int' if kind is int else 'a number'} {bound}, got {text}")
+        return value
+
+    parse.__name__ = kind.__name__
+    parse.bounds = (at_least, below)
+    return parse
 
 
 def given(args, group: str) -> dict:
@@ -154,7 +192,11 @@ def train_flags(sub) -> None:
         + "; ".join(f"{name}: {recipe['about']}" for name, recipe in sorted(RECIPES.items()))
         + "; or a recipe JSON file of the same form (default: numbers without data files, none with them)",
     )
-    g.add_argument("--seed", type=int, help="seed of initialisation, dropout and data order (default 0)")
+    g.add_argument(
+        "--seed",
+        type=number(int, 0, 2**32),
+        help="seed of initialisation, dropout and data order, a 32-bit number (default 0)",
+    )
     g.add_argument(
         "--keep-freed-memory",
         action=argparse.BooleanOptionalAction,
@@ -363,7 +405,9 @@ def average_flags(sub) -> None:
         "resumed. A run keeps its last --keep checkpoints: train with --keep K or more to average K.",
     )
     av.add_argument("--checkpoint", required=True, metavar="DIR", help="the run directory whose checkpoints to average")
-    av.add_argument("--last", required=True, type=int, metavar="K", help="how many of the newest saved steps")
+    av.add_argument(
+        "--last", required=True, type=number(int, 1), metavar="K", help="how many of the newest saved steps"
+    )
     av.add_argument("--output", required=True, metavar="DIR", help="the new directory to write (must not exist)")
     av.set_defaults(func=cmd_average)
 
@@ -381,16 +425,20 @@ def verify_flags(sub) -> None:
     language_flags(v)
     evaluation_data_flags(v)
     decoding_flags(v, more=("progress",), rules=False)
-    v.add_argument("--sentences", type=int, metavar="N", help="verify on the first N sentence pairs only (default all)")
+    v.add_argument(
+        "--sentences", type=number(int, 1), metavar="N", help="verify on the first N sentence pairs only (default all)"
+    )
     v.add_argument(
         "--device",
         default="cpu",
         help="torch device of the PyTorch twin, e.g. cpu or cuda (default cpu); JAX uses its default backend",
     )
-    v.add_argument("--batch-size", type=int, default=32, metavar="N", help="sentences per decoding batch (default 32)")
+    v.add_argument(
+        "--batch-size", type=number(int, 1), default=32, metavar="N", help="sentences per decoding batch (default 32)"
+    )
     v.add_argument(
         "--logit-tolerance",
-        type=float,
+        type=number(float, 0),
         default=1e-4,
         metavar="X",
         help="largest |logit difference| accepted (default 1e-4: float32 in both frameworks differs by summation "
@@ -398,7 +446,7 @@ def verify_flags(sub) -> None:
     )
     v.add_argument(
         "--torch-threads",
-        type=int,
+        type=number(int, 1),
         default=1,
         metavar="N",
         help="CPU threads of the PyTorch twin (default 1: its reference decoding works one sentence at a time on "
@@ -445,10 +493,12 @@ def plan_flags(sub) -> None:
     model.add_argument("--preset", choices=sorted(PRESETS), help="a preset's shape (default: base)")
     model.add_argument("--init-from", metavar="DIR", help="the model of a run directory (an imported one too)")
     pl.add_argument("--mesh", help="data=D,fsdp=F,tensor=T (as train's --mesh; default: all devices on data)")
-    pl.add_argument("--devices", type=int, help="simulated CPU devices of the mesh (default: the devices JAX sees)")
-    pl.add_argument("--max-tokens", type=int, default=4096, help="target tokens per batch (default: 4096)")
-    pl.add_argument("--width", type=int, help="tokens per row (default: the model's positions, at most 128)")
-    pl.add_argument("--accumulate", type=int, default=1, help="micro-batches per step (default: 1)")
+    pl.add_argument(
+        "--devices", type=number(int, 1), help="simulated CPU devices of the mesh (default: the devices JAX sees)"
+    )
+    pl.add_argument("--max-tokens", type=number(int, 1), default=4096, help="target tokens per batch (default: 4096)")
+    pl.add_argument("--width", type=number(int, 2), help="tokens per row (default: the model's positions, at most 128)")
+    pl.add_argument("--accumulate", type=number(int, 1), default=1, help="micro-batches per step (default: 1)")
     pl.add_argument("--dtype", choices=("float32", "bfloat16"), help="compute dtype (default: the model's)")
     pl.add_argument("--remat", choices=REMAT_POLICIES, help="recompute layers in the backward pass (as train's)")
     pl.set_defaults(func=cmd_plan)
@@ -507,10 +557,9 @@ def cmd_train(args, start_time: float) -> int:
         print_fn=_print,
         **{group: given(args, group) for group in ("model", "data", "optim", "loop", "parallel", "decode")},
     )
-    chosen = f"by validation {result.best_metric}" if result.best_metric else "the last: no validation data"
     _print(
         f"done: step {result.step} ({result.stopped_by}), {(time.time() - start_time) / 60:.1f} minutes; "
-        f"checkpoints in {result.checkpoint_dir}; best step {result.best_step} ({chosen}), the one evaluate, "
+        f"checkpoints in {result.checkpoint_dir}; best step {result.best_step} ({result.best_by}), the one evaluate, "
         f"translate and export use by default"
     )
     if result.curve is not None:
@@ -524,16 +573,19 @@ def cmd_train(args, start_time: float) -> int:
 
 def decoding(args, loaded, several: bool = False):
     """(beam size, alpha, DecodeConfig): as given, else as the run stored them, else the defaults; the beam sizes
-    and alphas as lists when `several`."""
-    from jax_transformer.config import DecodeConfig, LoopConfig
+    and alphas as lists when `several`. Each flag's value was checked as it was parsed (`setting_type`); here the
+    choice is checked against the model (`config.check_decoding`)."""
+    from jax_transformer.config import DecodeConfig, LoopConfig, check_decoding
     from jax_transformer.run import stored_settings
 
     stored = stored_settings(loaded)
     loop = {**LoopConfig().to_dict(), **stored.get("loop", {}), **given(args, "loop")}
     decode = DecodeConfig.from_dict({**stored.get("decode", {}), **given(args, "decode")}, source="decoding settings")
+    beams = loop["beam_size"] if isinstance(loop["beam_size"], list) else [loop["beam_size"]]
+    check_decoding(loaded.config, decode, {"--beam-size": beams}, given=given(args, "decode"))
     beam, alpha = loop["beam_size"], loop["alpha"]
     if several:
-        beam, alpha = (beam if isinstance(beam, list) else [beam]), (alpha if isinstance(alpha, list) else [alpha])
+        beam, alpha = beams, (alpha if isinstance(alpha, list) else [alpha])
     return beam, alpha, decode
 
 
@@ -602,14 +654,6 @@ def _evaluation_data(args, loaded, limit: int | None = None):
 def decoding_grid(beam_sizes: list[int], alphas: list[float]) -> list[tuple[int, float]]:
     """Every (beam, alpha) pair, in the order given, without repeats; greedy (beam 1) once, whatever the alphas
     (the length penalty does not enter greedy search), with the first alpha."""
-    from jax_transformer.run import UsageError
-
-    for beam in beam_sizes:
-        if beam < 1:
-            raise UsageError(f"--beam-size must be >= 1, got {beam}")
-    for alpha in alphas:
-        if not alpha >= 0:
-            raise UsageError(f"--alpha must be >= 0, got {alpha}")
     grid = [(beam, alphas[0] if beam == 1 else alpha) for beam in beam_sizes for alpha in alphas]
     return list(dict.fromkeys(grid))
 
@@ -666,7 +710,9 @@ def cmd_evaluate(args, start_time: float) -> int:
     _print(f"sacreBLEU signatures: BLEU {rows[0]['bleu_signature']}; chrF {rows[0]['chrf_signature']}")
     _print(f"lowercased BLEU: {rows[0]['bleu_lc_signature']}")
     if args.output:  # the translations of the best row
-        Path(args.output).write_text("".join(h + "\n" for h in hypotheses), encoding="utf-8")
+        from jax_transformer import files
+
+        files.write_text(args.output, "".join(h + "\n" for h in hypotheses))
     result["sentences"] = len(valid.sources)
     if len(rows) == 1:
         result.update({k: v for k, v in rows[0].items() if k != "seconds"})
@@ -678,7 +724,7 @@ def cmd_evaluate(args, start_time: float) -> int:
 
 def cmd_translate(args, start_time: float) -> int:
     from jax_transformer.corpus import count_lines, read_lines
-    from jax_transformer.translation import translate_lines
+    from jax_transformer.translation import OutputLines, translate_lines
 
     use_compilation_cache(args)
     loaded = _load(args)
@@ -688,8 +734,9 @@ def cmd_translate(args, start_time: float) -> int:
         origin, lines, total = args.input, read_lines(args.input), count_lines(args.input)
     else:
         origin, lines, total = "stdin", read_lines(sys.stdin.buffer, origin="stdin"), None
-    out = getattr(sys.stdout, "buffer", None)  # UTF-8 whatever the locale says
-    write = (lambda text: out.write(text.encode("utf-8") + b"\n")) if out else (lambda text: print(text))
+    sys.stdout.flush()  # what was printed before goes first; the translations bypass Python's buffer
+    fd = _fileno(sys.stdout)
+    write = print if fd is None else OutputLines(fd)  # UTF-8 whatever the locale says
     try:
         report = translate_lines(
             loaded.params,
@@ -709,6 +756,14 @@ def cmd_translate(args, start_time: float) -> int:
         sys.stdout.flush()
     print(report.describe(), file=sys.stderr)
     return 0
+
+
+def _fileno(stream) -> int | None:
+    """The file descriptor behind a stream; None for one without (a test's io.StringIO)."""
+    try:
+        return stream.fileno()
+    except (OSError, AttributeError, ValueError):
+        return None
 
 
 def cmd_export(args, start_time: float) -> int:
@@ -801,8 +856,6 @@ def cmd_verify(args, start_time: float) -> int:
     from jax_transformer.run import UsageError
     from jax_transformer.verify import verify
 
-    if args.sentences is not None and args.sentences < 1:
-        raise UsageError(f"--sentences must be >= 1, got {args.sentences}")
     if args.device != "cpu":
         import torch
 
@@ -810,8 +863,6 @@ def cmd_verify(args, start_time: float) -> int:
             torch.empty(1, device=args.device)
         except (RuntimeError, AssertionError) as e:
             raise UsageError(f"--device {args.device}: not usable here ({e})") from None
-    if args.torch_threads < 1:
-        raise UsageError(f"--torch-threads must be >= 1, got {args.torch_threads}")
     import torch
 
     # One thread by default: under load, torch's threads fight XLA's for the cores (docs/internals.md#verify).
@@ -833,7 +884,9 @@ def cmd_verify(args, start_time: float) -> int:
     )
     _print(report.table())
     if args.json:
-        Path(args.json).write_text(json.dumps(report.to_dict(), indent=1) + "\n", encoding="utf-8")
+        from jax_transformer import files
+
+        files.write_text(args.json, json.dumps(report.to_dict(), indent=1) + "\n")
     if not report.logit_max_abs_diff <= args.logit_tolerance:
         print(
             f"error: the frameworks differ: largest logit difference {report.logit_max_abs_diff:.3e} > "
@@ -861,6 +914,19 @@ def cmd_plot(args, start_time: float) -> int:
     return 0
 
 
+def _discard_stdout() -> None:
+    """stdout's descriptor pointed at /dev/null, so that what is still buffered for a closed pipe goes nowhere at
+    exit (instead of a second BrokenPipeError there)."""
+    import os
+
+    try:
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, sys.stdout.fileno())
+        os.close(null)
+    except (OSError, AttributeError, ValueError):  # no descriptor (a test's StringIO)
+        pass
+
+
 def main(argv: list[str] | None = None) -> int:
     start_time = time.time()
     _quiet_closed_loop_callbacks()
@@ -885,6 +951,9 @@ def main(argv: list[str] | None = None) -> int:
     except (DataError, ConfigError, CheckpointError, PortError, UsageError, TokenError) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_ERROR
+    except BrokenPipeError:  # the reader went away (`| head`): end quietly, as Unix tools do
+        _discard_stdout()
+        return EXIT_BROKEN_PIPE
     except OSError as e:  # the machine's, not the program's: a full disk, a missing permission
         print(f"error: {e}", file=sys.stderr)
         return EXIT_ERROR

@@ -12,6 +12,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from jax_transformer import files
 from jax_transformer.checkpoint import CheckpointError, CheckpointManager, find_checkpoint_dir
 
 
@@ -101,5 +102,5 @@ def average_checkpoints(
     finally:
         out_manager.close()
     reference.tokenizer.save(output / "tokenizer.model")
-    (output / "config.json").write_text(reference.config.to_json() + "\n", encoding="utf-8")
+    files.write_text(output / "config.json", reference.config.to_json() + "\n")
     return output, steps[-1], steps

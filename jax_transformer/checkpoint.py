@@ -260,13 +260,15 @@ def committed_steps(directory: str | os.PathLike) -> list[int]:
 class _QuietExpectedWarnings(logging.Filter):
     """orbax's warnings about what this module does on purpose: a save without metrics when a best_fn is set
     (periodic saves have none by design), a manager opened read-only (every translate, evaluate and export
-    opens one), and the numpy handler registered below in place of its own."""
+    opens one), the numpy handler registered below in place of its own, and a step folder without orbax's
+    metadata file (an empty or damaged step, which `restore` reports as damaged, naming it)."""
 
     EXPECTED = (
         "did not provide metrics",
         "Given directory is read only",
         "read_only=True, setting save_interval",
         "overriding np.ndarray",
+        "Metadata file does not exist",
     )
 
     def filter(self, record: logging.LogRecord) -> bool:
@@ -358,8 +360,12 @@ class CheckpointManager:
 
     def best_step(self) -> int | None:
         """The step with the highest validation score; the latest step when none was saved with a score."""
-        best = self._manager.best_step()
+        best = self.scored_best_step()
         return self.latest_step() if best is None else best
+
+    def scored_best_step(self) -> int | None:
+        """The step with the highest validation score; None when no step was saved with a score."""
+        return self._manager.best_step()
 
     def resolve_step(self, step: int | str = "best") -> int:
         """ "best", "latest" or a step number -> a saved step number (CheckpointError if there is none)."""

@@ -22,6 +22,8 @@ from typing import Any
 
 import jax
 
+from jax_transformer import files
+
 OFF = "off"
 _programs: ProgramStore | None = None  # the store of traced decoders, where use_cache(programs=True) turned it on
 # Programs that took this long or longer to compile go in the persistent cache. jax's own default (1 s) leaves out
@@ -399,31 +401,27 @@ class ProgramStore:
         """`jitted` exported on `shapes` ((args, kwargs)) and written; read back as the next process will read it."""
         from jax import export
 
-        temporary = self.folder / f".{key}.{os.getpid()}.{threading.get_ident()}"
         args, kwargs = shapes
         try:
             data = export.export(jitted)(*args, **kwargs, **static).serialize()
         except Exception as e:  # e.g. a custom call jax.export refuses: not tried again by the next process
             self._count("not saved")
             self._warn_once(f"warning: a decoding program was not saved in {self.folder} ({_brief(e)})")
-            self._write(self._path(key, NOT_EXPORTED), b"", temporary)
+            self._write(self._path(key, NOT_EXPORTED), b"")
             return None
-        if self._write(self._path(key), data, temporary):
+        if self._write(self._path(key), data):
             self._count("written")
         return export.deserialize(data)
 
-    def _write(self, path: Path, data: bytes, temporary: Path) -> bool:
+    def _write(self, path: Path, data: bytes) -> bool:
         """`data` into `path`, whole or not at all (for a process reading beside this one); False where it cannot."""
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
-            temporary.write_bytes(data)
-            os.replace(temporary, path)
+            files.write_bytes(path, data)
         except OSError as e:
             self._count("not saved")
             self._warn_once(f"warning: a decoding program was not saved in {self.folder} ({_brief(e)})")
             return False
-        finally:
-            temporary.unlink(missing_ok=True)
         return True
 
     def _count(self, what: str) -> None:

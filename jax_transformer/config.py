@@ -13,8 +13,9 @@ import dataclasses
 import functools
 import ipaddress
 import json
+import math
 import typing
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -111,44 +112,50 @@ def check_fields(obj: Settings) -> None:
     """Every field of a settings dataclass against its annotation (int, float, bool, str, each possibly None) and
     its metadata (choices, range). A float field takes an int (JSON and flags write 2 for 2.0); nothing takes a
     bool for a number. The message names the group, the field and its flag."""
-    hints = _type_hints(type(obj))
     for field in dataclasses.fields(obj):
-        value, meta = getattr(obj, field.name), field.metadata
-        name, flag = f"{obj.kind} field {field.name!r}", f" (--{field.name.replace('_', '-')})"
-        kinds = [k for k in typing.get_args(hints[field.name]) if k is not type(None)] or [hints[field.name]]
-        optional = type(None) in typing.get_args(hints[field.name])
-        if value is None and optional:
-            continue
-        kind = kinds[0]
-        low, above, high = meta.get("at_least"), meta.get("above"), meta.get("below")
-        if low is not None and high is not None:
-            rule, fits = f"in [{low:g}, {high:g})", lambda v: low <= v < high
-        elif low is not None:
-            rule, fits = f">= {low:g}", lambda v: v >= low
-        elif above is not None:
-            rule, fits = f"> {above:g}", lambda v: v > above
-        else:
-            rule, fits = "", lambda v: True
-        expected = {bool: "true or false", int: "an int", float: "a number", str: "a string"}[kind]
-        if kind is int and rule:
-            expected = f"an int {rule}"
-        elif rule:
-            expected = rule if kind is float else expected
-        expected += f" {meta['why']}" if meta.get("why") and rule else ""
-        ok = {
-            bool: isinstance(value, bool),
-            int: isinstance(value, int) and not isinstance(value, bool),
-            float: isinstance(value, (int, float)) and not isinstance(value, bool),
-            str: isinstance(value, str),
-        }[kind]
-        if not ok:
-            if kind is float and rule:
-                expected = f"a number {rule}"
-            raise obj.error(f"{name} must be {expected}{' (or none)' if optional else ''}, got {value!r}{flag}")
-        if meta.get("choices") is not None and value not in meta["choices"]:
-            raise obj.error(f"{name} must be one of {meta['choices']}, got {value!r}{flag}")
-        if not fits(value):
-            raise obj.error(f"{name} must be {expected}, got {value!r}{flag}")
+        check_field(type(obj), field, getattr(obj, field.name))
+
+
+def check_field(cls: type[Settings], field: dataclasses.Field, value: Any) -> None:
+    """One field's value against its annotation and metadata (`check_fields`): `cls.error` naming it otherwise."""
+    hints, meta = _type_hints(cls), field.metadata
+    name, flag = f"{cls.kind} field {field.name!r}", f" (--{field.name.replace('_', '-')})"
+    kinds = [k for k in typing.get_args(hints[field.name]) if k is not type(None)] or [hints[field.name]]
+    optional = type(None) in typing.get_args(hints[field.name])
+    if value is None and optional:
+        return
+    kind = kinds[0]
+    low, above, high = meta.get("at_least"), meta.get("above"), meta.get("below")
+    if low is not None and high is not None:
+        rule, fits = f"in [{low:g}, {high:g})", lambda v: low <= v < high
+    elif low is not None:
+        rule, fits = f">= {low:g}", lambda v: v >= low
+    elif above is not None:
+        rule, fits = f"> {above:g}", lambda v: v > above
+    else:
+        rule, fits = "", lambda v: True
+    expected = {bool: "true or false", int: "an int", float: "a number", str: "a string"}[kind]
+    if kind is int and rule:
+        expected = f"an int {rule}"
+    elif rule:
+        expected = rule if kind is float else expected
+    expected += f" {meta['why']}" if meta.get("why") and rule else ""
+    ok = {
+        bool: isinstance(value, bool),
+        int: isinstance(value, int) and not isinstance(value, bool),
+        float: isinstance(value, (int, float)) and not isinstance(value, bool),
+        str: isinstance(value, str),
+    }[kind]
+    if not ok:
+        if kind is float and rule:
+            expected = f"a number {rule}"
+        raise cls.error(f"{name} must be {expected}{' (or none)' if optional else ''}, got {value!r}{flag}")
+    if meta.get("choices") is not None and value not in meta["choices"]:
+        raise cls.error(f"{name} must be one of {meta['choices']}, got {value!r}{flag}")
+    if kind is float and not math.isfinite(value):  # an infinite length penalty or learning rate is no setting
+        raise cls.error(f"{name} must be a finite number{f' {rule}' if rule else ''}, got {value!r}{flag}")
+    if not fits(value):
+        raise cls.error(f"{name} must be {expected}, got {value!r}{flag}")
 
 
 # =============================================================================================================
@@ -599,6 +606,46 @@ class DecodeConfig(Settings):
             return tuple(int(part) for part in self.banned.split(",") if part.strip())
         except ValueError:
             raise ConfigError(f"decode field 'banned' must be comma-separated ids, got {self.banned!r}") from None
+
+    def output_limit(self, config: TransformerConfig) -> int:
+        """transformers rules: the longest output of `config`'s model, its start token included: max_length, at
+        most what the model's positions allow (max_len + 1; a stored setting above it decodes up to the limit)."""
+        return min(self.max_length or config.max_len + 1, config.max_len + 1)
+
+
+def check_decoding(
+    config: TransformerConfig, decode: DecodeConfig, beams: Mapping[str, Iterable[int]], given: Iterable[str] = ()
+) -> None:
+    """A decoding choice against the model it decodes, before anything compiles: every beam width (`beams`: flag
+    -> widths, e.g. {"--beam-size": [1, 4]}) and the DecodeConfig's lengths and ids. A ConfigError names the flag
+    and the model's limit. `given`: the DecodeConfig fields given as flags; a max_length above the model's limit
+    is an error when asked for, and the limit when stored with an imported model."""
+    vocab = config.tgt_vocab_size
+    for flag, widths in beams.items():
+        for width in widths:
+            if 2 * width + 3 > vocab:
+                raise ConfigError(
+                    f"{flag} {width}: more than this model's target vocabulary of {vocab} ids allows ("
+                    f"{max(0, (vocab - 3) // 2)}): the first step takes the 2 x beam best extensions of one "
+                    f"beam, and PAD, BOS and EOS may be banned"
+                )
+    limit = config.max_len + 1  # output tokens and the decoder's start token: the model's positions
+    if "max_length" in given and decode.max_length is not None and decode.max_length > limit:
+        raise ConfigError(
+            f"--max-length {decode.max_length}: more than this model produces (max_len {config.max_len} positions: "
+            f"at most {limit}, the start token included)"
+        )
+    longest = decode.output_limit(config)
+    if decode.min_length > longest:
+        raise ConfigError(
+            f"--min-length {decode.min_length}: more than the longest output, {longest} (--max-length, at most "
+            f"the model's max_len + 1), so no output could end"
+        )
+    for flag, ids in (("--forced-bos", [] if decode.forced_bos is None else [decode.forced_bos]),
+                      ("--banned", decode.banned_ids())):  # fmt: skip
+        for i in ids:
+            if not 0 <= i < vocab:
+                raise ConfigError(f"{flag} {i}: not an id of this model's target vocabulary [0, {vocab})")
 
 
 # =============================================================================================================

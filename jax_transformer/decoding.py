@@ -225,7 +225,7 @@ def decoder_for(
         return gnmt_decoder(config, width, beam_size=beam_size, greedy=beam_size == 1, **options)
     return transformers_decoder(
         config,
-        max_length=min(decode.max_length or config.max_len + 1, config.max_len + 1),
+        max_length=decode.output_limit(config),
         num_beams=beam_size,
         length_penalty=alpha,
         early_stopping=decode.early_stopping,

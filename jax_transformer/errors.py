@@ -14,3 +14,8 @@ class DataError(ValueError):
 
 class UsageError(ValueError):
     """Settings that do not fit together, e.g. a resume asked to change what an exact resume needs unchanged."""
+
+
+class WriteError(OSError):
+    """A file could not be written (a full disk, a file-size limit, a missing permission). The message names the
+    file and what is left of it: nothing half-written (`files.replaced`), or how much of a stream was written."""

@@ -19,6 +19,8 @@ import numpy as np
 
 from jax_transformer.checkpoint import CheckpointError, check_config
 from jax_transformer.config import TransformerConfig
+from jax_transformer.errors import UsageError
+from jax_transformer.files import replaced
 from jax_transformer.tokenizer import Tokenizer, load_tokenizer
 
 TORCH_FORMAT = "jax_transformer.torch_export.v1"
@@ -39,8 +41,10 @@ def export_weights(
     tokenizer: Tokenizer | None = None,
     *,
     format: str | None = None,
+    overwrite: bool = False,
 ) -> Path:
-    """Writes Flax params as a torch_reference state_dict file with the config (and tokenizer) inside.
+    """Writes Flax params as a torch_reference state_dict file with the config (and tokenizer) inside, whole or not
+    at all (`files.replaced`); an existing file is a UsageError unless `overwrite`.
 
     `format`: "torch" (torch.save) or "safetensors"; None picks by suffix: `.safetensors` -> safetensors, anything
     else -> torch. Load a safetensors export in PyTorch with
@@ -59,14 +63,18 @@ def export_weights(
         name: np.array(value, dtype=np.float32, order="C")
         for name, value in flax_to_torch(jax.device_get(params)).items()
     }
+    if path.exists() and not overwrite:
+        raise UsageError(f"--output {path} already exists; choose a new name or remove it")
     path.parent.mkdir(parents=True, exist_ok=True)
     if format == "safetensors":
         import safetensors.numpy
+        from safetensors import SafetensorError
 
         metadata = {"format": SAFETENSORS_FORMAT, "config": config.to_json()}
         if tokenizer is not None:
             metadata["tokenizer"] = base64.b64encode(tokenizer.to_bytes()).decode("ascii")
-        safetensors.numpy.save_file(state, path, metadata=metadata)
+        with replaced(path, errors=(SafetensorError,)) as temporary:
+            safetensors.numpy.save_file(state, temporary, metadata=metadata)
     else:
         import torch
 
@@ -76,7 +84,8 @@ def export_weights(
             "state_dict": {name: torch.from_numpy(array) for name, array in state.items()},
             "tokenizer": None if tokenizer is None else tokenizer.to_bytes(),
         }
-        torch.save(payload, path)
+        with replaced(path, errors=(RuntimeError,)) as temporary:  # torch's zip writer fails with RuntimeError
+            torch.save(payload, temporary)
     return path
 
 

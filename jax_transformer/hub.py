@@ -16,6 +16,7 @@ import numpy as np
 from jax_transformer import pretrained
 from jax_transformer.config import ConfigError, DecodeConfig, OptimConfig, TransformerConfig
 from jax_transformer.errors import DataError, UsageError
+from jax_transformer.files import replaced_folder, write_text
 from jax_transformer.tokenizer import (
     FsmtTokenizer,
     LanguageCodeTokenizer,
@@ -55,6 +56,11 @@ def read_pretrained(source: str | Path) -> Pretrained:
         return read_transformers(path)
     if path.is_file():
         return read_fairseq(path)
+    if not path.exists():
+        raise UsageError(
+            f"{path}: no such file or directory (give a transformers save_pretrained directory, e.g. a local copy "
+            f"of Helsinki-NLP/opus-mt-en-de, or a fairseq checkpoint file)"
+        )
     raise UsageError(
         f"{path}: neither a transformers save_pretrained directory (config.json and model.safetensors) nor a fairseq "
         f"checkpoint file"
@@ -361,7 +367,7 @@ def import_model(source: str | Path, output: str | Path, print_fn=print) -> Path
     finally:
         manager.close()
     model.tokenizer.save(output / "tokenizer.model")
-    (output / "config.json").write_text(model.config.to_json() + "\n", encoding="utf-8")
+    write_text(output / "config.json", model.config.to_json() + "\n")
     n = sum(np.asarray(x).size for x in pretrained._flatten(model.params).values())
     print_fn(
         f"imported {model.family} model {source}: {n:,} parameters, vocabulary {model.config.src_vocab_size}/"
@@ -382,6 +388,7 @@ def export_transformers(
     imported Marian model and this project's own (its model dimension permuted so its interleaved sinusoids become
     Marian's halves) as MarianMTModel, each with its tokenizer files and generation_config.json. What Marian cannot
     represent is a UsageError naming the setting."""
+    from safetensors import SafetensorError
     from safetensors.numpy import save_file
 
     output = Path(output)
@@ -391,21 +398,20 @@ def export_transformers(
     decode = run.get("decode") or {}
     loop = run.get("loop") or {}
     if family in ("fsmt", "fairseq"):
-        hf, state, files = _fsmt_files(params, config, tokenizer, loop, decode)
+        hf, state, tokenizer_files = _fsmt_files(params, config, tokenizer, loop, decode)
         kind = "fsmt"
     elif family in ("m2m_100", "mbart"):
-        hf, state, files = _multilingual_files(params, config, tokenizer, loop, decode, run["imported_from"])
+        hf, state, tokenizer_files = _multilingual_files(params, config, tokenizer, loop, decode, run["imported_from"])
         kind = family
     else:
-        hf, state, files = _marian_files(params, config, tokenizer, loop, decode, own=family is None)
+        hf, state, tokenizer_files = _marian_files(params, config, tokenizer, loop, decode, own=family is None)
         kind = "marian"
-    output.mkdir(parents=True, exist_ok=True)
-    save_file(
-        {k: np.ascontiguousarray(v) for k, v in state.items()}, str(output / "model.safetensors"), {"format": "pt"}
-    )
-    (output / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-    for name, data in files.items():
-        (output / name).write_bytes(data)
+    with replaced_folder(output, errors=(SafetensorError,)) as folder:
+        state = {k: np.ascontiguousarray(v) for k, v in state.items()}
+        save_file(state, str(folder / "model.safetensors"), {"format": "pt"})
+        (folder / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+        for name, data in tokenizer_files.items():
+            (folder / name).write_bytes(data)
     return output, kind
 
 

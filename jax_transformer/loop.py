@@ -27,6 +27,7 @@ from typing import Any
 
 import jax
 
+from jax_transformer import files
 from jax_transformer.batching import ValidationSet
 from jax_transformer.checkpoint import CheckpointError, CheckpointManager
 from jax_transformer.checks import TokenError, check_batch
@@ -96,7 +97,8 @@ class RunResult:
     curve: Path | None
     checkpoint_dir: Path | None = None
     best_step: int | None = None  # the checkpoint evaluate/translate/export use by default
-    best_metric: str | None = None  # what chose it: "bleu" or "loss" (None: no validation data, the last step)
+    best_metric: str | None = None  # what chose it: "bleu" or "loss" (None: no validation score, the last step)
+    best_by: str = ""  # the same, in words: "by validation bleu", "the last: no validation data", ...
 
 
 # =============================================================================================================
@@ -254,8 +256,18 @@ def summarize_run(run: Run, out: RunOutput, times: PhaseTimes, step: int, reason
     out.metrics.write({"kind": "summary", "step": step, "elapsed_s": round(wall, 1), **times.record()})
     out.print(f"wall time {wall:.0f} s: " + ", ".join(f"{k} {v:.0f} s" for k, v in times.seconds.items()))
     metric = None if run.valid is None else Evaluator.selection_metric(run.loop, run.valid)
+    best_by = "the last: no validation data" if metric is None else f"by validation {metric}"
+    if metric is not None and run.checkpoints.scored_best_step() is None:  # every evaluation's decoding failed
+        metric, best_by = None, f"the last: no evaluation computed a validation {metric} (see the warnings)"
     return RunResult(
-        step, reason, final, samples, out.plot(), best_step=run.checkpoints.best_step(), best_metric=metric
+        step,
+        reason,
+        final,
+        samples,
+        out.plot(),
+        best_step=run.checkpoints.best_step(),
+        best_metric=metric,
+        best_by=best_by,
     )
 
 
@@ -712,6 +724,11 @@ class Saver:
         self.last_saved = step
 
     def failed(self, error: CheckpointError, step: int) -> CheckpointError:
+        if not self.run.checkpoints.steps():  # nothing to resume from: the same command starts the run again
+            return CheckpointError(
+                f"training stopped at step {step}: {error}. No checkpoint of this run is complete, so there is "
+                f"nothing to resume: run the same command again (it removes the half-written one)"
+            )
         return CheckpointError(f"training stopped at step {step}: {error}. Resume with --resume {self.run.run_dir}")
 
 
@@ -757,7 +774,7 @@ def truncate_metrics(path: str | os.PathLike, after_step: int) -> None:
         for line in path.read_text(encoding="utf-8").splitlines()
         if line.strip() and json.loads(line).get("step", 0) <= after_step
     ]
-    path.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+    files.write_text(path, "".join(line + "\n" for line in kept))
 
 
 class RunOutput:

@@ -29,7 +29,7 @@ from typing import Any
 import jax
 
 from jax_transformer import checkpoint as ckpt_lib
-from jax_transformer import compilation, distributed
+from jax_transformer import compilation, distributed, files
 from jax_transformer.batching import BatchStream, ValidationSet, encode_corpus
 from jax_transformer.config import (
     COMPUTE_FIELDS,
@@ -39,6 +39,7 @@ from jax_transformer.config import (
     ParallelConfig,
     RunSettings,
     TransformerConfig,
+    check_decoding,
     preset,
     resolve,
 )
@@ -138,6 +139,9 @@ def prepare(
         config, tokenizer, params = model_and_tokenizer(
             settings, restored or start, init_from_torch, dict(model or {}), preset_name, corpus, run_dir, print_fn
         )
+        # Before anything is compiled or written: the run directory this run made is removed again.
+        beams = {"--beam-size": [settings.loop.beam_size], "--eval-beam-size": [settings.loop.eval_beam_size]}
+        check_decoding(config, settings.decode, beams, given=[k for k, v in (decode or {}).items() if v is not None])
         if start is not None:
             print_fn(f"starting from {start.directory} step {start.step} (its weights, tokenizer and decoding)")
             params, restored_for_state = start.params, None
@@ -203,10 +207,13 @@ def open_run_dir(run_dir, resume, init_from_torch, owner: bool, print_fn) -> tup
                 f"--resume {run_dir}: no {ckpt_lib.CHECKPOINT_SUBDIR}/ folder there; "
                 f"give the run directory of an earlier `train.py train`"
             )
-        if resume is None and folder.is_dir() and any(folder.iterdir()):
+        if resume is None and ckpt_lib.committed_steps(folder):
             raise UsageError(
                 f"{run_dir} already holds checkpoints: continue it with --resume {run_dir}, or choose another --run-dir"
             )
+        if resume is None and owner:  # a start whose first save failed left only a half-written one: start again
+            for path in ckpt_lib.discard_partial_saves(folder):
+                print_fn(f"removed {path}: the half-written first checkpoint of an earlier start of this run")
     except BaseException:
         if held is not None:
             held.release()
@@ -385,9 +392,9 @@ def agree_and_write(stored: Mapping[str, Any], config, settings: RunSettings, to
     if distributed.is_primary():
         run_dir.mkdir(parents=True, exist_ok=True)
         tokenizer.save(run_dir / "tokenizer.model")
-        (run_dir / "config.json").write_text(config.to_json() + "\n", encoding="utf-8")
-        if restored is not None:
-            truncate_metrics(run_dir / "metrics.jsonl", restored.step)
+        files.write_text(run_dir / "config.json", config.to_json() + "\n")
+        # A resume trains again the steps after its checkpoint; a new start drops an earlier start's records.
+        truncate_metrics(run_dir / "metrics.jsonl", 0 if restored is None else restored.step)
 
 
 # =============================================================================================================
@@ -491,6 +498,11 @@ def restore_for_resume(
     # In a multi-process run every process reads the checkpoints in the same order (orbax synchronises the
     # processes as it opens them), after the owner's clean-up and before it moves damaged steps aside.
     distributed.barrier("resume: half-written saves removed")
+    if not ckpt_lib.committed_steps(folder):
+        raise ckpt_lib.CheckpointError(
+            f"--resume {run_dir}: no checkpoint of this run is complete, so there is nothing to resume: start it "
+            f"again with the command that started it (--run-dir {run_dir}, without --resume)"
+        )
     restored, damaged = ckpt_lib.newest_intact(run_dir, strict=strict, placement=placement)
     for step, error in damaged:
         where = ckpt_lib.quarantine(folder, step) if owner else None

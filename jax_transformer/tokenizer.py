@@ -14,6 +14,7 @@ from pathlib import Path
 
 import sentencepiece as spm
 
+from jax_transformer import files
 from jax_transformer.errors import DataError
 
 PAD_ID = 0
@@ -150,7 +151,7 @@ class Tokenizer:
 
     def save(self, path: str | os.PathLike) -> None:
         """Writes the model as a SentencePiece `.model` file (readable by `load` and by the spm tools)."""
-        Path(path).write_bytes(self._bytes)
+        files.write_bytes(path, self._bytes)
 
     # --- using -------------------------------------------------------------------------------------------------
     kind = "sentencepiece"
@@ -220,7 +221,7 @@ class _Bundle:
 
     def save(self, path: str | os.PathLike) -> None:
         """Writes the bundle as one JSON file (the run directory's `tokenizer.model`)."""
-        Path(path).write_bytes(self.to_bytes())
+        files.write_bytes(path, self.to_bytes())
 
     def decode_batch(self, rows: Iterable[Iterable[int]]) -> list[str]:
         return [self.decode(row) for row in rows]

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import os
+import stat
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -18,7 +20,7 @@ from jax_transformer import schedule as schedules
 from jax_transformer.checks import TokenError
 from jax_transformer.config import DecodeConfig, TransformerConfig
 from jax_transformer.decoding import DEFAULT_MAX_LEN_A, DEFAULT_MAX_LEN_B, decoder_for, on_device
-from jax_transformer.errors import DataError
+from jax_transformer.errors import DataError, WriteError
 from jax_transformer.tokenizer import LanguageCodeTokenizer
 
 TRANSLATE_BATCH_SIZE = 64  # sentences decoded together by `translate`
@@ -276,6 +278,46 @@ class TranslationReport:
             shown = ", ".join(map(str, self.truncated_lines)) + (", ..." if self.truncated > 10 else "")
             text += f"; {self.truncated} truncated to the model's max_len (lines {shown})"
         return text
+
+
+class OutputLines:
+    """`translate_lines`'s `write` into a file descriptor (stdout's): each line written whole with `os.write`
+    before the next (Python's buffered writer can report a short write to a full disk as done), so that when the
+    output fails (a full disk, a file-size limit) the lines it holds whole are known. The error names the output
+    and that count, and a regular file is cut back to those lines: no partial line is left. A closed pipe
+    (`translate | head`) is a BrokenPipeError, passed on for the caller to end quietly."""
+
+    def __init__(self, fd: int, name: str = "stdout") -> None:
+        self.fd, self.name, self.written = fd, name, 0
+        regular = stat.S_ISREG(os.fstat(fd).st_mode)
+        self.end = os.lseek(fd, 0, os.SEEK_CUR) if regular else None  # where the last whole line ends
+
+    def __call__(self, text: str) -> None:
+        left = memoryview(text.encode("utf-8") + b"\n")
+        try:
+            while left:
+                left = left[os.write(self.fd, left) :]
+        except BrokenPipeError:
+            raise
+        except OSError as e:
+            kept = "cut back to them" if self.cut_back() else "then part of the next"
+            raise WriteError(
+                f"cannot write to {self.name}: {e.strerror or e}; it holds the first {self.written} translations "
+                f"whole ({kept})"
+            ) from None
+        self.written += 1
+        if self.end is not None:
+            self.end = os.lseek(self.fd, 0, os.SEEK_CUR)
+
+    def cut_back(self) -> bool:
+        """A regular file truncated to the lines written whole; False where that cannot be done (a pipe)."""
+        if self.end is None:
+            return False
+        try:
+            os.ftruncate(self.fd, self.end)
+            return True
+        except OSError:
+            return False
 
 
 def translate_lines(

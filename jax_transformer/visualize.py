@@ -21,6 +21,7 @@ import numpy as np  # noqa: E402
 from jax_transformer.compilation import jit_by_config  # noqa: E402
 from jax_transformer.config import TransformerConfig  # noqa: E402
 from jax_transformer.decoding import greedy_search  # noqa: E402
+from jax_transformer.files import replaced  # noqa: E402
 from jax_transformer.model import Transformer, attention_maps  # noqa: E402
 from jax_transformer.translation import encode_sources  # noqa: E402
 
@@ -138,8 +139,7 @@ def plot_attention(
     fig = attention_figure(result.maps, config, kinds, result.labels, f"{sentence}  ->  {result.translation}")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=dpi)
-    plt.close(fig)
+    save_figure(fig, path, dpi)
     return path
 
 
@@ -177,8 +177,7 @@ def plot_metrics(metrics_path: str | os.PathLike, png_path: str | os.PathLike) -
         ax_bleu.legend()
     ax_bleu.set(xlabel="step", ylabel="score", title="Validation BLEU / chrF (sacrebleu)")
     fig.tight_layout()
-    fig.savefig(png_path, dpi=100)
-    plt.close(fig)
+    save_figure(fig, png_path, 100)
     return Path(png_path)
 
 
@@ -276,6 +275,14 @@ def plot_runs(
     fig.tight_layout()
     png_path = Path(png_path)
     png_path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(png_path, dpi=100)
-    plt.close(fig)
+    save_figure(fig, png_path, 100)
     return png_path, curves
+
+
+def save_figure(fig, path: str | os.PathLike, dpi: int) -> None:
+    """`fig` as an image file of the type its suffix names (PNG without one), whole or not at all; then closed."""
+    try:
+        with replaced(path) as temporary:
+            fig.savefig(temporary, dpi=dpi, format=Path(path).suffix[1:].lower() or "png")
+    finally:
+        plt.close(fig)

@@ -15,6 +15,7 @@ benchmarks/); this file holds the pytest side: precision settings, the report, t
 from __future__ import annotations
 
 import os
+import tempfile
 
 import jax
 import pytest
@@ -39,22 +40,41 @@ def parity_report():
     """report(check, case, observed_max_difference, tolerance): records a figure for the summary table."""
 
     def report(check: str, case: str, observed: float, tolerance: float) -> None:
-        _REPORT.append((check, case, float(observed), float(tolerance)))
-        line = f"[parity] {check:<42} {case:<28} max diff {observed:.3e}  (tol {tolerance:.0e})"
-        print(line)
-        if os.environ.get("PARITY_REPORT_FILE"):  # e.g. under pytest-xdist, whose workers' tables nobody prints
+        row = (check, case, float(observed), float(tolerance))
+        print(f"[parity] {check:<42} {case:<28} max diff {observed:.3e}  (tol {tolerance:.0e})")
+        if os.environ.get("PARITY_REPORT_FILE"):  # pytest-xdist's workers: the first process prints the table
             with open(os.environ["PARITY_REPORT_FILE"], "a", encoding="utf-8") as f:
-                f.write(line + "\n")
+                f.write("\t".join(map(str, row)) + "\n")
+        else:
+            _REPORT.append(row)
 
     return report
 
 
+def pytest_configure(config):
+    """Under pytest-xdist, the workers write their figures to one file (they inherit its name), which the first
+    process reads for the table."""
+    if "PYTEST_XDIST_WORKER" not in os.environ and getattr(config.option, "numprocesses", None):
+        if not os.environ.get("PARITY_REPORT_FILE"):
+            fd, path = tempfile.mkstemp(prefix="parity-report-", suffix=".tsv")
+            os.close(fd)
+            os.environ["PARITY_REPORT_FILE"] = path
+            config.add_cleanup(lambda: os.path.exists(path) and os.remove(path))
+
+
 def pytest_terminal_summary(terminalreporter):
-    if not _REPORT:
+    rows = list(_REPORT)
+    path = os.environ.get("PARITY_REPORT_FILE")
+    if "PYTEST_XDIST_WORKER" not in os.environ and path and os.path.exists(path):
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                check, case, observed, tolerance = line.rstrip("\n").split("\t")
+                rows.append((check, case, float(observed), float(tolerance)))
+    if not rows:
         return
     terminalreporter.section("parity: maximum differences measured")
     terminalreporter.write_line(f"{'check':<42} {'case':<28} {'max diff':>10} {'tolerance':>10}")
-    for check, case, observed, tolerance in _REPORT:
+    for check, case, observed, tolerance in sorted(rows):
         terminalreporter.write_line(f"{check:<42} {case:<28} {observed:>10.3e} {tolerance:>10.0e}")
 
 

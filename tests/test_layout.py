@@ -18,6 +18,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "jax_transformer"
 # Lowest first. Modules on one line form one layer and may import each other.
 LAYERS = [
     ("errors",),  # the errors a user can cause
+    ("files",),  # files written whole or not at all
     ("config",),  # every setting: the dataclasses, their validation, recipes and `resolve`; no jax, no torch
     ("compilation",),  # how programs compile: exact rounding in bfloat16, the persistent cache and the decoders
     # stored as traced, compiling ahead

@@ -145,7 +145,7 @@ def test_fine_tune_an_imported_model_and_export_it(imported, tmp_path):
     args = ["train", "--init-from", str(run), "--tsv", str(write_corpus(tmp_path)), "--src-lang", src]
     args += ["--tgt-lang", tgt, "--steps", "10", "--warmup-steps", "8", "--lr-scale", "0.3", "--max-tokens", "512"]
     args += ["--eval-every", "1000", "--save-every", "1000", "--eval-sentences", "0", "--samples", "0"]
-    args += ["--no-progress", "--compilation-cache", "off", "--run-dir", str(tmp_path / "tuned")]
+    args += ["--no-progress", "--run-dir", str(tmp_path / "tuned")]
     code, out, err = run_main(args)
     assert code == 0, out + err
     tuned = ckpt_lib.load(tmp_path / "tuned", "latest")

@@ -268,9 +268,8 @@ def test_bad_compute_settings_are_named():
                 lambda p: Transformer(config).apply({"params": p}, batch["src"], batch["tgt_in"]), init_params(config)
             )
     for argv in (["train", "--dtype", "float16"], ["translate", "--checkpoint", "x", "--attention-kernel", "flash"]):
-        with pytest.raises(SystemExit) as stop:
-            run_main(argv)
-        assert stop.value.code == 2  # argparse: "invalid choice", the choices listed
+        code, out, err = run_main(argv)
+        assert code == 2 and "invalid choice" in err  # argparse's, the choices listed
 
 
 def test_checkpoint_config_check_ignores_how_to_compute():

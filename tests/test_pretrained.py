@@ -160,7 +160,7 @@ def test_fine_tune_an_imported_model_and_export_it(imported, tmp_path):
         "0.3",
     ]
     args += ["--max-tokens", "512", "--eval-every", "1000", "--save-every", "1000", "--eval-sentences", "0"]
-    args += ["--samples", "0", "--no-progress", "--compilation-cache", "off", "--run-dir", str(tmp_path / "tuned")]
+    args += ["--samples", "0", "--no-progress", "--run-dir", str(tmp_path / "tuned")]
     code, out, err = run_main(args)
     assert code == 0, out + err
     assert "starting from" in out
@@ -226,8 +226,10 @@ def test_what_cannot_be_imported_or_exported_is_named(tmp_path):
     dictionary.write_text("hello 5\nworld\n")
     with pytest.raises(DataError, match=r"dict.en.txt, line 2: expected '<symbol> <count>'"):
         hub._fairseq_dictionary(dictionary)
-    with pytest.raises(UsageError, match="neither a transformers save_pretrained directory"):
+    with pytest.raises(UsageError, match="missing: no such file or directory"):
         hub.read_pretrained(tmp_path / "missing")
+    with pytest.raises(UsageError, match="neither a transformers save_pretrained directory"):
+        hub.read_pretrained(tmp_path)  # a folder without config.json
 
 
 def test_packed_batches_of_a_decoder_that_starts_from_pad():

@@ -152,7 +152,7 @@ def test_patience_must_be_positive(tmp_path):
     code, out, err = run_main(
         tiny_train_args(tmp_path / "run", write_corpus(tmp_path), steps=1, extra=("--patience", "0"))
     )
-    assert code == 1 and "'patience' must be an int >= 1" in err
+    assert code == 2 and "argument --patience: loop field 'patience' must be an int >= 1" in err
 
 
 # --- a trained run with validation BLEU, shared by averaging, evaluate, verify ---------------------------------
@@ -254,11 +254,11 @@ def test_average_bad_input_is_reported_cleanly(tmp_path, tokenizer):
     cases = [
         (["--checkpoint", str(tmp_path / "run"), "--last", "5"], ["--last 5", "the 2 saved", "--keep 5"]),
         (["--checkpoint", str(tmp_path / "nope"), "--last", "2"], ["nope", "no such run directory"]),
-        (["--checkpoint", str(tmp_path / "run"), "--last", "0"], ["--last must be an int >= 1"]),
+        (["--checkpoint", str(tmp_path / "run"), "--last", "0"], ["argument --last: must be an int >= 1, got 0"]),
     ]
     for flags, pieces in cases:
         code, out, err = run_main(["average", *flags, "--output", str(tmp_path / "avg")])
-        assert code == 1 and "Traceback" not in err, err
+        assert code == (2 if "0" in flags else 1) and "Traceback" not in err, err
         for piece in pieces:
             assert piece in err, (piece, err)
     (tmp_path / "full").mkdir()

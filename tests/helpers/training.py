@@ -49,7 +49,8 @@ def tiny_train_args(
 ) -> list[str]:
     """train.py flags for a one-layer tiny model that trains in seconds: short sentences, max_len 16 and packed
     batches (32 rows x 16, five per epoch: one compilation); without `valid` nothing is evaluated. JAX's persistent
-    compilation cache is off unless a folder is given, so tests never write to the user's cache."""
+    compilation cache is the session's (conftest.py: $JAX_COMPILATION_CACHE_DIR, never the user's) unless a folder
+    is given."""
     args = [
         "train",
         "--tsv",
@@ -85,20 +86,18 @@ def tiny_train_args(
         "--no-progress",
         "--run-dir",
         str(run_dir),
-        "--compilation-cache",
-        str(compile_cache) if compile_cache is not None else "off",
     ]
+    if compile_cache is not None:
+        args += ["--compilation-cache", str(compile_cache)]
     if valid is not None:
         args += ["--valid-tsv", str(valid)]
     return args + list(extra)
 
 
 def run_main(argv: list[str]) -> tuple[int, str, str]:
-    """Calls train.main(argv) in this process; returns (exit code, stdout, stderr). `translate` and `evaluate`
-    run with the persistent compilation cache off unless argv says (their default is on, in the user's cache
-    folder: a test would write there, and jax's cache setting is the whole process's)."""
-    if argv[:1] in (["translate"], ["evaluate"]) and "--compilation-cache" not in argv:
-        argv = [*argv, "--compilation-cache", "off"]
+    """Calls train.main(argv) in this process; returns (exit code, stdout, stderr), argparse's exit included.
+    Without --compilation-cache its programs go to the session's cache (conftest.py), never the user's."""
+    assert os.environ.get("JAX_COMPILATION_CACHE_DIR"), "conftest.py sets the session's compilation cache"
     sys.path.insert(0, str(REPO))
     try:
         import train
@@ -106,7 +105,10 @@ def run_main(argv: list[str]) -> tuple[int, str, str]:
         sys.path.remove(str(REPO))
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = train.main(argv)
+        try:
+            code = train.main(argv)
+        except SystemExit as stop:  # argparse's exit 2 for a bad flag (or 0 for --help), as the command's
+            code = stop.code
     return code, out.getvalue(), err.getvalue()
 
 

@@ -1,0 +1,68 @@
+"""Files written whole or not at all. A writer fills a temporary file beside the target, which is renamed onto it
+when complete (`os.replace`, atomic on one file system) and removed when writing fails: a reader never sees half a
+file, a full disk leaves nothing behind, a file already there is unchanged until the new one is whole, and the
+error names the file (`WriteError`). Python's and safetensors' own writers do none of this."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+from jax_transformer.errors import WriteError
+
+_UMASK = os.umask(0o022)
+os.umask(_UMASK)
+NEW_FILE_MODE = 0o666 & ~_UMASK  # what open() gives a new file; some writers make theirs private (0600)
+
+
+@contextlib.contextmanager
+def replaced(path: str | os.PathLike, errors: tuple[type[BaseException], ...] = ()) -> Iterator[Path]:
+    """The temporary path the block writes `path` into; renamed onto `path` when the block ends. A failure while
+    writing (an OSError, or one of `errors`: a library's own error for one) is a WriteError naming `path`, and the
+    temporary file is removed."""
+    path = Path(path)
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.partial")  # one per writer
+    try:
+        yield temporary
+        os.chmod(temporary, NEW_FILE_MODE)
+        os.replace(temporary, path)
+    except (OSError, *errors) as e:
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        raise WriteError(f"cannot write {path}: {reason} (nothing of it was written)") from None
+    finally:
+        with contextlib.suppress(OSError):
+            temporary.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def replaced_folder(path: str | os.PathLike, errors: tuple[type[BaseException], ...] = ()) -> Iterator[Path]:
+    """`replaced` for a folder: the block fills a temporary folder beside `path` (which must not exist, or be
+    empty), renamed onto `path` when the block ends, removed with everything in it when writing fails."""
+    path = Path(path)
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.partial")
+    try:
+        temporary.mkdir(parents=True)
+        yield temporary
+        os.chmod(temporary, 0o777 & ~_UMASK)
+        os.replace(temporary, path)
+    except (OSError, *errors) as e:
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        raise WriteError(f"cannot write {path}: {reason} (nothing of it was written)") from None
+    finally:
+        shutil.rmtree(temporary, ignore_errors=True)
+
+
+def write_bytes(path: str | os.PathLike, data: bytes) -> Path:
+    """`data` into `path`, whole or not at all (`replaced`)."""
+    with replaced(path) as temporary:
+        temporary.write_bytes(data)
+    return Path(path)
+
+
+def write_text(path: str | os.PathLike, text: str) -> Path:
+    """`text` as UTF-8 into `path`, whole or not at all (`replaced`)."""
+    return write_bytes(path, text.encode("utf-8"))
