@@ -71,6 +71,7 @@ def _worst_gradient(grads, kernel_grads, norm: bool) -> float:
     return max(float(measure(theirs[k] - ours[k]) / measure(ours[k])) for k in keys)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_kernel_equals_explicit_attention(kernel, parity_report):
     name = "post_sinusoidal_tied_relu"

@@ -205,6 +205,7 @@ def trained():
     return load_saved_model("trained_tiny")
 
 
+@pytest.mark.slow
 def test_trained_model_greedy_and_beam_identical(trained, parity_report):
     config, params, src = trained.config, trained.params, trained.sources[:16]
     model = torch_twin(config, params)
@@ -249,6 +250,7 @@ def _decode_both(saved, dtype: str, search: str) -> tuple[np.ndarray, np.ndarray
     return flax_tokens, torch_tokens.cpu().numpy()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("search", ["greedy", "beam 4"])
 @pytest.mark.parametrize("name", ["trained_tiny", "bf16_beam_case"])
 def test_saved_models_decode_alike_in_bf16(name, search, parity_report):

@@ -110,6 +110,7 @@ def test_encoder_decoder_logits(config_case, seed, parity_report):
     assert max_abs_diff(full, results["logits"][0]) == 0.0
 
 
+@pytest.mark.slow
 def test_base_model_logits(parity_report):
     """The paper's base configuration, 6+6 layers of width 512: same 1e-5 bound on logits and probabilities."""
     model, params, torch_model = twin_models(BASE, seed=0)

@@ -60,6 +60,7 @@ def _imported(folder, family):
     return model, model.tokenizer.with_languages(*LANGUAGES[family])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
 def test_logits_match_transformers(family, folders, parity_report):
     model, tokenizer = _imported(folders[family], family)

@@ -181,6 +181,7 @@ def real_packed_batch():
     return tokenizer.vocab_size, batch
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["post_sinusoidal_tied_relu", "pre_learned_untied_gelu_nobias"])
 def test_pairs_packed_by_the_data_pipeline_get_their_own_logits_and_loss(name, real_packed_batch, parity_report):
     """Every pair of the packed batch against the same pair alone in a row of an unpacked batch (one pair per row,

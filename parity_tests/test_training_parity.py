@@ -66,6 +66,7 @@ def _as_torch_names(tree):
     return flax_to_torch(jax.device_get(tree))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case,optim_name", CASES, ids=[f"{c}-{o}" for c, o in CASES])
 def test_three_optimizer_steps_match(case, optim_name, parity_report):
     cfg = CONFIGS[case].replace(dropout=0.0, embedding_dropout=0.0, attention_dropout=0.0, activation_dropout=0.0)

@@ -23,6 +23,7 @@ RUN = REPO / "benchmarks" / "run.py"
 JAX = "JAX jit"
 TORCH_DEFAULT = "torch eager, Adam (default: for-loop on CPU)"
 TORCH_FUSED = "torch eager, Adam(fused=True)"
+pytestmark = pytest.mark.slow  # every test here runs a benchmark in child processes
 
 
 def _positive(x) -> bool:
@@ -74,7 +75,6 @@ def smoke(tmp_path_factory):
     }
 
 
-@pytest.mark.slow
 def test_json_describes_the_machine(smoke):
     machine = smoke["json"]["machine"]
     assert isinstance(machine["cpu_model"], str) and machine["cpu_model"]

@@ -156,7 +156,7 @@ def test_a_run_whose_every_bleu_failed_does_not_claim_a_bleu_choice(tmp_path, mo
 
     monkeypatch.setattr(loop, "evaluate_translations", fail)
     corpus = write_corpus(tmp_path)
-    extra = ("--eval-sentences", "10", "--eval-every", "1")
+    extra = ("--eval-sentences", "10", "--eval-every", "1", "--beam-size", "1", "--no-compile-ahead")
     code, out, err = run_main(tiny_train_args(tmp_path / "run", corpus, steps=2, valid=corpus, extra=extra))
     assert code == 0, err
     assert "warning: step 1: BLEU evaluation failed (RuntimeError: decoding failed here)" in out

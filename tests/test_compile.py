@@ -38,6 +38,7 @@ def evaluated_run(tmp_path_factory):
     return root / "run", result, compiled
 
 
+@pytest.mark.slow
 def test_every_program_is_compiled_ahead_and_nothing_in_the_loop(evaluated_run):
     run_dir, (code, out, err), compiled = evaluated_run
     assert code == 0, out + err
@@ -89,6 +90,7 @@ def test_every_program_is_compiled_ahead_and_nothing_in_the_loop(evaluated_run):
     assert f"compiling {n} programs ahead" in out and f"compiled {n} programs ahead" in out
 
 
+@pytest.mark.slow
 def test_profile_writes_a_trace_of_the_asked_steps(evaluated_run):
     run_dir, (code, out, _), _ = evaluated_run
     assert code == 0

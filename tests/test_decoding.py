@@ -568,6 +568,7 @@ def test_translate_decodes_whole_batches_side_by_side(tiny_translator, monkeypat
     assert calls == [(False, False, "float32", str(device))] * 4
 
 
+@pytest.mark.slow
 def test_translate_compiles_once_per_shape_and_ahead_of_time(tiny_translator, monkeypatch):
     """Sources of many lengths decode in the planned shapes, each program compiled once: ahead of time by
     compile_translation, after which translate compiles nothing."""
@@ -622,6 +623,7 @@ def test_translate_compiles_once_per_shape_and_ahead_of_time(tiny_translator, mo
     assert {name for name, _ in compiled} <= {"jit(select_rows)", "jit(grow)", "jit(_in_row_order)"}, compiled
 
 
+@pytest.mark.slow
 def test_translation_encoders_are_the_encoder_programs_translate_runs(tiny_translator, monkeypatch):
     """A plan's encoders are the (rows, cut width, batch width) encoder programs translate runs, no more, no fewer:
     each batch's parts, its sources grouped by length, filler rows among them. (A training run compiles its
@@ -772,6 +774,7 @@ def test_batch_parts_run_with_the_callers_precision_and_come_back_in_row_order(m
     np.testing.assert_array_equal(scores, limit + 0.5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("search_kind", ["greedy", "beam 4", "generate greedy", "generate beam 4"])
 def test_finished_sentences_leave_the_batch_and_change_nothing(search_kind, monkeypatch):
     """A batch of 32 real sentences of a trained model (saved weights: their output lengths differ, so rows finish

@@ -268,6 +268,7 @@ def test_a_failed_save_names_the_reason_past_tensorstores_source_lines():
         assert "File too large [os_error_code='27']" in short and ".cc:" not in short and "zarr3" not in short, short
 
 
+@pytest.mark.slow
 def test_a_save_that_fails_stops_training_naming_the_intact_checkpoint(tmp_path):
     train = write_corpus(tmp_path)
     run = tmp_path / "run"

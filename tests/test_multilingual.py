@@ -59,6 +59,7 @@ def _their_translations(folder, family, sentences):
     return tokenizer.batch_decode(out, skip_special_tokens=True)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
 def test_import_then_translate_as_transformers_generates(family, imported, tmp_path):
     """The run directory decodes as the model's generation_config.json says, into the language --tgt-lang

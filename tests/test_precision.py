@@ -291,6 +291,7 @@ def test_attention_maps_need_the_explicit_path_and_get_it():
     np.testing.assert_allclose(np.asarray(maps["decoder/layer_0/cross_attention"]).sum(-1), 1.0, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_bfloat16_run_resumes_and_evaluates_in_float32(tmp_path):
     """train.py --dtype bfloat16: its checkpoints hold float32 parameters and say bfloat16; it resumes in float32
     (the new checkpoints say float32) and back; translate and export choose the dtype too."""

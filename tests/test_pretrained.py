@@ -78,6 +78,7 @@ def _hf_translate(folder, sentences):
     return tokenizer.batch_decode(out, skip_special_tokens=True)
 
 
+@pytest.mark.slow
 def test_import_then_translate_as_transformers_generates(imported):
     """The run directory decodes as the model's generation_config says (beam 4, pad banned, EOS forced):
     `translate` prints the text transformers' generate + decode gives."""

@@ -74,6 +74,7 @@ def compilation_cache(tmp_path):
     compilation.use_cache(compilation.OFF)
 
 
+@pytest.mark.slow
 def test_a_stored_decoder_runs_untraced_and_decodes_the_same(tmp_path, monkeypatch, compilation_cache):
     config = DECODING_CONFIGS["pre_learned_shared"]
     params, src = init_params(config, 0), make_src(config, [3, 7, 5, 2, 6], seed=0)

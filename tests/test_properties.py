@@ -253,6 +253,7 @@ INPUT_LINE = st.one_of(
 )
 
 
+@pytest.mark.slow
 @fuzz(25)
 @given(lines=st.lists(INPUT_LINE, max_size=12), chunk=st.integers(1, 5))
 def test_translate_writes_one_line_per_input_line(translator, lines, chunk):

@@ -92,6 +92,7 @@ def early_stopped(tmp_path_factory):
     return root, runs
 
 
+@pytest.mark.slow
 def test_patience_stops_where_fairseqs_rule_says(early_stopped):
     root, runs = early_stopped
     code, out, err = runs["straight"]
@@ -172,6 +173,7 @@ def trained(tmp_path_factory):
     return root, out
 
 
+@pytest.mark.slow
 def test_training_stores_the_sacrebleu_signature(trained):
     root, out = trained
     records = _eval_records(root / "run") + _eval_records(root / "run", final=True)
@@ -270,6 +272,7 @@ def test_average_bad_input_is_reported_cleanly(tmp_path, tokenizer):
     assert (tmp_path / "full" / "x").read_text() == "keep me"
 
 
+@pytest.mark.slow
 def test_averaged_run_is_read_like_a_run_and_cannot_be_resumed(trained, tmp_path):
     root, _ = trained
     code, out, err = run_main(
@@ -289,6 +292,7 @@ def test_averaged_run_is_read_like_a_run_and_cannot_be_resumed(trained, tmp_path
 # --- evaluate: several decodings, signature ----------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_evaluate_sweeps_beam_and_alpha(trained):
     root, _ = trained
     base = ["evaluate", "--checkpoint", str(root / "run"), "--samples", "0"]
@@ -322,6 +326,7 @@ def torch_threads_restored():
     torch.set_num_threads(threads)
 
 
+@pytest.mark.slow
 def test_verify_a_trained_checkpoint_against_its_pytorch_twin(trained, tmp_path, torch_threads_restored):
     root, _ = trained
     report_path = tmp_path / "verify.json"
@@ -353,6 +358,7 @@ def test_verify_a_trained_checkpoint_against_its_pytorch_twin(trained, tmp_path,
         assert code == 4 and "the frameworks differ" in err
 
 
+@pytest.mark.slow
 def test_evaluate_and_verify_with_int8_weights(trained, tmp_path, torch_threads_restored):
     """`evaluate --quantize int8` scores the int8 model; `verify --quantize int8` puts it against the float32 twin:
     the logits now differ by quantization's error, far beyond float32 rounding (the twin stays within float32 of

@@ -71,6 +71,7 @@ def test_every_matrix_is_int8_per_output_channel_and_nothing_else():
         quantization.quantize_params(quantization.quantize_params(params))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("share,tie", [(True, True), (False, False)])
 def test_int8_weights_is_the_float_model_of_the_dequantized_weights(share, tie):
     """ "int8-weights" multiplies float activations by the int8 values and scales each output column after the sum:
@@ -127,6 +128,7 @@ def test_a_quantized_tree_needs_a_quantized_config_and_back():
     assert quantization.resolve("int8", "cpu") == "int8-dynamic"  # measured: docs/benchmarks.md
 
 
+@pytest.mark.slow
 def test_decoding_with_int8_weights_is_decoding_the_dequantized_model():
     """The trained tiny model's 64 sentences, greedy and beam 4: "int8-weights" gives the tokens of the float
     model on the dequantized weights (the products differ only by float32 reassociation, 1e-6 of the logits), and

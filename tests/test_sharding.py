@@ -81,6 +81,7 @@ def test_plan_prints_the_step_memory_and_the_fit():
         assert line in out, out
 
 
+@pytest.mark.slow
 def test_remat_policies_take_the_same_step():
     """Recomputing each layer in the backward pass (`remat` full: the policies differ in what they keep, not in the
     mechanism) takes the step of keeping everything, up

@@ -179,6 +179,7 @@ def test_help_explains_every_flag():
 # --- divergence -------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_nan_loss_stops_without_overwriting_the_last_good_checkpoint(tmp_path):
     """Steps 1-4 are real, with checkpoints at 2 and 4; from step 5 on the step reports a NaN loss and poisons
     the parameters (what a diverged update does). The run must stop with a TrainingError naming step 5, save
@@ -319,6 +320,7 @@ def _logits_both(params, config, torch_state, batch):
     return flax_logits, torch_logits
 
 
+@pytest.mark.slow
 def test_export_and_import_round_trip(tmp_path):
     """export writes a file torch_reference loads and that gives the Flax logits; --init-from-torch starts a run
     from such a file (and from a bare torch_reference state_dict) with exactly those weights.
