@@ -189,6 +189,7 @@ def test_two_processes_equal_one_process_on_eight_devices_and_on_one(runs):
     print("\n  ".join(["multi-process and device counts, step 5:", *lines]))
 
 
+@pytest.mark.slow
 def test_process_zero_alone_writes_and_prints(runs):
     dirs, logs = runs["dirs"], runs["logs"]
     run = dirs["two-process"]
@@ -201,6 +202,7 @@ def test_process_zero_alone_writes_and_prints(runs):
     assert "process 1 of 2" in second and "model:" not in second and "valid loss" not in second
 
 
+@pytest.mark.slow
 def test_validation_of_a_multi_process_run_is_what_one_process_reports(runs):
     """The final evaluation of the two-process run (every process evaluates its own copy of the parameters,
     gathered from their fsdp and tensor shards; process 0 logs) against `train.py evaluate` of the same checkpoint
@@ -224,6 +226,7 @@ def test_validation_of_a_multi_process_run_is_what_one_process_reports(runs):
     )
 
 
+@pytest.mark.slow
 def test_resumes_on_other_device_counts_continue_like_the_uninterrupted_run(runs):
     """Step 5 checkpoints resumed to step 8 on another device count or mesh: the two-process run (mesh (2,2,2)) on
     1 device (with --accumulate 4), the one-process (2,2,2) run on (8,1,1) (read straight onto that mesh), the

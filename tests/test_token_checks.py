@@ -186,6 +186,7 @@ def test_loss_checks_targets():
     assert float(loss_sums(logits, np.array([[1, 2, 3], [4, 5, 0]]), pad_id=0)["tokens"]) == 5.0
 
 
+@pytest.mark.slow
 def test_the_loop_checks_each_batch_before_the_step(tmp_path):
     """A bad batch is a DataError naming the batch, array, position and limit, raised before the compiled step
     sees it (so before the donated state is touched); the steps before it ran normally."""

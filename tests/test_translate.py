@@ -135,6 +135,7 @@ def test_a_second_translate_loads_its_decoders_from_the_cache(trained, tmp_path)
     assert files[1] == files[0] and outputs[1] == outputs[0]  # every program loaded, none compiled and written
 
 
+@pytest.mark.slow
 def test_translate_with_int8_weights_quantized_at_load(trained, tmp_path):
     """`--quantize int8`: the weights quantized in memory at load (the checkpoint's files untouched), decoded as the
     Python API decodes the quantized tree; training refuses it."""
