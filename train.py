@@ -87,8 +87,8 @@ def setting_type(cls, field, kind):
         value = kind(text)  # a ValueError here: argparse's "invalid int value: 'x'"
         try:
             check_field(cls, field, value)
-        except ValueError as e:
-            raise argparse.ArgumentTypeError(str(e)) from None
+        except ValueError as e:  # argparse names the flag: the message's own "(--flag)" would say it twice
+            raise argparse.ArgumentTypeError(str(e).removesuffix(f" (--{field.name.replace('_', '-')})")) from None
         return value
 
     parse.__name__ = kind.__name__
@@ -914,6 +914,18 @@ def cmd_plot(args, start_time: float) -> int:
     return 0
 
 
+def _stdout_closed() -> bool:
+    """stdout is a pipe whose reader has gone (poll reports an error on it)."""
+    import select
+
+    try:
+        poll = select.poll()
+        poll.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & select.POLLERR for _, events in poll.poll(0))
+    except (OSError, AttributeError, ValueError):  # no descriptor (a test's StringIO)
+        return False
+
+
 def _discard_stdout() -> None:
     """stdout's descriptor pointed at /dev/null, so that what is still buffered for a closed pipe goes nowhere at
     exit (instead of a second BrokenPipeError there)."""
@@ -951,8 +963,11 @@ def main(argv: list[str] | None = None) -> int:
     except (DataError, ConfigError, CheckpointError, PortError, UsageError, TokenError) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_ERROR
-    except BrokenPipeError:  # the reader went away (`| head`): end quietly, as Unix tools do
-        _discard_stdout()
+    except BrokenPipeError as e:
+        if not _stdout_closed():  # another pipe or socket (a peer process): an error like any other
+            print(f"error: {e}", file=sys.stderr)
+            return EXIT_ERROR
+        _discard_stdout()  # the reader of stdout went away (`| head`): end quietly, as Unix tools do
         return EXIT_BROKEN_PIPE
     except OSError as e:  # the machine's, not the program's: a full disk, a missing permission
         print(f"error: {e}", file=sys.stderr)

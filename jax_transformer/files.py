@@ -14,8 +14,19 @@ from pathlib import Path
 
 from jax_transformer.errors import WriteError
 
-_UMASK = os.umask(0o022)
-os.umask(_UMASK)
+
+def _umask() -> int:
+    """The process's umask, read without changing it (os.umask would, for a moment, for every thread)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            return next(int(line.split()[1], 8) for line in status if line.startswith("Umask:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        mask = os.umask(0o022)
+        os.umask(mask)
+        return mask
+
+
+_UMASK = _umask()
 NEW_FILE_MODE = 0o666 & ~_UMASK  # what open() gives a new file; some writers make theirs private (0600)
 
 

@@ -258,7 +258,7 @@ def summarize_run(run: Run, out: RunOutput, times: PhaseTimes, step: int, reason
     metric = None if run.valid is None else Evaluator.selection_metric(run.loop, run.valid)
     best_by = "the last: no validation data" if metric is None else f"by validation {metric}"
     if metric is not None and run.checkpoints.scored_best_step() is None:  # every evaluation's decoding failed
-        metric, best_by = None, f"the last: no evaluation computed a validation {metric} (see the warnings)"
+        metric, best_by = None, f"the last: no evaluation computed a validation {metric}"
     return RunResult(
         step,
         reason,

@@ -139,9 +139,12 @@ def prepare(
         config, tokenizer, params = model_and_tokenizer(
             settings, restored or start, init_from_torch, dict(model or {}), preset_name, corpus, run_dir, print_fn
         )
-        # Before anything is compiled or written: the run directory this run made is removed again.
-        beams = {"--beam-size": [settings.loop.beam_size], "--eval-beam-size": [settings.loop.eval_beam_size]}
-        check_decoding(config, settings.decode, beams, given=[k for k, v in (decode or {}).items() if v is not None])
+        # The decodings of the evaluations, before anything is compiled or written (a run directory this process
+        # made is removed again; in a multi-process run process 0 has written tokenizer.model already).
+        if valid_corpus is not None:
+            beams = {"--beam-size": [settings.loop.beam_size], "--eval-beam-size": [settings.loop.eval_beam_size]}
+            given_decode = [k for k, v in (decode or {}).items() if v is not None]
+            check_decoding(config, settings.decode, beams, given=given_decode)
         if start is not None:
             print_fn(f"starting from {start.directory} step {start.step} (its weights, tokenizer and decoding)")
             params, restored_for_state = start.params, None
@@ -393,8 +396,8 @@ def agree_and_write(stored: Mapping[str, Any], config, settings: RunSettings, to
         run_dir.mkdir(parents=True, exist_ok=True)
         tokenizer.save(run_dir / "tokenizer.model")
         files.write_text(run_dir / "config.json", config.to_json() + "\n")
-        # A resume trains again the steps after its checkpoint; a new start drops an earlier start's records.
-        truncate_metrics(run_dir / "metrics.jsonl", 0 if restored is None else restored.step)
+        # A resume trains again the steps after its checkpoint; a new start drops every record of an earlier start.
+        truncate_metrics(run_dir / "metrics.jsonl", -1 if restored is None else restored.step)
 
 
 # =============================================================================================================

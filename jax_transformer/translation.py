@@ -6,6 +6,7 @@ chunk by chunk, one output line per input line. `compile_translation` compiles a
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import itertools
 import os
 import stat
@@ -289,25 +290,31 @@ class OutputLines:
 
     def __init__(self, fd: int, name: str = "stdout") -> None:
         self.fd, self.name, self.written = fd, name, 0
-        regular = stat.S_ISREG(os.fstat(fd).st_mode)
-        self.end = os.lseek(fd, 0, os.SEEK_CUR) if regular else None  # where the last whole line ends
+        info, self.end = os.fstat(fd), None  # end: where the last whole line ends in a regular file
+        if stat.S_ISREG(info.st_mode):  # `>>` (O_APPEND) writes at the end, whatever the offset says
+            appending = fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_APPEND
+            self.end = info.st_size if appending else os.lseek(fd, 0, os.SEEK_CUR)
 
     def __call__(self, text: str) -> None:
-        left = memoryview(text.encode("utf-8") + b"\n")
+        line = text.encode("utf-8") + b"\n"
+        left = memoryview(line)
         try:
             while left:
                 left = left[os.write(self.fd, left) :]
         except BrokenPipeError:
             raise
         except OSError as e:
-            kept = "cut back to them" if self.cut_back() else "then part of the next"
+            if self.cut_back():
+                kept = " (cut back to them)"
+            else:
+                kept = f", then {len(line) - len(left)} bytes of the next" if len(left) < len(line) else ""
             raise WriteError(
                 f"cannot write to {self.name}: {e.strerror or e}; it holds the first {self.written} translations "
-                f"whole ({kept})"
+                f"whole{kept}"
             ) from None
         self.written += 1
         if self.end is not None:
-            self.end = os.lseek(self.fd, 0, os.SEEK_CUR)
+            self.end += len(line)
 
     def cut_back(self) -> bool:
         """A regular file truncated to the lines written whole; False where that cannot be done (a pipe)."""

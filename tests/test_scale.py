@@ -349,7 +349,10 @@ def test_bad_parallel_flags_are_clear_errors(tmp_path):
             ["--coordinator", "127.0.0.1:9", "--num-processes", "2", "--process-id", "2"],
             "--process-id 2 is out of range for --num-processes 2",
         ),
-        "accumulate 0": (["--accumulate", "0"], "'accumulate' must be an int >= 1, got 0 (--accumulate)"),
+        "accumulate 0": (
+            ["--accumulate", "0"],
+            "argument --accumulate: parallel field 'accumulate' must be an int >= 1, got 0",
+        ),
         "rows not divisible": (["--accumulate", "3"], "rows, which do not split evenly over 1 device(s) x 3"),
         "malformed coordinator": (
             ["--coordinator", "localhost", "--num-processes", "2", "--process-id", "1"],
