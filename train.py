@@ -918,12 +918,12 @@ def _stdout_closed() -> bool:
     """stdout is a pipe whose reader has gone (poll reports an error on it)."""
     import select
 
-    try:
-        poll = select.poll()
-        poll.register(sys.stdout.fileno(), select.POLLOUT)
-        return any(events & select.POLLERR for _, events in poll.poll(0))
-    except (OSError, AttributeError, ValueError):  # no descriptor (a test's StringIO)
+    fd = _fileno(sys.stdout)
+    if fd is None:
         return False
+    poll = select.poll()
+    poll.register(fd, select.POLLOUT)
+    return any(events & select.POLLERR for _, events in poll.poll(0))
 
 
 def _discard_stdout() -> None:
@@ -931,12 +931,9 @@ def _discard_stdout() -> None:
     exit (instead of a second BrokenPipeError there)."""
     import os
 
-    try:
-        null = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(null, sys.stdout.fileno())
-        os.close(null)
-    except (OSError, AttributeError, ValueError):  # no descriptor (a test's StringIO)
-        pass
+    null = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, sys.stdout.fileno())
+    os.close(null)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -41,10 +41,9 @@ def export_weights(
     tokenizer: Tokenizer | None = None,
     *,
     format: str | None = None,
-    overwrite: bool = False,
 ) -> Path:
     """Writes Flax params as a torch_reference state_dict file with the config (and tokenizer) inside, whole or not
-    at all (`files.replaced`); an existing file is a UsageError unless `overwrite`.
+    at all (`files.replaced`); an existing file is a UsageError, as an existing folder is to the transformers export.
 
     `format`: "torch" (torch.save) or "safetensors"; None picks by suffix: `.safetensors` -> safetensors, anything
     else -> torch. Load a safetensors export in PyTorch with
@@ -57,14 +56,14 @@ def export_weights(
         format = "safetensors" if path.suffix == ".safetensors" else "torch"
     if format not in FORMATS:
         raise ValueError(f"export format must be one of {FORMATS}, got {format!r}")
+    if path.exists():  # before the weights are converted
+        raise UsageError(f"--output {path} already exists; choose a new name or remove it")
     # name -> contiguous float32 (out, in) arrays: the state_dict torch_reference loads. Copies, so writable:
     # jax's arrays come back read-only, and torch.from_numpy of one warns that writing it is undefined behaviour.
     state = {
         name: np.array(value, dtype=np.float32, order="C")
         for name, value in flax_to_torch(jax.device_get(params)).items()
     }
-    if path.exists() and not overwrite:
-        raise UsageError(f"--output {path} already exists; choose a new name or remove it")
     path.parent.mkdir(parents=True, exist_ok=True)
     if format == "safetensors":
         import safetensors.numpy

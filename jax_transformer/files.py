@@ -36,14 +36,13 @@ def replaced(path: str | os.PathLike, errors: tuple[type[BaseException], ...] = 
     writing (an OSError, or one of `errors`: a library's own error for one) is a WriteError naming `path`, and the
     temporary file is removed."""
     path = Path(path)
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.partial")  # one per writer
+    temporary = _temporary(path)
     try:
         yield temporary
         os.chmod(temporary, NEW_FILE_MODE)
         os.replace(temporary, path)
     except (OSError, *errors) as e:
-        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
-        raise WriteError(f"cannot write {path}: {reason} (nothing of it was written)") from None
+        raise _failed(path, e) from None
     finally:
         with contextlib.suppress(OSError):
             temporary.unlink(missing_ok=True)
@@ -54,17 +53,26 @@ def replaced_folder(path: str | os.PathLike, errors: tuple[type[BaseException], 
     """`replaced` for a folder: the block fills a temporary folder beside `path` (which must not exist, or be
     empty), renamed onto `path` when the block ends, removed with everything in it when writing fails."""
     path = Path(path)
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.partial")
+    temporary = _temporary(path)
     try:
         temporary.mkdir(parents=True)
         yield temporary
         os.chmod(temporary, 0o777 & ~_UMASK)
         os.replace(temporary, path)
     except (OSError, *errors) as e:
-        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
-        raise WriteError(f"cannot write {path}: {reason} (nothing of it was written)") from None
+        raise _failed(path, e) from None
     finally:
         shutil.rmtree(temporary, ignore_errors=True)
+
+
+def _temporary(path: Path) -> Path:
+    """A name beside `path` that no other process or thread writing it uses."""
+    return path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.partial")
+
+
+def _failed(path: Path, error: BaseException) -> WriteError:
+    reason = error.strerror if isinstance(error, OSError) and error.strerror else str(error)
+    return WriteError(f"cannot write {path}: {reason} (nothing of it was written)")
 
 
 def write_bytes(path: str | os.PathLike, data: bytes) -> Path:
