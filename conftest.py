@@ -40,6 +40,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 if "PYTEST_XDIST_WORKER" not in os.environ:  # the session's first process: the workers share its folder
     os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jax-transformer-tests-xla-")
     os.environ["JAX_TRANSFORMER_TEST_CACHE"] = os.environ["JAX_COMPILATION_CACHE_DIR"]  # removed at the end
+    # Training files are encoded once into this session's corpus cache (token_arrays), never into ~/.cache.
+    os.environ["JAX_TRANSFORMER_CACHE"] = tempfile.mkdtemp(prefix="jax-transformer-tests-corpora-")
 os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
 
 DEVICES = ("cpu", "cuda")
@@ -70,6 +72,7 @@ def pytest_configure(config):
 def pytest_unconfigure(config):
     if "PYTEST_XDIST_WORKER" not in os.environ and os.environ.get("JAX_TRANSFORMER_TEST_CACHE"):
         shutil.rmtree(os.environ["JAX_TRANSFORMER_TEST_CACHE"], ignore_errors=True)
+        shutil.rmtree(os.environ["JAX_TRANSFORMER_CACHE"], ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)

@@ -12,7 +12,7 @@ target tokens + [EOS], all padded on the right to the batch's one length. Plain 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -29,6 +29,46 @@ _ON_TOO_LONG = ("skip", "error")
 PACKING_KEYS = ("src_segments", "tgt_segments", "src_positions", "tgt_positions")
 
 
+class Ragged:
+    """Many token sequences in one flat array: sequence i is `tokens[offsets[r] : offsets[r + 1]]` with r = `rows[i]`
+    (`rows` None: r = i). The same over numpy arrays in memory and over memory-mapped files (`token_arrays`), so a
+    corpus of millions of pairs is read only where a batch needs it; what is held in memory is `lengths`, 4 bytes a
+    sequence (and `rows`, when some of a file's sequences are left out)."""
+
+    def __init__(self, tokens: np.ndarray, offsets: np.ndarray, rows: np.ndarray | None = None) -> None:
+        self.tokens, self.offsets, self.rows = tokens, offsets, rows
+        lengths = np.diff(offsets)
+        self.lengths = (lengths if rows is None else lengths[rows]).astype(np.int32)  # (n,)
+
+    @classmethod
+    def of(cls, sequences: Iterable[np.ndarray]) -> Ragged:
+        """From a list of 1-D id arrays."""
+        sequences = [np.asarray(s, dtype=np.int32).reshape(-1) for s in sequences]
+        offsets = np.zeros(len(sequences) + 1, dtype=np.int64)
+        np.cumsum([len(s) for s in sequences], out=offsets[1:])
+        return cls(np.concatenate(sequences) if sequences else np.zeros(0, np.int32), offsets)
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def starts(self, index: np.ndarray | int) -> np.ndarray:
+        """Where the given sequences start in `tokens`."""
+        return np.asarray(self.offsets[index if self.rows is None else self.rows[index]])
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        start = int(self.starts(i))
+        return np.asarray(self.tokens[start : start + int(self.lengths[i])], dtype=np.int32)
+
+    def __iter__(self) -> Iterator[np.ndarray]:
+        return (self[i] for i in range(len(self)))
+
+    def gather(self, index: np.ndarray) -> np.ndarray:
+        """The tokens of the given sequences, one after the other: one read of just those places of `tokens`."""
+        lengths = self.lengths[index].astype(np.int64)
+        within = np.arange(lengths.sum()) - np.repeat(np.cumsum(lengths) - lengths, lengths)  # 0, 1, .. per sequence
+        return np.asarray(self.tokens[np.repeat(self.starts(index), lengths) + within], dtype=np.int32)
+
+
 @dataclasses.dataclass
 class EncodedCorpus:
     """A corpus as id arrays, every pair short enough for `max_len`.
@@ -36,13 +76,14 @@ class EncodedCorpus:
     `src[i]` is the encoder input: source tokens + [EOS]. `tgt[i]` holds the target tokens only; batching adds
     BOS (decoder input) and EOS (decoder target), so pair i needs max(len(src[i]), len(tgt[i]) + 1) positions.
     `line_numbers[i]` is the pair's line in the original file(s) and `corpus_index[i]` its index in the Corpus
-    it was encoded from (pairs that were too long leave gaps in both).
+    it was encoded from (pairs that were too long leave gaps in both). src and tgt may be given as lists of arrays
+    (kept as `Ragged`); `token_arrays.open_encoded` builds one over memory-mapped files.
     """
 
-    src: list[np.ndarray]
-    tgt: list[np.ndarray]
-    line_numbers: list[int]
-    corpus_index: list[int]
+    src: Ragged
+    tgt: Ragged
+    line_numbers: Sequence[int]
+    corpus_index: Sequence[int]
     origin: str
     max_len: int
     skipped_too_long: int = 0
@@ -50,6 +91,8 @@ class EncodedCorpus:
     ids: SpecialIds = dataclasses.field(default_factory=lambda: SpecialIds())  # the tokenizer's pad, start, eos
 
     def __post_init__(self) -> None:
+        self.src = self.src if isinstance(self.src, Ragged) else Ragged.of(self.src)
+        self.tgt = self.tgt if isinstance(self.tgt, Ragged) else Ragged.of(self.tgt)
         if not len(self.src) == len(self.tgt) == len(self.line_numbers) == len(self.corpus_index):
             raise ValueError(
                 f"{self.origin}: EncodedCorpus fields src, tgt, line_numbers and corpus_index must have the same length"
@@ -60,7 +103,7 @@ class EncodedCorpus:
 
     def positions_needed(self) -> np.ndarray:
         """For each pair, the sequence length it needs: max(source + EOS, BOS + target)."""
-        return np.array([max(len(s), len(t) + 1) for s, t in zip(self.src, self.tgt)], dtype=np.int64)
+        return np.maximum(self.src.lengths, self.tgt.lengths + 1).astype(np.int64)
 
     def describe(self) -> str:
         """One line for a log: pairs kept, and how many were too long for max_len (and where)."""
@@ -85,39 +128,60 @@ class SpecialIds:
 
 
 def encode_corpus(corpus: Corpus, tokenizer: Tokenizer, max_len: int, *, on_too_long: str = "skip") -> EncodedCorpus:
-    """Tokenizes every pair and checks it fits in `max_len` positions on both sides.
+    """Tokenizes every pair (in memory: validation data, the built-in task; a training file goes through
+    `token_arrays`, encoded once onto disk) and keeps the pairs that fit `max_len` (see `fitting`)."""
+    check_fitting(max_len, on_too_long)
+    ids = SpecialIds.of(tokenizer)
+    eos = np.array([ids.eos], dtype=np.int32)
+    src_ids = tokenizer.encode_batch(corpus.sources, side="source")
+    tgt_ids = tokenizer.encode_batch(corpus.targets, side="target")
+    src = Ragged.of([np.concatenate([np.asarray(s, dtype=np.int32), eos]) for s in src_ids])
+    tgt = Ragged.of(tgt_ids)
+    lines = np.asarray(corpus.line_numbers, dtype=np.int64)
+    return fitting(src, tgt, lines, corpus.origin, max_len, on_too_long, ids)
 
-    A source of n tokens needs n + 1 positions (EOS), a target of n tokens n + 1 (BOS or EOS). A pair that does
-    not fit is skipped and counted (on_too_long="skip"; see EncodedCorpus.describe) or is a DataError naming
-    its line and lengths (on_too_long="error"). Nothing is ever truncated: a truncated target teaches the model
-    to stop mid-sentence.
-    """
+
+def check_fitting(max_len: int, on_too_long: str) -> None:
     if on_too_long not in _ON_TOO_LONG:
         raise ValueError(f"on_too_long must be one of {_ON_TOO_LONG}, got {on_too_long!r}")
     if max_len < 2:
         raise ValueError(f"max_len must be >= 2 (one token plus EOS), got {max_len}")
-    ids = SpecialIds.of(tokenizer)
-    out = EncodedCorpus([], [], [], [], corpus.origin, max_len, ids=ids)
-    eos = np.array([ids.eos], dtype=np.int32)
-    src_ids = tokenizer.encode_batch(corpus.sources, side="source")
-    tgt_ids = tokenizer.encode_batch(corpus.targets, side="target")
-    for index, (s, t, line) in enumerate(zip(src_ids, tgt_ids, corpus.line_numbers)):
-        if len(s) + 1 > max_len or len(t) + 1 > max_len:
-            if on_too_long == "error":
-                raise DataError(
-                    f"{location(corpus.origin, line)}: pair too long for max_len={max_len}: the source "
-                    f"has {len(s)} tokens (+1 for EOS), the target {len(t)} (+1 for BOS/EOS); "
-                    f'pass on_too_long="skip" to skip such pairs, or raise max_len'
-                )
-            out.skipped_too_long += 1
-            if len(out.skipped_too_long_lines) < MAX_REPORTED_LINES:
-                out.skipped_too_long_lines.append(line)
-            continue
-        out.src.append(np.concatenate([np.asarray(s, dtype=np.int32), eos]))
-        out.tgt.append(np.asarray(t, dtype=np.int32))
-        out.line_numbers.append(line)
-        out.corpus_index.append(index)
-    return out
+
+
+def fitting(
+    src: Ragged, tgt: Ragged, line_numbers: np.ndarray, origin: str, max_len: int, on_too_long: str, ids: SpecialIds
+) -> EncodedCorpus:
+    """The encoded pairs (sources with their EOS) that fit in `max_len` positions on both sides.
+
+    A source of n tokens needs n + 1 positions (EOS), a target of n tokens n + 1 (BOS or EOS). A pair that does
+    not fit is skipped and counted (on_too_long="skip"; see EncodedCorpus.describe) or is a DataError naming
+    its line and lengths (on_too_long="error"). Nothing is ever truncated: a truncated target teaches the model
+    to stop mid-sentence. Whole-array operations: the lengths of millions of pairs are compared at once.
+    """
+    check_fitting(max_len, on_too_long)
+    too_long = np.flatnonzero((src.lengths > max_len) | (tgt.lengths + 1 > max_len))
+    if too_long.size and on_too_long == "error":
+        i = int(too_long[0])
+        raise DataError(
+            f"{location(origin, int(line_numbers[i]))}: pair too long for max_len={max_len}: the source "
+            f"has {src.lengths[i] - 1} tokens (+1 for EOS), the target {tgt.lengths[i]} (+1 for BOS/EOS); "
+            f'pass on_too_long="skip" to skip such pairs, or raise max_len'
+        )
+    if not too_long.size:
+        return EncodedCorpus(src, tgt, line_numbers, range(len(src)), origin, max_len, ids=ids)
+    keep = np.flatnonzero(np.isin(np.arange(len(src)), too_long, invert=True))
+    assert src.rows is None and tgt.rows is None, "fitting takes every pair of its arrays"
+    return EncodedCorpus(
+        Ragged(src.tokens, src.offsets, keep),
+        Ragged(tgt.tokens, tgt.offsets, keep),
+        np.asarray(line_numbers[keep]),
+        keep,
+        origin,
+        max_len,
+        skipped_too_long=int(too_long.size),
+        skipped_too_long_lines=[int(line_numbers[i]) for i in too_long[:MAX_REPORTED_LINES]],
+        ids=ids,
+    )
 
 
 def bucket_lengths(max_len: int) -> tuple[int, ...]:
@@ -182,12 +246,15 @@ class _Buckets:
             batches = [batches[i] for i in rng.permutation(len(batches))]
         return batches
 
-    def batches(self, rng: np.random.Generator | None) -> Iterator[tuple[int, np.ndarray]]:
-        return iter(self.plan(rng))
+    def batches(self, rng: np.random.Generator | None, position: int | None = None) -> Iterator[tuple[Any, None]]:
+        """`plan`'s batches, each with None: a bucket plan has no position to resume from but its index."""
+        return ((item, None) for item in self.plan(rng))
 
-    def collate(self, item: tuple[int, np.ndarray]) -> dict[str, np.ndarray]:
-        """One padded batch: src, tgt_in, tgt_out, each of shape (rows, bucket length), dtype int32."""
+    def collate(self, item: tuple[int, np.ndarray], mine: np.ndarray | None = None) -> dict[str, np.ndarray]:
+        """One padded batch: src, tgt_in, tgt_out, each of shape (rows, bucket length), dtype int32; with `mine`,
+        only those rows of it."""
         bucket, pair_indices = item
+        pair_indices = pair_indices if mine is None else pair_indices[mine]
         shape = (len(pair_indices), self.lengths[bucket])
         ids = self.encoded.ids
         src, tgt_in, tgt_out = (np.full(shape, ids.pad, dtype=np.int32) for _ in range(3))
@@ -209,13 +276,17 @@ class _Buckets:
     def batches_per_epoch(self) -> int:
         return sum(-(-len(m) // rows) for m, rows in zip(self.members, self.rows))  # ceil division
 
+    def key(self) -> tuple:
+        """What decides the plan besides the seed (see BatchStream.plan_key)."""
+        return ("buckets", self.lengths, tuple(self.rows), self.needed)
+
     def shapes(self) -> list[tuple[int, int]]:
         """(rows, length) of every bucket that holds at least one pair."""
         return [(self.rows[b], self.lengths[b]) for b in range(len(self.lengths)) if len(self.members[b])]
 
     def padding_efficiency(self) -> float:
         """Real tokens / token slots over one epoch, src and tgt_out together (see padding_efficiency())."""
-        real = sum(len(s) + len(t) + 1 for s, t in zip(self.encoded.src, self.encoded.tgt))
+        real = int(self.encoded.src.lengths.sum()) + int(self.encoded.tgt.lengths.sum()) + len(self.encoded)
         slots = sum(2 * self.rows[b] * self.lengths[b] * -(-len(m) // self.rows[b]) for b, m in enumerate(self.members))
         return real / slots
 
@@ -249,7 +320,8 @@ class _Packing:
     The packing is first fit, as the stream comes: pairs are taken in (shuffled) order and each goes into the
     first row of the open batch where both its sides still fit; a pair that fits nowhere closes the batch and
     opens the next one. Packing over a whole epoch at once, or waiting pairs (a look-ahead), fills barely more
-    slots (docs/training.md, "Batching and compilation", has the shares measured on Multi30k).
+    slots (docs/training.md, "Batching and compilation", has the shares measured on Multi30k). A batch begins
+    with empty rows, so the pair where it begins in the epoch's order (its `position`) is all a resume needs.
     """
 
     def __init__(
@@ -263,76 +335,96 @@ class _Packing:
         self.length = default_pack_length(encoded) if length is None else length
         if isinstance(self.length, bool) or not isinstance(self.length, int) or self.length < 2:
             raise ValueError(f"pack_length must be an int >= 2 (a token and EOS), got {self.length!r}")
-        self.src_len = np.array([len(s) for s in encoded.src], dtype=np.int64)  # source tokens + EOS
-        self.tgt_len = np.array([len(t) + 1 for t in encoded.tgt], dtype=np.int64)  # BOS + target (= target + EOS)
+        self.src_len = encoded.src.lengths  # (pairs,) source tokens + EOS
+        self.tgt_len = encoded.tgt.lengths + 1  # (pairs,) BOS + target (= target + EOS)
         _check_fits(encoded, np.maximum(self.src_len, self.tgt_len), self.length, "pack_length")
         self.rows = rows_per_batch(self.length, max_tokens, row_multiple)
         self.seed = seed  # of the stream: its first epoch stands for all in `batches_per_epoch`
-        self._first_epoch: list[list[list[int]]] | None = None
-        # Every pair's tokens in one array per side, and where each pair's start (for `collate`).
-        self._src_tokens = np.concatenate(encoded.src).astype(np.int32)
-        self._src_start = np.cumsum(self.src_len) - self.src_len
-        self._tgt_tokens = np.concatenate([*encoded.tgt, np.zeros(1, np.int32)]).astype(np.int32)
-        self._tgt_start = np.cumsum(self.tgt_len - 1) - (self.tgt_len - 1)
+        self._batches_per_epoch: int | None = None
 
     def plan(self, rng: np.random.Generator | None) -> list[list[list[int]]]:
         """The batches of one epoch: with an rng the pairs come in a random order, without one in corpus order."""
-        return list(self.batches(rng))
+        return [rows for rows, _ in self.batches(rng)]
 
-    def batches(self, rng: np.random.Generator | None) -> Iterator[list[list[int]]]:
-        """`plan`'s batches one at a time, each as soon as it is full: packing a whole epoch takes as long as a GPU
-        needs for many small steps, so a stream packs as it goes instead of stalling the run at every epoch's
-        start (docs/benchmarks.md)."""
-        order = rng.permutation(len(self.encoded)) if rng is not None else np.arange(len(self.encoded))
-        rows: list[list[int]] = [[] for _ in range(self.rows)]
-        src_free = np.full(self.rows, self.length)  # free positions left in each row of the open batch
-        tgt_free = np.full(self.rows, self.length)
-        for i in order.tolist():
-            fits = np.flatnonzero((src_free >= self.src_len[i]) & (tgt_free >= self.tgt_len[i]))
-            if fits.size == 0:  # the open batch is full for this pair: it opens the next one
-                yield rows
-                rows = [[] for _ in range(self.rows)]
-                src_free[:], tgt_free[:] = self.length, self.length
-                row = 0
+    # Pairs whose first fits are looked up at once, against the open batch's free space when the block starts.
+    _BLOCK = 64
+
+    def batches(self, rng: np.random.Generator | None, position: int = 0) -> Iterator[tuple[list[list[int]], int]]:
+        """`plan`'s batches one at a time, each as soon as it is full, with the position in the epoch's order where
+        the next batch begins; from `position` on (where a batch began). Packing a whole epoch takes as long as a
+        GPU needs for many small steps, so a stream packs as it goes instead of stalling the run at every epoch's
+        start (docs/benchmarks.md).
+
+        First fit, computed a block of pairs at a time: the first row each pair of the block fits in is found for
+        all of them at once (a (block, rows) comparison), against the free space when the block starts. Free
+        space only shrinks until the batch closes, so no row before that one can take the pair later either: the
+        pair goes into that row or, if the block's earlier pairs filled it, a later one, found by a short scan.
+        The result is the one-pair-at-a-time first fit's, pair for pair (tests/test_data.py compares them)."""
+        n = len(self.encoded)
+        order = rng.permutation(n) if rng is not None else np.arange(n)
+        length, count = self.length, self.rows
+        rows: list[list[int]] = [[] for _ in range(count)]
+        src_free, tgt_free = [length] * count, [length] * count  # free positions left in each row of the open batch
+        p = position
+        while p < n:
+            block = order[p : p + self._BLOCK]
+            need_src, need_tgt = self.src_len[block], self.tgt_len[block]
+            fits = (np.asarray(src_free) >= need_src[:, None]) & (np.asarray(tgt_free) >= need_tgt[:, None])
+            first = np.where(fits.any(axis=1), fits.argmax(axis=1), count).tolist()
+            for j, (pair, a, b) in enumerate(zip(block.tolist(), need_src.tolist(), need_tgt.tolist())):
+                row = first[j]
+                while row < count and (src_free[row] < a or tgt_free[row] < b):
+                    row += 1
+                if row == count:  # the open batch is full for this pair: it opens the next one
+                    yield rows, p + j
+                    rows = [[] for _ in range(count)]
+                    src_free, tgt_free = [length] * count, [length] * count
+                    p += j  # a new block from this pair: the looked-up rows were of the closed batch
+                    break
+                rows[row].append(pair)
+                src_free[row] -= a
+                tgt_free[row] -= b
             else:
-                row = int(fits[0])
-            rows[row].append(i)
-            src_free[row] -= self.src_len[i]
-            tgt_free[row] -= self.tgt_len[i]
+                p += len(block)
         if any(rows):
-            yield rows  # the last batch: its empty rows stay all padding
+            yield rows, n  # the last batch: its empty rows stay all padding
 
-    def collate(self, rows: list[list[int]]) -> dict[str, np.ndarray]:
-        """One packed batch: src, tgt_in, tgt_out and PACKING_KEYS, each of shape (rows, length), dtype int32.
+    def collate(self, rows: list[list[int]], mine: np.ndarray | None = None) -> dict[str, np.ndarray]:
+        """One packed batch: src, tgt_in, tgt_out and PACKING_KEYS, each of shape (rows, length), dtype int32; with
+        `mine`, only those rows of it.
 
         Row r holds its pairs one after the other: pair k of the row (segment id k + 1) puts source + EOS on the
         source side and BOS + target (tgt_in) / target + EOS (tgt_out) on the target side, each side starting where
         the previous pair's ended, positions counting from 0 again. Written as a few whole-batch numpy operations
         rather than a loop over pairs: a 25,000-slot batch holds over a thousand pairs, and the batch is cut in a
         background thread that shares the interpreter with the loop dispatching steps."""
+        rows = rows if mine is None else [rows[r] for r in mine]
         pairs = np.array([i for members in rows for i in members], dtype=np.int64)  # in row order
         row = np.repeat(np.arange(len(rows)), [len(members) for members in rows])  # (pairs,) row of each pair
         segment = np.concatenate([np.arange(1, len(members) + 1) for members in rows if members] or [[]])
         ids = self.encoded.ids
-        batch = {key: np.full((self.rows, self.length), ids.pad, np.int32) for key in ("src", "tgt_in", "tgt_out")}
+        shape = (len(rows), self.length)
+        batch = {key: np.full(shape, ids.pad, np.int32) for key in ("src", "tgt_in", "tgt_out")}
+        # The pairs' tokens one after the other, each side read once; targets with BOS before / EOS after each.
+        targets = self.encoded.tgt.gather(pairs)
+        target_ends = np.cumsum(self.tgt_len[pairs] - 1)
+        tokens = {
+            "src": self.encoded.src.gather(pairs),
+            "tgt_in": np.insert(targets, target_ends - (self.tgt_len[pairs] - 1), ids.start),
+            "tgt_out": np.insert(targets, target_ends, ids.eos),
+        }
         for side, lengths in (("src", self.src_len[pairs]), ("tgt", self.tgt_len[pairs])):
+            lengths = lengths.astype(np.int64)
             start = np.cumsum(lengths) - lengths  # where each pair's tokens start in the batch's concatenation
             position = np.arange(lengths.sum()) - np.repeat(start, lengths)  # 0, 1, ... within each pair
             offset = start - start[np.searchsorted(row, row)]  # where each pair starts within its row
             where = (np.repeat(row, lengths), np.repeat(offset, lengths) + position)  # (row, column) of each token
-            batch[f"{side}_segments"] = np.zeros_like(batch["src"])
+            batch[f"{side}_segments"] = np.zeros(shape, np.int32)
             batch[f"{side}_segments"][where] = np.repeat(segment, lengths)
-            batch[f"{side}_positions"] = np.zeros_like(batch["src"])
+            batch[f"{side}_positions"] = np.zeros(shape, np.int32)
             batch[f"{side}_positions"][where] = position
-            if side == "src":
-                batch["src"][where] = self._src_tokens[np.repeat(self._src_start[pairs], lengths) + position]
-            else:  # tgt_in = BOS, t_1 .. t_n and tgt_out = t_1 .. t_n, EOS: both read the target tokens t
-                first, last = position == 0, position == np.repeat(lengths - 1, lengths)
-                word = np.repeat(self._tgt_start[pairs], lengths) + position  # index of t_(position + 1)
-                batch["tgt_in"][where] = np.where(first, ids.start, self._tgt_tokens[np.maximum(word - 1, 0)])
-                batch["tgt_out"][where] = np.where(
-                    last, ids.eos, self._tgt_tokens[np.minimum(word, len(self._tgt_tokens) - 1)]
-                )
+            for key in ("src",) if side == "src" else ("tgt_in", "tgt_out"):
+                batch[key][where] = tokens[key]
         return batch
 
     def index(self, rows: list[list[int]]) -> np.ndarray:
@@ -342,14 +434,16 @@ class _Packing:
             out[r, : len(members)] = members
         return out
 
-    def _epoch0(self) -> list[list[list[int]]]:
-        if self._first_epoch is None:
-            self._first_epoch = self.plan(np.random.default_rng((self.seed, 0)))
-        return self._first_epoch
-
     def batches_per_epoch(self) -> int:
-        """Batches of the first epoch (the others' counts differ by a batch or two with the shuffle)."""
-        return len(self._epoch0())
+        """Batches of the first epoch (the others' counts differ by a batch or two with the shuffle): one packing
+        pass, the first time it is asked."""
+        if self._batches_per_epoch is None:
+            self._batches_per_epoch = sum(1 for _ in self.batches(np.random.default_rng((self.seed, 0))))
+        return self._batches_per_epoch
+
+    def key(self) -> tuple:
+        """What decides the plan besides the seed (see BatchStream.plan_key)."""
+        return ("packed", self.length, self.rows, self.src_len, self.tgt_len)
 
     def shapes(self) -> list[tuple[int, int]]:
         return [(self.rows, self.length)]
@@ -403,9 +497,11 @@ class BatchStream:
     gets a batch of one row. Padding counts no tokens: the loss must be normalised by the number of non-PAD targets.
 
     Epoch e is shuffled by np.random.default_rng((seed, e)), so the stream depends only on the data, the batching
-    settings and seed. `state()` is the position in it (plain ints); a stream built with `state=` (or given it via
-    `restore`) continues exactly where the saved one stood, so a resumed run sees the same batches as an
-    uninterrupted one.
+    settings and seed. `state()` is the position in it (plain ints and a key); a stream built with `state=` (or
+    given it via `restore`) continues exactly where the saved one stood, so a resumed run sees the same batches as
+    an uninterrupted one. With `process_rows` (a function of a batch's rows giving the indices of this process's
+    rows, `DataParallel.process_rows`) each batch holds only those rows: each process of a multi-process run reads
+    only its share of the corpus; `global_rows` gives the whole batch's rows.
     """
 
     def __init__(
@@ -417,15 +513,17 @@ class BatchStream:
         pack_length: int | None = None,
         row_multiple: int = 1,
         seed: int = 0,
-        state: Mapping[str, int] | None = None,
+        state: Mapping[str, Any] | None = None,
+        process_rows: Callable[[int], np.ndarray] | None = None,
     ) -> None:
         if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
             raise ValueError(f"BatchStream: seed must be an int >= 0, got {seed!r}")
         self._batches = _plan_for(encoded, max_tokens, batching, pack_length, row_multiple, seed)
         self.batching = batching
         self.seed = seed
-        self.batches_per_epoch = self._batches.batches_per_epoch()
-        self._epoch, self._index = 0, 0
+        self.process_rows = process_rows
+        self.plan_key = _digest((self._batches.key(), seed))
+        self._epoch, self._index, self._position = 0, 0, 0
         self._plan: Iterator | None = None  # this epoch's remaining batches, cut as they are needed
         self._next: Any = None  # the next batch of the epoch (looked at ahead, to know when the epoch ends)
         if state is not None:
@@ -434,53 +532,89 @@ class BatchStream:
     def __iter__(self) -> BatchStream:
         return self
 
-    def _start_epoch(self) -> None:
-        """Begins the current epoch's batches at `_index` (skipping those before it, after a restore)."""
-        self._plan = self._batches.batches(np.random.default_rng((self.seed, self._epoch)))
-        for _ in range(self._index):
-            next(self._plan, None)
+    @property
+    def batches_per_epoch(self) -> int:
+        """Batches of an epoch (packed: of the first; the others differ by a batch or two with the shuffle)."""
+        return self._batches.batches_per_epoch()
+
+    def _start_epoch(self, position: int | None = None) -> None:
+        """Begins the current epoch's batches at `_index`: at `position` in the epoch's order where that batch
+        begins (packed), else by cutting and skipping the batches before it."""
+        rng = np.random.default_rng((self.seed, self._epoch))
+        if position is not None and self.batching == "packed":
+            self._plan = self._batches.batches(rng, position)
+        else:
+            self._plan = self._batches.batches(rng)
+            for _ in range(self._index):
+                next(self._plan, None)
         self._next = next(self._plan, None)
 
     def __next__(self) -> dict[str, np.ndarray]:
         if self._plan is None:
             self._start_epoch()
-        item, self._next = self._next, next(self._plan, None)
+        (item, self._position), self._next = self._next, next(self._plan, None)
         self._index += 1
         if self._next is None:  # that was the epoch's last batch
-            self._epoch, self._index, self._plan = self._epoch + 1, 0, None
-        return self._batches.collate(item)
+            self._epoch, self._index, self._position, self._plan = self._epoch + 1, 0, 0, None
+        if self.process_rows is None:
+            return self._batches.collate(item)
+        return self._batches.collate(item, self.process_rows(len(item) if self.batching == "packed" else len(item[1])))
+
+    def global_rows(self, batch: Mapping[str, np.ndarray]) -> int | None:
+        """The rows of the whole batch of which `batch` is this process's share; None when batches are whole."""
+        if self.process_rows is None:
+            return None
+        return {length: rows for rows, length in self.shapes}[batch["src"].shape[1]]
 
     @property
     def epoch(self) -> int:
         """The epoch the next batch belongs to (0-based)."""
         return self._epoch
 
-    def state(self) -> dict[str, int]:
-        """The position in the stream as JSON-able ints: the next batch is batch `index` of epoch `epoch`.
+    def state(self) -> dict[str, Any]:
+        """The position in the stream, JSON-able: the next batch is batch `index` of epoch `epoch`, and (packed)
+        begins at `position` in the epoch's order of pairs.
 
-        `batches_per_epoch` (packed: of the first epoch; the others differ by a batch or two) is included so that
-        restoring into a stream over other data or other batch settings is caught.
+        `plan` (a digest of the pairs' lengths, the batch settings and the seed) and `batches_per_epoch` (packed: of
+        the first epoch) are included so that restoring into a stream over other data or other batch settings is
+        caught.
         """
-        return {"epoch": self._epoch, "index": self._index, "batches_per_epoch": self.batches_per_epoch}
+        return {
+            "epoch": self._epoch,
+            "index": self._index,
+            "position": self._position,
+            "plan": self.plan_key,
+            "batches_per_epoch": self.batches_per_epoch,
+        }
 
-    def restore(self, state: Mapping[str, int]) -> None:
-        """Moves to a position saved by `state()`."""
+    def restore(self, state: Mapping[str, Any]) -> None:
+        """Moves to a position saved by `state()` (or by a stream before `position` and `plan` were kept: its
+        batches are cut again up to the position, and its batches per epoch compared)."""
         try:
             epoch, index = state["epoch"], state["index"]
         except (KeyError, TypeError):
             raise ValueError(f"BatchStream.restore: expected a dict with 'epoch' and 'index', got {state!r}") from None
-        for name, value in (("epoch", epoch), ("index", index)):
+        position = state.get("position")
+        for name, value in (("epoch", epoch), ("index", index), ("position", position or 0)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"BatchStream.restore: {name} must be an int >= 0, got {value!r}")
-        saved = state.get("batches_per_epoch", self.batches_per_epoch)
+        plan = state.get("plan")
+        if plan is None:  # saved before plans had a key: the batches per epoch tell whether the plan is the same
+            saved = state.get("batches_per_epoch", self.batches_per_epoch)
+            fits = saved == self.batches_per_epoch
+        else:
+            saved, fits = state.get("batches_per_epoch"), plan == self.plan_key
         self._epoch, self._index = epoch, index
-        self._start_epoch()
-        if saved != self.batches_per_epoch or self._next is None:
+        self._start_epoch(position if plan is not None else None)
+        if not fits or self._next is None:
             raise ValueError(
                 f"BatchStream.restore: the state (batch {index} of epoch {epoch}, {saved} batches per epoch) does "
                 f"not fit this stream ({self.batches_per_epoch} batches per epoch); was it saved with other data, "
                 f"max_tokens, batching, pack_length or row_multiple?"
             )
+        if plan is not None and isinstance(self._batches, _Packing) and self._batches._batches_per_epoch is None:
+            self._batches._batches_per_epoch = saved  # the same plan: its count need not be packed again
+        self._position = position or 0
 
     @property
     def shapes(self) -> list[tuple[int, int]]:
@@ -497,6 +631,28 @@ class BatchStream:
         """One all-padding batch of every shape and key the stream yields: what a step is compiled for ahead."""
         keys = ("src", "tgt_in", "tgt_out") + (PACKING_KEYS if self.batching == "packed" else ())
         return [{key: np.zeros(shape, dtype=np.int32) for key in keys} for shape in self.shapes]
+
+
+def _digest(value: Any) -> str:
+    """A short digest of nested tuples of ints, strings and numpy arrays."""
+    import hashlib
+
+    digest = hashlib.sha256()
+
+    def add(x: Any) -> None:
+        if isinstance(x, np.ndarray):
+            digest.update(f"array{x.dtype.str}{x.shape}".encode())
+            digest.update(np.ascontiguousarray(x).tobytes())
+        elif isinstance(x, (tuple, list)):
+            digest.update(b"(")
+            for item in x:
+                add(item)
+            digest.update(b")")
+        else:
+            digest.update(repr(x).encode())
+
+    add(value)
+    return digest.hexdigest()[:16]
 
 
 def eval_batches(

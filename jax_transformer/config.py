@@ -384,7 +384,7 @@ class OptimConfig(Settings):
 # The data: which text, which tokenizer, which batches
 # =============================================================================================================
 
-PATH_FIELDS = ("src", "tgt", "tsv", "valid_src", "valid_tgt", "valid_tsv")
+PATH_FIELDS = ("src", "tgt", "tsv", "valid_src", "valid_tgt", "valid_tsv", "data_cache")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -442,6 +442,17 @@ class DataConfig(Settings):
         "skip",
         "a pair longer than max_len tokens: skip and count it, or stop with an error naming the line",
         choices=("skip", "error"),
+    )
+    tokenizer_sample: int = setting(
+        100_000,
+        "the joint SentencePiece tokenizer trains on both sides of at most this many training pairs, drawn at random "
+        "from the seed (SentencePiece's unigram trainer needs about 6 GB per million pairs)",
+        at_least=1,
+    )
+    data_cache: str | None = setting(
+        None,
+        "folder where training files are encoded once into memory-mapped token arrays, read by every later start "
+        "(default $JAX_TRANSFORMER_CACHE, else ~/.cache/jax_transformer/corpora)",
     )
 
     def check(self) -> None:

@@ -52,14 +52,23 @@ class Corpus:
     def describe(self) -> str:
         """One line for a log: how many pairs were kept, how many empty lines skipped, and where; what the
         reader removed (byte-order marks, CRLF line ends)."""
-        text = f"{self.origin}: {len(self)} pairs"
-        if self.skipped_empty:
-            text += f", skipped {self.skipped_empty} with an empty side{lines_hint(self.skipped_empty_lines)}"
-        if self.stripped_boms:
-            text += f", removed a UTF-8 byte-order mark ({self.stripped_boms} file{'s' * (self.stripped_boms > 1)})"
-        if self.crlf_lines:
-            text += f", removed CR from {self.crlf_lines} CRLF line end{'s' * (self.crlf_lines > 1)}"
-        return text
+        return describe_pairs(
+            self.origin, len(self), self.skipped_empty, self.skipped_empty_lines, self.stripped_boms, self.crlf_lines
+        )
+
+
+def describe_pairs(
+    origin: str, pairs: int, skipped_empty: int, skipped_empty_lines: Sequence[int], boms: int, crlf_lines: int
+) -> str:
+    """Corpus.describe's line from its counts (also for a corpus encoded on disk, `token_arrays`)."""
+    text = f"{origin}: {pairs} pairs"
+    if skipped_empty:
+        text += f", skipped {skipped_empty} with an empty side{lines_hint(skipped_empty_lines)}"
+    if boms:
+        text += f", removed a UTF-8 byte-order mark ({boms} file{'s' * (boms > 1)})"
+    if crlf_lines:
+        text += f", removed CR from {crlf_lines} CRLF line end{'s' * (crlf_lines > 1)}"
+    return text
 
 
 def lines_hint(lines: Sequence[int]) -> str:
@@ -167,35 +176,97 @@ def count_lines(path: str | os.PathLike, block: int = 1 << 20) -> int:
     return lines + (last != b"\n")
 
 
-class _CorpusBuilder:
-    """Collects pairs, applying the empty-line policy, for both readers."""
+class PairReader:
+    """The pairs of one corpus (a TSV file, or two line-aligned files), read one at a time: what `read_tsv` and
+    `read_parallel` collect into a Corpus, and what `token_arrays` encodes onto disk without holding the text.
 
-    def __init__(self, origin: str, on_empty: str) -> None:
+    Iterating yields (line, source, target) for every kept pair; pairs with an empty side are skipped and counted
+    (`skipped_empty`, the first few of their lines in `skipped_empty_lines`) or are a DataError (on_empty="error").
+    `stats` counts what the reader removed; `lines` is the last line read. `describe` is Corpus.describe's line.
+    """
+
+    def __init__(self, paths: Sequence[str | os.PathLike], *, on_empty: str = "skip") -> None:
         if on_empty not in _ON_EMPTY:
             raise ValueError(f"on_empty must be one of {_ON_EMPTY}, got {on_empty!r}")
-        self.corpus = Corpus([], [], [], origin)
+        if len(paths) not in (1, 2):
+            raise ValueError(f"PairReader reads a TSV file or a source and a target file, got {len(paths)} paths")
+        self.paths = [Path(p) for p in paths]
+        for path in self.paths:
+            _check_readable(path)
         self.on_empty = on_empty
+        self.origin = " + ".join(map(str, self.paths))
         self.stats = ReadStats()  # shared by the readers of every file of this corpus
+        self.pairs = self.skipped_empty = self.lines = 0
+        self.skipped_empty_lines: list[int] = []
 
-    def add(self, line: int, source: str, target: str, empty_error: str) -> None:
-        """Adds one pair; `empty_error` is the message to raise if a side is empty and on_empty is "error"."""
-        if source.strip() and target.strip():
-            self.corpus.sources.append(source)
-            self.corpus.targets.append(target)
-            self.corpus.line_numbers.append(line)
-        elif self.on_empty == "error":
-            raise DataError(empty_error + ' (pass on_empty="skip" to skip such pairs)')
-        else:
-            self.corpus.skipped_empty += 1
-            if len(self.corpus.skipped_empty_lines) < MAX_REPORTED_LINES:
-                self.corpus.skipped_empty_lines.append(line)
+    def __iter__(self) -> Iterator[tuple[int, str, str]]:
+        candidates = self._tsv() if len(self.paths) == 1 else self._parallel()
+        for line, source, target, empty_error in candidates:
+            self.lines = line
+            if source.strip() and target.strip():
+                self.pairs += 1
+                yield line, source, target
+            elif self.on_empty == "error":
+                raise DataError(empty_error + ' (pass on_empty="skip" to skip such pairs)')
+            else:
+                self.skipped_empty += 1
+                if len(self.skipped_empty_lines) < MAX_REPORTED_LINES:
+                    self.skipped_empty_lines.append(line)
+        if not self.pairs:  # nothing could be trained or evaluated on
+            raise DataError(f"{self.origin}: no sentence pairs: all {self.lines} lines have an empty side")
 
-    def finish(self, lines: int) -> Corpus:
-        """The corpus; a DataError if no pair is left (nothing could be trained or evaluated on)."""
-        corpus = self.corpus
+    def _tsv(self) -> Iterator[tuple[int, str, str, str]]:
+        path = self.paths[0]
+        for line, text in read_lines(path, stats=self.stats):
+            tabs = text.count("\t")
+            if tabs != 1:
+                raise DataError(
+                    f"{location(path, line)}: expected exactly one tab between source and target, found {tabs}"
+                )
+            source, target = text.split("\t")
+            side = "source (left of the tab)" if not source.strip() else "target (right of the tab)"
+            yield line, source, target, f"{location(path, line)}: empty {side}"
+
+    def _parallel(self) -> Iterator[tuple[int, str, str, str]]:
+        src, tgt = self.paths
+        for src_item, tgt_item in itertools.zip_longest(
+            read_lines(src, stats=self.stats), read_lines(tgt, stats=self.stats)
+        ):
+            if src_item is None or tgt_item is None:
+                n_src, n_tgt = count_lines(src), count_lines(tgt)
+                longer, shorter = (src, tgt) if n_src > n_tgt else (tgt, src)
+                raise DataError(
+                    f"{src} has {n_src} lines but {tgt} has {n_tgt}: {shorter} ends after line "
+                    f"{min(n_src, n_tgt)}, so line {min(n_src, n_tgt) + 1} of {longer} has no translation; the files "
+                    f"must be line-aligned"
+                )
+            (line, source), (_, target) = src_item, tgt_item
+            if not source.strip():
+                message = f"{location(src, line)}: empty source line" + ("" if target.strip() else f" (and {tgt} too)")
+            else:
+                message = f"{location(tgt, line)}: empty target line"
+            yield line, source, target, message
+
+    def describe(self) -> str:
+        """Corpus.describe's line, for the pairs read so far."""
+        return describe_pairs(
+            self.origin,
+            self.pairs,
+            self.skipped_empty,
+            self.skipped_empty_lines,
+            self.stats.stripped_boms,
+            self.stats.crlf_lines,
+        )
+
+    def read(self) -> Corpus:
+        """Every pair, in memory."""
+        corpus = Corpus([], [], [], self.origin)
+        for line, source, target in self:
+            corpus.sources.append(source)
+            corpus.targets.append(target)
+            corpus.line_numbers.append(line)
+        corpus.skipped_empty, corpus.skipped_empty_lines = self.skipped_empty, self.skipped_empty_lines
         corpus.stripped_boms, corpus.crlf_lines = self.stats.stripped_boms, self.stats.crlf_lines
-        if not len(corpus):
-            raise DataError(f"{corpus.origin}: no sentence pairs: all {lines} lines have an empty side")
         return corpus
 
 
@@ -208,28 +279,7 @@ def read_parallel(src_path: str | os.PathLike, tgt_path: str | os.PathLike, *, o
     naming both counts: the alignment is broken somewhere, and guessing where would train on mistranslations.
     An empty file, or files without a single complete pair, are a DataError.
     """
-    src, tgt = Path(src_path), Path(tgt_path)
-    _check_readable(src)
-    _check_readable(tgt)
-    builder = _CorpusBuilder(f"{src} + {tgt}", on_empty)
-    line = 0
-    for src_item, tgt_item in itertools.zip_longest(
-        read_lines(src, stats=builder.stats), read_lines(tgt, stats=builder.stats)
-    ):
-        if src_item is None or tgt_item is None:
-            n_src, n_tgt = count_lines(src), count_lines(tgt)
-            longer, shorter = (src, tgt) if n_src > n_tgt else (tgt, src)
-            raise DataError(
-                f"{src} has {n_src} lines but {tgt} has {n_tgt}: {shorter} ends after line {min(n_src, n_tgt)}, "
-                f"so line {min(n_src, n_tgt) + 1} of {longer} has no translation; the files must be line-aligned"
-            )
-        (line, source), (_, target) = src_item, tgt_item
-        if not source.strip():
-            message = f"{location(src, line)}: empty source line" + ("" if target.strip() else f" (and {tgt} too)")
-        else:
-            message = f"{location(tgt, line)}: empty target line"
-        builder.add(line, source, target, message)
-    return builder.finish(line)
+    return PairReader([src_path, tgt_path], on_empty=on_empty).read()
 
 
 def read_tsv(path: str | os.PathLike, *, on_empty: str = "skip") -> Corpus:
@@ -237,25 +287,27 @@ def read_tsv(path: str | os.PathLike, *, on_empty: str = "skip") -> Corpus:
 
     Empty sides, empty files and bad bytes are handled as in `read_parallel`.
     """
-    path = Path(path)
-    _check_readable(path)
-    builder = _CorpusBuilder(str(path), on_empty)
-    line = 0
-    for line, text in read_lines(path, stats=builder.stats):
-        tabs = text.count("\t")
-        if tabs != 1:
-            raise DataError(f"{location(path, line)}: expected exactly one tab between source and target, found {tabs}")
-        source, target = text.split("\t")
-        side = "source (left of the tab)" if not source.strip() else "target (right of the tab)"
-        builder.add(line, source, target, f"{location(path, line)}: empty {side}")
-    return builder.finish(line)
+    return PairReader([path], on_empty=on_empty).read()
+
+
+class Fingerprint:
+    """A hash of the pairs' text, added pair by pair: a resumed run checks that it sees the same training data."""
+
+    def __init__(self) -> None:
+        import hashlib
+
+        self._digest = hashlib.sha256()
+
+    def add(self, source: str, target: str) -> None:
+        self._digest.update(source.encode("utf-8") + b"\t" + target.encode("utf-8") + b"\n")
+
+    def hexdigest(self) -> str:
+        return self._digest.hexdigest()[:16]
 
 
 def corpus_fingerprint(corpus: Corpus) -> str:
-    """A hash of the pairs' text: a resumed run checks that it sees the same training data."""
-    import hashlib
-
-    digest = hashlib.sha256()
+    """The `Fingerprint` of a Corpus in memory."""
+    fingerprint = Fingerprint()
     for source, target in zip(corpus.sources, corpus.targets):
-        digest.update(source.encode("utf-8") + b"\t" + target.encode("utf-8") + b"\n")
-    return digest.hexdigest()[:16]
+        fingerprint.add(source, target)
+    return fingerprint.hexdigest()

@@ -379,22 +379,26 @@ class DataParallel:
                 f"so that every batch's rows divide"
             )
 
-    def place_batch(self, batch: Mapping[str, np.ndarray]):
+    def place_batch(self, batch: Mapping[str, np.ndarray], rows: int | None = None):
         """The global batch (numpy, (B, L) arrays) placed for the step: as it is (jit), one block of rows per
-        local device (pmap), or a global array of which this process supplies only its own rows (sharded)."""
-        rows = len(batch["tgt_out"])
+        local device (pmap), or a global array of which this process supplies only its own rows (sharded). With
+        `rows` (sharded), `batch` holds only this process's rows (`process_rows`) of a global batch of `rows`."""
+        local = rows is not None
+        rows = rows if local else len(batch["tgt_out"])
         self.check_rows(rows)
         if self.mode == "jit":
             return batch
         if self.mode == "pmap":
             return shard_batch(batch, self.n_devices)
-        mine = self._process_rows(rows)
+        mine = slice(None) if local else self.process_rows(rows)
         return {
-            key: jax.make_array_from_process_local_data(self.by_rows, np.asarray(value)[mine], value.shape)
+            key: jax.make_array_from_process_local_data(
+                self.by_rows, np.asarray(value)[mine], (rows, *np.shape(value)[1:])
+            )
             for key, value in batch.items()
         }
 
-    def _process_rows(self, rows: int) -> np.ndarray:
+    def process_rows(self, rows: int) -> np.ndarray:
         """Indices of the global batch rows this process's devices hold, in the order
         `make_array_from_process_local_data` expects them (increasing)."""
         blocks = self.by_rows.addressable_devices_indices_map((rows,)).values()

@@ -205,7 +205,8 @@ def is_signal(reason: str | None) -> bool:
 def prepare_batch(run: Run, batch, prepared: list[int]):
     """Runs in the prefetch thread: the batch checked on the host, then placed on the devices."""
     prepared[0] += 1
-    return run.devices.place_batch(checked_batch(batch, run.config, f"training batch {prepared[0]}"))
+    rows = run.stream.global_rows(batch) if hasattr(run.stream, "global_rows") else None  # a share of the batch
+    return run.devices.place_batch(checked_batch(batch, run.config, f"training batch {prepared[0]}"), rows)
 
 
 def checked_batch(batch, config: TransformerConfig, where: str):

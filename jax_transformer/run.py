@@ -29,8 +29,8 @@ from typing import Any
 import jax
 
 from jax_transformer import checkpoint as ckpt_lib
-from jax_transformer import compilation, distributed, files
-from jax_transformer.batching import BatchStream, ValidationSet, encode_corpus
+from jax_transformer import compilation, distributed, files, token_arrays
+from jax_transformer.batching import BatchStream, EncodedCorpus, SpecialIds, ValidationSet, encode_corpus
 from jax_transformer.config import (
     COMPUTE_FIELDS,
     PRESETS,
@@ -43,7 +43,7 @@ from jax_transformer.config import (
     preset,
     resolve,
 )
-from jax_transformer.corpus import Corpus, corpus_fingerprint, read_parallel, read_tsv
+from jax_transformer.corpus import Corpus, PairReader, corpus_fingerprint, read_parallel, read_tsv
 from jax_transformer.errors import DataError, UsageError
 from jax_transformer.loop import Run, RunResult, train_loop, truncate_metrics
 from jax_transformer.tokenizer import Tokenizer, with_languages
@@ -135,7 +135,7 @@ def prepare(
         given = dict(preset=preset_name, seed=seed, recipe=recipe, model=model, data=data, optim=optim, loop=loop)
         given.update(decode=decode)
         settings = resolve({**given, "parallel": parallel_config.to_dict()}, stored, inherited)
-        corpus, valid_corpus, fingerprint = read_corpora(settings.data, stored, print_fn)
+        corpus, valid_corpus = read_corpora(settings.data, stored, print_fn)
         config, tokenizer, params = model_and_tokenizer(
             settings, restored or start, init_from_torch, dict(model or {}), preset_name, corpus, run_dir, print_fn
         )
@@ -152,9 +152,9 @@ def prepare(
             restored_for_state = restored
         # Before anything compiles; the decoders compiled ahead are stored as traced, for a `translate` after the run.
         cache_dir = compilation.use_cache(settings.loop.compilation_cache, print_fn, programs=True)
-        stream, valid = batches(settings, config, tokenizer, corpus, valid_corpus, devices, restored, print_fn)
+        stream, valid = batches(settings, config, tokenizer, corpus, valid_corpus, devices, restored, stored, print_fn)
         state = initial_state(restored_for_state, config, settings, params)
-        stored_now = run_settings(settings, fingerprint, devices, imported_from(restored or start))
+        stored_now = run_settings(settings, corpus, devices, imported_from(restored or start))
         agree_and_write(stored_now, config, settings, tokenizer, run_dir, restored)
         n_params = sum(x.size for x in jax.tree_util.tree_leaves(state.params))
         print_fn(
@@ -244,9 +244,9 @@ def resume_command(run_dir: Path, parallel: ParallelConfig) -> str:
 
 
 def load_corpus(data: DataConfig, split: str = "train") -> Corpus | None:
-    """Reads the training ("train") or validation ("valid") pairs that `data` names (DataError naming the file
-    and line for bad input); None for "valid" when there are no validation files. No files at all: the built-in
-    numbers task."""
+    """Reads the training ("train") or validation ("valid") pairs that `data` names into memory (DataError naming
+    the file and line for bad input); None for "valid" when there are no validation files. No files at all: the
+    built-in numbers task. (A run reads its training files as `TrainingData`, without holding their text.)"""
     if split not in ("train", "valid"):
         raise ValueError(f"split must be 'train' or 'valid', got {split!r}")
     if data.uses_default_task:
@@ -262,15 +262,70 @@ def load_corpus(data: DataConfig, split: str = "train") -> Corpus | None:
     return None
 
 
-def read_corpora(data: DataConfig, stored: Mapping[str, Any] | None, print_fn) -> tuple[Corpus, Corpus | None, str]:
-    """The training and validation corpora, and the training data's fingerprint (a resume checks it is the same)."""
-    corpus = load_corpus(data, "train")
-    print_fn(f"training data: {corpus.describe()}")
-    fingerprint = corpus_fingerprint(corpus)
-    if stored is not None and stored.get("train_fingerprint") not in (None, fingerprint):
+@dataclasses.dataclass
+class TrainingData:
+    """A run's training pairs: files, encoded once into memory-mapped token arrays (`token_arrays`) so that their
+    text is never held, or the built-in task's pairs, in memory. `identity`: the files' size, mtime and content
+    hash, which a run stores and a resume compares."""
+
+    data: DataConfig
+    paths: list[str]
+    identity: list[dict[str, Any]]
+    corpus: Corpus | None = None  # the built-in task's
+    fingerprint: str | None = None  # of the pairs' text, known once encoded
+
+    @classmethod
+    def of(cls, data: DataConfig) -> TrainingData:
+        if data.uses_default_task:
+            return cls(data, [], [], load_corpus(data, "train"))
+        paths = [data.tsv] if data.tsv is not None else [data.src, data.tgt]
+        PairReader(paths)  # a missing, empty or unreadable file is reported before anything else happens
+        return cls(data, paths, [token_arrays.file_identity(p) for p in paths])
+
+    def tokenizer_texts(self, seed: int) -> list[str]:
+        """What a new joint tokenizer trains on: both sides of at most `tokenizer_sample` pairs."""
+        if self.corpus is not None:
+            return self.corpus.sources + self.corpus.targets
+        return token_arrays.tokenizer_sample(self.paths, self.data.tokenizer_sample, seed, on_empty=self.data.on_empty)
+
+    def encoded(self, tokenizer, max_len: int, print_fn) -> tuple[EncodedCorpus, str, str]:
+        """The pairs that fit max_len (on disk, for files), a line describing the corpus, and its fingerprint."""
+        if self.corpus is not None:
+            encoded = encode_corpus(self.corpus, tokenizer, max_len, on_too_long=self.data.on_too_long)
+            return encoded, self.corpus.describe(), corpus_fingerprint(self.corpus)
+        if distributed.is_primary():  # process 0 encodes; the others map its arrays (or, on their own disk, encode)
+            arrays = self._arrays(tokenizer, print_fn)
+        distributed.barrier("training data encoded")
+        if not distributed.is_primary():
+            arrays = self._arrays(tokenizer, _silent)
+        ids = SpecialIds.of(tokenizer)
+        return arrays.encoded(max_len, self.data.on_too_long, ids), arrays.describe(), arrays.fingerprint
+
+    def _arrays(self, tokenizer, print_fn) -> token_arrays.TokenArrays:
+        return token_arrays.open_encoded(
+            self.paths,
+            tokenizer,
+            on_empty=self.data.on_empty,
+            cache_dir=self.data.data_cache,
+            identity=self.identity,
+            print_fn=print_fn,
+            progress=distributed.is_primary(),
+        )
+
+    def describe_files(self) -> str:
+        return ", ".join(self.paths) or "the built-in numbers task"
+
+
+def read_corpora(data: DataConfig, stored: Mapping[str, Any] | None, print_fn) -> tuple[TrainingData, Corpus | None]:
+    """The training data (its files checked, not read yet) and the validation corpus; a resume whose training
+    files hold other bytes than when its checkpoint was written is refused, naming what changed."""
+    corpus = TrainingData.of(data)
+    before = (stored or {}).get("train_files")
+    change = before is not None and token_arrays.describe_change(before, corpus.identity)
+    if change:
         raise UsageError(
-            f"--resume: the training data changed since the checkpoint was written "
-            f"({_describe_files(data)}); an exact resume needs the same data"
+            f"--resume: the training data changed since the checkpoint was written: {change}; an exact resume "
+            f"needs the same data (restore the file, or start a new run from this one's weights with --init-from)"
         )
     valid = load_corpus(data, "valid")
     if valid is not None:
@@ -279,7 +334,7 @@ def read_corpora(data: DataConfig, stored: Mapping[str, Any] | None, print_fn) -
         print_fn(
             "no validation data (--valid-src/--valid-tgt or --valid-tsv): no BLEU, the best checkpoint is the last"
         )
-    return corpus, valid, fingerprint
+    return corpus, valid
 
 
 def model_and_tokenizer(
@@ -317,21 +372,30 @@ def _model_and_tokenizer(
             settings.preset,
             settings.model,
             explicit=any(name not in COMPUTE_FIELDS for name in given_model),
+            seed=settings.seed,
             run_dir=run_dir,
             print_fn=print_fn,
         )
         compute = {k: v for k, v in settings.model.items() if k in COMPUTE_FIELDS}
         return config.replace(**compute), tokenizer, params
-    tokenizer = shared_tokenizer(corpus, settings.data, run_dir, print_fn)
+    tokenizer = shared_tokenizer(corpus, settings.data, settings.seed, run_dir, print_fn)
     return model_config(settings.preset, tokenizer.vocab_size, settings.model), tokenizer, None
 
 
-def batches(settings: RunSettings, config, tokenizer, corpus, valid_corpus, devices, restored, print_fn):
+def batches(settings: RunSettings, config, tokenizer, corpus, valid_corpus, devices, restored, stored, print_fn):
     """The training stream (its global batch plan, the same on any number of devices; positioned where a resumed
-    run stopped) and the validation set."""
+    run stopped; in a multi-process run each process reads only its rows) and the validation set."""
     data = settings.data
-    encoded = encode_corpus(corpus, tokenizer, config.max_len, on_too_long=data.on_too_long)
+    encoded, described, fingerprint = corpus.encoded(tokenizer, config.max_len, print_fn)
+    print_fn(f"training data: {described}")
+    if stored is not None and stored.get("train_fingerprint") not in (None, fingerprint):
+        raise UsageError(
+            f"--resume: the training data changed since the checkpoint was written ({corpus.describe_files()}); an "
+            f"exact resume needs the same data"
+        )
+    corpus.fingerprint = fingerprint
     print_fn(f"training data: {encoded.describe()}")
+    sharded = devices.mode == "sharded" and jax.process_count() > 1
     stream = BatchStream(
         encoded,
         data.max_tokens,
@@ -340,6 +404,7 @@ def batches(settings: RunSettings, config, tokenizer, corpus, valid_corpus, devi
         row_multiple=data.row_multiple,
         seed=settings.seed,
         state=None if restored is None else restored.data_state,
+        process_rows=devices.process_rows if sharded else None,
     )
     for rows, length in stream.shapes:
         devices.check_rows(
@@ -367,7 +432,7 @@ def imported_from(checkpoint) -> dict[str, Any] | None:
     return None if checkpoint is None else stored_settings(checkpoint).get("imported_from")
 
 
-def run_settings(settings: RunSettings, fingerprint: str, devices, origin: dict | None = None) -> dict[str, Any]:
+def run_settings(settings: RunSettings, corpus: TrainingData, devices, origin: dict | None = None) -> dict[str, Any]:
     """What every checkpoint stores as the run's settings (with the config, optimiser and tokenizer apart)."""
     return {
         **({"imported_from": origin} if origin else {}),
@@ -377,7 +442,8 @@ def run_settings(settings: RunSettings, fingerprint: str, devices, origin: dict 
         "data": settings.data.absolute().to_dict(),
         "loop": settings.loop.to_dict(),
         "decode": settings.decode.to_dict(),
-        "train_fingerprint": fingerprint,
+        "train_fingerprint": corpus.fingerprint,
+        "train_files": corpus.identity or None,  # each file's size, mtime and content hash: a resume names a change
         "devices": devices.n_devices,  # for information: a resume may use another count
         "processes": jax.process_count(),
     }
@@ -543,25 +609,28 @@ def model_config(preset_name: str, vocab_size: int, fields: Mapping[str, Any]) -
     return preset(preset_name, **{**base, **fields})
 
 
-def train_tokenizer(corpus: Corpus, data: DataConfig, print_fn: Callable[[str], None] = print) -> Tokenizer:
-    """The joint SentencePiece model of a run, trained on both sides of the training corpus."""
+def train_tokenizer(
+    corpus: TrainingData, data: DataConfig, seed: int, print_fn: Callable[[str], None] = print
+) -> Tokenizer:
+    """The joint SentencePiece model of a run, trained on both sides of (a sample of) the training corpus."""
+    texts = corpus.tokenizer_texts(seed)
     print_fn(
         f"training a joint {data.tokenizer_type} SentencePiece tokenizer (vocabulary up to {data.vocab_size}) "
-        f"on {len(corpus)} pairs ..."
+        f"on {len(texts) // 2} pairs (--tokenizer-sample {data.tokenizer_sample}) ..."
     )
-    return Tokenizer.train(corpus.sources + corpus.targets, data.vocab_size, model_type=data.tokenizer_type)
+    return Tokenizer.train(texts, data.vocab_size, model_type=data.tokenizer_type)
 
 
 def shared_tokenizer(
-    corpus: Corpus, data: DataConfig, run_dir: Path, print_fn: Callable[[str], None] = print
+    corpus: TrainingData, data: DataConfig, seed: int, run_dir: Path, print_fn: Callable[[str], None] = print
 ) -> Tokenizer:
     """`train_tokenizer`, trained once: in a multi-process run process 0 trains it and writes
     <run>/tokenizer.model, the others wait at a barrier and read that file (so the run directory must be shared)."""
     if jax.process_count() == 1:
-        return train_tokenizer(corpus, data, print_fn)
+        return train_tokenizer(corpus, data, seed, print_fn)
     path = run_dir / "tokenizer.model"
     if distributed.is_primary():
-        tokenizer = train_tokenizer(corpus, data, print_fn)
+        tokenizer = train_tokenizer(corpus, data, seed, print_fn)
         run_dir.mkdir(parents=True, exist_ok=True)
         tokenizer.save(path)
     distributed.barrier("tokenizer written")
@@ -581,12 +650,13 @@ def _silent(text: str = "") -> None:
 
 def _init_from_torch(
     path,
-    corpus: Corpus,
+    corpus: TrainingData,
     data: DataConfig,
     preset_name: str,
     model_fields: Mapping[str, Any],
     *,
     explicit: bool,
+    seed: int,
     run_dir: Path,
     print_fn,
 ) -> tuple[Any, TransformerConfig, Tokenizer]:
@@ -596,13 +666,13 @@ def _init_from_torch(
 
     tokenizer = requested = None
     if explicit:
-        tokenizer = shared_tokenizer(corpus, data, run_dir, print_fn)
+        tokenizer = shared_tokenizer(corpus, data, seed, run_dir, print_fn)
         requested = model_config(preset_name, tokenizer.vocab_size, model_fields)
     params, config, file_tokenizer = import_weights(path, requested)
     if file_tokenizer is not None:
         tokenizer = file_tokenizer  # the vocabulary the weights were trained with
     elif tokenizer is None:
-        tokenizer = shared_tokenizer(corpus, data, run_dir, print_fn)
+        tokenizer = shared_tokenizer(corpus, data, seed, run_dir, print_fn)
     if tokenizer.vocab_size != config.src_vocab_size or tokenizer.vocab_size != config.tgt_vocab_size:
         raise ckpt_lib.CheckpointError(
             f"--init-from-torch {path}: the model's vocabulary (src_vocab_size {config.src_vocab_size}, "
@@ -625,11 +695,6 @@ def _describe_batches(stream: BatchStream) -> str:
         f"bucketed batches of ~{stream.shapes[0][0] * stream.shapes[0][1]} token slots, {stream.batches_per_epoch} "
         f"per epoch, {len(stream.shapes)} shapes ({share})"
     )
-
-
-def _describe_files(data: DataConfig) -> str:
-    files = [getattr(data, name) for name in ("src", "tgt", "tsv") if getattr(data, name)]
-    return ", ".join(files) or "the built-in numbers task"
 
 
 # A format-1 checkpoint (before settings were grouped) stored its run settings flat; this maps them.

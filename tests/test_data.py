@@ -371,7 +371,15 @@ def test_packed_resume_mid_epoch_is_exact():
     with pytest.raises(ValueError, match="does not fit this stream"):
         other.restore(saved)
     with pytest.raises(ValueError, match="does not fit this stream"):  # past the end of that epoch
-        original.restore({**saved, "index": original.batches_per_epoch + 5})
+        original.restore({**saved, "position": len(encoded) + 5})
+    before = {k: saved[k] for k in ("epoch", "index", "batches_per_epoch")}  # a state saved before positions
+    with pytest.raises(ValueError, match="does not fit this stream"):
+        original.restore({**before, "index": original.batches_per_epoch + 5})
+    resumed.restore(before)  # cut again up to its batch: the same continuation
+    original.restore(saved)
+    for _ in range(6):
+        a, b = next(original), next(resumed)
+        assert all(np.array_equal(a[key], b[key]) for key in a)
 
 
 def test_packing_fills_more_slots_than_buckets():

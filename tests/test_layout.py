@@ -26,6 +26,7 @@ LAYERS = [
     ("positions", "masks", "checks"),  # checks: token ids and shapes at the entry points
     ("corpus", "tokenizer"),  # text in: reading files (file:line errors); the joint SentencePiece model
     ("batching", "default_task"),  # ids and batches (packed rows or length buckets); the built-in task's pairs
+    ("token_arrays",),  # training files encoded once into memory-mapped token arrays (the corpus cache)
     ("dropout", "losses"),
     ("quantization",),  # int8 weights with qwix, and the products that read them
     ("model",),
