@@ -233,6 +233,44 @@ def test_batching_takes_every_pair_once_per_epoch_within_budget_and_shapes(plan,
         assert stream.epoch == epoch + 1
 
 
+def first_fit(src_len: np.ndarray, tgt_len: np.ndarray, order: np.ndarray, rows: int, length: int) -> list:
+    """The packing as first written: one pair at a time into the first row of the open batch where both its sides
+    fit, a pair that fits nowhere opening the next batch. What `batching._Packing.batches` must give."""
+    batches, open_rows = [], [[] for _ in range(rows)]
+    src_free, tgt_free = np.full(rows, length), np.full(rows, length)
+    for i in order.tolist():
+        fits = np.flatnonzero((src_free >= src_len[i]) & (tgt_free >= tgt_len[i]))
+        if fits.size == 0:
+            batches.append(open_rows)
+            open_rows = [[] for _ in range(rows)]
+            src_free[:], tgt_free[:] = length, length
+            row = 0
+        else:
+            row = int(fits[0])
+        open_rows[row].append(i)
+        src_free[row] -= src_len[i]
+        tgt_free[row] -= tgt_len[i]
+    return batches + [open_rows]
+
+
+@fuzz(40)
+@given(case=corpora(), block=st.sampled_from([1, 3, 64]))
+def test_packing_is_first_fit_pair_for_pair_and_resumes_at_any_batch(case, block):
+    """The block-wise first fit against the one-pair-at-a-time one; a batch's start position resumes it."""
+    from jax_transformer.batching import _Packing
+
+    encoded, max_tokens, row_multiple, seed = case
+    packing = _Packing(encoded, max_tokens, None, row_multiple, seed)
+    packing._BLOCK = block
+    order = np.random.default_rng((seed, 0)).permutation(len(encoded))
+    expected = first_fit(packing.src_len, packing.tgt_len, order, packing.rows, packing.length)
+    got = list(packing.batches(np.random.default_rng((seed, 0))))
+    assert [rows for rows, _ in got] == expected
+    for k, (_, position) in enumerate(got[:-1]):  # from where batch k + 1 begins: the same batches on
+        again = [rows for rows, _ in packing.batches(np.random.default_rng((seed, 0)), position)]
+        assert again == expected[k + 1 :]
+
+
 # --- translation: one line out per line in ------------------------------------------------------------------------
 
 
