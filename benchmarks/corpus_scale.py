@@ -10,20 +10,23 @@ encoding, the batch plan) and the peak resident memory of `train.py train` on sy
 
 The corpora are made here (`make_tsv`): source<TAB>target lines of 5-25 words a side, the words drawn Zipf-like
 from a fixed list of 50,000 pseudo-words, about 284 MB a million pairs; each is cached in --cache (by pairs and
-seed) and reused. The tiny preset's 64 positions make train.py skip the longer pairs (about half of them once its
-tokenizer is trained on a million pairs; the log says how many). For each size the script runs, as child
-processes in --repo (default: this repository):
+seed) and reused. The tiny preset's 64 positions make train.py skip the longer pairs (the log says how many: it
+depends on the tokenizer, so on what it was trained on). For each size the script runs, as child processes in
+--repo (default: this repository):
 
     python train.py train --tsv FILE --preset tiny --steps 3 --vocab-size 8000 --run-dir DIR --no-compile-ahead
     python train.py train --resume DIR --steps 6 --no-compile-ahead
 
 with --extra-flags appended to both (a flag that --repo's `train.py train --help` does not list is dropped, with
 a note). Of each child it records the setup time (from the start of the process to its first line beginning
-"model: ", which train.py prints when the run is set up), the wall time of the whole process and its peak
-resident memory (ru_maxrss of os.wait4). The tiny model makes the three training steps a small part of the wall
-time. Each child's output goes to a log beside --json; a child that fails ends the script (the results so far
-written, its log's last lines printed). --repo may be a git worktree of an older commit, to measure the code
-there with this script.
+"model: ", which train.py prints when the run is set up) and the peak resident memory until then (VmHWM of
+/proc/PID/status at that line), the wall time of the whole process and its peak resident memory (ru_maxrss of
+os.wait4: it adds compiling and running the training step, whatever the corpus). The tiny model makes the three
+training steps a small part of the wall time. Where the code has a corpus cache (--data-cache), each size gets a
+fresh one, so the first run encodes, and the rate at which the run's batch stream cuts batches from it is measured
+after emptying the page cache (root only) and again warm. Each child's output goes to a log beside --json; a child
+that fails ends the script (the results so far written, its log's last lines printed). --repo may be a git
+worktree of an older commit, to measure the code there with this script.
 """
 
 from __future__ import annotations
@@ -170,12 +173,23 @@ def child_env(repo: Path) -> dict[str, str]:
     return env
 
 
+def peak_so_far(pid: int) -> float | None:
+    """A running process's peak resident memory so far (VmHWM of /proc/PID/status), in GB."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return round(int(line.split()[1]) * 1024 / 1e9, 3)
+    except OSError:
+        pass
+    return None
+
+
 def measure(args: list[str], repo: Path, log_path: Path) -> dict:
     """Runs `python train.py *args` in repo: its setup and wall seconds, peak resident memory and exit status (a
     failure's last log lines printed); the log kept."""
     command = [sys.executable, "train.py", *args]
     print("$ " + shlex.join(command), flush=True)
-    setup_s = None
+    setup_s = setup_peak_gb = None
     start = time.perf_counter()
     proc = subprocess.Popen(
         command,
@@ -190,6 +204,7 @@ def measure(args: list[str], repo: Path, log_path: Path) -> dict:
         for line in proc.stdout:
             if setup_s is None and line.startswith("model: "):
                 setup_s = time.perf_counter() - start
+                setup_peak_gb = peak_so_far(proc.pid)
             log.write(line)
             print("    " + line, end="", flush=True)
     _, status, usage = os.wait4(proc.pid, 0)
@@ -203,25 +218,66 @@ def measure(args: list[str], repo: Path, log_path: Path) -> dict:
         "command": command,
         "returncode": proc.returncode,
         "setup_s": None if setup_s is None else round(setup_s, 2),
+        "setup_peak_gb": setup_peak_gb,  # the peak until the run was set up (VmHWM then)
         "wall_s": round(wall_s, 2),
         "peak_gb": round(usage.ru_maxrss * 1024 / 1e9, 3),  # ru_maxrss is in KiB on Linux
         "log": str(log_path),
     }
 
 
-def measure_size(pairs: int, tsv: Path, repo: Path, extra: list[str], logs: Path) -> dict:
+def measure_size(pairs: int, tsv: Path, repo: Path, extra: list[str], logs: Path, flags: set[str]) -> dict:
     """The first run and its resume (unless the first run fails) on one corpus; the logs are named
-    logs-PAIRS-first.log and -resume.log."""
+    logs-PAIRS-first.log and -resume.log. Where the code encodes corpora into a cache (--data-cache), a fresh one
+    for this size, so the first run encodes; then the rate batches are read from it (`stream_rate`)."""
     with tempfile.TemporaryDirectory(prefix="corpus_scale_run_") as tmp:
-        run_dir = Path(tmp) / "run"
+        run_dir, cache = Path(tmp) / "run", Path(tmp) / "cache"
+        cached = ["--data-cache", str(cache)] if "--data-cache" in flags else []
         first = ["train", "--tsv", str(tsv), "--preset", "tiny", "--steps", "3", "--vocab-size", "8000"]
-        first += ["--run-dir", str(run_dir), *extra]
+        first += ["--run-dir", str(run_dir), *cached, *extra]
         resume = ["train", "--resume", str(run_dir), "--steps", "6", *extra]
         row = {"pairs": pairs, "file_mb": round(tsv.stat().st_size / 1e6, 1)}
         row["first"] = measure(first, repo, logs.with_name(f"{logs.name}-{pairs}-first.log"))
         if row["first"]["returncode"] == 0:
             row["resume"] = measure(resume, repo, logs.with_name(f"{logs.name}-{pairs}-resume.log"))
+        if cached and row["first"]["returncode"] == 0 and repo == REPO:
+            row["stream"] = {cold: stream_rate(tsv, run_dir, cache, cold=cold) for cold in ("cold", "warm")}
     return row
+
+
+def drop_page_cache() -> bool:
+    """Empties the kernel's page cache (root only), so the next reads come from the disk; whether it could."""
+    os.sync()
+    try:
+        Path("/proc/sys/vm/drop_caches").write_text("1\n")
+        return True
+    except OSError:
+        return False
+
+
+def stream_rate(tsv: Path, run_dir: Path, cache: Path, *, cold: str, seconds: float = 10.0) -> dict:
+    """Real tokens (source and target, padding not counted) a second that the run's batch stream cuts from the
+    memory-mapped arrays, for `seconds`: after emptying the page cache ("cold": read from disk) or not ("warm")."""
+    sys.path.insert(0, str(REPO))
+    from jax_transformer import token_arrays
+    from jax_transformer.batching import BatchStream, SpecialIds
+    from jax_transformer.config import DataConfig, preset
+    from jax_transformer.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.load(run_dir / "tokenizer.model")
+    arrays = token_arrays.open_encoded([tsv], tokenizer, cache_dir=cache, print_fn=lambda _: None, progress=False)
+    data = DataConfig()  # the run's batching: its defaults
+    encoded = arrays.encoded(preset("tiny").max_len, data.on_too_long, SpecialIds.of(tokenizer))
+    dropped = drop_page_cache() if cold == "cold" else False
+    stream = BatchStream(encoded, data.max_tokens, batching=data.batching, row_multiple=data.row_multiple)
+    tokens = batches = 0
+    start = time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        batch = next(stream)
+        tokens += int((batch["src"] != 0).sum() + (batch["tgt_out"] != 0).sum())
+        batches += 1
+    rate = tokens / (time.perf_counter() - start)
+    print(f"stream ({cold}{'' if cold == 'warm' or dropped else ', page cache not emptied'}): {rate:,.0f} tokens/s")
+    return {"tokens_per_s": round(rate), "batches": batches, "page_cache_emptied": dropped}
 
 
 # =============================================================================================================
@@ -243,18 +299,25 @@ def _cell(run: dict | None) -> str:
     if run is None:
         return "not run"
     setup = "-" if run["setup_s"] is None else f"{run['setup_s']:.1f}"
+    setup_peak = "-" if run.get("setup_peak_gb") is None else f"{run['setup_peak_gb']:.2f}"
     failed = f" (failed: exit status {run['returncode']})" if run["returncode"] else ""
-    return f"{setup} / {run['peak_gb']:.2f} / {run['wall_s']:.1f}{failed}"
+    return f"{setup} / {setup_peak} / {run['peak_gb']:.2f} / {run['wall_s']:.1f}{failed}"
 
 
 def table(rows: list[dict]) -> str:
     """The rows as a Markdown table."""
     lines = [
-        "| pairs | file MB | first run: setup s / peak GB / wall s | resume: setup s / peak GB / wall s |",
-        "|---:|---:|---|---|",
+        "| pairs | file MB | first run: setup s / setup peak GB / peak GB / wall s "
+        "| resume: setup s / setup peak GB / peak GB / wall s "
+        "| stream from disk: tokens/s cold / warm |",
+        "|---:|---:|---|---|---|",
     ]
     for r in rows:
-        lines.append(f"| {r['pairs']:,} | {r['file_mb']:.0f} | {_cell(r['first'])} | {_cell(r.get('resume'))} |")
+        stream = r.get("stream")
+        rate = "-" if not stream else f"{stream['cold']['tokens_per_s']:,} / {stream['warm']['tokens_per_s']:,}"
+        lines.append(
+            f"| {r['pairs']:,} | {r['file_mb']:.0f} | {_cell(r['first'])} | {_cell(r.get('resume'))} | {rate} |"
+        )
     return "\n".join(lines)
 
 
@@ -304,7 +367,7 @@ def main(argv: list[str] | None = None) -> None:
     failed = []
     for n in pairs:
         tsv = cached_tsv(args.cache, n, args.seed)
-        row = measure_size(n, tsv, repo, extra, logs)
+        row = measure_size(n, tsv, repo, extra, logs, flags)
         result["rows"].append(row)
         args.json.write_text(json.dumps(result, indent=2) + "\n")  # after each size: a partial result survives
         failed = [run["log"] for run in (row["first"], row.get("resume")) if run and run["returncode"]]

@@ -159,7 +159,8 @@ def fitting(
     to stop mid-sentence. Whole-array operations: the lengths of millions of pairs are compared at once.
     """
     check_fitting(max_len, on_too_long)
-    too_long = np.flatnonzero((src.lengths > max_len) | (tgt.lengths + 1 > max_len))
+    too_long_mask = (src.lengths > max_len) | (tgt.lengths + 1 > max_len)
+    too_long = np.flatnonzero(too_long_mask)
     if too_long.size and on_too_long == "error":
         i = int(too_long[0])
         raise DataError(
@@ -169,7 +170,7 @@ def fitting(
         )
     if not too_long.size:
         return EncodedCorpus(src, tgt, line_numbers, range(len(src)), origin, max_len, ids=ids)
-    keep = np.flatnonzero(np.isin(np.arange(len(src)), too_long, invert=True))
+    keep = np.flatnonzero(~too_long_mask)
     assert src.rows is None and tgt.rows is None, "fitting takes every pair of its arrays"
     return EncodedCorpus(
         Ragged(src.tokens, src.offsets, keep),
