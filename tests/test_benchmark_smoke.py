@@ -365,3 +365,23 @@ def test_step_profile_traces_the_tiny_step():
     assert set(row["op_ms"]) == set(CATEGORIES)
     assert row["op_ms"]["matmul"] > 0 and row["op_ms"]["optimizer"] > 0
     assert _positive(row["wall_ms_median"]) and _positive(row["matmul_gflops_in_ops"])
+
+
+def test_the_corpus_scale_benchmark_makes_the_corpus_it_describes(tmp_path):
+    """benchmarks/corpus_scale.py's synthetic corpus: source<TAB>target lines of 5-25 words a side, the same file
+    from the same seed, another from another; and the reader of this project reads it whole."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import corpus_scale
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    from jax_transformer.corpus import read_tsv
+
+    paths = [tmp_path / name for name in ("a.tsv", "b.tsv", "c.tsv")]
+    sizes = [corpus_scale.make_tsv(path, 2_000, seed) for path, seed in zip(paths, (3, 3, 4))]
+    assert sizes[0] == paths[0].stat().st_size and paths[0].read_bytes() == paths[1].read_bytes()
+    assert paths[0].read_bytes() != paths[2].read_bytes()
+    corpus = read_tsv(paths[0], on_empty="error")
+    assert len(corpus) == 2_000 and corpus.line_numbers == list(range(1, 2_001))
+    counts = [len(text.split(" ")) for text in corpus.sources + corpus.targets]
+    assert min(counts) >= 5 and max(counts) <= 25 and len(set(counts)) == 21  # every length of 5..25 occurs
