@@ -524,7 +524,8 @@ class BatchStream:
         self.seed = seed
         self.process_rows = process_rows
         self.plan_key = _digest((self._batches.key(), seed))
-        self._epoch, self._index, self._position = 0, 0, 0
+        self._epoch, self._index = 0, 0
+        self._position: int | None = 0 if batching == "packed" else None  # where the next packed batch begins
         self._plan: Iterator | None = None  # this epoch's remaining batches, cut as they are needed
         self._next: Any = None  # the next batch of the epoch (looked at ahead, to know when the epoch ends)
         if state is not None:
@@ -543,11 +544,13 @@ class BatchStream:
         begins (packed), else by cutting and skipping the batches before it."""
         rng = np.random.default_rng((self.seed, self._epoch))
         if position is not None and self.batching == "packed":
-            self._plan = self._batches.batches(rng, position)
+            self._plan, self._position = self._batches.batches(rng, position), position
         else:
-            self._plan = self._batches.batches(rng)
+            self._plan, self._position = self._batches.batches(rng), 0 if self.batching == "packed" else None
             for _ in range(self._index):
-                next(self._plan, None)
+                skipped = next(self._plan, None)
+                if skipped is not None:  # where the batch after it begins: what `state` saves from now on
+                    self._position = skipped[1]
         self._next = next(self._plan, None)
 
     def __next__(self) -> dict[str, np.ndarray]:
@@ -556,7 +559,8 @@ class BatchStream:
         (item, self._position), self._next = self._next, next(self._plan, None)
         self._index += 1
         if self._next is None:  # that was the epoch's last batch
-            self._epoch, self._index, self._position, self._plan = self._epoch + 1, 0, 0, None
+            self._epoch, self._index, self._plan = self._epoch + 1, 0, None
+            self._position = 0 if self.batching == "packed" else None
         if self.process_rows is None:
             return self._batches.collate(item)
         return self._batches.collate(item, self.process_rows(len(item) if self.batching == "packed" else len(item[1])))
@@ -613,9 +617,8 @@ class BatchStream:
                 f"not fit this stream ({self.batches_per_epoch} batches per epoch); was it saved with other data, "
                 f"max_tokens, batching, pack_length or row_multiple?"
             )
-        if plan is not None and isinstance(self._batches, _Packing) and self._batches._batches_per_epoch is None:
+        if plan is not None and isinstance(self._batches, _Packing) and _is_count(saved):
             self._batches._batches_per_epoch = saved  # the same plan: its count need not be packed again
-        self._position = position or 0
 
     @property
     def shapes(self) -> list[tuple[int, int]]:
@@ -632,6 +635,10 @@ class BatchStream:
         """One all-padding batch of every shape and key the stream yields: what a step is compiled for ahead."""
         keys = ("src", "tgt_in", "tgt_out") + (PACKING_KEYS if self.batching == "packed" else ())
         return [{key: np.zeros(shape, dtype=np.int32) for key in keys} for shape in self.shapes]
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
 def _digest(value: Any) -> str:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import socket
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,6 +28,7 @@ def _umask() -> int:
 
 
 _UMASK = _umask()
+_HOST = socket.gethostname()
 NEW_FILE_MODE = 0o666 & ~_UMASK  # what open() gives a new file; some writers make theirs private (0600)
 
 
@@ -66,8 +68,8 @@ def replaced_folder(path: str | os.PathLike, errors: tuple[type[BaseException], 
 
 
 def _temporary(path: Path) -> Path:
-    """A name beside `path` that no other process or thread writing it uses."""
-    return path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.partial")
+    """A name beside `path` that no other process or thread writing it uses, on any machine of a shared disk."""
+    return path.with_name(f".{path.name}.{_HOST}.{os.getpid()}.{threading.get_ident()}.partial")
 
 
 def _failed(path: Path, error: BaseException) -> WriteError:

@@ -376,10 +376,13 @@ def test_packed_resume_mid_epoch_is_exact():
     with pytest.raises(ValueError, match="does not fit this stream"):
         original.restore({**before, "index": original.batches_per_epoch + 5})
     resumed.restore(before)  # cut again up to its batch: the same continuation
+    again = BatchStream(encoded, max_tokens=1024, batching="packed", pack_length=64, seed=7)
+    again.restore(json.loads(json.dumps(resumed.state())))  # saved again at once: now with its position
+    assert again.state() == resumed.state() == saved
     original.restore(saved)
     for _ in range(6):
-        a, b = next(original), next(resumed)
-        assert all(np.array_equal(a[key], b[key]) for key in a)
+        a, b, c = next(original), next(resumed), next(again)
+        assert all(np.array_equal(a[key], b[key]) and np.array_equal(a[key], c[key]) for key in a)
 
 
 def test_packing_fills_more_slots_than_buckets():
