@@ -15,14 +15,17 @@ import time
 import zlib
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import jax
 import numpy as np
 
 from jax_transformer.config import ConfigError, OptimConfig, ParallelConfig, TransformerConfig, host_port
+from jax_transformer.errors import DataError
 from jax_transformer.sharding import BATCH_AXES, MeshShape, spec_for, tree_shardings
 from jax_transformer.training import make_train_step, replicate, shard_batch, unreplicate
+
+T = TypeVar("T")
 
 # =============================================================================================================
 # Joining the processes
@@ -292,7 +295,28 @@ def all_same(what: str, value: bytes) -> None:
         )
 
 
-_REASON_BYTES = 32  # a stop reason travels as this many bytes of ASCII
+_REASON_BYTES = 32  # a stop reason travels as this many bytes of UTF-8
+_ERROR_BYTES = 1024  # and process 0's error, in `primary_first`
+
+
+def primary_first(what: str, work: Callable[[], T]) -> T | None:
+    """`work()` in process 0 alone (what it writes, the others then read), then one collective that every process
+    passes: an error in process 0 ends every process, the others with a DataError naming it, instead of leaving
+    them waiting at a barrier. work's result in process 0; None in the others (and in every process, after it)."""
+    if jax.process_count() == 1:
+        return work()
+    result, error = None, None
+    if is_primary():
+        try:
+            result = work()
+        except Exception as e:  # noqa: BLE001 (raised again below, after the others are told)
+            error = e
+    failed = _first_text(None if error is None else f"{type(error).__name__}: {error}", _ERROR_BYTES)
+    if error is not None:
+        raise error
+    if failed is not None:
+        raise DataError(f"process 0 stopped while {what}: {failed}")
+    return result
 
 
 def agree_on_stop(reason: str | None) -> str | None:
@@ -302,17 +326,21 @@ def agree_on_stop(reason: str | None) -> str | None:
     a save that failed there). Every process gathers all reasons and applies this rule, so all leave the loop at
     the same step with the same reason. One small collective per step, in multi-process runs only; a
     single-process run returns its own reason as it is."""
+    return _first_text(reason, _REASON_BYTES)
+
+
+def _first_text(text: str | None, size: int) -> str | None:
+    """Every process's `text` (its first `size` bytes of UTF-8) gathered; the first that is not None, by process."""
     if jax.process_count() == 1:
-        return reason
-    encoded = np.zeros(_REASON_BYTES, np.uint8)
-    if reason is not None:
-        raw = reason.encode("ascii", "replace")[:_REASON_BYTES]
+        return text
+    encoded = np.zeros(size, np.uint8)
+    if text is not None:
+        raw = text.encode("utf-8", "replace")[:size] or b" "
         encoded[: len(raw)] = np.frombuffer(raw, np.uint8)
-    words = _gather_words(encoded.view(np.uint32))
-    for row in words:
-        text = row.astype(np.uint32).view(np.uint8).tobytes().rstrip(b"\0").decode("ascii")
-        if text:
-            return text
+    for row in _gather_words(encoded.view(np.uint32)):
+        said = row.astype(np.uint32).view(np.uint8).tobytes().rstrip(b"\0").decode("utf-8", "replace")
+        if said:
+            return said
     return None
 
 

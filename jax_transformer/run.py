@@ -293,10 +293,9 @@ class TrainingData:
         if self.corpus is not None:
             encoded = encode_corpus(self.corpus, tokenizer, max_len, on_too_long=self.data.on_too_long)
             return encoded, self.corpus.describe(), corpus_fingerprint(self.corpus)
-        if distributed.is_primary():  # process 0 encodes; the others map its arrays (or, on their own disk, encode)
-            arrays = self._arrays(tokenizer, print_fn)
-        distributed.barrier("training data encoded")
-        if not distributed.is_primary():
+        # Process 0 encodes; the others then map its arrays (or, on a disk of their own, encode them too).
+        arrays = distributed.primary_first("encoding the training data", lambda: self._arrays(tokenizer, print_fn))
+        if arrays is None:
             arrays = self._arrays(tokenizer, _silent)
         ids = SpecialIds.of(tokenizer)
         return arrays.encoded(max_len, self.data.on_too_long, ids), arrays.describe(), arrays.fingerprint
@@ -625,16 +624,20 @@ def shared_tokenizer(
     corpus: TrainingData, data: DataConfig, seed: int, run_dir: Path, print_fn: Callable[[str], None] = print
 ) -> Tokenizer:
     """`train_tokenizer`, trained once: in a multi-process run process 0 trains it and writes
-    <run>/tokenizer.model, the others wait at a barrier and read that file (so the run directory must be shared)."""
+    <run>/tokenizer.model, the others wait for it (`distributed.primary_first`: an error there stops them too) and
+    read that file (so the run directory must be shared)."""
     if jax.process_count() == 1:
         return train_tokenizer(corpus, data, seed, print_fn)
     path = run_dir / "tokenizer.model"
-    if distributed.is_primary():
+
+    def train_and_write() -> Tokenizer:
         tokenizer = train_tokenizer(corpus, data, seed, print_fn)
         run_dir.mkdir(parents=True, exist_ok=True)
         tokenizer.save(path)
-    distributed.barrier("tokenizer written")
-    if distributed.is_primary():
+        return tokenizer
+
+    tokenizer = distributed.primary_first("training the tokenizer", train_and_write)
+    if tokenizer is not None:
         return tokenizer
     if not path.is_file():
         raise UsageError(

@@ -338,6 +338,26 @@ def test_a_signal_to_one_process_stops_both_and_a_dead_peer_stops_the_other(tmp_
     )
 
 
+def test_a_bad_line_that_process_zero_finds_stops_both_processes(tmp_path):
+    """Process 0 alone reads the training file (for the tokenizer's sample, then to encode it; the others read what
+    it wrote): a bad line it finds must end both processes with the line named, not leave process 1 waiting at a
+    barrier (`distributed.primary_first`)."""
+    train, run, cache = write_corpus(tmp_path), tmp_path / "run", tmp_path / "xla-cache"
+    lines = train.read_text(encoding="utf-8").splitlines()
+    lines[200] = lines[200].replace("\t", " ")  # line 201: no tab
+    train.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    port = free_port()
+    logs = [tmp_path / f"process-{i}.log" for i in range(2)]
+    argv = tiny_train_args(run, train, steps=2)
+    processes = [start_train_process(argv + process_flags(port, 2, i), logs[i], cache, devices=2) for i in range(2)]
+    codes = finish(processes, logs, timeout=120)
+    texts = [log.read_text() for log in logs]
+    assert codes == [1, 1], texts
+    bad = f"{train}, line 201: expected exactly one tab between source and target, found 0"
+    assert f"error: {bad}" in texts[0]
+    assert f"error: process 0 stopped while training the tokenizer: DataError: {bad}" in texts[1], texts[1]
+
+
 # --- bad values of the new flags: a clear error, quickly -----------------------------------------------------------
 
 
