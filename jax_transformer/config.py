@@ -608,9 +608,31 @@ class DecodeConfig(Settings):
         "code, which --tgt-lang sets)",
         at_least=0,
     )
+    repetition_penalty: float = setting(
+        1.0,
+        "transformers rules: the score of a token already in the output (start token included) is divided by this "
+        "when positive, multiplied when negative (repetition_penalty; 1: off)",
+        above=0,
+    )
+    no_repeat_ngram_size: int = setting(
+        0,
+        "transformers rules: no n-gram of this many tokens occurs twice in an output, start token included "
+        "(no_repeat_ngram_size; 0: off)",
+        at_least=0,
+    )
 
     def check(self) -> None:
         self.banned_ids()  # checks the form
+        repeats = {
+            "repetition_penalty": self.repetition_penalty != 1.0,
+            "no_repeat_ngram_size": self.no_repeat_ngram_size,
+        }
+        for name in (name for name, given in repeats.items() if given):
+            if self.rules != "transformers":
+                raise ConfigError(
+                    f"--{name.replace('_', '-')} (decode field '{name}') is one of transformers' rules: it needs "
+                    f"--rules transformers; this decoding has rules={self.rules!r}"
+                )
 
     def banned_ids(self) -> tuple[int, ...]:
         try:

@@ -185,9 +185,16 @@ def transformers_decoder(
     forced_eos: bool = False,
     min_length: int = 0,
     forced_bos: int | None = None,
+    repetition_penalty: float = 1.0,
+    no_repeat_ngram_size: int = 0,
 ) -> Decoder:
     """transformers' `generate(num_beams=..., do_sample=False)` (`search.Transformers`): outputs of max_length - 1
     tokens (the start token not counted)."""
+    if not repetition_penalty > 0 or no_repeat_ngram_size < 0:
+        raise ValueError(
+            f"repetition_penalty must be > 0 and no_repeat_ngram_size >= 0, got {repetition_penalty} and "
+            f"{no_repeat_ngram_size}"
+        )
     if early_stopping not in EARLY_STOPPING:
         raise ValueError(f"early_stopping must be one of {EARLY_STOPPING}, got {early_stopping!r}")
     if not 2 <= max_length <= config.max_len + 1:
@@ -204,6 +211,8 @@ def transformers_decoder(
         banned=tuple(int(i) for i in banned),
         forced_eos=bool(forced_eos),
         early_stopping=early_stopping,
+        repetition_penalty=float(repetition_penalty),
+        no_repeat_ngram=int(no_repeat_ngram_size),
     )
     return Decoder(config, rules, int(max_length) - 1)
 
@@ -233,6 +242,8 @@ def decoder_for(
         forced_eos=decode.forced_eos,
         min_length=decode.min_length,
         forced_bos=decode.forced_bos,
+        repetition_penalty=decode.repetition_penalty,
+        no_repeat_ngram_size=decode.no_repeat_ngram_size,
     )
 
 
@@ -301,6 +312,8 @@ def generate(
     forced_eos: bool = False,
     min_length: int = 0,
     forced_bos: int | None = None,
+    repetition_penalty: float = 1.0,
+    no_repeat_ngram_size: int = 0,
     schedule: schedules.Schedule | None = None,
 ) -> np.ndarray:
     """transformers' `generate(num_beams=..., do_sample=False)` on right-padded sources (B, S).
@@ -312,6 +325,9 @@ def generate(
         forced_eos: only EOS at the last position (its forced_eos_token_id).
         min_length: no EOS before the output (start token included) is this long.
         forced_bos: the first output token (its forced_bos_token_id: a target language's code).
+        repetition_penalty: a token already in the output (start token included) has its score divided by this
+            when positive, multiplied when negative (its repetition_penalty; 1: off).
+        no_repeat_ngram_size: no n-gram of this many tokens occurs twice in an output, start token included.
         schedule: as for `greedy_search`.
 
     Returns:
@@ -319,7 +335,9 @@ def generate(
     """
     src = check_source(src, config)
     options = dict(early_stopping=early_stopping, banned=banned, forced_eos=forced_eos, min_length=min_length)
-    options.update(forced_bos=forced_bos)
+    options.update(
+        forced_bos=forced_bos, repetition_penalty=repetition_penalty, no_repeat_ngram_size=no_repeat_ngram_size
+    )
     decoder = transformers_decoder(
         config, max_length=max_length, num_beams=num_beams, length_penalty=length_penalty, **options
     )

@@ -111,7 +111,8 @@ def _weights(folder: Path) -> dict[str, np.ndarray]:
 def generation_settings(config: dict, generation: dict | None) -> dict[str, Any]:
     """How a transformers model decodes by default (its generation_config.json, else what transformers derives from
     config.json): {"num_beams", "length_penalty", "early_stopping" ("true", "false", "never"), "max_length",
-    "banned" (ids never produced: its bad_words_ids of one token), "forced_eos", "min_length"}."""
+    "banned" (ids never produced: its bad_words_ids of one token), "forced_eos", "min_length", "forced_bos",
+    "repetition_penalty", "no_repeat_ngram_size"}."""
     g = {
         **{
             k: config[k]
@@ -124,6 +125,8 @@ def generation_settings(config: dict, generation: dict | None) -> dict[str, Any]
                 "forced_eos_token_id",
                 "forced_bos_token_id",
                 "min_length",
+                "repetition_penalty",
+                "no_repeat_ngram_size",
             )
             if k in config
         },
@@ -142,6 +145,8 @@ def generation_settings(config: dict, generation: dict | None) -> dict[str, Any]
         "forced_eos": g.get("forced_eos_token_id") is not None,
         "min_length": int(g.get("min_length", 0)),
         "forced_bos": g.get("forced_bos_token_id"),  # (a multilingual tokenizer's --tgt-lang sets it per call)
+        "repetition_penalty": float(g.get("repetition_penalty") or 1.0),
+        "no_repeat_ngram_size": int(g.get("no_repeat_ngram_size") or 0),
     }
 
 
@@ -328,6 +333,8 @@ def read_fairseq(path: Path) -> Pretrained:
         "banned": [],
         "forced_eos": True,
         "min_length": 0,
+        "repetition_penalty": 1.0,
+        "no_repeat_ngram_size": 0,
     }  # (what transformers' FSMT conversion writes)
     return Pretrained("fairseq", config, params, tokenizer, generation, str(path))
 
@@ -432,7 +439,12 @@ def _generation_json(config: TransformerConfig, loop: dict, decode: dict) -> dic
         "early_stopping": {"true": True, "false": False}.get(decode.get("early_stopping", "false"), "never"),
         **({"forced_eos_token_id": config.eos_id} if decode.get("forced_eos", True) else {}),
         **({"bad_words_ids": [[i] for i in banned]} if banned else {}),
+        **{key: decode[key] for key, off in _REPEAT_OFF.items() if decode.get(key, off) != off},
     }
+
+
+# transformers' repetition controls and their "off" values: written only when on (its defaults are unset).
+_REPEAT_OFF = {"repetition_penalty": 1.0, "no_repeat_ngram_size": 0}
 
 
 def _marian_files(params, config: TransformerConfig, tokenizer, loop, decode, own: bool):
@@ -516,6 +528,9 @@ def _multilingual_files(params, config: TransformerConfig, tokenizer, loop, deco
     }
     if not decode.get("forced_eos", True):  # (as _generation_json reads it)
         generation.pop("forced_eos_token_id", None)
+    for key, off in _REPEAT_OFF.items():  # turned off since the import
+        if decode.get(key, off) == off:
+            generation.pop(key, None)
     files = dict(tokenizer.files)
     settings = json.loads(files.get("tokenizer_config.json", b"{}"))
     if family == "mbart":  # BART's fields for what mBART always does, as released configs state them (CTranslate2

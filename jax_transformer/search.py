@@ -64,8 +64,9 @@ class Rules:
     eos_id: int = flax.struct.field(pytree_node=False)
     impossible = -jnp.inf  # the score of an empty slot and of what may not be chosen
 
-    def token_scores(self, logits, step):
-        """(N, V) scores of the next token for ranking (log-probs, with banned tokens made impossible)."""
+    def token_scores(self, logits, step, past):
+        """(N, V) scores of the next token for ranking (log-probs, with banned tokens made impossible); `past`:
+        (N, L) the hypotheses' tokens so far (positions from `step` on are padding)."""
         raise NotImplementedError
 
     def exclude(self, scores, mask):
@@ -116,7 +117,7 @@ class Gnmt(Rules):
     pad_id: int = flax.struct.field(pytree_node=False)
     bos_id: int | None = flax.struct.field(pytree_node=False)
 
-    def token_scores(self, logits, step):
+    def token_scores(self, logits, step, past):
         # No renormalisation after the bans, as fairseq does.
         log_probs = jax.nn.log_softmax(logits, axis=-1).at[..., self.pad_id].set(-jnp.inf)
         if self.bos_id is not None:
@@ -157,10 +158,21 @@ class Transformers(Rules):
     banned: tuple[int, ...] = flax.struct.field(pytree_node=False)
     forced_eos: bool = flax.struct.field(pytree_node=False)
     early_stopping: str = flax.struct.field(pytree_node=False)  # "false", "true" or "never"
+    repetition_penalty: float = flax.struct.field(pytree_node=False, default=1.0)  # 1: off
+    no_repeat_ngram: int = flax.struct.field(pytree_node=False, default=0)  # 0: off
     impossible = NEG
 
-    def token_scores(self, logits, step):
+    def token_scores(self, logits, step, past):
         scores = logits if self.greedy else jax.nn.log_softmax(logits, axis=-1)
+        # In transformers' order of its logits processors: repetition penalty, n-gram bans, bad words, min length,
+        # forced BOS, forced EOS. Its input_ids begin with the decoder's start token.
+        if self.repetition_penalty != 1.0 or self.no_repeat_ngram:
+            seen = jnp.concatenate([jnp.full_like(past[:, :1], self.start_id), past], axis=1)  # (N, L + 1)
+            known = jnp.arange(seen.shape[1]) <= step  # (L + 1,) the start token and the `step` tokens so far
+        if self.repetition_penalty != 1.0:
+            scores = _penalize_repeats(scores, seen, known, self.repetition_penalty)
+        if self.no_repeat_ngram:
+            scores = _ban_repeated_ngrams(scores, seen, step, self.no_repeat_ngram)
         for i in self.banned:
             scores = scores.at[..., i].set(-jnp.inf)
         eos = scores[..., self.eos_id]
@@ -194,6 +206,30 @@ class Transformers(Rules):
         return improvable & ~full & (s.step + 1 < s.limit) & ~jnp.all(ends)
 
 
+def _penalize_repeats(scores, seen, known, penalty: float):
+    """transformers' RepetitionPenaltyLogitsProcessor: every token in `seen` (where `known`) has its score divided
+    by `penalty` if positive, multiplied by it if negative. scores (N, V), seen (N, S)."""
+    rows = jnp.arange(scores.shape[0])[:, None]
+    present = jnp.zeros(scores.shape, bool).at[rows, seen].max(known[None, :])  # (N, V)
+    return jnp.where(present, jnp.where(scores < 0, scores * penalty, scores / penalty), scores)
+
+
+def _ban_repeated_ngrams(scores, seen, step, n: int):
+    """transformers' NoRepeatNGramLogitsProcessor: with the `step + 1` known tokens of `seen` (start token first),
+    a token that would complete an n-gram that occurs already is banned (-inf). scores (N, V), seen (N, S)."""
+    length = step + 1  # transformers' cur_len
+    S = seen.shape[1]
+    tail = lax.dynamic_slice_in_dim(seen, jnp.maximum(length - (n - 1), 0), n - 1, axis=1) if n > 1 else seen[:, :0]
+    starts = jnp.arange(S)  # an n-gram at each start j, complete when j + n <= length
+    match = (starts + n <= length)[None, :] & (length >= n)  # (1, S)
+    for i in range(n - 1):  # its first n - 1 tokens are the last n - 1 known ones
+        match = match & (jnp.roll(seen, -i, axis=1) == tail[:, i : i + 1])
+    following = jnp.roll(seen, -(n - 1), axis=1)  # (N, S) the n-th token of the n-gram starting at j
+    rows = jnp.arange(scores.shape[0])[:, None]
+    banned = jnp.zeros(scores.shape, bool).at[rows, following].max(match)
+    return jnp.where(banned, -jnp.inf, scores)
+
+
 # =============================================================================================================
 # The loop
 # =============================================================================================================
@@ -224,7 +260,7 @@ def advance(s: SearchState, rules: Rules, step_fn) -> SearchState:
     last = jnp.where(t == 0, rules.start_id, s.live_tokens[:, :, jnp.maximum(t - 1, 0)])  # (B, K)
     history = s.history.at[:, :, t].set(jnp.arange(K))  # hypothesis k's new position goes to cache slot k
     logits, cache = step_fn(last.reshape(-1), s.cache, history.reshape(B * K, -1), t)  # (B * K, V)
-    scores = rules.token_scores(logits, t).reshape(B, K, -1)  # (B, K, V)
+    scores = rules.token_scores(logits, t, s.live_tokens.reshape(B * K, -1)).reshape(B, K, -1)  # (B, K, V)
 
     log_p, parents, tokens = rules.candidates(s.live_scores, scores)  # (B, C)
     candidates = _gather(s.live_tokens, parents).at[:, :, t].set(tokens)  # (B, C, L)

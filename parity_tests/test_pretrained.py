@@ -226,6 +226,8 @@ def _generate_both(folder, **options):
         banned=tuple(i for [i] in options.get("bad_words_ids", [])),
         forced_eos=options.get("forced_eos_token_id") is not None,
         min_length=options.get("min_length", 0),
+        repetition_penalty=options.get("repetition_penalty", 1.0),
+        no_repeat_ngram_size=options.get("no_repeat_ngram_size", 0),
     )
 
     def trimmed(row):
@@ -243,14 +245,19 @@ GENERATE_CASES = {
     "beam4 early": dict(num_beams=4, early_stopping=True),
     "beam3 never": dict(num_beams=3, early_stopping="never"),
     "beam4 alpha0.6 min5": dict(num_beams=4, length_penalty=0.6, min_length=5),
+    "greedy repetition1.5": dict(num_beams=1, repetition_penalty=1.5),
+    "greedy ngram2": dict(num_beams=1, no_repeat_ngram_size=2),
+    "beam4 ngram3 repetition0.8": dict(num_beams=4, no_repeat_ngram_size=3, repetition_penalty=0.8),
 }
+REPEAT_OPTIONS = ("repetition_penalty", "no_repeat_ngram_size")
 
 
 @pytest.mark.parametrize("case", GENERATE_CASES)
 @pytest.mark.parametrize("family", ["marian", "fsmt"])
 def test_generate_matches_transformers(family, case, marian_dirs, fsmt_dir):
     """The tokens transformers' generate picks, for greedy and beam search under each of its stopping rules, with a
-    length penalty, a minimum length, the pad id banned (Marian) and EOS forced at the limit."""
+    length penalty, a minimum length, the pad id banned (Marian), EOS forced at the limit, its repetition penalty
+    and its n-gram bans."""
     folder = marian_dirs[True] if family == "marian" else fsmt_dir
     options = dict(GENERATE_CASES[case], max_length=MAX_LENGTH)
     config = hub.read_pretrained(folder).config
@@ -259,6 +266,10 @@ def test_generate_matches_transformers(family, case, marian_dirs, fsmt_dir):
     options["forced_eos_token_id"] = config.eos_id
     theirs, ours, config = _generate_both(folder, **options)
     assert ours == theirs
+    if any(name in options for name in REPEAT_OPTIONS):  # the option must have changed what is generated
+        plain, _, _ = _generate_both(folder, **{k: v for k, v in options.items() if k not in REPEAT_OPTIONS})
+        assert plain != theirs, "the repetition options changed nothing here"
+        return  # (whether sentences end, and where, is up to the options here)
     lengths = sorted({len(r) for r in theirs})
     if "min_length" in options:  # (min_length counts the start token)
         assert lengths[0] >= options["min_length"] - 1, lengths

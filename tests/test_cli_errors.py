@@ -111,6 +111,7 @@ def test_out_of_range_values_are_refused_at_parse_time_naming_the_flag(command, 
         (["--min-length", "40"], "error: --min-length 40: more than the longest output, 17"),
         (["--rules", "transformers", "--forced-bos", "100"], "error: --forced-bos 100: not an id of this model's"),
         (["--banned", "3,700"], "error: --banned 700: not an id of this model's target vocabulary [0, 100)"),
+        (["--no-repeat-ngram-size", "2"], "error: --no-repeat-ngram-size (decode field 'no_repeat_ngram_size') is"),
     ],
 )
 @pytest.mark.parametrize("text", ["seven\n", ""])

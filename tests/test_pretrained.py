@@ -68,13 +68,13 @@ def imported(tmp_path_factory):
     return root, source, root / "run"
 
 
-def _hf_translate(folder, sentences):
+def _hf_translate(folder, sentences, **options):
     from transformers import MarianMTModel, MarianTokenizer
 
     tokenizer = MarianTokenizer.from_pretrained(folder)
     model = MarianMTModel.from_pretrained(folder, attn_implementation="eager").eval()
     with torch.no_grad():
-        out = model.generate(**tokenizer(sentences, return_tensors="pt", padding=True))
+        out = model.generate(**tokenizer(sentences, return_tensors="pt", padding=True), **options)
     return tokenizer.batch_decode(out, skip_special_tokens=True)
 
 
@@ -94,6 +94,12 @@ def test_import_then_translate_as_transformers_generates(imported):
     theirs = _hf_translate(source, SENTENCES)
     assert ours == theirs
     assert len({len(t.split()) for t in theirs}) >= 2  # outputs of several lengths
+    # transformers' repetition controls, from the command line (its generate's own arguments of the same names).
+    flags = ["--repetition-penalty", "1.4", "--no-repeat-ngram-size", "2"]
+    code, out, err = run_main(["translate", "--checkpoint", str(run), "--input", str(root / "in.txt"), *flags])
+    assert code == 0, out + err
+    assert out.splitlines() == _hf_translate(source, SENTENCES, repetition_penalty=1.4, no_repeat_ngram_size=2)
+    assert out.splitlines() != theirs
 
 
 def test_export_gives_back_the_same_model_files(imported, tmp_path):
@@ -118,7 +124,8 @@ def test_export_gives_back_the_same_model_files(imported, tmp_path):
     for name in ("source.spm", "target.spm", "vocab.json"):
         assert (exported / name).read_bytes() == (source / name).read_bytes(), name
     a, b = GenerationConfig.from_pretrained(source), GenerationConfig.from_pretrained(exported)
-    for field in ("num_beams", "max_length", "bad_words_ids", "forced_eos_token_id", "decoder_start_token_id"):
+    fields = ("num_beams", "max_length", "bad_words_ids", "forced_eos_token_id", "decoder_start_token_id")
+    for field in (*fields, "repetition_penalty", "no_repeat_ngram_size"):
         assert getattr(a, field) == getattr(b, field), field
 
     ctranslate2 = pytest.importorskip("ctranslate2")
@@ -254,3 +261,22 @@ def test_packed_batches_of_a_decoder_that_starts_from_pad():
     bad = {**batch, "tgt_in": np.array([[19, 19, 19, 9, 19, 19]])}  # a pad inside segment 1
     with pytest.raises(TokenError, match=r"tgt_segments'\]\[0, 1\] = 1 is not 0 under a padding token"):
         check_batch(bad, config)
+
+
+def test_the_repetition_controls_are_read_from_a_generation_config_and_written_back():
+    """transformers' repetition_penalty and no_repeat_ngram_size: read at import (config.json or
+    generation_config.json, the latter winning; unset or None is off), written on export only when on."""
+    from jax_transformer.config import preset
+
+    read = hub.generation_settings({"no_repeat_ngram_size": 3, "repetition_penalty": 1.1}, {"repetition_penalty": 1.2})
+    assert (read["repetition_penalty"], read["no_repeat_ngram_size"]) == (1.2, 3)
+    off = hub.generation_settings({}, {"repetition_penalty": None})
+    assert (off["repetition_penalty"], off["no_repeat_ngram_size"]) == (1.0, 0)
+    config = preset("tiny", src_vocab_size=50, tgt_vocab_size=50)
+    loop = {"beam_size": 4, "alpha": 1.0}
+    on = hub._generation_json(
+        config, loop, {"rules": "transformers", "repetition_penalty": 1.2, "no_repeat_ngram_size": 3}
+    )
+    assert on["repetition_penalty"] == 1.2 and on["no_repeat_ngram_size"] == 3
+    plain = hub._generation_json(config, loop, {"rules": "transformers", "repetition_penalty": 1.0})
+    assert "repetition_penalty" not in plain and "no_repeat_ngram_size" not in plain
