@@ -247,7 +247,7 @@ class _Buckets:
             batches = [batches[i] for i in rng.permutation(len(batches))]
         return batches
 
-    def batches(self, rng: np.random.Generator | None, position: int | None = None) -> Iterator[tuple[Any, None]]:
+    def batches(self, rng: np.random.Generator | None) -> Iterator[tuple[Any, None]]:
         """`plan`'s batches, each with None: a bucket plan has no position to resume from but its index."""
         return ((item, None) for item in self.plan(rng))
 
@@ -525,7 +525,8 @@ class BatchStream:
         self.process_rows = process_rows
         self.plan_key = _digest((self._batches.key(), seed))
         self._epoch, self._index = 0, 0
-        self._position: int | None = 0 if batching == "packed" else None  # where the next packed batch begins
+        self._epoch_start = 0 if batching == "packed" else None  # where an epoch's first batch begins (packed)
+        self._position = self._epoch_start  # where the next batch begins
         self._plan: Iterator | None = None  # this epoch's remaining batches, cut as they are needed
         self._next: Any = None  # the next batch of the epoch (looked at ahead, to know when the epoch ends)
         if state is not None:
@@ -546,7 +547,7 @@ class BatchStream:
         if position is not None and self.batching == "packed":
             self._plan, self._position = self._batches.batches(rng, position), position
         else:
-            self._plan, self._position = self._batches.batches(rng), 0 if self.batching == "packed" else None
+            self._plan, self._position = self._batches.batches(rng), self._epoch_start
             for _ in range(self._index):
                 skipped = next(self._plan, None)
                 if skipped is not None:  # where the batch after it begins: what `state` saves from now on
@@ -559,8 +560,7 @@ class BatchStream:
         (item, self._position), self._next = self._next, next(self._plan, None)
         self._index += 1
         if self._next is None:  # that was the epoch's last batch
-            self._epoch, self._index, self._plan = self._epoch + 1, 0, None
-            self._position = 0 if self.batching == "packed" else None
+            self._epoch, self._index, self._plan, self._position = self._epoch + 1, 0, None, self._epoch_start
         if self.process_rows is None:
             return self._batches.collate(item)
         return self._batches.collate(item, self.process_rows(len(item) if self.batching == "packed" else len(item[1])))

@@ -445,6 +445,8 @@ def _generation_json(config: TransformerConfig, loop: dict, decode: dict) -> dic
 
 # transformers' repetition controls and their "off" values: written only when on (its defaults are unset).
 _REPEAT_OFF = {"repetition_penalty": 1.0, "no_repeat_ngram_size": 0}
+# What `_generation_json` leaves out when it is off: an imported model's own value of it must not survive either.
+_OMITTED_WHEN_OFF = ("forced_eos_token_id", *_REPEAT_OFF)
 
 
 def _marian_files(params, config: TransformerConfig, tokenizer, loop, decode, own: bool):
@@ -522,15 +524,9 @@ def _multilingual_files(params, config: TransformerConfig, tokenizer, loop, deco
         "eos_token_id": config.eos_id,
         "decoder_start_token_id": config.decoder_start_id,
     }
-    generation = {
-        **origin.get("generation_config", {}),
-        **_generation_json(config, loop, decode),
-    }
-    if not decode.get("forced_eos", True):  # (as _generation_json reads it)
-        generation.pop("forced_eos_token_id", None)
-    for key, off in _REPEAT_OFF.items():  # turned off since the import
-        if decode.get(key, off) == off:
-            generation.pop(key, None)
+    ours = _generation_json(config, loop, decode)
+    imported = {k: v for k, v in origin.get("generation_config", {}).items() if k in ours or k not in _OMITTED_WHEN_OFF}
+    generation = {**imported, **ours}
     files = dict(tokenizer.files)
     settings = json.loads(files.get("tokenizer_config.json", b"{}"))
     if family == "mbart":  # BART's fields for what mBART always does, as released configs state them (CTranslate2

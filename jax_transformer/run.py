@@ -288,17 +288,18 @@ class TrainingData:
             return self.corpus.sources + self.corpus.targets
         return token_arrays.tokenizer_sample(self.paths, self.data.tokenizer_sample, seed, on_empty=self.data.on_empty)
 
-    def encoded(self, tokenizer, max_len: int, print_fn) -> tuple[EncodedCorpus, str, str]:
-        """The pairs that fit max_len (on disk, for files), a line describing the corpus, and its fingerprint."""
+    def encoded(self, tokenizer, max_len: int, print_fn) -> tuple[EncodedCorpus, str]:
+        """The pairs that fit max_len (on disk, for files) and a line describing the corpus; sets `fingerprint`."""
         if self.corpus is not None:
+            self.fingerprint = corpus_fingerprint(self.corpus)
             encoded = encode_corpus(self.corpus, tokenizer, max_len, on_too_long=self.data.on_too_long)
-            return encoded, self.corpus.describe(), corpus_fingerprint(self.corpus)
+            return encoded, self.corpus.describe()
         # Process 0 encodes; the others then map its arrays (or, on a disk of their own, encode them too).
         arrays = distributed.primary_first("encoding the training data", lambda: self._arrays(tokenizer, print_fn))
         if arrays is None:
             arrays = self._arrays(tokenizer, _silent)
-        ids = SpecialIds.of(tokenizer)
-        return arrays.encoded(max_len, self.data.on_too_long, ids), arrays.describe(), arrays.fingerprint
+        self.fingerprint = arrays.fingerprint
+        return arrays.encoded(max_len, self.data.on_too_long, SpecialIds.of(tokenizer)), arrays.describe()
 
     def _arrays(self, tokenizer, print_fn) -> token_arrays.TokenArrays:
         return token_arrays.open_encoded(
@@ -385,14 +386,13 @@ def batches(settings: RunSettings, config, tokenizer, corpus, valid_corpus, devi
     """The training stream (its global batch plan, the same on any number of devices; positioned where a resumed
     run stopped; in a multi-process run each process reads only its rows) and the validation set."""
     data = settings.data
-    encoded, described, fingerprint = corpus.encoded(tokenizer, config.max_len, print_fn)
+    encoded, described = corpus.encoded(tokenizer, config.max_len, print_fn)
     print_fn(f"training data: {described}")
-    if stored is not None and stored.get("train_fingerprint") not in (None, fingerprint):
+    if stored is not None and stored.get("train_fingerprint") not in (None, corpus.fingerprint):
         raise UsageError(
             f"--resume: the training data changed since the checkpoint was written ({corpus.describe_files()}); an "
             f"exact resume needs the same data"
         )
-    corpus.fingerprint = fingerprint
     print_fn(f"training data: {encoded.describe()}")
     sharded = devices.mode == "sharded" and jax.process_count() > 1
     stream = BatchStream(

@@ -4,7 +4,6 @@ never read, and a run trained before them resumes exactly."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -18,6 +17,7 @@ from jax_transformer.batching import BatchStream, SpecialIds, encode_corpus
 from jax_transformer.corpus import corpus_fingerprint, read_parallel, read_tsv
 from jax_transformer.errors import WriteError
 from jax_transformer.tokenizer import Tokenizer
+from tests.data.make_run_before_token_arrays import batch_digest  # the digest the old code recorded with
 from tests.helpers.training import run_main, tiny_train_args, write_corpus
 
 DATA = Path(__file__).parent / "data"
@@ -196,13 +196,6 @@ def test_the_tokenizer_sample_is_bounded_reproducible_and_in_corpus_order(files)
     assert picked == sorted(picked) and [corpus.targets[i] for i in picked] == targets
 
 
-def _digest(batch) -> str:
-    digest = hashlib.sha256()
-    for key in sorted(batch):
-        digest.update(key.encode() + batch[key].astype("<i4").tobytes() + str(batch[key].shape).encode())
-    return digest.hexdigest()[:16]
-
-
 def test_a_run_trained_before_token_arrays_resumes_exactly(tmp_path):
     """The run in tests/data/run_before_token_arrays was trained and saved by the code before this module; its
     stream, rebuilt by today's code from its checkpoint, gives the batches that code recorded after it."""
@@ -218,7 +211,7 @@ def test_a_run_trained_before_token_arrays_resumes_exactly(tmp_path):
     run = run_lib.prepare(resume=run_dir, print_fn=lambda _: None)
     try:
         assert run.stream.state()["epoch"] == record["data_state"]["epoch"]
-        assert [_digest(next(run.stream)) for _ in record["batches_after"]] == record["batches_after"]
+        assert [batch_digest(next(run.stream)) for _ in record["batches_after"]] == record["batches_after"]
     finally:
         run_lib.close(run)
     code, out, err = run_main(["train", "--resume", str(run_dir), "--steps", str(record["step"] + 2)])
