@@ -8,6 +8,9 @@
     python train.py evaluate --checkpoint runs/my-run
     python train.py evaluate --checkpoint runs/my-run --beam-size 1 4 --alpha 0.6 1.0   # choose the decoding
     echo "ein Hund läuft" | python train.py translate --checkpoint runs/my-run
+    python train.py translate --checkpoint runs/my-run --n-best 4 --output-format jsonl < sentences.txt
+    python train.py translate --checkpoint runs/my-run --do-sample --top-p 0.9 --sample-seed 1   # back-translation
+    python train.py score --checkpoint runs/my-run --tsv pairs.tsv > scores.txt           # filter a corpus
     python train.py export --checkpoint runs/my-run --output model.pt
     python train.py import opus-mt-de-en/ --output runs/opus-de-en     # a transformers Marian/FSMT dir, or fairseq .pt
     python train.py export --checkpoint runs/opus-de-en --format transformers --output opus-de-en-hf
@@ -35,7 +38,19 @@ import sys
 import time
 import typing
 
-COMMANDS = ("train", "evaluate", "translate", "export", "import", "attention", "average", "verify", "plot", "plan")
+COMMANDS = (
+    "train",
+    "evaluate",
+    "translate",
+    "score",
+    "export",
+    "import",
+    "attention",
+    "average",
+    "verify",
+    "plot",
+    "plan",
+)
 EXIT_ERROR, EXIT_DIVERGED, EXIT_NOT_VERIFIED = 1, 3, 4  # and distributed.EXIT_PEER_LOST (5)
 EXIT_BROKEN_PIPE = 128 + 13  # SIGPIPE's: what a Unix tool killed by it reports
 ALIASES = {"warmup_steps": ["--warmup"]}  # old spellings people have in their scripts
@@ -127,8 +142,8 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Run `train.py SUBCOMMAND --help` for the flags of each sub-command.",
     )
     sub = parser.add_subparsers(dest="command", metavar="SUBCOMMAND")
-    for add in (train_flags, evaluate_flags, translate_flags, export_flags, import_flags, attention_flags,
-                average_flags, verify_flags, plot_flags, plan_flags):  # fmt: skip
+    for add in (train_flags, evaluate_flags, translate_flags, score_flags, export_flags, import_flags,
+                attention_flags, average_flags, verify_flags, plot_flags, plan_flags):  # fmt: skip
         add(sub)
     return parser
 
@@ -254,17 +269,17 @@ def language_flags(p) -> None:
     add_settings(p, DataConfig, "data", "languages", only=("src_lang", "tgt_lang"), default="the tokenizer's")
 
 
-def decoding_flags(p, *, several: bool = False, more: tuple[str, ...] = (), rules: bool = True) -> None:
-    """--beam-size and --alpha (LoopConfig's decoding settings), the `more` LoopConfig fields named and, with
-    `rules`, DecodeConfig's (default: what the checkpoint stored)."""
+def decoding_flags(
+    p, *, several: bool = False, more: tuple[str, ...] = (), only: tuple[str, ...] | None = None
+) -> None:
+    """Every decoding choice (DecodeConfig's fields, or the `only` ones; default: what the checkpoint stored) and
+    the `more` LoopConfig fields named; with `several`, --beam-size and --alpha take lists."""
     from jax_transformer.config import DecodeConfig, LoopConfig
 
     lists = ("beam_size", "alpha") if several else ()
-    add_settings(
-        p, LoopConfig, "loop", "decoding", only=("beam_size", "alpha", *more), several=lists, default="the run's"
-    )
-    if rules:
-        add_settings(p, DecodeConfig, "decode", "decoding rules", default="the run's")
+    add_settings(p, DecodeConfig, "decode", "decoding", only=only, several=lists, default="the run's")
+    if more:
+        add_settings(p, LoopConfig, "loop", "output", only=more)
 
 
 def compilation_flags(p) -> None:
@@ -332,6 +347,21 @@ def translate_flags(sub) -> None:
     decoding_flags(tr, more=("progress",))
     compilation_flags(tr)
     tr.add_argument(
+        "--input-format",
+        choices=("text", "tsv"),
+        default="text",
+        help="text: a sentence per line; tsv: source<TAB>target prefix, the translation beginning with the prefix "
+        "(an empty prefix: none) (default text)",
+    )
+    tr.add_argument(
+        "--output-format",
+        choices=("text", "tsv", "jsonl"),
+        default="text",
+        help="text: each hypothesis on a line (--n-best lines per input line); tsv: line, rank, score, text; "
+        "jsonl: a JSON object per input line with every hypothesis, its score, tokens and per-token "
+        "log-probs (default text)",
+    )
+    tr.add_argument(
         "--on-too-long",
         choices=("error", "truncate"),
         default="error",
@@ -339,6 +369,34 @@ def translate_flags(sub) -> None:
         "the lines before it), or translate its first max_len - 1 tokens and report the line (default error)",
     )
     tr.set_defaults(func=cmd_translate)
+
+
+def score_flags(sub) -> None:
+    sc = sub.add_parser(
+        "score",
+        help="the log-probability of given translations, per pair and per token (to filter a corpus)",
+        description="Score sentence pairs: the log-probability the model gives each target token (EOS included) "
+        "given the source, and their sum, as CTranslate2's score_batch. One output line per input line (a pair "
+        "with an empty side: an empty record), streamed in chunks.",
+    )
+    checkpoint_flags(sc, compute=True, mesh=True)
+    language_flags(sc)
+    g = sc.add_argument_group("pairs")
+    g.add_argument("--tsv", metavar="FILE", help="source<TAB>target lines")
+    g.add_argument("--src", metavar="FILE", help="source sentences (with --tgt, line-aligned)")
+    g.add_argument("--tgt", metavar="FILE", help="target sentences")
+    sc.add_argument(
+        "--output-format",
+        choices=("text", "tsv", "jsonl"),
+        default="text",
+        help="text: the score; tsv: line, score, token ids, per-token log-probs; jsonl: the same as JSON "
+        "(default text)",
+    )
+    from jax_transformer.config import LoopConfig
+
+    add_settings(sc, LoopConfig, "loop", "output", only=("progress",))
+    compilation_flags(sc)
+    sc.set_defaults(func=cmd_score)
 
 
 def export_flags(sub) -> None:
@@ -424,7 +482,7 @@ def verify_flags(sub) -> None:
     checkpoint_flags(v, compute=True)
     language_flags(v)
     evaluation_data_flags(v)
-    decoding_flags(v, more=("progress",), rules=False)
+    decoding_flags(v, more=("progress",), only=("beam_size", "alpha"))
     v.add_argument(
         "--sentences", type=number(int, 1), metavar="N", help="verify on the first N sentence pairs only (default all)"
     )
@@ -571,53 +629,21 @@ def cmd_train(args, start_time: float) -> int:
     return 0
 
 
-def decoding(args, loaded, several: bool = False):
-    """(beam size, alpha, DecodeConfig): as given, else as the run stored them, else the defaults; the beam sizes
-    and alphas as lists when `several`. Each flag's value was checked as it was parsed (`setting_type`); here the
-    choice is checked against the model (`config.check_decoding`)."""
-    from jax_transformer.config import DecodeConfig, LoopConfig, check_decoding
-    from jax_transformer.run import stored_settings
-
-    stored = stored_settings(loaded)
-    loop = {**LoopConfig().to_dict(), **stored.get("loop", {}), **given(args, "loop")}
-    decode = DecodeConfig.from_dict({**stored.get("decode", {}), **given(args, "decode")}, source="decoding settings")
-    beams = loop["beam_size"] if isinstance(loop["beam_size"], list) else [loop["beam_size"]]
-    check_decoding(loaded.config, decode, {"--beam-size": beams}, given=given(args, "decode"))
-    beam, alpha = loop["beam_size"], loop["alpha"]
-    if several:
-        beam, alpha = beams, (alpha if isinstance(alpha, list) else [alpha])
-    return beam, alpha, decode
-
-
 def _load(args, quantize_weights: bool = True):
-    """The checkpoint, its model computed as --dtype / --attention-kernel / --quantize ask (where the sub-command has
-    them), its weights on one device or on --mesh; with --quantize, quantized here unless `quantize_weights` is
-    False (verify, which exports the float weights to the twin)."""
-    from jax_transformer import checkpoint
-    from jax_transformer.distributed import DataParallel
+    """The checkpoint as --checkpoint/--step, --dtype / --attention-kernel / --quantize, --mesh and --src-lang /
+    --tgt-lang ask, where the sub-command has them (`inference.load`)."""
+    from jax_transformer import inference
 
-    # The weights alone, verified (damaged weights are a CheckpointError): no sub-command here reads the
-    # optimizer's state, twice their size with Adam. With --mesh, read onto the mesh as training splits them, for a
-    # model that does not fit one device: each program then runs over the mesh (the compiler partitions it).
-    mesh = given(args, "parallel").get("mesh")
-    placement = None if mesh is None else DataParallel("sharded", 1, mesh).placement
-    loaded = checkpoint.load(args.checkpoint, args.step, weights_only=True, placement=placement)
     languages = {k: v for k, v in given(args, "data").items() if k in ("src_lang", "tgt_lang")}
-    if languages:
-        from jax_transformer.tokenizer import with_languages
-
-        loaded = dataclasses.replace(loaded, tokenizer=with_languages(loaded.tokenizer, **languages))
-    compute = given(args, "model")
-    if compute:  # how to compute is not part of the model: any checkpoint runs in either dtype
-        loaded = dataclasses.replace(loaded, config=loaded.config.replace(**compute))
-    if loaded.config.quantize != "none" and quantize_weights:  # in memory only: never written back
-        from jax_transformer.quantization import quantize_params
-
-        loaded = loaded.with_params(quantize_params(loaded.params))
-    note = "" if loaded.verified else f", format {loaded.format}, written before checksums: not verified"
-    how = loaded.config.dtype + ("" if loaded.config.quantize == "none" else f", {loaded.config.quantize}")
-    print(f"loaded {loaded.directory} step {loaded.step} ({how}{note})", file=sys.stderr)
-    return loaded
+    return inference.load(
+        args.checkpoint,
+        args.step,
+        compute=given(args, "model"),
+        quantize_weights=quantize_weights,
+        mesh=given(args, "parallel").get("mesh"),
+        languages=languages,
+        print_fn=lambda line: print(line, file=sys.stderr),
+    )
 
 
 def _evaluation_data(args, loaded, limit: int | None = None):
@@ -651,15 +677,8 @@ def _evaluation_data(args, loaded, limit: int | None = None):
     return valid
 
 
-def decoding_grid(beam_sizes: list[int], alphas: list[float]) -> list[tuple[int, float]]:
-    """Every (beam, alpha) pair, in the order given, without repeats; greedy (beam 1) once, whatever the alphas
-    (the length penalty does not enter greedy search), with the first alpha."""
-    grid = [(beam, alphas[0] if beam == 1 else alpha) for beam in beam_sizes for alpha in alphas]
-    return list(dict.fromkeys(grid))
-
-
 def cmd_evaluate(args, start_time: float) -> int:
-    from jax_transformer import evaluation, training
+    from jax_transformer import evaluation, inference, training
     from jax_transformer.config import LoopConfig
 
     use_compilation_cache(args)
@@ -672,20 +691,14 @@ def cmd_evaluate(args, start_time: float) -> int:
         f"{100 * result['accuracy']:.1f}% ({len(valid.sources)} sentences)"
     )
     rows, outputs = [], []
-    beams, alphas, decode = decoding(args, loaded, several=True)
-    for beam, alpha in decoding_grid(beams, alphas):
+    for decode in inference.decodings(loaded, given(args, "decode")):
+        print(f"decoding: {decode.describe()}", file=sys.stderr)
         began = time.time()
         scores, hypotheses = evaluation.evaluate_translations(
-            loaded.params,
-            loaded.config,
-            loaded.tokenizer,
-            valid.sources,
-            valid.references,
-            beam_size=beam,
-            alpha=alpha,
-            decode=decode,
+            loaded.params, loaded.config, loaded.tokenizer, valid.sources, valid.references, decode.replace(n_best=1)
         )
-        rows.append({**scores, "beam_size": beam, "alpha": alpha, "seconds": round(time.time() - began, 1)})
+        row = {**scores, "beam_size": decode.beam_size, "alpha": decode.alpha}
+        rows.append({**row, "seconds": round(time.time() - began, 1)})
         outputs.append(hypotheses)
     best = max(range(len(rows)), key=lambda i: rows[i]["bleu"])
     hypotheses = outputs[best]
@@ -723,12 +736,14 @@ def cmd_evaluate(args, start_time: float) -> int:
 
 
 def cmd_translate(args, start_time: float) -> int:
+    from jax_transformer import inference
     from jax_transformer.corpus import count_lines, read_lines
     from jax_transformer.translation import OutputLines, translate_lines
 
     use_compilation_cache(args)
     loaded = _load(args)
-    beam_size, alpha, decode = decoding(args, loaded)
+    decode = inference.decoding(loaded, given(args, "decode"))
+    print(f"decoding: {decode.describe()}", file=sys.stderr)
     # Read, translated and written a chunk of lines at a time: memory does not grow with the input.
     if args.input:
         origin, lines, total = args.input, read_lines(args.input), count_lines(args.input)
@@ -744,17 +759,48 @@ def cmd_translate(args, start_time: float) -> int:
             loaded.tokenizer,
             (text for _, text in lines),
             write,
+            decode,
             origin=origin,
             on_too_long=args.on_too_long,
             total=total,
             progress=given(args, "loop").get("progress"),  # None: when stderr is a terminal
-            beam_size=beam_size,
-            alpha=alpha,
-            decode=decode,
+            output_format=args.output_format,
+            prefix_column=args.input_format == "tsv",
         )
     finally:
         sys.stdout.flush()
     print(report.describe(), file=sys.stderr)
+    return 0
+
+
+def cmd_score(args, start_time: float) -> int:
+    from jax_transformer.corpus import PairReader
+    from jax_transformer.run import UsageError
+    from jax_transformer.scoring import score_lines
+    from jax_transformer.translation import OutputLines
+
+    if not args.tsv and not (args.src and args.tgt):
+        raise UsageError("score: give --tsv FILE (source<TAB>target lines), or --src FILE and --tgt FILE")
+    use_compilation_cache(args)
+    loaded = _load(args)
+    reader = PairReader([args.tsv] if args.tsv else [args.src, args.tgt])
+    sys.stdout.flush()  # what was printed before goes first; the scores bypass Python's buffer
+    fd = _fileno(sys.stdout)
+    write = print if fd is None else OutputLines(fd)
+    try:
+        count = score_lines(
+            loaded.params,
+            loaded.config,
+            loaded.tokenizer,
+            reader,
+            write,
+            origin=args.tsv or args.src,
+            output_format=args.output_format,
+            progress=given(args, "loop").get("progress"),
+        )
+    finally:
+        sys.stdout.flush()
+    print(f"scored {count} pairs; {reader.describe()}", file=sys.stderr)
     return 0
 
 
@@ -853,6 +899,7 @@ def cmd_average(args, start_time: float) -> int:
 
 
 def cmd_verify(args, start_time: float) -> int:
+    from jax_transformer import inference
     from jax_transformer.run import UsageError
     from jax_transformer.verify import verify
 
@@ -868,15 +915,14 @@ def cmd_verify(args, start_time: float) -> int:
     # One thread by default: under load, torch's threads fight XLA's for the cores (docs/internals.md#verify).
     torch.set_num_threads(args.torch_threads)
     loaded = _load(args, quantize_weights=False)
-    beam_size, alpha, _ = decoding(args, loaded)  # the frameworks compared with this project's search rules
+    decode = inference.decoding(loaded, given(args, "decode"))  # its beam width and alpha, by this project's rules
     valid = _evaluation_data(args, loaded, limit=args.sentences)
     report = verify(
         loaded,
         valid.batches,
         valid.sources,
         valid.references,
-        beam_size=beam_size,
-        alpha=alpha,
+        decode,
         batch_size=args.batch_size,
         device=args.device,
         progress=given(args, "loop").get("progress", True),

@@ -130,7 +130,7 @@ def convert(params, config, tokenizer, folder: Path, run: dict | None = None) ->
 
     from jax_transformer import hub
 
-    run = run or {"imported_from": {"family": "marian"}, "loop": {"beam_size": 4, "alpha": 1.0}, "decode": {}}
+    run = run or {"imported_from": {"family": "marian"}, "decode": {"beam_size": 4, "alpha": 1.0}}
     hf = folder / "transformers"
     hub.export_transformers(params, config, tokenizer, run, hf)
     ct2 = folder / "ctranslate2"
@@ -305,7 +305,7 @@ def translate_run(run_dir: Path, input_path: Path, beam: int, repeats: int, log=
 
     from jax_transformer import checkpoint as ckpt_lib
     from jax_transformer.config import DecodeConfig
-    from jax_transformer.decoding import decoder_for
+    from jax_transformer.decoding import decoder
     from jax_transformer.run import stored_settings
     from jax_transformer.translation import translate_lines
 
@@ -323,7 +323,8 @@ def translate_run(run_dir: Path, input_path: Path, beam: int, repeats: int, log=
         ct2_dir = convert(loaded.params, config, tokenizer, Path(tmp), run=settings)
         translator = ctranslate2.Translator(str(ct2_dir), device="cpu", compute_type="float32", intra_threads=threads)
         # generate counts the start token in max_length and, with forced_eos, ends at its last position with EOS
-        limit = decoder_for(config, decode, config.max_len, beam_size=beam, alpha=1.0).length - int(decode.forced_eos)
+        decode = decode.replace(beam_size=beam, alpha=1.0)
+        limit = decoder(config, decode, config.max_len).length - int(decode.forced_eos)
 
         def ours():
             out = []
@@ -333,9 +334,7 @@ def translate_run(run_dir: Path, input_path: Path, beam: int, repeats: int, log=
                 tokenizer,
                 iter(lines),
                 out.append,
-                beam_size=beam,
-                alpha=1.0,
-                decode=decode,
+                decode,
                 progress=False,
             )
             return out
@@ -461,7 +460,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         texts = [line for path in args.texts for line in path.read_text(encoding="utf-8").splitlines()]
         config, params, tokenizer = marian_shaped_model(args.preset, args.vocab, args.max_len, texts=texts)
-        run = {"imported_from": {"family": "marian"}, "loop": {"beam_size": 4, "alpha": 1.0}, "decode": {}}
+        run = {"imported_from": {"family": "marian"}, "decode": {"beam_size": 4, "alpha": 1.0}}
         hub.export_transformers(params, config, tokenizer, run, args.write_marian)
         print(f"wrote {args.write_marian}: {args.preset} shape, vocabulary {args.vocab}, {args.max_len} positions")
         return 0

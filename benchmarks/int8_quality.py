@@ -50,6 +50,7 @@ def measure(run: Path, step: str, sources, references, batches, beams: Sequence[
     import jax
 
     from jax_transformer import checkpoint, quantization
+    from jax_transformer.config import DecodeConfig
     from jax_transformer.evaluation import score_translations
     from jax_transformer.translation import translate
 
@@ -59,14 +60,14 @@ def measure(run: Path, step: str, sources, references, batches, beams: Sequence[
     with jax.default_matmul_precision("highest"):
         for beam in beams:
             began = time.perf_counter()
-            reference = translate(params, config, tokenizer, sources, beam_size=beam, progress=False)
+            reference = translate(params, config, tokenizer, sources, DecodeConfig(beam_size=beam), progress=False)
             seconds = time.perf_counter() - began
             base = score_translations(reference, references)
             log(f"beam {beam} float32: BLEU {base['bleu']:.2f} chrF {base['chrf']:.2f} ({seconds:.0f} s)")
             for mode in modes:
                 qparams, qconfig = quantization.quantized(params, config, mode)
                 began = time.perf_counter()
-                output = translate(qparams, qconfig, tokenizer, sources, beam_size=beam, progress=False)
+                output = translate(qparams, qconfig, tokenizer, sources, DecodeConfig(beam_size=beam), progress=False)
                 qseconds = time.perf_counter() - began
                 scores = score_translations(output, references)
                 same = sum(a == b for a, b in zip(output, reference))

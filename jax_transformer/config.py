@@ -493,8 +493,8 @@ class DataConfig(Settings):
 
 @dataclasses.dataclass(frozen=True)
 class LoopConfig(Settings):
-    """When the loop evaluates, saves and stops, and what it prints; `beam_size`, `alpha` and `samples` are also the
-    decoding settings of `evaluate`, `translate` and `verify`."""
+    """When the loop evaluates, saves and stops, and what it prints (`samples` also for `evaluate`). How it decodes
+    is DecodeConfig's."""
 
     kind = "loop"
     steps: int = setting(
@@ -515,10 +515,6 @@ class LoopConfig(Settings):
         "evaluation uses all (default: all; 0: no BLEU at all, loss only)",
         at_least=0,
     )
-    beam_size: int = setting(
-        4, "beam width of decoding (the final evaluation; evaluate, translate, verify); 1 is greedy search", at_least=1
-    )
-    alpha: float = setting(0.6, "length penalty exponent of beam search, ((5+len)/6)^alpha (GNMT)", at_least=0)
     samples: int = setting(5, "sample translations printed by the final evaluation (and by evaluate)", at_least=0)
     progress: bool = setting(True, "show a progress bar")
     best_metric: str = setting(
@@ -575,11 +571,50 @@ EARLY_STOPPING = ("false", "true", "never")
 
 @dataclasses.dataclass(frozen=True)
 class DecodeConfig(Settings):
-    """How beam search scores, finishes and limits hypotheses (the beam width and length penalty exponent are
-    LoopConfig's beam_size and alpha). Stored with a run: a model imported from transformers decodes as its
-    `generate` does."""
+    """Every decoding choice, in one place: the rules, the search (beams or sampling), lengths, bans, what comes
+    out (n-best). Resolved once per command (a flag, else the run's stored choice, else what an imported model's
+    generation_config says, else the default) and stored with a run: a model imported from transformers decodes
+    as its `generate` does. `decoding.decoder` turns it into a search. A target prefix is a sentence's, not a
+    setting: `translation.translate(prefixes=...)`, or a second TSV column of `translate --input`."""
 
     kind = "decode"
+    beam_size: int = setting(
+        4,
+        "beam width of decoding (the final evaluation; evaluate, translate, verify); 1 is greedy search",
+        at_least=1,
+    )
+    alpha: float = setting(
+        0.6,
+        "length penalty exponent of beam search: gnmt rules ((5+len)/6)^alpha (GNMT), transformers rules "
+        "len^alpha (its length_penalty)",
+        at_least=0,
+    )
+    n_best: int = setting(
+        1,
+        "hypotheses returned per sentence, best first (at most --beam-size; with --do-sample, independent samples)",
+        at_least=1,
+    )
+    max_len_a: float = setting(
+        1.5, "gnmt rules: a sentence of n source tokens may produce max_len_a x n + max_len_b tokens", at_least=0
+    )
+    max_len_b: float = setting(10.0, "gnmt rules: see --max-len-a", at_least=0)
+    do_sample: bool = setting(
+        False,
+        "draw each token at random from the model's distribution (warped by --temperature, --top-k, --top-p) "
+        "instead of searching: one hypothesis per sample, --beam-size does not apply (transformers' do_sample)",
+    )
+    temperature: float = setting(1.0, "sampling: divide the scores by this (below 1: sharper)", above=0)
+    top_k: int = setting(0, "sampling: draw from the this many most likely tokens only (0: all)", at_least=0)
+    top_p: float = setting(
+        1.0,
+        "sampling: draw from the smallest set of most likely tokens whose probability exceeds this (nucleus; 1: all)",
+        above=0,
+    )
+    sample_seed: int = setting(
+        0,
+        "sampling: the random seed; a sentence's sample depends on the seed and the sentence alone, not on its batch",
+        at_least=0,
+    )
     rules: str = setting(
         "gnmt",
         "gnmt: this project's beam search (log P / ((5+|y|)/6)^alpha, fairseq's finishing rule, outputs up to 1.5 x "
@@ -600,7 +635,9 @@ class DecodeConfig(Settings):
         False, "transformers rules: only EOS may come at the last position (forced_eos_token_id)"
     )
     min_length: int = setting(
-        0, "transformers rules: no EOS before the output (start token included) is this long", at_least=0
+        0,
+        "no EOS before the output (the decoder's start token included, as transformers counts) is this long",
+        at_least=0,
     )
     forced_bos: int | None = setting(
         None,
@@ -623,6 +660,18 @@ class DecodeConfig(Settings):
 
     def check(self) -> None:
         self.banned_ids()  # checks the form
+        if self.top_p > 1:
+            raise ConfigError(f"decode field 'top_p' must be in (0, 1], got {self.top_p} (--top-p)")
+        if self.n_best > self.beams and not self.do_sample:
+            raise ConfigError(
+                f"--n-best {self.n_best}: more than the {self.beams} hypothes{'is' if self.beams == 1 else 'es'} "
+                f"a beam search of --beam-size {self.beam_size} keeps; raise --beam-size or lower --n-best"
+            )
+        sampling = {"temperature": self.temperature != 1.0, "top_k": self.top_k, "top_p": self.top_p != 1.0}
+        for name in (name for name, given in sampling.items() if given and not self.do_sample):
+            raise ConfigError(
+                f"--{name.replace('_', '-')} (decode field '{name}') applies to sampling: add --do-sample"
+            )
         repeats = {
             "repetition_penalty": self.repetition_penalty != 1.0,
             "no_repeat_ngram_size": self.no_repeat_ngram_size,
@@ -640,10 +689,38 @@ class DecodeConfig(Settings):
         except ValueError:
             raise ConfigError(f"decode field 'banned' must be comma-separated ids, got {self.banned!r}") from None
 
+    @property
+    def beams(self) -> int:
+        """Hypotheses a search keeps per sentence: --beam-size, or 1 when sampling."""
+        return 1 if self.do_sample else self.beam_size
+
+    def describe(self) -> str:
+        """The decoding in words, for logs: what differs from the defaults of its rules."""
+        if self.do_sample:
+            how = f"sampling (temperature {self.temperature:g}, top-k {self.top_k}, top-p {self.top_p:g}, "
+            how += f"seed {self.sample_seed})"
+        else:
+            how = "greedy search" if self.beam_size == 1 else f"beam search of {self.beam_size}, alpha {self.alpha:g}"
+        default = DecodeConfig(rules=self.rules).to_dict()
+        shown = ("n_best", "max_len_a", "max_len_b", "early_stopping", "max_length", "banned", "forced_eos",
+                 "min_length", "forced_bos", "repetition_penalty", "no_repeat_ngram_size")  # fmt: skip
+        rest = ", ".join(f"{k} {v}" for k, v in self.to_dict().items() if k in shown and v != default[k])
+        return f"{self.rules} rules, {how}" + (f", {rest}" if rest else "")
+
     def output_limit(self, config: TransformerConfig) -> int:
         """transformers rules: the longest output of `config`'s model, its start token included: max_length, at
         most what the model's positions allow (max_len + 1; a stored setting above it decodes up to the limit)."""
         return min(self.max_length or config.max_len + 1, config.max_len + 1)
+
+
+def decoding_in_one_group(stored: Mapping[str, Any]) -> dict[str, Any]:
+    """Stored settings with the beam width and length penalty in the "decode" group: runs saved before every
+    decoding choice was a DecodeConfig field kept them in "loop"."""
+    loop, decode = dict(stored.get("loop", {})), dict(stored.get("decode", {}))
+    for name in ("beam_size", "alpha"):
+        if name in loop:
+            decode.setdefault(name, loop.pop(name))
+    return {**stored, "loop": loop, "decode": decode}
 
 
 def check_decoding(
@@ -852,6 +929,8 @@ def load_recipe(name: str) -> dict[str, Any]:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ConfigError(f"recipe {path}: cannot read it as JSON: {e}") from None
     known = {"about", "preset", *GROUPS}
+    if isinstance(recipe, dict):
+        recipe = decoding_in_one_group(recipe)  # a recipe written when beam_size and alpha were loop settings
     if not isinstance(recipe, dict) or set(recipe) - known:
         unknown = sorted(set(recipe) - known) if isinstance(recipe, dict) else type(recipe).__name__
         raise ConfigError(f"recipe {path}: a JSON object with keys among {sorted(known)} expected, got {unknown}")
@@ -890,8 +969,8 @@ def resolve(
     given: Mapping[str, Any], stored: Mapping[str, Any] | None = None, inherited: Mapping[str, Any] | None = None
 ) -> RunSettings:
     """A run's settings, decided once: each field is the given value (a flag), else what a resumed checkpoint
-    stored (`stored`), else what the model a run starts from decodes with (`inherited`: its "loop" beam_size and
-    alpha, its "decode" group; `train --init-from`), else the recipe's, else the dataclass default; the preset
+    stored (`stored`), else what the model a run starts from decodes with (`inherited`: its "decode" group;
+    `train --init-from`), else the recipe's, else the dataclass default; the preset
     likewise, its default the task's.
 
     `given`: {"preset", "recipe", "seed"} and the groups {"model", "data", "optim", "loop", "parallel"}, each a

@@ -1,13 +1,16 @@
-"""The decoders callers use: `greedy_search` and `beam_search` by this project's rules, `generate` by transformers'
-(for the models imported from it), and `Decoder`, one of them ready to run on batches of a source width. Each is
-the one search loop of `jax_transformer.search` with a strategy of rules, run through a schedule
-(`jax_transformer.schedule`: the CPU's by default there, a batch whole elsewhere). The conventions in full:
-docs/internals.md#search."""
+"""The decoders callers use. `decoder(config, decode, width)` is the one factory: a `DecodeConfig` (every decoding
+choice) in, a `Decoder` out, ready to run on batches of a source width and returning `Decoded` hypotheses (n-best,
+scores, per-token log-probs). `greedy_search` and `beam_search` (this project's rules) and `generate`
+(transformers', for the models imported from it) are its shortcuts. Each is the one search loop of
+`jax_transformer.search` with a strategy of rules, run through a schedule (`jax_transformer.schedule`: the CPU's by
+default there, a batch whole elsewhere). The conventions in full: docs/internals.md#search."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import zlib
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -17,7 +20,7 @@ from jax_transformer import checks
 from jax_transformer import schedule as schedules
 from jax_transformer.checks import TokenError
 from jax_transformer.config import EARLY_STOPPING, DecodeConfig, TransformerConfig
-from jax_transformer.search import Gnmt, Rules, Transformers
+from jax_transformer.search import Gnmt, Rows, Rules, Sampler, Transformers
 
 DEFAULT_MAX_LEN_A = 1.5
 DEFAULT_MAX_LEN_B = 10
@@ -118,16 +121,42 @@ def on_device(params):
 
 
 @dataclasses.dataclass(frozen=True)
+class Decoded:
+    """What a decoder returns for B sentences, n hypotheses each, best first: tokens (B, n, L) (no start token;
+    a target prefix's tokens first; EOS where emitted; PAD after), scores (B, n) (by the rules: log P over the
+    length penalty of beam search, the sum of the log-probs of greedy search and sampling; a prefix's tokens not
+    counted), token_scores (B, n, L) (each token's log-prob, 0 for a prefix's; 0 after the end) and found (B, n)
+    (False for a slot no hypothesis reached: its score is the rules' `impossible`)."""
+
+    tokens: np.ndarray
+    scores: np.ndarray
+    token_scores: np.ndarray
+    found: np.ndarray
+
+    def best(self) -> tuple[np.ndarray, np.ndarray]:
+        """The best hypothesis of each sentence: tokens (B, L) and score (B,)."""
+        return self.tokens[:, 0], self.scores[:, 0]
+
+    def row(self, i: int) -> Decoded:
+        """Sentence i's hypotheses, a Decoded of one row."""
+        return Decoded(
+            self.tokens[i : i + 1], self.scores[i : i + 1], self.token_scores[i : i + 1], self.found[i : i + 1]
+        )
+
+
+@dataclasses.dataclass(frozen=True)
 class Decoder:
     """A search ready to run on batches of sources `width` wide: its rules (a `search.Rules`), the width L of the
-    tokens it returns, and the length rule of its rows (GNMT's `max_len_a` x source length + `max_len_b`, capped at
-    L; None: every row may produce L tokens)."""
+    tokens it returns, the length rule of its rows (GNMT's `max_len_a` x source length + `max_len_b`, capped at
+    L; None: every row may produce L tokens), and how many hypotheses it returns (`n_best`: the best of the
+    search's K, or as many independent samples when its rules sample)."""
 
     config: TransformerConfig
     rules: Rules
     length: int
     max_len_a: float | None = None
     max_len_b: float | None = None
+    n_best: int = 1
 
     def limits(self, src: np.ndarray) -> np.ndarray:
         """(B,) int32: tokens each row of `src` may produce."""
@@ -135,15 +164,113 @@ class Decoder:
             return np.full(src.shape[0], self.length, np.int32)
         return max_new_tokens(src, self.config, self.max_len_a, self.max_len_b)
 
-    def __call__(self, params, src: np.ndarray, schedule: schedules.Schedule | None = None):
-        """The best hypothesis of each row of checked sources `src` (B, S): tokens (B, L), scores (B,); `schedule`:
-        how the batch runs (default: `schedule.default()`, the CPU's schedule there, the batch whole elsewhere)."""
+    @property
+    def samples(self) -> int:
+        """Rows each source is decoded as: `n_best` when sampling (one sample a row), else 1."""
+        return self.n_best if self.rules.sampler is not None else 1
+
+    def rows(self, src: np.ndarray, prefixes: Sequence[Sequence[int]] | None = None) -> Rows:
+        """Each row's `search.Rows`: its limit, its target prefix (ids, without the decoder's start token; None:
+        none) and its draw id. A prefix that leaves no room for a token of its own is a TokenError naming the row."""
+        B = src.shape[0]
+        limit = self.limits(src)
+        prefix = np.full((B, self.length), self.config.pad_id, np.int32)
+        prefix_len = np.zeros(B, np.int32)
+        for row, ids in enumerate(prefixes or [None] * B):
+            if ids is None or len(ids) == 0:
+                continue
+            if len(ids) >= limit[row]:
+                raise TokenError(
+                    f"row {row}: a target prefix of {len(ids)} tokens leaves no room for decoding (this row may "
+                    f"produce {limit[row]} tokens, the prefix's and EOS included)"
+                )
+            checks.check_tokens(f"target prefix of row {row}", np.asarray([ids]), self.config, "target")
+            if self.config.eos_id in ids:
+                raise TokenError(
+                    f"row {row}: a target prefix holds EOS (id {self.config.eos_id}): nothing would follow"
+                )
+            prefix[row, : len(ids)], prefix_len[row] = ids, len(ids)
+        return Rows(limit=limit, prefix=prefix, prefix_len=prefix_len, draw=draw_ids(src, self.config.pad_id))
+
+    def __call__(
+        self,
+        params,
+        src: np.ndarray,
+        schedule: schedules.Schedule | None = None,
+        prefixes: Sequence[Sequence[int] | None] | None = None,
+    ) -> Decoded:
+        """The `n_best` hypotheses of each row of checked sources `src` (B, S), each row starting from its target
+        prefix if `prefixes` (B lists of ids, or None) gives one; `schedule`: how the batch runs (default:
+        `schedule.default()`, the CPU's schedule there, the batch whole elsewhere)."""
         schedule = schedule or schedules.default()
-        return schedule.decode(on_device(params), self.config, self.rules, src, self.limits(src), self.length)
+        n = self.samples
+        if n > 1:  # each sample a row of its own, its draws keyed by the sentence and the sample's number
+            src = np.repeat(src, n, axis=0)
+            prefixes = None if prefixes is None else [p for p in prefixes for _ in range(n)]
+        rows = self.rows(src, prefixes)
+        if n > 1:
+            rows = rows.replace(draw=draw_ids(src, self.config.pad_id, np.tile(np.arange(n), len(src) // n)))
+        found = schedule.decode(on_device(params), self.config, self.rules, src, rows, self.length)
+        if n > 1:  # (B * n, 1, ...) -> (B, n, ...)
+            return Decoded(*(x.reshape(-1, n, *x.shape[2:]) for x in found))
+        return Decoded(*(x[:, : self.n_best] for x in found))
 
     def programs(self, params, rows: int, width: int, schedule: schedules.Schedule) -> dict:
         """Compile jobs for what `schedule` runs this decoder as on (rows, width) sources (`Schedule.programs`)."""
-        return schedule.programs(on_device(params), self.config, self.rules, rows, width, self.length)
+        return schedule.programs(on_device(params), self.config, self.rules, rows * self.samples, width, self.length)
+
+
+def draw_ids(src: np.ndarray, pad_id: int, sample: np.ndarray | None = None) -> np.ndarray:
+    """(B,) uint32: each row's draw id, from its source tokens (and the number of its sample): a sentence's random
+    draws depend on it and the seed only, not on its batch or its place there."""
+    sample = np.zeros(len(src), np.int64) if sample is None else sample
+    ids = [
+        zlib.crc32(np.int64(k).tobytes(), zlib.crc32(row[row != pad_id].astype(np.int32).tobytes()))
+        for row, k in zip(np.asarray(src), sample)
+    ]
+    return np.array(ids, np.uint32)
+
+
+def decoder(config: TransformerConfig, decode: DecodeConfig, width: int) -> Decoder:
+    """The one factory: the decoder `decode` asks for, on sources `width` wide. Rules "gnmt" are this project's
+    search (greedy for beam_size 1), "transformers" transformers' `generate` (max_length defaults to the model's
+    max_len + 1); either samples with do_sample."""
+    sampler = None
+    if decode.do_sample:
+        sampler = Sampler(
+            temperature=np.float32(decode.temperature),
+            top_p=np.float32(decode.top_p),
+            seed=np.uint32(decode.sample_seed),
+            top_k=int(decode.top_k),
+        )
+    if decode.rules != "transformers":
+        return gnmt_decoder(
+            config,
+            width,
+            beam_size=decode.beams,
+            alpha=decode.alpha,
+            max_len_a=decode.max_len_a,
+            max_len_b=decode.max_len_b,
+            min_len=max(decode.min_length - 1, 0),  # min_length counts the decoder's start token
+            greedy=decode.beams == 1,
+            n_best=decode.n_best,
+            sampler=sampler,
+        )
+    return transformers_decoder(
+        config,
+        max_length=decode.output_limit(config),
+        num_beams=decode.beams,
+        length_penalty=decode.alpha,
+        early_stopping=decode.early_stopping,
+        banned=decode.banned_ids(),
+        forced_eos=decode.forced_eos,
+        min_length=decode.min_length,
+        forced_bos=decode.forced_bos,
+        repetition_penalty=decode.repetition_penalty,
+        no_repeat_ngram_size=decode.no_repeat_ngram_size,
+        n_best=decode.n_best,
+        sampler=sampler,
+    )
 
 
 def gnmt_decoder(
@@ -156,9 +283,11 @@ def gnmt_decoder(
     max_len_b: float = DEFAULT_MAX_LEN_B,
     min_len: int = 0,
     greedy: bool = False,
+    n_best: int = 1,
+    sampler: Sampler | None = None,
 ) -> Decoder:
     """This project's search on sources `width` wide (`search.Gnmt`): greedy, or beam search of `beam_size` with the
-    GNMT length penalty of exponent `alpha`."""
+    GNMT length penalty of exponent `alpha`; with a `sampler`, sampling (greedy's loop, a drawn token)."""
     _check_options(config, max_len_a, max_len_b, min_len, beam_size, alpha)
     length = output_length(width, config, max_len_a, max_len_b)
     rules = Gnmt(
@@ -170,8 +299,9 @@ def gnmt_decoder(
         min_len=np.int32(min_len),
         pad_id=config.pad_id,
         bos_id=config.bos_id,
+        sampler=sampler,
     )
-    return Decoder(config, rules, length, max_len_a, max_len_b)
+    return Decoder(config, rules, length, max_len_a, max_len_b, _n_best(n_best, rules))
 
 
 def transformers_decoder(
@@ -187,8 +317,10 @@ def transformers_decoder(
     forced_bos: int | None = None,
     repetition_penalty: float = 1.0,
     no_repeat_ngram_size: int = 0,
+    n_best: int = 1,
+    sampler: Sampler | None = None,
 ) -> Decoder:
-    """transformers' `generate(num_beams=..., do_sample=False)` (`search.Transformers`): outputs of max_length - 1
+    """transformers' `generate(num_beams=..., do_sample=...)` (`search.Transformers`): outputs of max_length - 1
     tokens (the start token not counted)."""
     if not repetition_penalty > 0 or no_repeat_ngram_size < 0:
         raise ValueError(
@@ -213,38 +345,19 @@ def transformers_decoder(
         early_stopping=early_stopping,
         repetition_penalty=float(repetition_penalty),
         no_repeat_ngram=int(no_repeat_ngram_size),
+        sampler=sampler,
     )
-    return Decoder(config, rules, int(max_length) - 1)
+    return Decoder(config, rules, int(max_length) - 1, n_best=_n_best(n_best, rules))
 
 
-def decoder_for(
-    config: TransformerConfig,
-    decode: DecodeConfig | None,
-    width: int,
-    *,
-    beam_size: int,
-    alpha: float,
-    max_len_a: float = DEFAULT_MAX_LEN_A,
-    max_len_b: float = DEFAULT_MAX_LEN_B,
-) -> Decoder:
-    """The decoder a run decodes with, by its `DecodeConfig` (None: this project's rules): greedy for beam_size 1;
-    transformers' max_length defaults to the model's max_len + 1."""
-    if decode is None or decode.rules != "transformers":
-        options = dict(alpha=alpha, max_len_a=max_len_a, max_len_b=max_len_b)
-        return gnmt_decoder(config, width, beam_size=beam_size, greedy=beam_size == 1, **options)
-    return transformers_decoder(
-        config,
-        max_length=decode.output_limit(config),
-        num_beams=beam_size,
-        length_penalty=alpha,
-        early_stopping=decode.early_stopping,
-        banned=decode.banned_ids(),
-        forced_eos=decode.forced_eos,
-        min_length=decode.min_length,
-        forced_bos=decode.forced_bos,
-        repetition_penalty=decode.repetition_penalty,
-        no_repeat_ngram_size=decode.no_repeat_ngram_size,
-    )
+def _n_best(n: int, rules: Rules) -> int:
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not 1 <= n:
+        raise ValueError(f"n_best must be an int >= 1, got {n!r}")
+    if rules.sampler is None and n > rules.beams:
+        raise ValueError(f"n_best={n} is more than the {rules.beams} hypotheses the search keeps (its beams)")
+    if rules.sampler is not None and rules.beams != 1:
+        raise ValueError(f"sampling draws one hypothesis at a time: beams must be 1, got {rules.beams}")
+    return int(n)
 
 
 # =============================================================================================================
@@ -271,7 +384,7 @@ def greedy_search(
     """
     src = check_source(src, config)
     options = dict(max_len_a=max_len_a, max_len_b=max_len_b, min_len=min_len)
-    return gnmt_decoder(config, src.shape[1], beam_size=1, greedy=True, **options)(params, src, schedule)
+    return gnmt_decoder(config, src.shape[1], beam_size=1, greedy=True, **options)(params, src, schedule).best()
 
 
 def beam_search(
@@ -296,7 +409,7 @@ def beam_search(
     """
     src = check_source(src, config)
     options = dict(beam_size=beam_size, alpha=alpha, max_len_a=max_len_a, max_len_b=max_len_b, min_len=min_len)
-    return gnmt_decoder(config, src.shape[1], **options)(params, src, schedule)
+    return gnmt_decoder(config, src.shape[1], **options)(params, src, schedule).best()
 
 
 def generate(
@@ -331,7 +444,8 @@ def generate(
         schedule: as for `greedy_search`.
 
     Returns:
-        tokens (B, max_length - 1) without the decoder's start token, PAD after the end.
+        tokens (B, max_length - 1) without the decoder's start token, PAD after the end. For n-best lists, scores,
+        sampling and prefixes: `decoder` with a DecodeConfig.
     """
     src = check_source(src, config)
     options = dict(early_stopping=early_stopping, banned=banned, forced_eos=forced_eos, min_length=min_length)
@@ -341,4 +455,4 @@ def generate(
     decoder = transformers_decoder(
         config, max_length=max_length, num_beams=num_beams, length_penalty=length_penalty, **options
     )
-    return decoder(params, src, schedule)[0]
+    return decoder(params, src, schedule).tokens[:, 0]

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from jax_transformer.config import TransformerConfig
+from jax_transformer.config import DecodeConfig, TransformerConfig
 from jax_transformer.translation import translate
 
 
@@ -43,15 +43,11 @@ def evaluate_translations(
     tokenizer,
     sources: Sequence[str],
     references: Sequence[str],
+    decode: DecodeConfig | None = None,
     *,
-    beam_size: int = 4,
-    alpha: float = 0.6,
     progress: bool = True,
-    decode=None,
 ) -> tuple[dict[str, float | str], list[str]]:
-    """Translates `sources` (beam search; beam_size=1 is greedy) and scores them against `references`:
-    (scores as `score_translations` gives them, hypotheses)."""
-    hypotheses = translate(
-        params, config, tokenizer, list(sources), beam_size=beam_size, alpha=alpha, progress=progress, decode=decode
-    )
+    """Translates `sources` as `decode` says (default: `DecodeConfig()`) and scores the best translations against
+    `references`: (scores as `score_translations` gives them, hypotheses)."""
+    hypotheses = translate(params, config, tokenizer, list(sources), decode, progress=progress)
     return score_translations(hypotheses, references), hypotheses

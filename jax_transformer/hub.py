@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from jax_transformer import pretrained
-from jax_transformer.config import ConfigError, DecodeConfig, OptimConfig, TransformerConfig
+from jax_transformer.config import ConfigError, DecodeConfig, OptimConfig, TransformerConfig, decoding_in_one_group
 from jax_transformer.errors import DataError, UsageError
 from jax_transformer.files import replaced_folder, write_text
 from jax_transformer.tokenizer import (
@@ -359,9 +359,9 @@ def import_model(source: str | Path, output: str | Path, print_fn=print) -> Path
         )
     generation = model.generation
     decode = {k: v for k, v in generation.items() if k not in ("num_beams", "length_penalty", "banned")}
+    decode.update(beam_size=generation["num_beams"], alpha=generation["length_penalty"])
     run = {
         "imported_from": {"source": str(source), "family": model.family, **model.original},
-        "loop": {"beam_size": generation["num_beams"], "alpha": generation["length_penalty"]},
         "decode": {"rules": "transformers", "banned": ",".join(map(str, generation["banned"])), **decode},
     }
     DecodeConfig.from_dict(run["decode"], source=f"{source} generation settings")  # checked before anything is written
@@ -402,16 +402,15 @@ def export_transformers(
     if output.exists() and any(output.iterdir()):
         raise UsageError(f"--output {output} already exists and is not empty; choose a new directory")
     family = (run.get("imported_from") or {}).get("family")
-    decode = run.get("decode") or {}
-    loop = run.get("loop") or {}
+    decode = decoding_in_one_group(run)["decode"]
     if family in ("fsmt", "fairseq"):
-        hf, state, tokenizer_files = _fsmt_files(params, config, tokenizer, loop, decode)
+        hf, state, tokenizer_files = _fsmt_files(params, config, tokenizer, decode)
         kind = "fsmt"
     elif family in ("m2m_100", "mbart"):
-        hf, state, tokenizer_files = _multilingual_files(params, config, tokenizer, loop, decode, run["imported_from"])
+        hf, state, tokenizer_files = _multilingual_files(params, config, tokenizer, decode, run["imported_from"])
         kind = family
     else:
-        hf, state, tokenizer_files = _marian_files(params, config, tokenizer, loop, decode, own=family is None)
+        hf, state, tokenizer_files = _marian_files(params, config, tokenizer, decode, own=family is None)
         kind = "marian"
     with replaced_folder(output, errors=(SafetensorError,)) as folder:
         state = {k: np.ascontiguousarray(v) for k, v in state.items()}
@@ -422,7 +421,7 @@ def export_transformers(
     return output, kind
 
 
-def _generation_json(config: TransformerConfig, loop: dict, decode: dict) -> dict:
+def _generation_json(config: TransformerConfig, decode: dict) -> dict:
     """generation_config.json: how the run decodes, in transformers' terms. A model decoding by this project's
     own rules (GNMT's length penalty, which transformers does not have) gets its alpha as length_penalty and the pad
     id banned, as its beam search bans it."""
@@ -433,8 +432,8 @@ def _generation_json(config: TransformerConfig, loop: dict, decode: dict) -> dic
         "decoder_start_token_id": config.start_id,
         "eos_token_id": config.eos_id,
         "pad_token_id": config.pad_id,
-        "num_beams": int(loop.get("beam_size", 4)),
-        "length_penalty": float(loop.get("alpha", 1.0)),
+        "num_beams": int(decode.get("beam_size", 4)),
+        "length_penalty": float(decode.get("alpha", 1.0)),
         "max_length": int(decode.get("max_length") or config.max_len + 1),  # (counting the start token)
         "early_stopping": {"true": True, "false": False}.get(decode.get("early_stopping", "false"), "never"),
         **({"forced_eos_token_id": config.eos_id} if decode.get("forced_eos", True) else {}),
@@ -449,7 +448,7 @@ _REPEAT_OFF = {"repetition_penalty": 1.0, "no_repeat_ngram_size": 0}
 _OMITTED_WHEN_OFF = ("forced_eos_token_id", *_REPEAT_OFF)
 
 
-def _marian_files(params, config: TransformerConfig, tokenizer, loop, decode, own: bool):
+def _marian_files(params, config: TransformerConfig, tokenizer, decode, own: bool):
     if own:  # this project's own model, in Marian's shape: the same function
         problems = pretrained.marian_refusals(config)
         if problems:
@@ -485,7 +484,7 @@ def _marian_files(params, config: TransformerConfig, tokenizer, loop, decode, ow
         "decoder_start_token_id": config.start_id,
         "forced_eos_token_id": config.eos_id,
     }
-    files = {"generation_config.json": json.dumps(_generation_json(config, loop, decode), indent=2).encode()}
+    files = {"generation_config.json": json.dumps(_generation_json(config, decode), indent=2).encode()}
     if isinstance(tokenizer, MarianTokenizer):
         files.update({name: data for name, data in tokenizer.files.items()})
         options = tokenizer.options
@@ -503,7 +502,7 @@ def _marian_files(params, config: TransformerConfig, tokenizer, loop, decode, ow
     return hf, state, files
 
 
-def _multilingual_files(params, config: TransformerConfig, tokenizer, loop, decode, origin: dict):
+def _multilingual_files(params, config: TransformerConfig, tokenizer, decode, origin: dict):
     """An M2M100ForConditionalGeneration (NLLB-200, M2M-100) or MBartForConditionalGeneration directory: the
     config.json and generation_config.json read at import with this model's values written over theirs (every
     other field, tokenizer_class and the like, kept), the weights, and the tokenizer's own files with its
@@ -524,7 +523,7 @@ def _multilingual_files(params, config: TransformerConfig, tokenizer, loop, deco
         "eos_token_id": config.eos_id,
         "decoder_start_token_id": config.decoder_start_id,
     }
-    ours = _generation_json(config, loop, decode)
+    ours = _generation_json(config, decode)
     imported = {k: v for k, v in origin.get("generation_config", {}).items() if k in ours or k not in _OMITTED_WHEN_OFF}
     generation = {**imported, **ours}
     files = dict(tokenizer.files)
@@ -568,7 +567,7 @@ def _complete(params, config: TransformerConfig):
     return _unflatten(flat)
 
 
-def _fsmt_files(params, config: TransformerConfig, tokenizer, loop, decode):
+def _fsmt_files(params, config: TransformerConfig, tokenizer, decode):
     if not isinstance(tokenizer, FsmtTokenizer):
         raise UsageError("only models imported from FSMT or fairseq are written as FSMT")
     state = pretrained.from_params(params, config, "fsmt")
@@ -589,7 +588,7 @@ def _fsmt_files(params, config: TransformerConfig, tokenizer, loop, decode):
         "forced_eos_token_id": config.eos_id,
         **{
             k: v
-            for k, v in _generation_json(config, loop, decode).items()
+            for k, v in _generation_json(config, decode).items()
             if k in ("num_beams", "length_penalty", "early_stopping", "max_length")
         },
     }
@@ -597,5 +596,5 @@ def _fsmt_files(params, config: TransformerConfig, tokenizer, loop, decode):
     files["tokenizer_config.json"] = json.dumps(
         {"tokenizer_class": "FSMTTokenizer", "langs": tokenizer.langs, "do_lower_case": tokenizer.lower}
     ).encode()
-    files["generation_config.json"] = json.dumps(_generation_json(config, loop, decode), indent=2).encode()
+    files["generation_config.json"] = json.dumps(_generation_json(config, decode), indent=2).encode()
     return hf, state, files

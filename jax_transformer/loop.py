@@ -243,7 +243,7 @@ def final_evaluation(evaluator: Evaluator, early: EarlyStopping, step: int, stat
     if evaluator.metric() == "loss":  # the loss does not depend on the decoding settings
         return final, samples, -final["valid_loss"]
     n = len(evaluator.valid.sources)
-    if loop.eval_beam_size == loop.beam_size and (loop.eval_sentences or n) >= n:
+    if evaluator.decoding(final=False) == evaluator.decoding(final=True) and (loop.eval_sentences or n) >= n:
         return final, samples, final.get("bleu")  # the training-time evaluation would decode the same
     selection, _ = evaluator.evaluate(params, step)
     return final, samples, selection["score"]
@@ -491,11 +491,11 @@ def compile_jobs(run: Run, state, evaluator: Evaluator) -> dict[str, dict[str, C
     for batch in {b["src"].shape: b for b in run.valid.batches}.values():
         jobs["eval"][f"eval step {batch['src'].shape}"] = lambda b=batch: evaluator.eval_step.lower(params, b).compile()
     lengths = [len(ids) for ids in encode_sources(run.tokenizer, run.valid.sources, run.config)]
-    for when, beam_size in (("eval", run.loop.eval_beam_size), ("final", run.loop.beam_size)):
+    for when in ("eval", "final"):
         n = evaluator.sentences(final=when == "final")
         if n > 0:
             plan = plan_translation(lengths[:n], TRANSLATE_BATCH_SIZE, run.config.max_len)
-            jobs[when].update(compile_translation(params, run.config, plan, beam_size=beam_size, decode=run.decode))
+            jobs[when].update(compile_translation(params, run.config, plan, evaluator.decoding(final=when == "final")))
     for name in jobs["eval"]:
         jobs["final"].pop(name, None)  # the same decoder, when the final evaluation uses the same beam
     return jobs
@@ -646,20 +646,18 @@ class Evaluator:
             self.out.metrics.write({"kind": "eval", "step": step, "final": final, "elapsed_s": elapsed, **result})
             return result, samples
 
+    def decoding(self, final: bool) -> DecodeConfig:
+        """How the evaluations decode: the run's decoding, its best hypothesis only, with --eval-beam-size during
+        training."""
+        decode = self.run.decode.replace(n_best=1)
+        return decode if final else decode.replace(beam_size=self.loop.eval_beam_size)
+
     def _bleu(self, params, step: int, n: int, final: bool, result: dict[str, Any]):
-        beam_size = self.loop.beam_size if final else self.loop.eval_beam_size
+        decode = self.decoding(final)
         sources, references = self.valid.sources[:n], self.valid.references[:n]
         try:
             scores, hypotheses = evaluate_translations(
-                params,
-                self.run.config,
-                self.run.tokenizer,
-                sources,
-                references,
-                beam_size=beam_size,
-                alpha=self.loop.alpha,
-                progress=self.loop.progress,
-                decode=self.run.decode,
+                params, self.run.config, self.run.tokenizer, sources, references, decode, progress=self.loop.progress
             )
         except Exception as e:  # a decoding failure must not end a long training run: warn, go on
             self.out.print(
@@ -669,7 +667,7 @@ class Evaluator:
             return {**result, "decode_error": f"{type(e).__name__}: {e}"}, []
         picked = spread_indices(len(sources), self.loop.samples)
         samples = [(sources[i], references[i], hypotheses[i]) for i in picked]
-        return {**result, **scores, "beam_size": beam_size, "sentences": len(sources)}, samples
+        return {**result, **scores, "beam_size": decode.beam_size, "sentences": len(sources)}, samples
 
     def report(self, result: Mapping[str, Any], samples, step: int, *, final: bool = False) -> None:
         self.out.clear_bar()

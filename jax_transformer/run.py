@@ -40,6 +40,7 @@ from jax_transformer.config import (
     RunSettings,
     TransformerConfig,
     check_decoding,
+    decoding_in_one_group,
     preset,
     resolve,
 )
@@ -142,7 +143,7 @@ def prepare(
         # The decodings of the evaluations, before anything is compiled or written (a run directory this process
         # made is removed again; in a multi-process run process 0 has written tokenizer.model already).
         if valid_corpus is not None:
-            beams = {"--beam-size": [settings.loop.beam_size], "--eval-beam-size": [settings.loop.eval_beam_size]}
+            beams = {"--beam-size": [settings.decode.beam_size], "--eval-beam-size": [settings.loop.eval_beam_size]}
             given_decode = [k for k, v in (decode or {}).items() if v is not None]
             check_decoding(config, settings.decode, beams, given=given_decode)
         if start is not None:
@@ -162,6 +163,8 @@ def prepare(
             f"{config.num_decoder_layers} layers, vocabulary {config.src_vocab_size}; {devices.describe()}; "
             f"{_describe_batches(stream)}; run directory {run_dir}; compilation cache {cache_dir or 'off'}"
         )
+        if valid is not None:
+            print_fn(f"decoding of the final evaluation: {settings.decode.describe()}")
         return Run(
             config=config,
             optim=settings.optim,
@@ -226,9 +229,7 @@ def open_run_dir(run_dir, resume, init_from_torch, owner: bool, print_fn) -> tup
 
 def inherited_settings(start: ckpt_lib.Checkpoint) -> dict[str, Any]:
     """What a run started from a checkpoint (`--init-from`) takes over from it: how its model decodes."""
-    stored = stored_settings(start)
-    loop = {k: v for k, v in stored.get("loop", {}).items() if k in ("beam_size", "alpha")}
-    return {"loop": loop, "decode": dict(stored.get("decode", {}))}
+    return {"decode": dict(stored_settings(start).get("decode", {}))}
 
 
 def resume_command(run_dir: Path, parallel: ParallelConfig) -> str:
@@ -716,10 +717,10 @@ _FORMAT1_LOOP = (
 
 
 def stored_settings(restored: ckpt_lib.Checkpoint) -> dict[str, Any]:
-    """The run settings a checkpoint stored, as {"preset", "seed", "data", "optim", "loop", ...}."""
+    """The run settings a checkpoint stored, as {"preset", "seed", "data", "optim", "loop", "decode", ...}."""
     run = dict(restored.run)
     if restored.format >= 2:
-        return {**run, "optim": dict(restored.optim)}
+        return decoding_in_one_group({**run, "optim": dict(restored.optim)})
     data: dict[str, Any] = {
         k: run[k] for k in ("vocab_size", "tokenizer_type", "max_tokens", "on_empty", "on_too_long") if k in run
     }
@@ -735,12 +736,14 @@ def stored_settings(restored: ckpt_lib.Checkpoint) -> dict[str, Any]:
             f"{restored.directory}: cannot read the run settings of this format-1 "
             f"checkpoint to resume it ({e}); evaluate, translate and export still work"
         ) from None
-    return {
-        "preset": run.get("preset"),
-        "seed": run.get("seed", 0),
-        "data": data_config.to_dict(),
-        "optim": dict(restored.optim),
-        "loop": {k: run[k] for k in _FORMAT1_LOOP if k in run},
-        "train_fingerprint": run.get("train_fingerprint"),
-        "devices": run.get("devices"),
-    }
+    return decoding_in_one_group(
+        {
+            "preset": run.get("preset"),
+            "seed": run.get("seed", 0),
+            "data": data_config.to_dict(),
+            "optim": dict(restored.optim),
+            "loop": {k: run[k] for k in _FORMAT1_LOOP if k in run},
+            "train_fingerprint": run.get("train_fingerprint"),
+            "devices": run.get("devices"),
+        }
+    )

@@ -32,7 +32,7 @@ import numpy as np
 from jax_transformer import search
 from jax_transformer.config import TransformerConfig
 from jax_transformer.model import grow_cache, select_cache
-from jax_transformer.search import Rules, SearchState
+from jax_transformer.search import Rows, Rules, SearchState
 
 
 def default() -> Schedule:
@@ -46,8 +46,8 @@ def _shape(shape, dtype=jnp.int32) -> jax.ShapeDtypeStruct:
 
 class Schedule:
     """What a schedule answers: how a batch decodes (`decode`), how many of `translate`'s batches run at once
-    (`for_batches`), and what it will compile (`programs`, `encoder_shapes`, `encoder_programs`). `Whole` is the
-    plain one; `Scheduled` the CPU's."""
+    (`for_batches`), and what it will compile (`plan`, `programs`, `encoder_shapes`, `encoder_programs`). `Whole` is
+    the plain one; `Scheduled` the CPU's."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,28 +61,63 @@ class Whole(Schedule):
         return 1, self
 
     def decode(
-        self, params, config: TransformerConfig, rules: Rules, src: np.ndarray, limit: np.ndarray, length: int
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """The best finished hypothesis of each row of `src` (B, S), tokens (B, length) and score (B,), on the host.
-        `limit` (B,): tokens each row may produce."""
+        self, params, config: TransformerConfig, rules: Rules, src: np.ndarray, rows: Rows, length: int
+    ) -> tuple[np.ndarray, ...]:
+        """The finished hypotheses of each row of `src` (B, S), as `found` gives them, on the host. `rows`: each
+        row's limit, prefix and draw id (`search.Rows`)."""
         memory = search.encoder(params, src, config=config, width=src.shape[1])
         options = dict(config=config, length=length, cache_len=length)
-        state = search.start(params, src, memory, rules, limit, np.int32(0), **options)
-        return best(state)
+        state = search.start(params, src, memory, rules, rows, np.int32(0), **options)
+        return found(state)
 
     def encoder_shapes(self, row_lengths: np.ndarray, width: int) -> set[tuple[int, int, int]]:
         """The (rows, cut width, batch width) of the encoder programs a batch of sources of these lengths (B,),
         `width` wide, runs."""
         return {(len(row_lengths), width, width)}
 
+    def plan(self, rows: int, beams: int, length: int) -> Plan:
+        """The programs one loop of a batch of `rows` sentences runs: one, a cache of the output length."""
+        return Plan((rows,), (length,))
+
     def programs(
         self, params, config: TransformerConfig, rules: Rules, rows: int, width: int, length: int
     ) -> dict[str, Callable[[], None]]:
-        """Compile jobs for the search programs a batch of (rows, width) sources runs, by name: calling them fills
-        the cache that `decode`'s calls look in. `rules` may hold shapes (jax.ShapeDtypeStruct) for its arrays."""
-        args = (params, _shape((rows, width)), _memory(config, rows, width), rules, _shape((rows,)), _shape(()))
-        options = dict(config=config, length=length, cache_len=length)
-        return {f"{rows}x{width} cache {length}": lambda: search.start.compile_ahead(*args, **options)}
+        """Compile jobs for the search programs a batch of (rows, width) sources runs (its `plan`), by name: calling
+        them fills the cache that `decode`'s calls look in. `rules` may hold shapes (jax.ShapeDtypeStruct)."""
+        plan = self.plan(rows, rules.beams, length)
+        options = dict(config=config, length=length, cache_len=plan.ends[0])
+        args = (
+            params,
+            _shape((rows, width)),
+            _memory(config, rows, width),
+            rules,
+            row_shapes(rows, length),
+            _shape(()),
+        )
+        traced = []  # the first program's output state, traced once for all the programs that go on from it
+        lock = threading.Lock()  # compile-ahead jobs run in threads
+
+        def first_state():
+            with lock:
+                if not traced:
+                    traced.append(jax.eval_shape(functools.partial(search.start.__wrapped__, **options), *args))
+                return traced[0]
+
+        def carried(state, memory, src, level: int, end: int):  # what `decode` carries to a program of that level
+            picked, memory, src = select_rows(state, memory, src, jnp.zeros(level, jnp.int32))
+            return grow(picked, end), memory, src
+
+        def compile_one(level: int, end: int, resumed: bool):
+            if not resumed:
+                return search.start.compile_ahead(*args, **options)
+            shapes = functools.partial(carried, level=level, end=end)
+            state, memory, src = jax.eval_shape(shapes, first_state(), args[2], args[1])
+            search.resume.compile_ahead(params, src, memory, rules, state, _shape(()), config=config)
+
+        return {
+            f"{level}x{width} cache {end}" + " resumed" * resumed: functools.partial(compile_one, level, end, resumed)
+            for level, end, resumed in plan.programs
+        }
 
     def encoder_programs(self, params, config: TransformerConfig, shapes: Iterable[tuple[int, int, int]]) -> dict:
         """Compile jobs for encoder programs of these (rows, cut width, batch width) shapes, by shape."""
@@ -93,10 +128,38 @@ class Whole(Schedule):
         return {tuple(shape): functools.partial(compile_one, *shape) for shape in shapes}
 
 
-def best(state: SearchState) -> tuple[np.ndarray, np.ndarray]:
-    """Each sentence's best finished hypothesis (B, L) and its score (B,), on the host (sliced there: an eager jax op
-    would compile a small program for each new shape)."""
-    return np.asarray(state.finished_tokens)[:, 0], np.asarray(state.finished_scores)[:, 0]
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """The search programs one loop of `levels[0]` sentences runs, listed once for `decode`, which follows it, and
+    `programs`, which compiles it ahead (two copies of one state machine would have to agree)."""
+
+    levels: tuple[int, ...]  # the sentence counts it shrinks through (`shrink_levels`), largest first
+    ends: tuple[int, ...]  # the cache lengths it grows through (`cache_lengths`), shortest first
+
+    @property
+    def programs(self) -> list[tuple[int, int, bool]]:
+        """(rows, cache length, resumed) of each: `search.start` at the first level and end, `search.resume` after."""
+        first = (self.levels[0], self.ends[0])
+        return [(level, end, (level, end) != first) for level in self.levels for end in self.ends]
+
+    def until(self, rows: int) -> np.int32:
+        """The level below `rows` at which a program of `rows` stops (0: none, it runs to the end)."""
+        return np.int32(next((level for level in self.levels if level < rows), 0))
+
+
+def found(state: SearchState) -> tuple[np.ndarray, ...]:
+    """Each sentence's finished hypotheses, best first, on the host: tokens (B, K, L), scores (B, K), per-token
+    log-probs (B, K, L) and which slots hold one (B, K) (sliced there: an eager jax op would compile a small program
+    for each new shape)."""
+    return tuple(
+        np.asarray(x)
+        for x in (state.finished_tokens, state.finished_scores, state.finished_token_scores, state.finished)
+    )
+
+
+def row_shapes(rows: int, length: int) -> Rows:
+    """The shapes of `search.Rows` for `rows` sentences and outputs of `length` tokens."""
+    return Rows(_shape((rows,)), _shape((rows, length)), _shape((rows,)), _shape((rows,), jnp.uint32))
 
 
 def _memory(config: TransformerConfig, rows: int, width: int) -> jax.ShapeDtypeStruct:
@@ -255,55 +318,50 @@ class Scheduled(Whole):
             return threads, dataclasses.replace(self, split=False)
         return 1, self
 
-    def decode(self, params, config, rules, src, limit, length):
+    def decode(self, params, config, rules, src, rows, length):
         """`Whole.decode`, with the batch cut in `parallel_parts(B, split)` interleaved parts decoded at once (part i
         takes rows i, i + n, ...: `translate` sorts a batch by length and puts its filler rows last, so the parts get
         alike lengths), each shrinking and growing its cache as it goes (`_decode_part`). The rows are independent: the
         results are those of one loop over the whole batch, up to the rounding of smaller matrix products."""
         n = parallel_parts(src.shape[0], self.split)
         if n == 1:
-            return self._decode_part(params, config, rules, src, limit, length)
+            return self._decode_part(params, config, rules, src, rows, length)
         settings = callers_settings()
 
         def decode_part(i: int):
             with settings():
-                return self._decode_part(params, config, rules, src[i::n], limit[i::n], length)
+                part = jax.tree.map(lambda x: x[i::n], rows)
+                return self._decode_part(params, config, rules, src[i::n], part, length)
 
         with ThreadPoolExecutor(n) as pool:  # jax releases the GIL while its programs run
             done = list(pool.map(decode_part, range(n)))
         # Row j of part i is row j * n + i (the parts are of equal size).
         return tuple(np.stack(pieces, axis=1).reshape(-1, *pieces[0].shape[1:]) for pieces in zip(*done))
 
-    def _decode_part(self, params, config, rules, src, limit, length):
+    def _decode_part(self, params, config, rules, src, inputs: Rows, length):
         """One part: a program until at most the next level's sentences are open or its cache is full, then the open
         rows alone (copies of a finished one fill the level) with the cache grown to the next phase, and so on. The
         loop's bookkeeping runs in numpy on host copies of the state's flags and outputs (eager jax ops would compile
         a small program for each new shape)."""
-        K = rules.beams
-        levels = shrink_levels(src.shape[0], K)
-        ends = cache_lengths(length, levels[0] * K)
-
-        def until(rows: int):  # the next level below `rows`
-            return np.int32(next((level for level in levels if level < rows), 0))
-
+        plan = self.plan(src.shape[0], rules.beams, length)
         memory = encode_batch(params, config, src)
-        options = dict(config=config, length=length, cache_len=ends[0])
-        state = search.start(params, src, memory, rules, limit, until(levels[0]), **options)
-        owners = np.arange(levels[0])  # the original row of each row; -1: a filler copy of a finished row
-        tokens = scores = None
+        options = dict(config=config, length=length, cache_len=plan.ends[0])
+        state = search.start(params, src, memory, rules, inputs, plan.until(plan.levels[0]), **options)
+        owners = np.arange(plan.levels[0])  # the original row of each row; -1: a filler copy of a finished row
+        results = None  # `found`'s arrays, by original row
         while True:
             real = owners >= 0
             going = np.asarray(state.open) & real
             left = np.flatnonzero(going)
-            rows = min(level for level in levels if level >= len(left)) if len(left) else 0  # the next level
+            rows = min(level for level in plan.levels if level >= len(left)) if len(left) else 0  # the next level
             if rows < len(owners):  # rows leave the batch (or all are done): keep their results
-                best_tokens, best_scores = best(state)
-                if tokens is None:
-                    tokens = np.zeros((levels[0], *best_tokens.shape[1:]), best_tokens.dtype)
-                    scores = np.zeros(levels[0], best_scores.dtype)
-                tokens[owners[real]], scores[owners[real]] = best_tokens[real], best_scores[real]
+                now = found(state)
+                if results is None:
+                    results = tuple(np.zeros((plan.levels[0], *x.shape[1:]), x.dtype) for x in now)
+                for kept, x in zip(results, now):
+                    kept[owners[real]] = x[real]
             if len(left) == 0:
-                return tokens, scores
+                return results
             T = state.history.shape[-1]
             full = int(state.step) >= T  # the program stopped because its cache is full
             if rows >= len(owners) and not (full and T < length):
@@ -314,8 +372,9 @@ class Scheduled(Whole):
                 owners = np.concatenate([owners[left], np.full(rows - len(left), -1)])
                 state, memory, src = _select_rows_jit(state, memory, src, index)
             if full:
-                state = _grow_jit(state, length=next(end for end in ends if end > T))
-            state = search.resume(params, src, memory, rules, state, until(rows), config=config)
+                state = _grow_jit(state, length=next(end for end in plan.ends if end > T))
+            assert (rows, state.history.shape[-1], True) in plan.programs  # what `programs` compiles ahead
+            state = search.resume(params, src, memory, rules, state, plan.until(rows), config=config)
 
     def encoder_shapes(self, row_lengths, width):
         n = parallel_parts(len(row_lengths), self.split)
@@ -324,36 +383,11 @@ class Scheduled(Whole):
             shapes.update((len(group), cut, width) for group, cut in encoder_groups(row_lengths[i::n], width))
         return shapes
 
+    def plan(self, rows, beams, length):
+        """One loop of `rows` sentences (a part of a batch) shrinks through `shrink_levels` and grows its cache through
+        `cache_lengths`."""
+        return Plan(shrink_levels(rows, beams), tuple(cache_lengths(length, rows * beams)))
+
     def programs(self, params, config, rules, rows, width, length):
         rows //= parallel_parts(rows, self.split)  # each part runs the programs of its own rows
-        K = rules.beams
-        ends = cache_lengths(length, rows * K)
-        options = dict(config=config, length=length, cache_len=ends[0])
-        args = (params, _shape((rows, width)), _memory(config, rows, width), rules, _shape((rows,)), _shape(()))
-        jobs = {f"{rows}x{width} cache {ends[0]}": lambda: search.start.compile_ahead(*args, **options)}
-
-        traced = []  # the first program's output state, traced once for all the programs that go on from it
-        lock = threading.Lock()  # compile-ahead jobs run in threads
-
-        def first_state():
-            with lock:
-                if not traced:
-                    traced.append(jax.eval_shape(functools.partial(search.start.__wrapped__, **options), *args))
-                return traced[0]
-
-        def carried(state, memory, src, level: int, end: int):  # what `decode` carries to a program of that level
-            picked, memory, src = select_rows(state, memory, src, jnp.zeros(level, jnp.int32))
-            return grow(picked, end), memory, src
-
-        for level in shrink_levels(rows, K):
-            for end in ends:
-                if (level, end) == (rows, ends[0]):
-                    continue
-
-                def compile_resumed(level=level, end=end):
-                    shapes = functools.partial(carried, level=level, end=end)
-                    state, memory, src = jax.eval_shape(shapes, first_state(), args[2], args[1])
-                    search.resume.compile_ahead(params, src, memory, rules, state, _shape(()), config=config)
-
-                jobs[f"{level}x{width} cache {end} resumed"] = compile_resumed
-        return jobs
+        return super().programs(params, config, rules, rows, width, length)

@@ -3,7 +3,8 @@ loop with one hypothesis, compiled whole (`jax.jit` around a `lax.while_loop`). 
 their rules, a strategy object (`Rules`): how tokens are scored and banned, what score a finished hypothesis gets,
 when a sentence stops. `Gnmt` is this project's (fairseq's limits, GNMT's length penalty; the PyTorch twin's
 `torch_reference/decoding.py` gives the same tokens), `Transformers` is transformers' `generate`, for the models
-imported from it.
+imported from it. Either may sample instead of search (`Sampler`: temperature, top-k, top-p), and every row may
+start from a target prefix of its own (`Rows`).
 
 The loop knows nothing of the model: it calls `step_fn(tokens, cache, history, step) -> (logits, cache)`, with the
 beams of each sentence folded into the batch, and keeps the beam layout itself (which cache slot holds each
@@ -31,6 +32,20 @@ from jax_transformer.model import Transformer
 # L output length, T cache length, V vocabulary.
 
 
+@exportable
+@flax.struct.dataclass
+class Rows:
+    """What each row of a batch brings to its search besides its source: its length limit, a target prefix (forced
+    first tokens: given, not chosen, so scored 0 and not counted in the length penalty's length) and the id of
+    its random draws (sampling; `decoding.draw_ids`: from the sentence itself, so that its sample does not depend on
+    its batch)."""
+
+    limit: jnp.ndarray  # (B,) int32: tokens the row may produce, EOS and prefix included
+    prefix: jnp.ndarray  # (B, L) int32: the prefix's tokens first, PAD after
+    prefix_len: jnp.ndarray  # (B,) int32
+    draw: jnp.ndarray  # (B,) uint32
+
+
 @exportable  # a program that carries it can be stored (compilation.ProgramStore)
 @flax.struct.dataclass
 class SearchState:
@@ -43,7 +58,9 @@ class SearchState:
     finished_scores: jnp.ndarray  # (B, K) float32: their scores by the rules; `rules.impossible`: an empty slot
     finished: jnp.ndarray  # (B, K) bool: which finished slots hold a hypothesis
     open: jnp.ndarray  # (B,) bool: sentences whose finished set may still change
-    limit: jnp.ndarray  # (B,) int32: tokens a sentence may produce, EOS included
+    rows: Rows  # (B, ...) each row's limit, prefix and draw id
+    live_token_scores: jnp.ndarray  # (B, K, L) float32: each live token's log-prob (0 for a prefix's)
+    finished_token_scores: jnp.ndarray  # (B, K, L) float32: those of the finished hypotheses
     history: jnp.ndarray  # (B, K, T) int32: the cache slot that holds position t of each live hypothesis's past
     cache: Any  # the model's decoding cache, its self-attention with K slots per sentence
 
@@ -69,13 +86,18 @@ class Rules:
         (N, L) the hypotheses' tokens so far (positions from `step` on are padding)."""
         raise NotImplementedError
 
+    def token_log_probs(self, scores):
+        """(..., V) the log-probs of the next token that `scores` (`token_scores`') stand for: themselves."""
+        return scores
+
     def exclude(self, scores, mask):
         """`scores` with the entries of `mask` out of the live set's reach: set to `impossible` here (transformers'
         rules add it instead)."""
         return jnp.where(mask, self.impossible, scores)
 
-    def finished_score(self, log_p, step):
-        """(B, C) the score of hypotheses of log P `log_p` that end with `step + 1` tokens."""
+    def finished_score(self, log_p, generated):
+        """(B, C) the score of hypotheses of log P `log_p` that end with `generated` (B, 1) tokens after their
+        prefix."""
         raise NotImplementedError
 
     def still_open(self, s: SearchState, live_scores, finished_scores, finished, ends):
@@ -86,20 +108,59 @@ class Rules:
         """(B,) the sentences that are searched at all."""
         return jnp.ones(src.shape[0], bool)
 
-    def candidates(self, live_scores, scores):
+    def candidates(self, live_scores, scores, log_probs, keys):
         """The step's candidates: (log P (B, C), parent hypothesis (B, C), token (B, C)), best first. Greedy: the
-        best token of the step's scores (first index on ties); beam search: the 2K best extensions of the K live
-        hypotheses (earlier beam, then lower token id, on ties)."""
+        best token of the step's scores (first index on ties), or with a `sampler` one drawn from them (`keys`
+        (B, 2): the rows' keys of this step), its log P grown by its `log_probs` (`token_log_probs`); beam search:
+        the 2K best extensions of the K live hypotheses (earlier beam, then lower token id, on ties)."""
         B, K, V = scores.shape
         if self.greedy:
             if K != 1:
                 raise ValueError(f"greedy search has one hypothesis per sentence, got beams={K}")
-            token = first_argmax(scores[:, 0])[:, None]  # (B, 1)
-            gained = jnp.take_along_axis(scores[:, 0], token, axis=-1)
+            sampler = getattr(self, "sampler", None)
+            if sampler is None:
+                token = first_argmax(scores[:, 0])[:, None]  # (B, 1)
+            else:
+                token = jax.vmap(jax.random.categorical)(keys, sampler.warp(scores[:, 0]))[:, None]
+            gained = jnp.take_along_axis(log_probs[:, 0], token, axis=-1)
             return live_scores + gained, jnp.zeros_like(token), token
         extended = live_scores[:, :, None] + scores  # (B, K, V)
         log_p, index = top_k(extended.reshape(B, K * V), 2 * K)  # (B, 2K)
         return log_p, index // V, index % V
+
+
+@exportable
+@flax.struct.dataclass
+class Sampler:
+    """Sampling instead of search (one hypothesis per row): the next token is drawn from the step's scores warped
+    as transformers' logits warpers do, in their order: divided by `temperature`, then only the `top_k` best
+    (0: all), then only the smallest set of best tokens whose probabilities add up to more than `top_p`
+    (TopPLogitsWarper: the others are those whose cumulative probability, counted from the least likely, is at
+    most 1 - top_p; the best is always kept). A row's draw at step t is keyed by (seed, its draw id, t)."""
+
+    temperature: jnp.ndarray  # () float32, > 0
+    top_p: jnp.ndarray  # () float32 in (0, 1]
+    seed: jnp.ndarray  # () uint32
+    top_k: int = flax.struct.field(pytree_node=False, default=0)
+
+    def warp(self, scores):
+        """(N, V) the warped scores, -inf where a token may not be drawn."""
+        scores = scores / self.temperature
+        if self.top_k:
+            kth = lax.top_k(scores, min(self.top_k, scores.shape[-1]))[0][..., -1:]  # (N, 1)
+            scores = jnp.where(scores < kth, -jnp.inf, scores)
+        ascending = jnp.argsort(scores, axis=-1)  # (N, V)
+        ordered = jnp.take_along_axis(scores, ascending, axis=-1)
+        remove = jnp.cumsum(jax.nn.softmax(ordered, axis=-1), axis=-1) <= 1 - self.top_p
+        remove = remove.at[..., -1].set(False)  # the best token stays
+        rows = jnp.arange(scores.shape[0])[:, None]
+        removed = jnp.zeros(scores.shape, bool).at[rows, ascending].set(remove)
+        return jnp.where((self.top_p < 1) & removed, -jnp.inf, scores)
+
+    def keys(self, draw, step):
+        """(B, 2) the rows' keys at `step`, from their draw ids (B,)."""
+        base = jax.random.PRNGKey(self.seed)
+        return jax.vmap(lambda d: jax.random.fold_in(jax.random.fold_in(base, d), step))(draw)
 
 
 @exportable
@@ -116,6 +177,7 @@ class Gnmt(Rules):
     min_len: jnp.ndarray  # () int32
     pad_id: int = flax.struct.field(pytree_node=False)
     bos_id: int | None = flax.struct.field(pytree_node=False)
+    sampler: Sampler | None = None
 
     def token_scores(self, logits, step, past):
         # No renormalisation after the bans, as fairseq does.
@@ -125,15 +187,15 @@ class Gnmt(Rules):
         eos = log_probs[..., self.eos_id]
         return log_probs.at[..., self.eos_id].set(jnp.where(step < self.min_len, -jnp.inf, eos))
 
-    def finished_score(self, log_p, step):
-        return log_p / self.penalties[step + 1]  # greedy's penalties are all 1 (alpha 0): the sum itself
+    def finished_score(self, log_p, generated):
+        return log_p / self.penalties[generated]  # greedy's penalties are all 1 (alpha 0): the sum itself
 
     def still_open(self, s, live_scores, finished_scores, finished, ends):
         if self.greedy:
             return s.open & ~finished[:, 0]
-        best_reachable = live_scores[:, 0] / self.penalties[s.limit]  # (B,)
+        best_reachable = live_scores[:, 0] / self.penalties[s.rows.limit - s.rows.prefix_len]  # (B,)
         beaten = jnp.all(finished, axis=1) & (finished_scores[:, -1] > best_reachable)
-        return s.open & (s.step + 1 < s.limit) & ~beaten
+        return s.open & (s.step + 1 < s.rows.limit) & ~beaten
 
 
 NEG = -1.0e9  # transformers' "very large negative" score, added rather than set
@@ -160,6 +222,7 @@ class Transformers(Rules):
     early_stopping: str = flax.struct.field(pytree_node=False)  # "false", "true" or "never"
     repetition_penalty: float = flax.struct.field(pytree_node=False, default=1.0)  # 1: off
     no_repeat_ngram: int = flax.struct.field(pytree_node=False, default=0)  # 0: off
+    sampler: Sampler | None = None
     impossible = NEG
 
     def token_scores(self, logits, step, past):
@@ -184,11 +247,18 @@ class Transformers(Rules):
             scores = jnp.where(step + 2 == self.max_length, only_eos, scores)
         return scores
 
+    def token_log_probs(self, scores):
+        # Greedy search and sampling rank the processed logits; their log-probs are transformers'
+        # compute_transition_scores(normalize_logits=True).
+        return jax.nn.log_softmax(scores, axis=-1) if self.greedy else scores
+
     def exclude(self, scores, mask):
         return scores + mask * NEG
 
-    def finished_score(self, log_p, step):
-        return log_p / ((step + 1.0) ** self.length_penalty)
+    def finished_score(self, log_p, generated):
+        if self.greedy:  # one hypothesis: its log P (transformers gives greedy search no sequence score)
+            return log_p
+        return log_p / (generated.astype(jnp.float32) ** self.length_penalty)
 
     def initially_open(self, src, pad_id: int):
         return ~jnp.all(src == pad_id, axis=1)
@@ -197,13 +267,15 @@ class Transformers(Rules):
         if self.greedy:
             return s.open & ~finished[:, 0]
         never = (self.early_stopping == "never") & (self.length_penalty > 0)
-        length = jnp.where(never, self.max_length - 1.0, s.step + 1.0)
+        # The length after the prefix (transformers' cur_len - decoder_prompt_len); at least 1 while it is forced.
+        length = jnp.where(never, self.max_length - 1.0, s.step + 1.0) - s.rows.prefix_len
+        length = jnp.maximum(length, 1).astype(jnp.float32)
         best_possible = live_scores[:, 0] / (length**self.length_penalty)  # (B,)
         worst = jnp.where(finished, jnp.min(finished_scores, axis=1, keepdims=True), NEG)
         improvable = s.open & jnp.any(best_possible[:, None] > worst, axis=1)
         full = jnp.all(finished, axis=1) & (self.early_stopping == "true")
         # A sentence closes at its length limit too; every candidate ending stops the batch, as in transformers.
-        return improvable & ~full & (s.step + 1 < s.limit) & ~jnp.all(ends)
+        return improvable & ~full & (s.step + 1 < s.rows.limit) & ~jnp.all(ends)
 
 
 def _penalize_repeats(scores, seen, known, penalty: float):
@@ -235,7 +307,7 @@ def _ban_repeated_ngrams(scores, seen, step, n: int):
 # =============================================================================================================
 
 
-def initial_state(rules: Rules, src, limit, length: int, cache_len: int, cache, pad_id: int) -> SearchState:
+def initial_state(rules: Rules, src, rows: Rows, length: int, cache_len: int, cache, pad_id: int) -> SearchState:
     """The state before the first step: K copies of an empty hypothesis of which only the first may extend."""
     B, K = src.shape[0], rules.beams
     first_only = jnp.where(jnp.arange(K) == 0, 0.0, rules.impossible).astype(jnp.float32)
@@ -247,7 +319,9 @@ def initial_state(rules: Rules, src, limit, length: int, cache_len: int, cache, 
         finished_scores=jnp.full((B, K), rules.impossible, jnp.float32),
         finished=jnp.zeros((B, K), bool),
         open=rules.initially_open(src, pad_id),
-        limit=jnp.asarray(limit, jnp.int32),
+        rows=jax.tree.map(jnp.asarray, rows),
+        live_token_scores=jnp.zeros((B, K, length), jnp.float32),
+        finished_token_scores=jnp.zeros((B, K, length), jnp.float32),
         history=jnp.zeros((B, K, cache_len), jnp.int32),
         cache=cache,
     )
@@ -261,23 +335,31 @@ def advance(s: SearchState, rules: Rules, step_fn) -> SearchState:
     history = s.history.at[:, :, t].set(jnp.arange(K))  # hypothesis k's new position goes to cache slot k
     logits, cache = step_fn(last.reshape(-1), s.cache, history.reshape(B * K, -1), t)  # (B * K, V)
     scores = rules.token_scores(logits, t, s.live_tokens.reshape(B * K, -1)).reshape(B, K, -1)  # (B, K, V)
+    scores = _forced_prefix(scores, s.rows, t)
 
-    log_p, parents, tokens = rules.candidates(s.live_scores, scores)  # (B, C)
+    keys = rules.sampler.keys(s.rows.draw, t) if getattr(rules, "sampler", None) is not None else None
+    log_probs = rules.token_log_probs(scores)  # (B, K, V)
+    log_p, parents, tokens = rules.candidates(s.live_scores, scores, log_probs, keys)  # (B, C)
     candidates = _gather(s.live_tokens, parents).at[:, :, t].set(tokens)  # (B, C, L)
+    gained = _take_pairs(log_probs, parents, tokens)  # (B, C) the log-prob of each candidate's last token
+    token_scores = _gather(s.live_token_scores, parents).at[:, :, t].set(gained)  # (B, C, L)
     # A candidate ends with EOS, or when its sentence reaches its length limit (then without EOS).
-    ends = (tokens == rules.eos_id) | (t + 1 >= s.limit)[:, None]  # (B, C)
+    ends = (tokens == rules.eos_id) | (t + 1 >= s.rows.limit)[:, None]  # (B, C)
 
     # Live: the K best candidates that did not end; each takes its parent's past in the cache.
     live_scores, pick = _best(rules.exclude(log_p, ends), K)  # (B, K)
     live_tokens = _gather(candidates, pick)
+    live_token_scores = _gather(token_scores, pick)
     history = _gather(history, jnp.take_along_axis(parents, pick, axis=1))
 
     # Finished: the K best of the old and of the candidates that end among the first K (fairseq's rule: an ending
     # candidate ranked below them is dropped), in open sentences only.
     finishing = ends & (jnp.arange(ends.shape[1]) < K) & s.open[:, None]  # (B, C)
-    new_scores = jnp.where(finishing, rules.finished_score(log_p, t), rules.impossible)
+    generated = (t + 1 - s.rows.prefix_len)[:, None]  # (B, 1) tokens after the prefix
+    new_scores = jnp.where(finishing, rules.finished_score(log_p, generated), rules.impossible)
     finished_scores, pick = lax.top_k(jnp.concatenate([s.finished_scores, new_scores], axis=1), K)
     finished_tokens = _gather(jnp.concatenate([s.finished_tokens, candidates], axis=1), pick)
+    finished_token_scores = _gather(jnp.concatenate([s.finished_token_scores, token_scores], axis=1), pick)
     finished = _gather(jnp.concatenate([s.finished, finishing], axis=1), pick)
 
     return s.replace(
@@ -288,6 +370,8 @@ def advance(s: SearchState, rules: Rules, step_fn) -> SearchState:
         finished_scores=finished_scores,
         finished=finished,
         open=rules.still_open(s, live_scores, finished_scores, finished, ends),
+        live_token_scores=live_token_scores,
+        finished_token_scores=finished_token_scores,
         history=history,
         cache=cache,
     )
@@ -302,6 +386,19 @@ def run(s: SearchState, rules: Rules, step_fn, until) -> SearchState:
         return (s.step < length) & (s.step < cache_len) & (jnp.sum(s.open) > until)
 
     return lax.while_loop(going, lambda s: advance(s, rules, step_fn), s)
+
+
+def _forced_prefix(scores, rows: Rows, t):
+    """(B, K, V) the step's scores with a row's prefix token the only choice, scored 0, while its prefix lasts."""
+    token = lax.dynamic_index_in_dim(rows.prefix, jnp.minimum(t, rows.prefix.shape[1] - 1), axis=1)  # (B, 1)
+    only = jnp.where(jnp.arange(scores.shape[-1]) == token, 0.0, -jnp.inf)  # (B, V)
+    return jnp.where((t < rows.prefix_len)[:, None, None], only[:, None, :], scores)
+
+
+def _take_pairs(x, parents, tokens):
+    """x (B, K, V) at (parent, token) pairs (B, C) -> (B, C)."""
+    B, K, V = x.shape
+    return jnp.take_along_axis(x.reshape(B, K * V), parents * V + tokens, axis=1)
 
 
 def first_argmax(x):
@@ -411,12 +508,14 @@ def _step_function(config: TransformerConfig, params, memory, src):
 
 
 @functools.partial(jit_by_config, static_argnames=("config", "length", "cache_len"), cpu_options=LOOP_CPU_OPTIONS)
-def start(params, src, memory, rules: Rules, limit, until, *, config: TransformerConfig, length: int, cache_len: int):
+def start(
+    params, src, memory, rules: Rules, rows: Rows, until, *, config: TransformerConfig, length: int, cache_len: int
+):
     """A search of the sources `src` (B, S) from the encoder's output `memory` (B, S, D): outputs of `length`
-    tokens, at most `limit` (B,) each, a cache of `cache_len` positions; runs until at most `until` sentences are
+    tokens, each row as its `rows` say, a cache of `cache_len` positions; runs until at most `until` sentences are
     open."""
     cache = create_cache(Transformer(config), params, memory, src, cache_len, rules.beams)
-    state = initial_state(rules, src, limit, length, cache_len, cache, config.pad_id)
+    state = initial_state(rules, src, rows, length, cache_len, cache, config.pad_id)
     return run(state, rules, _step_function(config, params, memory, src), until)
 
 

@@ -1,13 +1,16 @@
-"""Text in, text out: `translate` encodes sentences, decodes them in batches of a few fixed shapes (sorted by length,
-so compilations are few and reused; `plan_translation`) with the rules the model decodes with (`DecodeConfig`, via
-`decoding.decoder_for`), and decodes the tokens to text; `translate_lines` does it for a file or stream of any size,
-chunk by chunk, one output line per input line. `compile_translation` compiles a plan's programs ahead."""
+"""Text in, text out: `translations` encodes sentences (and their target prefixes), decodes them in batches of a few
+fixed shapes (sorted by length, so compilations are few and reused; `plan_translation`) as one `DecodeConfig` says
+(`decoding.decoder`), and returns each sentence's hypotheses with their text, tokens and scores; `translate` the
+best texts alone. `translate_lines` does it for a file or stream of any size, chunk by chunk, one output record per
+input line (text, TSV or JSON lines: `format_translation`). `compile_translation` compiles a plan's programs
+ahead."""
 
 from __future__ import annotations
 
 import dataclasses
 import fcntl
 import itertools
+import json
 import os
 import stat
 from collections.abc import Callable, Iterable, Sequence
@@ -20,7 +23,7 @@ from tqdm.auto import tqdm
 from jax_transformer import schedule as schedules
 from jax_transformer.checks import TokenError
 from jax_transformer.config import DecodeConfig, TransformerConfig
-from jax_transformer.decoding import DEFAULT_MAX_LEN_A, DEFAULT_MAX_LEN_B, decoder_for, on_device
+from jax_transformer.decoding import Decoded, decoder, on_device
 from jax_transformer.errors import DataError, WriteError
 from jax_transformer.tokenizer import LanguageCodeTokenizer
 
@@ -133,26 +136,19 @@ def plan_translation(
 
 
 def compile_translation(
-    params,
-    config: TransformerConfig,
-    plan: TranslationPlan,
-    *,
-    beam_size: int,
-    max_len_a: float = DEFAULT_MAX_LEN_A,
-    max_len_b: float = DEFAULT_MAX_LEN_B,
-    decode: DecodeConfig | None = None,
+    params, config: TransformerConfig, plan: TranslationPlan, decode: DecodeConfig | None = None
 ) -> dict[str, Callable[[], Any]]:
-    """Compile jobs for every program `translate` runs for `plan` (the decoders of its batches' shapes, at every
-    level and cache length their search goes through, and its encoders), by name: run them (e.g. with
-    `compilation.CompileJobs`) and `translate` compiles none of them. Alpha is an argument of the programs, not a
-    part of them: any value compiles the same."""
+    """Compile jobs for every program `translate` runs for `plan` with `decode` (the decoders of its batches'
+    shapes, at every level and cache length their search goes through, and its encoders), by name: run them (e.g.
+    with `compilation.CompileJobs`) and `translate` compiles none of them. Alpha, the sampling settings and the seed
+    are arguments of the programs, not parts of them: any value compiles the same."""
+    decode = decode or DecodeConfig()
     jobs = {}
     for rows, width in plan.shapes():
-        decoder = decoder_for(
-            config, decode, width, beam_size=beam_size, alpha=0.6, max_len_a=max_len_a, max_len_b=max_len_b
-        )
-        name = f"{type(decoder.rules).__name__.lower()} {'greedy' if decoder.rules.greedy else f'beam {beam_size}'}"
-        for program, job in decoder.programs(params, rows, width, plan.schedule).items():
+        found = decoder(config, decode, width)
+        how = "sample" if decode.do_sample else "greedy" if found.rules.greedy else f"beam {decode.beam_size}"
+        name = f"{type(found.rules).__name__.lower()} {how}"
+        for program, job in found.programs(params, rows, width, plan.schedule).items():
             jobs[f"{name} {program}"] = job
     for (rows, cut, width), job in plan.schedule.encoder_programs(
         on_device(params), config, plan.encoder_shapes()
@@ -161,11 +157,11 @@ def compile_translation(
     return jobs
 
 
-def forced_language(decode: DecodeConfig | None, tokenizer) -> DecodeConfig | None:
-    """`decode` with the target language's code as the first output token, for a tokenizer that marks languages
-    (`tokenizer.LanguageCodeTokenizer`, whose model decodes by transformers' rules); others as they are."""
+def forced_language(decode: DecodeConfig | None, tokenizer) -> DecodeConfig:
+    """`decode` (None: the default) with the target language's code as the first output token, for a tokenizer
+    that marks languages (`tokenizer.LanguageCodeTokenizer`, whose model decodes by transformers' rules)."""
     if not isinstance(tokenizer, LanguageCodeTokenizer):
-        return decode
+        return decode or DecodeConfig()
     return (decode or DecodeConfig(rules="transformers")).replace(forced_bos=tokenizer.forced_bos_id)
 
 
@@ -185,72 +181,145 @@ def encode_sources(tokenizer, sentences: Sequence[str], config: TransformerConfi
     return encoded
 
 
+def encode_prefixes(tokenizer, prefixes: Sequence[str | None]) -> list[list[int] | None]:
+    """The target prefix of each sentence as ids (None or "": none): its text encoded as targets are (after the
+    target language's code, for a model that begins with it)."""
+    texts = [p if p else "" for p in prefixes]
+    encoded = tokenizer.encode_batch(texts, side="target") if any(texts) else [[] for _ in texts]
+    return [list(ids) if text else None for text, ids in zip(texts, encoded)]
+
+
+@dataclasses.dataclass(frozen=True)
+class Hypothesis:
+    """One translation of a sentence: its text, its token ids (the prefix's first, EOS and padding left out), its
+    score by the decoding's rules, and each token's log-prob (0 for a prefix's)."""
+
+    text: str
+    tokens: list[int]
+    score: float
+    token_scores: list[float]
+
+
+@dataclasses.dataclass(frozen=True)
+class Translation:
+    """A sentence's translations, best first (`n_best` of them; fewer where the search found fewer)."""
+
+    source: str
+    hypotheses: list[Hypothesis]
+    prefix: str | None = None
+
+    @property
+    def text(self) -> str:
+        return self.hypotheses[0].text if self.hypotheses else ""
+
+
 def translate(
     params,
     config: TransformerConfig,
     tokenizer,
     sentences: Sequence[str],
-    *,
-    beam_size: int = 4,
-    alpha: float = 0.6,
-    batch_size: int = TRANSLATE_BATCH_SIZE,
-    max_len_a: float = DEFAULT_MAX_LEN_A,
-    max_len_b: float = DEFAULT_MAX_LEN_B,
-    progress: bool = True,
     decode: DecodeConfig | None = None,
+    *,
+    prefixes: Sequence[str | None] | None = None,
+    batch_size: int = TRANSLATE_BATCH_SIZE,
+    progress: bool = True,
 ) -> list[str]:
-    """Translates sentences (strings) and returns the translations in the same order.
-
-    beam_size=1 uses greedy search, larger values beam search with length penalty `alpha`, by the rules of
-    `decode` (default: this project's). Sentences are sorted by length and decoded `batch_size` at a time, each
-    batch padded to one of a few shapes (`plan_translation`), so compilations are few and reused; where the schedule
-    says so (a CPU of two cores or more), several batches at once in threads of their own, which take the caller's
-    matmul precision and default device. For a file or stream of any size, `translate_lines` does this chunk by
-    chunk.
-    """
-    sources = encode_sources(tokenizer, sentences, config)
-    options = dict(beam_size=beam_size, alpha=alpha, batch_size=batch_size, max_len_a=max_len_a, max_len_b=max_len_b)
-    return _translate_sources(params, config, tokenizer, sources, progress=progress, decode=decode, **options)
+    """The best translation of each sentence (strings), in the same order; `translations` has every hypothesis
+    with its tokens and scores, and the arguments."""
+    found = translations(params, config, tokenizer, sentences, decode, prefixes=prefixes, batch_size=batch_size,
+                         progress=progress)  # fmt: skip
+    return [t.text for t in found]
 
 
-def _translate_sources(
+def translations(
     params,
     config: TransformerConfig,
     tokenizer,
-    sources: list[np.ndarray],
-    *,
-    beam_size: int,
-    alpha: float,
-    batch_size: int,
-    max_len_a: float,
-    max_len_b: float,
-    progress: bool,
+    sentences: Sequence[str],
     decode: DecodeConfig | None = None,
-) -> list[str]:
-    """Decoded text of encoded sources (ids + EOS), in their order; see `translate`."""
+    *,
+    prefixes: Sequence[str | None] | None = None,
+    batch_size: int = TRANSLATE_BATCH_SIZE,
+    progress: bool = True,
+) -> list[Translation]:
+    """Translates sentences (strings) as `decode` says (default: `DecodeConfig()`, this project's beam search of 4;
+    the n-best list, sampling and the rules are its fields), each from its target prefix if `prefixes` gives one
+    (text the translation must begin with; None or "": none). Returns a `Translation` per sentence, in order.
+
+    Sentences are sorted by length and decoded `batch_size` at a time, each batch padded to one of a few shapes
+    (`plan_translation`), so compilations are few and reused; where the schedule says so (a CPU of two cores or
+    more), several batches at once in threads of their own, which take the caller's matmul precision and default
+    device. For a file or stream of any size, `translate_lines` does this chunk by chunk.
+    """
     decode = forced_language(decode, tokenizer)
+    sources = encode_sources(tokenizer, sentences, config)
+    if prefixes is not None and len(prefixes) != len(sources):
+        raise ValueError(f"{len(prefixes)} prefixes for {len(sources)} sentences: give one (or None) per sentence")
+    ids = None
+    if prefixes is not None:
+        ids = encode_prefixes(tokenizer, prefixes)
+        check_prefixes(config, decode, sources, ids, [f"sentence {i}" for i in range(len(sources))])
+    decoded = _decode_sources(params, config, sources, ids, decode, batch_size=batch_size, progress=progress)
+    prefixes = prefixes or [None] * len(sources)
+    return [
+        Translation(sentence, _hypotheses(tokenizer, found, config), prefix or None)
+        for sentence, found, prefix in zip(sentences, decoded, prefixes)
+    ]
+
+
+def _hypotheses(tokenizer, found: Decoded, config: TransformerConfig) -> list[Hypothesis]:
+    """The hypotheses of one sentence (`found`: a Decoded of one row) as text, ids and scores."""
+    out = []
+    for tokens, score, token_scores, ok in zip(found.tokens[0], found.scores[0], found.token_scores[0], found.found[0]):
+        if not ok:
+            continue
+        n = (
+            int(np.argmax(tokens == config.eos_id)) + 1
+            if (tokens == config.eos_id).any()
+            else int(np.count_nonzero(tokens != config.pad_id))
+        )
+        out.append(Hypothesis(
+            text=tokenizer.decode(tokens),
+            tokens=[int(t) for t in tokens[:n] if t != config.eos_id],
+            score=float(score),
+            token_scores=[float(x) for x in token_scores[:n]],
+        ))  # fmt: skip
+    return out
+
+
+def _decode_sources(
+    params,
+    config: TransformerConfig,
+    sources: list[np.ndarray],
+    prefixes: list[list[int] | None] | None,
+    decode: DecodeConfig,
+    *,
+    batch_size: int,
+    progress: bool,
+) -> list[Decoded]:
+    """The hypotheses of encoded sources (ids + EOS), each a Decoded of one row, in their order; see `translate`."""
     plan = plan_translation([len(s) for s in sources], batch_size, config.max_len)
     params = on_device(params)  # once for all the batches of a call (of a chunk, for translate_lines)
     settings = schedules.callers_settings()  # the caller's matmul precision and device, in the pool's threads too
-    options = dict(beam_size=beam_size, alpha=alpha, max_len_a=max_len_a, max_len_b=max_len_b)
 
-    def decode_batch(batch) -> np.ndarray:  # (rows, T) tokens of one batch
+    def decode_batch(batch) -> Decoded:  # the hypotheses of one batch's rows
         chunk, rows, width = batch
         src = np.full((rows, width), config.pad_id, dtype=np.int32)  # filler rows stay all-PAD
         for row, i in enumerate(chunk):
             src[row, : len(sources[i])] = sources[i]
+        given = None if prefixes is None else [prefixes[i] for i in chunk] + [None] * (rows - len(chunk))
         with settings():
-            return decoder_for(config, decode, width, **options)(params, src, plan.schedule)[0]
+            return decoder(config, decode, width)(params, src, plan.schedule, given)
 
-    out: list[str] = [""] * len(sources)
+    out: list[Decoded | None] = [None] * len(sources)
     bar = tqdm(total=len(plan.batches), desc="translate", unit="batch", disable=not progress or len(plan.batches) < 2)
     with bar, ThreadPoolExecutor(plan.at_once) as pool:
         # A batch at a time in this thread, or several at once in the pool's (jax releases the GIL as programs run).
         decoded = pool.map(decode_batch, plan.batches) if plan.at_once > 1 else map(decode_batch, plan.batches)
         try:
-            for (chunk, _, _), tokens in zip(plan.batches, decoded):
+            for (chunk, _, _), found in zip(plan.batches, decoded):
                 for row, i in enumerate(chunk):
-                    out[i] = tokenizer.decode(tokens[row])
+                    out[i] = found.row(row)
                 bar.update()
         finally:  # on an error (or Ctrl-C) here, the batches not yet started are dropped, not decoded first
             pool.shutdown(cancel_futures=True)
@@ -327,42 +396,61 @@ class OutputLines:
             return False
 
 
+OUTPUT_FORMATS = ("text", "tsv", "jsonl")
+
+
+def format_translation(found: Translation | None, line: int, output_format: str, n_best: int = 1) -> list[str]:
+    """The output lines of input line `line` (None: an empty line). text: each hypothesis's text on a line of its
+    own (n_best lines per input line, "" where there is none); tsv: line, rank, score and text, tab-separated, a
+    row per hypothesis; jsonl: one JSON object with the source, the prefix and every hypothesis with its score,
+    tokens and per-token log-probs."""
+    hypotheses = found.hypotheses if found is not None else []
+    if output_format == "jsonl":
+        record = {"line": line, "source": found.source if found else "", "prefix": found.prefix if found else None}
+        record["hypotheses"] = [dataclasses.asdict(h) for h in hypotheses]
+        return [json.dumps(record, ensure_ascii=False)]
+    texts = [h.text.replace("\r", " ").replace("\n", " ") for h in hypotheses]  # one line per hypothesis
+    if output_format == "tsv":
+        return [f"{line}\t{rank}\t{h.score:.6g}\t{text}" for rank, (h, text) in enumerate(zip(hypotheses, texts), 1)]
+    return (texts + [""] * n_best)[:n_best]
+
+
 def translate_lines(
     params,
     config: TransformerConfig,
     tokenizer,
     lines: Iterable[str],
     write: Callable[[str], None],
+    decode: DecodeConfig | None = None,
     *,
     origin: str = "input",
     on_too_long: str = "error",
     chunk_size: int = TRANSLATE_CHUNK_LINES,
     total: int | None = None,
     progress: bool | None = True,
-    beam_size: int = 4,
-    alpha: float = 0.6,
-    batch_size: int = 64,
-    max_len_a: float = DEFAULT_MAX_LEN_A,
-    max_len_b: float = DEFAULT_MAX_LEN_B,
-    decode: DecodeConfig | None = None,
+    batch_size: int = TRANSLATE_BATCH_SIZE,
+    output_format: str = "text",
+    prefix_column: bool = False,
 ) -> TranslationReport:
-    """Translates `lines` (any iterable of strings, e.g. a file read lazily) and calls `write(translation)` once
-    per input line, in order: exactly one output per input, an empty (or blank) line gives an empty output, and
-    line breaks inside a translation become spaces. Memory is bounded by `chunk_size` lines: each chunk is read,
-    decoded (sorted by length into batches, as `translate` does) and written before the next is read.
+    """Translates `lines` (any iterable of strings, e.g. a file read lazily) as `decode` says and calls
+    `write(line)` for each output line, in order (`format_translation`: with n-best 1 and text, exactly one output
+    per input; an empty (or blank) line gives an empty output, and line breaks inside a translation become
+    spaces). With `prefix_column`, a line is "source<TAB>target prefix" (the prefix may be empty). Memory is
+    bounded by `chunk_size` lines: each chunk is read, decoded (sorted by length into batches, as `translate` does)
+    and written before the next is read.
 
     The too-long rule: a line of n tokens needs n + 1 <= config.max_len positions (EOS). With on_too_long="error"
     a longer line is a DataError naming `origin` and the line (the lines before it are already written); with
     "truncate" its first max_len - 1 tokens are translated, and the report counts and names the lines.
-    beam_size, alpha, batch_size, max_len_a, max_len_b: as for `translate`. `progress`: a tqdm bar on stderr
-    counting lines (`total` lines if known; None: only when stderr is a terminal).
+    `progress`: a tqdm bar on stderr counting lines (`total` lines if known; None: only when stderr is a terminal).
     """
     if on_too_long not in ON_TOO_LONG:
         raise ValueError(f"on_too_long must be one of {ON_TOO_LONG}, got {on_too_long!r}")
+    if output_format not in OUTPUT_FORMATS:
+        raise ValueError(f"output_format must be one of {OUTPUT_FORMATS}, got {output_format!r}")
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size must be an int >= 1, got {chunk_size!r}")
-    options = dict(beam_size=beam_size, alpha=alpha, batch_size=batch_size, max_len_a=max_len_a, max_len_b=max_len_b)
-    options["decode"] = decode
+    decode = forced_language(decode, tokenizer)
     report = TranslationReport()
     bar = tqdm(
         total=total,
@@ -375,6 +463,10 @@ def translate_lines(
         iterator = iter(lines)
         while chunk := list(itertools.islice(iterator, chunk_size)):
             first = report.lines + 1  # the 1-based number of the chunk's first line
+            prefixes = [None] * len(chunk)
+            if prefix_column:
+                chunk, prefixes = zip(*(_split_prefix(line, origin, first + i) for i, line in enumerate(chunk)))
+                chunk, prefixes = list(chunk), list(prefixes)
             # Token ids of the non-empty lines, by index in the chunk; empty (or blank) lines stay empty.
             todo = [i for i, line in enumerate(chunk) if line.strip()]
             ids = dict(zip(todo, tokenizer.encode_batch([chunk[i] for i in todo])))
@@ -384,11 +476,20 @@ def translate_lines(
                 if too_long is not None:
                     n_tokens = len(ids[too_long])
                     chunk, ids = chunk[:too_long], {i: v for i, v in ids.items() if i < too_long}
-            sources = [_apply_length_rule(ids[i], config, report, first + i) for i in sorted(ids)]
-            translations = iter(_translate_sources(params, config, tokenizer, sources, progress=False, **options))
+            done = sorted(ids)
+            sources = [_apply_length_rule(ids[i], config, report, first + i) for i in done]
+            prefix_ids = None
+            if prefix_column:
+                prefix_ids = encode_prefixes(tokenizer, [prefixes[i] for i in done])
+                check_prefixes(config, decode, sources, prefix_ids, [f"{origin}, line {first + i}" for i in done])
+            decoded = _decode_sources(
+                params, config, sources, prefix_ids, decode, batch_size=batch_size, progress=False
+            )
+            found = dict(zip(done, (Translation(chunk[i], _hypotheses(tokenizer, d, config), prefixes[i] or None)
+                                    for i, d in zip(done, decoded))))  # fmt: skip
             for i in range(len(chunk)):
-                # One output line per input line: line breaks inside a translation become spaces.
-                write(next(translations).replace("\r", " ").replace("\n", " ") if i in ids else "")
+                for text in format_translation(found.get(i), first + i, output_format, decode.n_best):
+                    write(text)
             report.lines += len(chunk)
             report.empty += len(chunk) - len(ids)
             bar.update(len(chunk))
@@ -402,6 +503,37 @@ def translate_lines(
     finally:
         bar.close()
     return report
+
+
+def check_prefixes(
+    config: TransformerConfig,
+    decode: DecodeConfig,
+    sources: list[np.ndarray],
+    prefixes: list[list[int] | None],
+    names: list[str],
+) -> None:
+    """Each prefix against its sentence's length limit (it must leave room for a token of its own) and for EOS; a
+    DataError naming the sentence (`names`) otherwise, before anything is decoded."""
+    for source, prefix, name in zip(sources, prefixes, names):
+        if not prefix:
+            continue
+        src = np.asarray(source, np.int32)[None]
+        limit = int(decoder(config, decode, config.max_len).limits(src)[0])
+        if len(prefix) >= limit:
+            raise DataError(
+                f"{name}: a target prefix of {len(prefix)} tokens, but this sentence may produce {limit} tokens "
+                f"in all (the prefix's and EOS included): shorten the prefix or raise the length limit"
+            )
+        if config.eos_id in prefix:
+            raise DataError(f"{name}: the target prefix holds EOS (id {config.eos_id}): nothing could follow it")
+
+
+def _split_prefix(line: str, origin: str, number: int) -> tuple[str, str]:
+    """(source, target prefix) of a "source<TAB>prefix" line; a line without a tab has no prefix."""
+    parts = line.split("\t")
+    if len(parts) > 2:
+        raise DataError(f"{origin}, line {number}: {len(parts)} tab-separated fields; expected source<TAB>prefix")
+    return parts[0], parts[1] if len(parts) == 2 else ""
 
 
 def _apply_length_rule(ids, config: TransformerConfig, report: TranslationReport, line: int) -> np.ndarray:

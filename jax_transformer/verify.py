@@ -17,6 +17,7 @@ from tqdm.auto import tqdm
 from jax_transformer import compilation, quantization
 from jax_transformer.batching import bucket_lengths
 from jax_transformer.checkpoint import Checkpoint
+from jax_transformer.config import DecodeConfig
 from jax_transformer.decoding import beam_search, greedy_search
 from jax_transformer.evaluation import score_translations
 from jax_transformer.export import export_weights, import_weights
@@ -236,16 +237,18 @@ def verify(
     batches: Sequence[dict[str, np.ndarray]],
     sources: Sequence[str],
     references: Sequence[str],
+    decode: DecodeConfig | None = None,
     *,
-    beam_size: int = 4,
-    alpha: float = 0.6,
     batch_size: int = 32,
     device: str = "cpu",
     progress: bool = True,
     print_fn: Callable[[str], None] = print,
 ) -> VerifyReport:
     """Steps 1-4 of the module docstring on a loaded checkpoint, its teacher-forcing `batches` (dicts of src,
-    tgt_in, tgt_out) and the `sources` / `references` text of the same validation set."""
+    tgt_in, tgt_out) and the `sources` / `references` text of the same validation set. `decode`: its beam width and
+    alpha (default DecodeConfig's); the frameworks are compared by this project's rules, which the twin has."""
+    decode = decode or DecodeConfig()
+    beam_size, alpha = decode.beam_size, decode.alpha
     import time
 
     import torch

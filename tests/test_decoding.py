@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from jax_transformer import decoding, schedule, search, translation
-from jax_transformer.config import preset
+from jax_transformer.config import DecodeConfig, preset
 from jax_transformer.model import Transformer, grow_cache, init_params, select_cache
 from tests.helpers.batches import make_src, pad_rows
 from tests.helpers.configs import DECODING_CONFIGS
@@ -44,6 +44,7 @@ SCORE_ATOL = 2e-5
 # Model a: post-norm, sinusoidal, untied output (whose bias lets the tests move EOS up, see eos_biased).
 # Model b: pre-norm with final norms, learned positions, one shared (tied) embedding table, gelu.
 CONFIG_A = DECODING_CONFIGS["post_sinusoidal_untied"]
+GREEDY = DecodeConfig(beam_size=1)
 CONFIG_B = DECODING_CONFIGS["pre_learned_shared"]
 
 
@@ -293,11 +294,16 @@ def test_select_rows_and_grow_follow_the_caches_layout():
 
     # A whole decoding state: every array with a row per sentence follows, the table of slots grows with the cache.
     rules = decoding.gnmt_decoder(CONFIG_A, 8, beam_size=G).rules
-    state = search.initial_state(rules, np.ones((S, 8), np.int32), np.array([5, 6, 7]), 10, T, cache, 0)
+    rows = search.Rows(
+        limit=np.array([5, 6, 7]), prefix=np.arange(S)[:, None] * np.ones((S, 10), np.int32), prefix_len=np.arange(S),
+        draw=np.arange(S, dtype=np.uint32),
+    )  # fmt: skip
+    state = search.initial_state(rules, np.ones((S, 8), np.int32), rows, 10, T, cache, 0)
     state = state.replace(history=np.arange(S)[:, None, None] * 100 + np.zeros((S, G, T), np.int32))
     memory, src = np.arange(S)[:, None, None] * np.ones((S, 8, 2)), np.arange(S)[:, None] * np.ones((S, 8), np.int32)
     picked, memory, src = schedule.select_rows(state, memory, src, np.array([2, 0]))
-    assert picked.limit.tolist() == [7, 5] and picked.history[:, 0, 0].tolist() == [200, 0]
+    assert picked.rows.limit.tolist() == [7, 5] and picked.history[:, 0, 0].tolist() == [200, 0]
+    assert picked.rows.prefix[:, 0].tolist() == [2, 0] and picked.rows.draw.tolist() == [2, 0]
     assert memory[:, 0, 0].tolist() == [2, 0] and src[:, 0].tolist() == [2, 0]
     assert picked.cache["decoder"]["layer_0"]["self_attention"]["cached_key"][:, 0, 0].tolist() == [200, 210, 0, 10]
     assert picked.step == 0 and picked.live_tokens.shape == (2, G, 10)
@@ -469,7 +475,7 @@ def test_translate_keeps_order_and_reuses_compilations(tiny_translator, monkeypa
     lengths = [len(ids) for ids in tokenizer.encode_batch(sentences)]
     short = [s for s, n in zip(sentences, lengths) if 2 <= n <= 7]
     chosen = [short[i] for i in (40, 3, 25, 11, 60, 0, 17)]  # mixed lengths, unsorted
-    out = translation.translate(params, config, tokenizer, chosen, beam_size=1, batch_size=4, progress=False)
+    out = translation.translate(params, config, tokenizer, chosen, GREEDY, batch_size=4, progress=False)
     # Each translation equals the decoding of that sentence as a row of a padded batch of the same shape.
     sources = translation.encode_sources(tokenizer, chosen, config)
     tokens = np.concatenate(
@@ -484,17 +490,17 @@ def test_translate_keeps_order_and_reuses_compilations(tiny_translator, monkeypa
     # the same sentences again compile nothing.
     plan = translation.plan_translation([len(s) for s in sources], 4, config.max_len)
     assert plan.shapes() == [(4, 16)]
-    jobs = translation.compile_translation(params, config, plan, beam_size=1)
+    jobs = translation.compile_translation(params, config, plan, GREEDY)
     planned = len([name for name in jobs if not name.startswith("encoder")])
 
     def compiled():
         return search.start._cache_size() + search.resume._cache_size()
 
     before = compiled()
-    translation.translate(params, config, tokenizer, short[100:107], beam_size=1, batch_size=4, progress=False)
+    translation.translate(params, config, tokenizer, short[100:107], GREEDY, batch_size=4, progress=False)
     assert compiled() - before <= planned - 1
     before = compiled()
-    translation.translate(params, config, tokenizer, short[100:107], beam_size=1, batch_size=4, progress=False)
+    translation.translate(params, config, tokenizer, short[100:107], GREEDY, batch_size=4, progress=False)
     assert compiled() == before
     with pytest.raises(ValueError, match="sentence 1 has"):
         translation.translate(params, config, tokenizer, ["one", " ".join(["ninety"] * 40)], progress=False)
@@ -556,7 +562,7 @@ def test_translate_decodes_whole_batches_side_by_side(tiny_translator, monkeypat
         loops[0] = threads
         calls.clear()
         with jax.default_matmul_precision("float32"), jax.default_device(device):
-            return translation.translate(params, config, tokenizer, chosen, beam_size=1, batch_size=8, progress=False)
+            return translation.translate(params, config, tokenizer, chosen, GREEDY, batch_size=8, progress=False)
 
     monkeypatch.setattr(schedule, "side_by_side", lambda: loops[0])
     monkeypatch.setattr(schedule.Scheduled, "decode", watched)
@@ -592,7 +598,7 @@ def test_translate_compiles_once_per_shape_and_ahead_of_time(tiny_translator, mo
     with compiled_functions() as compiled:
         jobs = {}
         for plan in plans:
-            jobs |= translation.compile_translation(params, config, plan, beam_size=1)
+            jobs |= translation.compile_translation(params, config, plan, GREEDY)
         for compile_job in jobs.values():
             compile_job()
     # An output limit of 24 tokens (max_len) decodes with one cache of 24 positions (schedule.cache_lengths); batches
@@ -616,7 +622,7 @@ def test_translate_compiles_once_per_shape_and_ahead_of_time(tiny_translator, mo
     )
     with compiled_functions() as compiled:
         for batch in (chosen, few):
-            translation.translate(params, config, tokenizer, batch, beam_size=1, batch_size=8, progress=False)
+            translation.translate(params, config, tokenizer, batch, GREEDY, batch_size=8, progress=False)
     assert not {"jit(start)", "jit(resume)", "jit(encoder)"} & {name for name, _ in compiled}  # none again
     # Between the programs, only the jitted gathers and pads that move a batch from one to the next compile (once
     # per shape): the loop's bookkeeping runs in numpy, not as eager jax ops that compile a program per shape.
@@ -644,7 +650,7 @@ def test_translation_encoders_are_the_encoder_programs_translate_runs(tiny_trans
     # in one batch of 16 rows, 2 of them filler, cut in halves where the CPU has two cores or more.
     for batch in (fitting[:100] + fitting[-50:], fitting[100:114]):
         ran.clear()
-        translation.translate(params, config, tokenizer, batch, beam_size=1, batch_size=32, progress=False)
+        translation.translate(params, config, tokenizer, batch, GREEDY, batch_size=32, progress=False)
         batch_lengths = [len(s) for s in translation.encode_sources(tokenizer, batch, config)]
         plans.append(translation.plan_translation(batch_lengths, 32, config.max_len).encoder_shapes())
         assert ran == set(plans[-1])
@@ -782,7 +788,6 @@ def test_finished_sentences_leave_the_batch_and_change_nothing(search_kind, monk
     finish (beam 16 -> 4 sentences a half, greedy on to 1 row) and gives the tokens and scores of one loop over the
     whole batch (schedule.Whole), by both rule sets; the programs of every level are those the schedule lists
     (`programs`), compiled ahead."""
-    from jax_transformer.config import DecodeConfig
     from tests.helpers.saved import load_saved_model
 
     saved = load_saved_model("trained_tiny")
@@ -794,7 +799,7 @@ def test_finished_sentences_leave_the_batch_and_change_nothing(search_kind, monk
         "generate greedy": (1, transformers_rules),
         "generate beam 4": (4, transformers_rules),
     }[search_kind]
-    decoder = decoding.decoder_for(config, rules, src.shape[1], beam_size=beam_size, alpha=0.6)
+    decoder = decoding.decoder(config, (rules or DecodeConfig()).replace(beam_size=beam_size), src.shape[1])
     monkeypatch.setattr(schedule, "side_by_side", lambda: 2)  # two halves, on any machine
     layer = schedule.Scheduled()
     levels, select_rows = [], schedule._select_rows_jit
@@ -811,12 +816,12 @@ def test_finished_sentences_leave_the_batch_and_change_nothing(search_kind, monk
         compile_job()
     monkeypatch.setattr(schedule, "_select_rows_jit", counted)
     with compiled_functions() as compiled:
-        tokens, scores = decoder(params, src, layer)
+        tokens, scores = decoder(params, src, layer).best()
     assert not {name for name, _ in compiled} & {"jit(start)", "jit(resume)", "jit(encoder)"}, compiled
     below = schedule.shrink_levels(len(src) // 2, decoder.rules.beams)[1:]  # of a half of 16: 4 sentences; greedy 4, 1
     assert levels and set(levels) <= set(below), levels  # it shrank
     assert all(levels.count(n) <= 2 for n in below), levels  # each half once through each level
-    whole_tokens, whole_scores = decoder(params, src, schedule.Whole())
+    whole_tokens, whole_scores = decoder(params, src, schedule.Whole()).best()
     np.testing.assert_array_equal(tokens, whole_tokens)
     # The same sums of log-probs, computed in matrix products of fewer rows: float32 rounding of the products
     # differs by a few ulps of log-probs ~1, summed over at most 33 tokens.

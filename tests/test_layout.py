@@ -39,6 +39,7 @@ LAYERS = [
     ("schedule",),  # how a batch runs through the search's programs: whole, or the CPU's throughput schedule
     ("decoding",),  # the decoders callers use: greedy and beam search, generate, a run's decoder
     ("translation",),  # text in, text out: batches of a few shapes, decoded by the model's rules
+    ("scoring",),  # the log-probs of given translations (teacher forcing), for filtering and reranking
     ("evaluation", "visualize"),
     ("checkpoint",),
     ("export",),  # PyTorch / safetensors weight files
@@ -47,6 +48,7 @@ LAYERS = [
     ("hub",),  # pretrained models' files: import them as run directories, export them back
     ("loop",),  # the training loop
     ("run",),  # setting up a run
+    ("inference",),  # a model loaded to decode (checkpoint, dtype, int8, mesh, languages), its decoding resolved
 ]
 
 

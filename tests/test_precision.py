@@ -23,7 +23,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from jax_transformer import checkpoint as ckpt_lib
-from jax_transformer import decoding, search, training
+from jax_transformer import decoding, schedule, search, training
 from jax_transformer.config import ConfigError, preset
 from jax_transformer.model import Transformer, attention_maps, init_params
 from tests.helpers.batches import make_batch
@@ -64,7 +64,7 @@ def _lowered_programs(config) -> dict[str, str]:
     step = training.make_train_step(config, opt).lower(training.abstract_train_state(config, opt), batch)
     params = jax.eval_shape(lambda: init_params(config))
     src = jax.ShapeDtypeStruct((2, 6), jnp.int32)
-    rows = jax.ShapeDtypeStruct((2,), jnp.int32)
+    rows = schedule.row_shapes(2, 8)  # the shapes of each row's limit, prefix and draw id
     scalar = jax.ShapeDtypeStruct((), jnp.int32)
     memory = jax.ShapeDtypeStruct((2, 6, config.d_model), jnp.float32)
     encoder = search.encoder.lower(params, src, config=config, width=6)

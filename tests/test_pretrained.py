@@ -86,7 +86,7 @@ def test_import_then_translate_as_transformers_generates(imported):
     loaded = ckpt_lib.load(run, "latest")
     stored = loaded.run
     assert stored["imported_from"]["family"] == "marian"
-    assert stored["loop"]["beam_size"] == 4 and stored["decode"]["rules"] == "transformers"
+    assert stored["decode"]["beam_size"] == 4 and stored["decode"]["rules"] == "transformers"
     (root / "in.txt").write_text("\n".join(SENTENCES) + "\n", encoding="utf-8")
     code, out, err = run_main(["translate", "--checkpoint", str(run), "--input", str(root / "in.txt")])
     assert code == 0, out + err
@@ -176,7 +176,8 @@ def test_fine_tune_an_imported_model_and_export_it(imported, tmp_path):
     assert tuned.step == 12 and tuned.config == start.config
     assert tuned.tokenizer.to_bytes() == start.tokenizer.to_bytes()
     assert tuned.run["imported_from"] == start.run["imported_from"]
-    assert tuned.run["decode"] == start.run["decode"] and tuned.run["loop"]["beam_size"] == 4
+    decodes = [DecodeConfig.from_dict(c.run["decode"]) for c in (tuned, start)]  # the start's: what it imported
+    assert decodes[0] == decodes[1] and decodes[0].beam_size == 4
     records = [json.loads(line) for line in (tmp_path / "tuned" / "metrics.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in records if r["kind"] == "train"]
     assert np.mean(losses[-3:]) < np.mean(losses[:3]) - 0.5, losses  # it learned: not a frozen or reset model
@@ -206,7 +207,7 @@ def test_own_model_exports_as_marian(tmp_path):
     from transformers import MarianMTModel, MarianTokenizer
 
     saved = load_saved_model("trained_tiny")
-    run = {"loop": {"beam_size": 4, "alpha": 0.6}, "decode": DecodeConfig().to_dict()}  # as a run stores them
+    run = {"decode": DecodeConfig().to_dict()}  # as a run stores them
     path, kind = hub.export_transformers(saved.params, saved.config, saved.tokenizer, run, tmp_path / "own")
     assert kind == "marian"
     model = MarianMTModel.from_pretrained(path, attn_implementation="eager").eval()
@@ -273,10 +274,8 @@ def test_the_repetition_controls_are_read_from_a_generation_config_and_written_b
     off = hub.generation_settings({}, {"repetition_penalty": None})
     assert (off["repetition_penalty"], off["no_repeat_ngram_size"]) == (1.0, 0)
     config = preset("tiny", src_vocab_size=50, tgt_vocab_size=50)
-    loop = {"beam_size": 4, "alpha": 1.0}
-    on = hub._generation_json(
-        config, loop, {"rules": "transformers", "repetition_penalty": 1.2, "no_repeat_ngram_size": 3}
-    )
-    assert on["repetition_penalty"] == 1.2 and on["no_repeat_ngram_size"] == 3
-    plain = hub._generation_json(config, loop, {"rules": "transformers", "repetition_penalty": 1.0})
+    decode = {"rules": "transformers", "beam_size": 4, "alpha": 1.0}
+    on = hub._generation_json(config, {**decode, "repetition_penalty": 1.2, "no_repeat_ngram_size": 3})
+    assert on["repetition_penalty"] == 1.2 and on["no_repeat_ngram_size"] == 3 and on["num_beams"] == 4
+    plain = hub._generation_json(config, {**decode, "repetition_penalty": 1.0})
     assert "repetition_penalty" not in plain and "no_repeat_ngram_size" not in plain

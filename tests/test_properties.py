@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from jax_transformer import checks
 from jax_transformer.batching import BatchStream, EncodedCorpus
-from jax_transformer.config import preset
+from jax_transformer.config import DecodeConfig, preset
 from jax_transformer.corpus import read_lines, read_parallel, read_tsv
 from jax_transformer.errors import DataError
 from jax_transformer.tokenizer import EOS_ID, PAD_ID, Tokenizer
@@ -308,7 +308,7 @@ def test_translate_writes_one_line_per_input_line(translator, lines, chunk):
         on_too_long="truncate",
         chunk_size=chunk,
         progress=False,
-        beam_size=1,
+        decode=DecodeConfig(beam_size=1),
         batch_size=4,
     )
     assert len(out) == len(lines) == report.lines

@@ -1,10 +1,13 @@
 """Greedy and beam search for the PyTorch twin: the reference the fast Flax decoder is tested against, written to
-be read, not to be fast. The semantics of `jax_transformer.decoding` exactly; each step re-runs the decoder over
-the prefix by default, or uses a key/value cache (`use_cache=True`). docs/internals.md#torch_reference-decoding."""
+be read, not to be fast. The semantics of `jax_transformer.decoding` exactly, target prefixes and n-best lists
+included; each step re-runs the decoder over the prefix by default, or uses a key/value cache (`use_cache=True`).
+docs/internals.md#torch_reference-decoding."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -148,6 +151,58 @@ def _restrict(log_probs: torch.Tensor, step: int, min_len: int, cfg: Transformer
     return log_probs
 
 
+# --- target prefixes and n-best lists (jax_transformer.decoding's `prefixes` and `Decoded`) ---------------
+
+
+class Hypotheses(NamedTuple):
+    """The n best hypotheses of each row, best first, as jax_transformer.decoding.Decoded: tokens (B, n, L) long
+    (a target prefix's tokens first, EOS where emitted, PAD after), scores (B, n) float32 (by the search's rule,
+    a prefix's tokens not counted), token_scores (B, n, L) float32 (each token's log-prob: 0 for a prefix's and
+    after the end) and found (B, n) bool (False for a slot no hypothesis reached: its score is -inf)."""
+
+    tokens: torch.Tensor
+    scores: torch.Tensor
+    token_scores: torch.Tensor
+    found: torch.Tensor
+
+
+def _target_prefixes(prefixes, B: int, limits: list[int], cfg: TransformerConfig) -> list[list[int]]:
+    """Each row's target prefix as a list of ids ([] for none), checked as the Flax decoder checks them."""
+    if prefixes is None:
+        return [[] for _ in range(B)]
+    if len(prefixes) != B:
+        raise ValueError(f"prefixes must give one entry per source row ({B}), got {len(prefixes)}")
+    rows = []
+    for row, ids in enumerate(prefixes):
+        ids = [] if ids is None else [int(i) for i in ids]
+        if len(ids) >= limits[row]:
+            raise ValueError(
+                f"row {row}: a target prefix of {len(ids)} tokens leaves no room for decoding (this row may "
+                f"produce {limits[row]} tokens, the prefix's and EOS included)"
+            )
+        if cfg.eos_id in ids:
+            raise ValueError(f"row {row}: a target prefix holds EOS (id {cfg.eos_id}): nothing would follow")
+        if any(not 0 <= i < cfg.tgt_vocab_size for i in ids):
+            raise ValueError(f"row {row}: a target prefix holds ids outside [0, {cfg.tgt_vocab_size})")
+        rows.append(ids)
+    return rows
+
+
+def _force_prefix(log_probs: torch.Tensor, target_prefix: list[int], step: int) -> torch.Tensor:
+    """While the target prefix lasts, its token is the only choice and scores 0: it is given, not chosen, so it
+    adds nothing to log P. log_probs (..., V) of one row's hypotheses."""
+    if step >= len(target_prefix):
+        return log_probs
+    forced = torch.full_like(log_probs, -math.inf)
+    forced[..., target_prefix[step]] = 0.0
+    return forced
+
+
+def _check_n_best(n_best: int | None, beams: int) -> None:
+    if n_best is not None and not (isinstance(n_best, int) and not isinstance(n_best, bool) and 1 <= n_best <= beams):
+        raise ValueError(f"n_best must be None or an int in [1, {beams}] (the hypotheses kept), got {n_best!r}")
+
+
 # --- greedy search ----------------------------------------------------------------------------------------
 
 
@@ -160,30 +215,42 @@ def greedy_search(
     max_len_b: float = DEFAULT_MAX_LEN_B,
     min_len: int = 0,
     use_cache: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    n_best: int | None = None,
+    prefixes: Sequence[Sequence[int] | None] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor] | Hypotheses:
     """Greedy decoding of right-padded sources (B, S) -> tokens (B, L) long, scores (B,) float32 (sum of
-    log-probs). The loop stops when every row has emitted EOS or reached its length limit."""
+    log-probs). The loop stops when every row has emitted EOS or reached its length limit. `prefixes`: each row's
+    target prefix (ids without the start token; None or [] for none), forced first and scored 0. With `n_best`
+    (1: greedy keeps one hypothesis) a `Hypotheses` of n = 1 instead, per-token log-probs included."""
     src = _on_model_device(model, src)
     _check(model, src)
+    _check_n_best(n_best, 1)
     cfg, device = model.cfg, src.device
     B = src.shape[0]
     limits = max_new_tokens(src, cfg, max_len_a, max_len_b)
+    target_prefixes = _target_prefixes(prefixes, B, limits, cfg)
     length = output_length(src.shape[1], cfg, max_len_a, max_len_b)
     decoder = _decoder(model, model.encode(src), src, use_cache)
     tokens = torch.full((B, length), cfg.pad_id, dtype=torch.long, device=device)
+    token_scores = torch.zeros(B, length, device=device)
     scores = torch.zeros(B, device=device)
     done = torch.zeros(B, dtype=torch.bool, device=device)
     for t in range(length):
         if done.all():
             break
         log_probs = _restrict(decoder.step(), t, min_len, cfg)  # (B, V)
+        log_probs = torch.stack([_force_prefix(row, given, t) for row, given in zip(log_probs, target_prefixes)])
         best = log_probs.argmax(dim=-1)  # (B,)  first index on ties
         token = torch.where(done, cfg.pad_id, best)
-        scores += torch.where(done, 0.0, log_probs.gather(1, token[:, None])[:, 0])
-        tokens[:, t] = token
+        gained = torch.where(done, 0.0, log_probs.gather(1, token[:, None])[:, 0])  # (B,)
+        scores += gained
+        tokens[:, t], token_scores[:, t] = token, gained
         decoder.append(token)
         done |= (token == cfg.eos_id) | torch.tensor([t + 1 >= limit for limit in limits], device=device)
-    return tokens, scores
+    if n_best is None:
+        return tokens, scores
+    found = torch.ones(B, 1, dtype=torch.bool, device=device)  # every row ends, at EOS or at its limit
+    return Hypotheses(tokens[:, None], scores[:, None], token_scores[:, None], found)
 
 
 # --- beam search ------------------------------------------------------------------------------------------
@@ -206,63 +273,103 @@ def beam_search(
     max_len_b: float = DEFAULT_MAX_LEN_B,
     min_len: int = 0,
     use_cache: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    n_best: int | None = None,
+    prefixes: Sequence[Sequence[int] | None] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor] | Hypotheses:
     """Beam search with the GNMT length penalty, one sentence at a time -> the best hypothesis of each row,
-    tokens (B, L) long and score (B,) float32 = log P / ((5 + length) / 6) ** alpha."""
+    tokens (B, L) long and score (B,) float32 = log P / ((5 + length) / 6) ** alpha. `prefixes`: each row's
+    target prefix (ids without the start token; None or [] for none), forced first, scored 0 and not counted in
+    the penalty's length (the length limit counts it). With `n_best` (at most beam_size) the n best finished
+    hypotheses of each row instead, a `Hypotheses` with per-token log-probs."""
     src = _on_model_device(model, src)
     _check(model, src, beam_size)
+    _check_n_best(n_best, beam_size)
     if not alpha >= 0:
         raise ValueError(f"alpha must be >= 0, got {alpha}")
     cfg = model.cfg
+    B = src.shape[0]
     limits = max_new_tokens(src, cfg, max_len_a, max_len_b)
+    target_prefixes = _target_prefixes(prefixes, B, limits, cfg)
     length = output_length(src.shape[1], cfg, max_len_a, max_len_b)
     memory = model.encode(src)  # the whole batch at once (the Flax decoder encodes groups cut to their length)
-    tokens = torch.full((src.shape[0], length), cfg.pad_id, dtype=torch.long, device=src.device)
-    scores = torch.zeros(src.shape[0], device=src.device)
-    for b in range(src.shape[0]):
-        tokens[b], scores[b] = _beam_search_one(
-            model, memory[b : b + 1], src[b : b + 1], beam_size, alpha, limits[b], length, min_len, use_cache
+    rows = [
+        _beam_search_one(
+            model,
+            memory[b : b + 1],
+            src[b : b + 1],
+            beam_size,
+            alpha,
+            limits[b],
+            length,
+            min_len,
+            use_cache,
+            target_prefixes[b],
         )
-    return tokens, scores
+        for b in range(B)
+    ]
+    found = Hypotheses(*(torch.stack(parts) for parts in zip(*rows)))  # (B, K, ...)
+    if n_best is None:
+        return found.tokens[:, 0], found.scores[:, 0]
+    return Hypotheses(*(x[:, :n_best] for x in found))
 
 
 def _beam_search_one(
-    model, memory, src, K: int, alpha: float, limit: int, length: int, min_len: int, use_cache: bool
-) -> tuple[torch.Tensor, float]:
-    """Beam search for one sentence: memory (1, S, D), src (1, S) -> (tokens (length,), score)."""
+    model,
+    memory,
+    src,
+    K: int,
+    alpha: float,
+    limit: int,
+    length: int,
+    min_len: int,
+    use_cache: bool,
+    target_prefix: list[int],
+) -> Hypotheses:
+    """Beam search for one sentence: memory (1, S, D), src (1, S) -> its K finished hypotheses, best first:
+    tokens (K, length), scores (K,), token_scores (K, length), found (K,)."""
     cfg, device = model.cfg, src.device
     decoder = _decoder(model, memory.expand(K, -1, -1), src.expand(K, -1), use_cache)
     live = torch.full((K, length), cfg.pad_id, dtype=torch.long, device=device)  # live hypotheses, best first
+    live_token_scores = torch.zeros(K, length, device=device)  # the log-prob of each of their tokens
     live_log_probs = torch.tensor([0.0] + [-math.inf] * (K - 1), device=device)  # K copies of BOS: one extends
     finished = torch.full((K, length), cfg.pad_id, dtype=torch.long, device=device)  # finished, best first
+    finished_token_scores = torch.zeros(K, length, device=device)
     finished_scores = torch.full((K,), -math.inf, device=device)
     finished_flags = torch.zeros(K, dtype=torch.bool, device=device)
     for t in range(limit):
         log_probs = _restrict(decoder.step(), t, min_len, cfg)  # (K, V)
+        log_probs = _force_prefix(log_probs, target_prefix, t)
         V = log_probs.shape[-1]
         # Extend every live hypothesis by every token; keep the 2K most probable extensions.
         top_log_probs, top_index = _top((live_log_probs[:, None] + log_probs).reshape(-1), 2 * K)  # (2K,)
         parents, new_tokens = top_index // V, top_index % V
         candidates = live[parents].clone()
         candidates[:, t] = new_tokens
+        candidate_token_scores = live_token_scores[parents].clone()
+        candidate_token_scores[:, t] = log_probs[parents, new_tokens]
         ends = (new_tokens == cfg.eos_id) | (t + 1 >= limit)  # EOS, or the length limit
-        finishing = ends & (
-            torch.arange(2 * K, device=device) < K
-        )  # only the K best candidates may finish (fairseq's rule)
+        # Only the K best candidates may finish (fairseq's rule). Nothing real ends inside the target prefix (it
+        # holds no EOS and is shorter than the limit): what ends there is impossible (-inf) and never kept.
+        finishing = ends & (torch.arange(2 * K, device=device) < K) & (t >= len(target_prefix))
+        # The length penalty counts the tokens generated after the prefix.
+        penalty = length_penalty(t + 1 - len(target_prefix), alpha) if t >= len(target_prefix) else 1.0
         # Finished set: the K best of the old finished and the candidates that finish, by penalised score.
-        new_scores = torch.where(finishing, top_log_probs / length_penalty(t + 1, alpha), -math.inf)
+        new_scores = torch.where(finishing, top_log_probs / penalty, -math.inf)
         finished_scores, pick = _top(torch.cat([finished_scores, new_scores]), K)
         finished = torch.cat([finished, candidates])[pick]
+        finished_token_scores = torch.cat([finished_token_scores, candidate_token_scores])[pick]
         finished_flags = torch.cat([finished_flags, finishing])[pick]
         if t + 1 >= limit:
             break
         # Live set: the K most probable candidates that did not end; the decoder follows their parents.
         live_log_probs, pick = _top(torch.where(ends, -math.inf, top_log_probs), K)
         live = candidates[pick]
+        live_token_scores = candidate_token_scores[pick]
         decoder.reorder(parents[pick])
         decoder.append(new_tokens[pick])
         # Stop when K hypotheses are finished and no live one can beat the worst of them (its log P can only
-        # fall, and the penalty can at most reach that of the length limit).
-        if finished_flags.all() and finished_scores[-1] > live_log_probs[0] / length_penalty(limit, alpha):
+        # fall, and the penalty can at most reach that of the length limit, counted after the prefix).
+        best_reachable = live_log_probs[0] / length_penalty(limit - len(target_prefix), alpha)
+        if finished_flags.all() and finished_scores[-1] > best_reachable:
             break
-    return finished[0], float(finished_scores[0])
+    return Hypotheses(finished, finished_scores, finished_token_scores, finished_flags)
