@@ -80,6 +80,7 @@ class Rules:
     start_id: int = flax.struct.field(pytree_node=False)  # the decoder's first input
     eos_id: int = flax.struct.field(pytree_node=False)
     impossible = -jnp.inf  # the score of an empty slot and of what may not be chosen
+    sampler = None  # a `Sampler` (a field of each subclass): sampling instead of search
 
     def token_scores(self, logits, step, past):
         """(N, V) scores of the next token for ranking (log-probs, with banned tokens made impossible); `past`:
@@ -117,11 +118,10 @@ class Rules:
         if self.greedy:
             if K != 1:
                 raise ValueError(f"greedy search has one hypothesis per sentence, got beams={K}")
-            sampler = getattr(self, "sampler", None)
-            if sampler is None:
+            if self.sampler is None:
                 token = first_argmax(scores[:, 0])[:, None]  # (B, 1)
             else:
-                token = jax.vmap(jax.random.categorical)(keys, sampler.warp(scores[:, 0]))[:, None]
+                token = jax.vmap(jax.random.categorical)(keys, self.sampler.warp(scores[:, 0]))[:, None]
             gained = jnp.take_along_axis(log_probs[:, 0], token, axis=-1)
             return live_scores + gained, jnp.zeros_like(token), token
         extended = live_scores[:, :, None] + scores  # (B, K, V)
@@ -337,7 +337,7 @@ def advance(s: SearchState, rules: Rules, step_fn) -> SearchState:
     scores = rules.token_scores(logits, t, s.live_tokens.reshape(B * K, -1)).reshape(B, K, -1)  # (B, K, V)
     scores = _forced_prefix(scores, s.rows, t)
 
-    keys = rules.sampler.keys(s.rows.draw, t) if getattr(rules, "sampler", None) is not None else None
+    keys = None if rules.sampler is None else rules.sampler.keys(s.rows.draw, t)  # (B, 2)
     log_probs = rules.token_log_probs(scores)  # (B, K, V)
     log_p, parents, tokens = rules.candidates(s.live_scores, scores, log_probs, keys)  # (B, C)
     candidates = _gather(s.live_tokens, parents).at[:, :, t].set(tokens)  # (B, C, L)

@@ -271,19 +271,11 @@ def _hypotheses(tokenizer, found: Decoded, config: TransformerConfig) -> list[Hy
     """The hypotheses of one sentence (`found`: a Decoded of one row) as text, ids and scores."""
     out = []
     for tokens, score, token_scores, ok in zip(found.tokens[0], found.scores[0], found.token_scores[0], found.found[0]):
-        if not ok:
-            continue
-        n = (
-            int(np.argmax(tokens == config.eos_id)) + 1
-            if (tokens == config.eos_id).any()
-            else int(np.count_nonzero(tokens != config.pad_id))
-        )
-        out.append(Hypothesis(
-            text=tokenizer.decode(tokens),
-            tokens=[int(t) for t in tokens[:n] if t != config.eos_id],
-            score=float(score),
-            token_scores=[float(x) for x in token_scores[:n]],
-        ))  # fmt: skip
+        ends = np.flatnonzero(tokens == config.eos_id)
+        n = int(ends[0]) + 1 if len(ends) else int(np.count_nonzero(tokens != config.pad_id))  # EOS included
+        if ok:
+            ids = [i for i in tokens[:n].tolist() if i != config.eos_id]
+            out.append(Hypothesis(tokenizer.decode(tokens), ids, float(score), token_scores[:n].tolist()))
     return out
 
 

@@ -9,10 +9,13 @@ forward pass of the twin), and a score is their sum over the GNMT penalty of the
 prefix. Against plain decoding (the same decoder without prefixes): a row without a prefix decodes as it does
 there, a row with one does not, and the n-best hypotheses are distinct and best first.
 
-Two models: a random one (test_decoding_parity.py's batch, every row cut at its length limit, which counts the
-prefix) and the saved trained one (EOS where sentences end, so hypotheses of many lengths compete; its prefixes
-are other rows' plain greedy outputs, a real continuation to force). Flax runs each batch whole (one program per
-search: prefixes are arguments, so plain decoding reuses it).
+The model is the saved trained one (tests/data: peaked distributions, EOS where sentences end, so hypotheses of
+many lengths compete, and some run to their length limit, which counts the prefix), on two batches of its
+sources. A row's prefix is the start of another row's plain greedy output: a plausible continuation to force, that
+the model would not choose itself. Random models would do less here: this one's random weights are near-uniform
+over its 256 tokens (beam candidates a hair apart) and other configs cost programs to compile, most of this file's
+time; the two batches share one Flax program per search (each batch whole; prefixes are arguments, so plain
+decoding reuses it too).
 """
 
 from __future__ import annotations
@@ -22,46 +25,42 @@ import pytest
 
 from jax_transformer import decoding
 from jax_transformer.config import DecodeConfig
-from jax_transformer.model import init_params
 from jax_transformer.schedule import Whole
 from parity_tests.test_decoding_parity import (  # noqa: F401 (one_torch_thread: an autouse fixture)
-    LENGTHS,
     MIN_MARGIN,
     SCORE_ATOL,
     explain_mismatch,
     one_torch_thread,
     teacher_forced_log_probs,
-    with_eos_bias,
 )
-from tests.helpers.batches import make_src
-from tests.helpers.configs import DECODING_CONFIGS
 from tests.helpers.saved import load_saved_model
 from tests.helpers.twins import t, torch_twin
 from torch_reference import decoding as torch_decoding
 
 BEAMS, N_BEST, ALPHA = 4, 3, 0.6
-RANDOM_PREFIXES = [[5, 6, 7], None, [9], [], [11, 12, 13, 14, 15, 16, 17], [3, 4]]  # one per row of LENGTHS
-TRAINED_ROWS = 16
-TRAINED_PREFIX_LENGTHS = (0, 1, 2, 3, 4, 5, 1, 2)  # row i: the first of these many tokens of another row's output
+ROWS = 16  # sentences a batch
+PREFIX_LENGTHS = (0, 1, 2, 3, 4, 5, 1, 2)  # a prefix of PREFIX_LENGTHS[i % 8] tokens for row i of the first batch
 
 
-@pytest.fixture(scope="module", params=["random", "trained"])
-def case(request):
-    """(name, config, Flax params, twin, sources, prefixes)."""
-    if request.param == "random":
-        config = DECODING_CONFIGS["pre_learned_shared"]
-        src = make_src(config, LENGTHS, seed=0)
-        params = with_eos_bias(config, init_params(config, 0), src)
-        return "random", config, params, torch_twin(config, params), src, RANDOM_PREFIXES
-    saved = load_saved_model("trained_tiny")
-    config, params, src = saved.config, saved.params, saved.sources[:TRAINED_ROWS]
+@pytest.fixture(scope="module")
+def saved():
+    return load_saved_model("trained_tiny")
+
+
+@pytest.fixture(scope="module", params=[0, 1], ids=["batch0", "batch1"])
+def case(request, saved):
+    """(name, config, Flax params, twin, sources, prefixes) of the saved model's batch `request.param`."""
+    config, params, batch = saved.config, saved.params, request.param
+    src = saved.sources[batch * ROWS : (batch + 1) * ROWS]
     plain = plain_decoding(config, params, src, DecodeConfig(beam_size=1)).tokens[:, 0]
     prefixes = []
-    for row in range(len(src)):
-        # Another row's output, cut before its EOS: a plausible start the model would not choose itself.
-        other = [int(i) for i in plain[(row + len(src) // 2) % len(src)] if i not in (config.eos_id, config.pad_id)]
-        prefixes.append(other[: TRAINED_PREFIX_LENGTHS[row % len(TRAINED_PREFIX_LENGTHS)]] or None)
-    return "trained", config, params, torch_twin(config, params), src, prefixes
+    for row in range(ROWS):
+        # The output of the next row from row + ROWS / 2 on that starts otherwise, cut before its EOS.
+        others = (plain[(row + k) % ROWS] for k in range(ROWS // 2, ROWS // 2 + ROWS))
+        other = next(o for o in others if o[0] != plain[row][0])
+        ids = [int(i) for i in other if i not in (config.eos_id, config.pad_id)]
+        prefixes.append(ids[: PREFIX_LENGTHS[(row + 3 * batch) % len(PREFIX_LENGTHS)]] or None)
+    return f"trained tiny {batch}", config, params, torch_twin(config, params), src, prefixes
 
 
 def plain_decoding(config, params, src, decode: DecodeConfig, prefixes=None) -> decoding.Decoded:
@@ -80,7 +79,8 @@ def check_rules(model, src, found, prefixes, alpha: float, what: str) -> None:
     log-probs the model's, score = their sum / ((5 + generated) / 6) ** alpha."""
     cfg = model.cfg
     B, n, L = found.tokens.shape
-    assert found.found.all(), f"{what}: every slot holds a hypothesis (the length limit finishes {n} at least)"
+    # A sentence stops with its K slots full, or at its length limit, where the K best candidates finish.
+    assert found.found.all(), f"{what}: an empty slot"
     lengths = [len(p or []) for p in prefixes]
     forced = np.arange(L)[None, :] < np.array(lengths)[:, None]  # (B, L) the prefixes' positions
     for row, p in enumerate(prefixes):
@@ -125,9 +125,8 @@ def test_prefixes_and_n_best_identical(case, beams, parity_report):
         assert margin > MIN_MARGIN, f"near-tie on the greedy path (margin {margin:.1e}): choose other prefixes"
 
     for use_cache in (False, True):
-        what = f"{'greedy' if beams == 1 else f'beam {beams} n-best {n}'} + prefixes vs torch " + (
-            "cached" if use_cache else "uncached"
-        )
+        search = "greedy" if beams == 1 else f"beam {beams} n-best {n}"
+        what = f"{search} + prefixes vs torch {'cached' if use_cache else 'uncached'}"
         twin = decoding.Decoded(
             *(x.cpu().numpy() for x in twin_decoding(model, src, decode, prefixes, use_cache, n_best=n))
         )
@@ -156,7 +155,9 @@ def test_prefixes_and_n_best_identical(case, beams, parity_report):
     same = np.all(flax.tokens == plain.tokens, axis=(1, 2))
     assert same[~with_prefix].all(), "a row without a prefix must decode as without any prefix in its batch"
     assert np.array_equal(flax.scores[~with_prefix], plain.scores[~with_prefix])
+    # Each prefix starts otherwise than its row's plain output, and its tokens score 0 instead of their log-probs.
     assert not same[with_prefix].any(), f"a prefix left rows {np.flatnonzero(same & with_prefix)} as they were"
+    assert (flax.scores[with_prefix] != plain.scores[with_prefix]).all()
     if n > 1:
         # n distinct hypotheses, best first, the first being the one plain beam search returns.
         assert (np.diff(flax.scores, axis=1) <= 0).all()

@@ -199,7 +199,9 @@ def _force_prefix(log_probs: torch.Tensor, target_prefix: list[int], step: int) 
 
 
 def _check_n_best(n_best: int | None, beams: int) -> None:
-    if n_best is not None and not (isinstance(n_best, int) and not isinstance(n_best, bool) and 1 <= n_best <= beams):
+    if n_best is None:  # the existing return value: the best hypothesis's tokens and score
+        return
+    if isinstance(n_best, bool) or not isinstance(n_best, (int, np.integer)) or not 1 <= n_best <= beams:
         raise ValueError(f"n_best must be None or an int in [1, {beams}] (the hypotheses kept), got {n_best!r}")
 
 
