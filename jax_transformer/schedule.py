@@ -86,14 +86,8 @@ class Whole(Schedule):
         them fills the cache that `decode`'s calls look in. `rules` may hold shapes (jax.ShapeDtypeStruct)."""
         plan = self.plan(rows, rules.beams, length)
         options = dict(config=config, length=length, cache_len=plan.ends[0])
-        args = (
-            params,
-            _shape((rows, width)),
-            _memory(config, rows, width),
-            rules,
-            row_shapes(rows, length),
-            _shape(()),
-        )
+        src, memory = _shape((rows, width)), _memory(config, rows, width)
+        args = (params, src, memory, rules, row_shapes(rows, length), _shape(()))
         traced = []  # the first program's output state, traced once for all the programs that go on from it
         lock = threading.Lock()  # compile-ahead jobs run in threads
 
@@ -111,8 +105,8 @@ class Whole(Schedule):
             if not resumed:
                 return search.start.compile_ahead(*args, **options)
             shapes = functools.partial(carried, level=level, end=end)
-            state, memory, src = jax.eval_shape(shapes, first_state(), args[2], args[1])
-            search.resume.compile_ahead(params, src, memory, rules, state, _shape(()), config=config)
+            state, part_memory, part_src = jax.eval_shape(shapes, first_state(), memory, src)
+            search.resume.compile_ahead(params, part_src, part_memory, rules, state, _shape(()), config=config)
 
         return {
             f"{level}x{width} cache {end}" + " resumed" * resumed: functools.partial(compile_one, level, end, resumed)
