@@ -303,15 +303,14 @@ def translate_run(run_dir: Path, input_path: Path, beam: int, repeats: int, log=
     the run's tokenizer on both sides: sentences/s over the whole file, tokenizing and detokenizing included."""
     import ctranslate2
 
-    from jax_transformer import checkpoint as ckpt_lib
-    from jax_transformer.config import DecodeConfig
+    from jax_transformer import inference
     from jax_transformer.decoding import decoder
     from jax_transformer.run import stored_settings
     from jax_transformer.translation import translate_lines
 
-    loaded = ckpt_lib.load(run_dir, "best", weights_only=True)
+    loaded = inference.load(run_dir, "best")  # as train.py translate loads it
     config, tokenizer, settings = loaded.config, loaded.tokenizer, stored_settings(loaded)
-    decode = DecodeConfig.from_dict(settings.get("decode", {}), source=str(run_dir))
+    decode = inference.decoding(loaded)
     lines = [line.rstrip("\n") for line in input_path.read_text(encoding="utf-8").splitlines()]
     # Lines longer than the model takes are left out (translate would stop at them), and counted.
     fits = [line for line in lines if len(tokenizer.encode(line)) < config.max_len]

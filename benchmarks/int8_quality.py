@@ -49,12 +49,12 @@ def largest_logit_difference(params, config, qparams, qconfig, batches) -> tuple
 def measure(run: Path, step: str, sources, references, batches, beams: Sequence[int], modes: Sequence[str], log=print):
     import jax
 
-    from jax_transformer import checkpoint, quantization
+    from jax_transformer import inference, quantization
     from jax_transformer.config import DecodeConfig
     from jax_transformer.evaluation import score_translations
     from jax_transformer.translation import translate
 
-    loaded = checkpoint.load(run, step, weights_only=True)
+    loaded = inference.load(run, step)  # the float weights, as train.py loads them
     params, config, tokenizer = loaded.params, loaded.config, loaded.tokenizer
     rows = []
     with jax.default_matmul_precision("highest"):

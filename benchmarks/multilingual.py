@@ -135,13 +135,13 @@ def decode_rows(run: Path, folder: Path, name: str, rows, new_tokens: int, src_l
     import jax
 
     from benchmarks.ctranslate2_decoding import interleaved
-    from jax_transformer import checkpoint as ckpt_lib
+    from jax_transformer import inference
     from jax_transformer.decoding import generate, on_device
     from tests.helpers.multilingual import LANGUAGES
 
     src_lang, tgt_lang = LANGUAGES[MODELS[name]["family"]]
-    loaded = ckpt_lib.load(run, "latest", weights_only=True)
-    config, tokenizer = loaded.config, loaded.tokenizer.with_languages(src_lang, tgt_lang)
+    loaded = inference.load(run, "latest", languages={"src_lang": src_lang, "tgt_lang": tgt_lang})
+    config, tokenizer = loaded.config, loaded.tokenizer
     params = on_device(loaded.params)
     ct2 = folder.parent / "ctranslate2"
     began = time.perf_counter()
