@@ -338,8 +338,10 @@ def translate_flags(sub) -> None:
         "translate",
         help="translate lines of text (stdin or --input) to stdout",
         description="Translate UTF-8 text, one sentence per line, to stdout: exactly one output line per input "
-        "line (an empty line stays empty), read and translated in chunks, so input of any size streams through. "
-        "Without --progress / --no-progress the progress bar shows when stderr is a terminal.",
+        "line (an empty line stays empty; --n-best K gives K lines, or one JSON object with --output-format "
+        "jsonl), read and translated in chunks, so input of any size streams through. Every decoding choice is a "
+        "flag below (default: what the run stored; an imported model's generation_config). Without --progress / "
+        "--no-progress the progress bar shows when stderr is a terminal.",
     )
     checkpoint_flags(tr, compute=True, mesh=True)
     language_flags(tr)
