@@ -49,6 +49,7 @@ from parity_tests.test_pretrained import MAX_LENGTH, SOURCES, _saved, _their_mod
 from tests.helpers.batches import pad_rows
 from tests.helpers.multilingual import saved_model
 from tests.helpers.pretrained import fsmt_tokenizer_files, marian_tokenizer_files, tiny_fsmt, tiny_marian
+from tests.helpers.saved import load_saved_model
 
 pytest.importorskip("transformers")
 pytest.importorskip("sacremoses")
@@ -122,7 +123,21 @@ class Case:
             return self.theirs.compute_transition_scores(out.sequences, out.scores, normalize_logits=True).numpy()
 
 
+def _own_case(folder: Path) -> Case:
+    """This project's own trained model (tests/data/trained_tiny.npz: a BOS start token, interleaved sinusoids),
+    exported to transformers as a MarianMTModel (`hub.export_transformers`), against its Flax self."""
+    saved = load_saved_model("trained_tiny")
+    config = saved.config
+    hub.export_transformers(saved.params, config, saved.tokenizer, {"decode": DecodeConfig().to_dict()}, folder)
+    src = pad_rows([tokens + [config.eos_id] for tokens in saved.tokenizer.encode_batch(SOURCES)], config.pad_id)
+    # length_penalty as `decode_config` mirrors it: the export wrote this project's alpha, 0.6, as the model's default
+    options = dict(bad_words_ids=[[config.pad_id]], forced_eos_token_id=config.eos_id, length_penalty=1.0)
+    return Case(config, saved.params, saved.tokenizer, _their_model(folder), src, dict(options, max_length=MAX_LENGTH))
+
+
 def _case(family: str, folder: Path) -> Case:
+    if family == "own":
+        return _own_case(folder)
     if family in ("marian", "fsmt"):
         model = hub.read_pretrained(folder)
         tokenizer = model.tokenizer
@@ -145,7 +160,9 @@ def cases(tmp_path_factory):
     def get(family: str) -> Case:
         if family not in built:
             folder = tmp_path_factory.mktemp(family)
-            if family == "marian":
+            if family == "own":
+                pass  # exported by _case
+            elif family == "marian":
                 _saved(tiny_marian(marian_tokenizer_files(folder), shared=True), folder)
             elif family == "fsmt":
                 _saved(tiny_fsmt(fsmt_tokenizer_files(folder)), folder)
@@ -181,14 +198,16 @@ def _compare(case: Case, ours: Decoded, out, beams: bool, prompt: int = 0) -> tu
     theirs = out.sequences.numpy()[:, 1:]  # without the start token
     tokens, width = _rows(ours.tokens), theirs.shape[1]
     assert ours.found.all()
-    np.testing.assert_array_equal(tokens[:, :width], theirs)
+    # Identical up to each EOS; after it ours is PAD, theirs what its beam search filled the row with (the pad id
+    # for the tiny models, EOS for this project's exported one).
+    ended = _after_end(theirs, eos)
+    np.testing.assert_array_equal(tokens[:, :width], np.where(ended, pad, theirs))
     assert (tokens[:, width:] == pad).all()
     transition = case.transition_scores(out, beams)  # (rows, width - prompt): the generated tokens only
     token_scores = _rows(ours.token_scores)
     assert (token_scores[:, :prompt] == 0).all()  # a prefix's tokens are given, not chosen
     # Up to each hypothesis's EOS: after it, transformers' beam search scores 0 (as ours), its greedy search the
     # PAD it appends.
-    ended = _after_end(theirs, eos)
     assert (token_scores[:, width:] == 0).all() and (token_scores[:, :width][ended] == 0).all()
     live = ~ended[:, prompt:]
     token_diff = float(np.abs(np.where(live, token_scores[:, prompt:width] - transition, 0)).max())
@@ -228,7 +247,7 @@ def check_n_best(case: Case, what: str, parity_report) -> None:
     assert len(seen_lengths) >= 3, seen_lengths  # hypotheses ending at several lengths competed
 
 
-@pytest.mark.parametrize("family", ["marian", "fsmt"])
+@pytest.mark.parametrize("family", ["marian", "fsmt", "own"])
 def test_n_best_matches_transformers(family, cases, parity_report):
     check_n_best(cases(family), family, parity_report)
 
@@ -297,6 +316,10 @@ def check_prefixes(case: Case, beams: int, what: str, parity_report) -> None:
 @pytest.mark.parametrize("beams", [1, BEAMS], ids=["greedy", f"beam{BEAMS}"])
 def test_prefixes_match_transformers(beams, cases, parity_report):
     check_prefixes(cases("marian"), beams, "marian", parity_report)
+
+
+def test_prefixes_of_an_exported_model_of_this_project_match_transformers(cases, parity_report):
+    check_prefixes(cases("own"), BEAMS, "own model exported", parity_report)
 
 
 # =============================================================================================================
