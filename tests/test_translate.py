@@ -221,7 +221,7 @@ def test_a_sample_depends_on_the_seed_and_the_sentence_alone(trained):
     from jax_transformer.translation import translations
 
     _, loaded = trained
-    sentences = ["one", "two hundred", "three thousand and five", "forty", "six"]
+    sentences = ["one", "two hundred", "three thousand and five"]
     sample = DecodeConfig(do_sample=True, temperature=3.0, n_best=2, sample_seed=1)
     found = translations(loaded.params, loaded.config, loaded.tokenizer, sentences, sample, progress=False)
     alone = translations(loaded.params, loaded.config, loaded.tokenizer, sentences[2:3], sample, progress=False)
