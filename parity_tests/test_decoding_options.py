@@ -147,9 +147,11 @@ def _case(family: str, folder: Path) -> Case:
     else:
         model, tokenizer = _imported(folder, family)
         options = dict(forced_bos_token_id=tokenizer.forced_bos_id)
-    config = model.config
+    config, theirs = model.config, _their_model(folder)
+    if theirs.generation_config.forced_eos_token_id is not None:  # mBART's config forces EOS at the limit
+        options["forced_eos_token_id"] = theirs.generation_config.forced_eos_token_id
     src = pad_rows([tokenizer.encode(s) + [config.eos_id] for s in SOURCES], pad_id=config.pad_id)
-    return Case(config, model.params, tokenizer, _their_model(folder), src, dict(options, max_length=MAX_LENGTH))
+    return Case(config, model.params, tokenizer, theirs, src, dict(options, max_length=MAX_LENGTH))
 
 
 @pytest.fixture(scope="module")
@@ -226,9 +228,9 @@ def _compare(case: Case, ours: Decoded, out, beams: bool, prompt: int = 0) -> tu
 # =============================================================================================================
 
 
-def check_n_best(case: Case, what: str, parity_report) -> None:
+def check_n_best(case: Case, what: str, parity_report, lengths: int = 3) -> None:
     """Beam 4, its 4 hypotheses, as num_return_sequences=4, with two length penalties: the default 1.0 (long
-    hypotheses favoured) and 0.5 (short ones gain)."""
+    hypotheses favoured) and 0.5 (short ones gain); hypotheses of at least `lengths` lengths among them."""
     seen_lengths = set()
     for length_penalty in (1.0, 0.5):
         out = case.generate(num_beams=BEAMS, num_return_sequences=N_BEST, length_penalty=length_penalty)
@@ -244,12 +246,19 @@ def check_n_best(case: Case, what: str, parity_report) -> None:
         seen_lengths.update(_lengths(_rows(ours.tokens), case.config.eos_id).tolist())
         if case.forced_bos is not None:
             assert (ours.tokens[:, :, 0] == case.forced_bos).all() and (ours.token_scores[:, :, 0] == 0).all()
-    assert len(seen_lengths) >= 3, seen_lengths  # hypotheses ending at several lengths competed
+    assert len(seen_lengths) >= lengths, seen_lengths  # hypotheses ending at several lengths competed
 
 
 @pytest.mark.parametrize("family", ["marian", "fsmt", "own"])
 def test_n_best_matches_transformers(family, cases, parity_report):
     check_n_best(cases(family), family, parity_report)
+
+
+# NLLB-200's and mBART-50's models and tokenizers (M2M-100's: the class below), their language codes forced first.
+# mBART's random model runs every hypothesis to the length limit: one length, the scores still ranked and matched.
+@pytest.mark.parametrize(("family", "lengths"), [("nllb", 3), ("mbart50", 1)])
+def test_n_best_of_the_multilingual_models_matches_transformers(family, lengths, cases, parity_report):
+    check_n_best(cases(family), family, parity_report, lengths)
 
 
 def test_greedy_token_log_probs_match_transformers(cases, parity_report):
