@@ -169,9 +169,12 @@ class Decoder:
         """Rows each source is decoded as: `n_best` when sampling (one sample a row), else 1."""
         return self.n_best if self.rules.sampler is not None else 1
 
-    def rows(self, src: np.ndarray, prefixes: Sequence[Sequence[int]] | None = None) -> Rows:
+    def rows(
+        self, src: np.ndarray, prefixes: Sequence[Sequence[int]] | None = None, sample: np.ndarray | None = None
+    ) -> Rows:
         """Each row's `search.Rows`: its limit, its target prefix (ids, without the decoder's start token; None:
-        none) and its draw id. A prefix that leaves no room for a token of its own is a TokenError naming the row."""
+        none) and its draw id (`draw_ids`, of the row's `sample` number). A prefix that leaves no room for a token
+        of its own is a TokenError naming the row."""
         B = src.shape[0]
         limit = self.limits(src)
         prefix = np.full((B, self.length), self.config.pad_id, np.int32)
@@ -190,7 +193,7 @@ class Decoder:
                     f"row {row}: a target prefix holds EOS (id {self.config.eos_id}): nothing would follow"
                 )
             prefix[row, : len(ids)], prefix_len[row] = ids, len(ids)
-        return Rows(limit=limit, prefix=prefix, prefix_len=prefix_len, draw=draw_ids(src, self.config.pad_id))
+        return Rows(limit=limit, prefix=prefix, prefix_len=prefix_len, draw=draw_ids(src, self.config.pad_id, sample))
 
     def __call__(
         self,
@@ -203,13 +206,12 @@ class Decoder:
         prefix if `prefixes` (B lists of ids, or None) gives one; `schedule`: how the batch runs (default:
         `schedule.default()`, the CPU's schedule there, the batch whole elsewhere)."""
         schedule = schedule or schedules.default()
-        n = self.samples
+        n, sample = self.samples, None
         if n > 1:  # each sample a row of its own, its draws keyed by the sentence and the sample's number
+            sample = np.tile(np.arange(n), len(src))
             src = np.repeat(src, n, axis=0)
             prefixes = None if prefixes is None else [p for p in prefixes for _ in range(n)]
-        rows = self.rows(src, prefixes)
-        if n > 1:
-            rows = rows.replace(draw=draw_ids(src, self.config.pad_id, np.tile(np.arange(n), len(src) // n)))
+        rows = self.rows(src, prefixes, sample)
         found = schedule.decode(on_device(params), self.config, self.rules, src, rows, self.length)
         if n > 1:  # (B * n, 1, ...) -> (B, n, ...)
             return Decoded(*(x.reshape(-1, n, *x.shape[2:]) for x in found))

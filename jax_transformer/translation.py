@@ -506,11 +506,11 @@ def check_prefixes(
 ) -> None:
     """Each prefix against its sentence's length limit (it must leave room for a token of its own) and for EOS; a
     DataError naming the sentence (`names`) otherwise, before anything is decoded."""
+    limits = decoder(config, decode, config.max_len).limits  # a row's limit depends on its source alone
     for source, prefix, name in zip(sources, prefixes, names):
         if not prefix:
             continue
-        src = np.asarray(source, np.int32)[None]
-        limit = int(decoder(config, decode, config.max_len).limits(src)[0])
+        limit = int(limits(np.asarray(source, np.int32)[None])[0])
         if len(prefix) >= limit:
             raise DataError(
                 f"{name}: a target prefix of {len(prefix)} tokens, but this sentence may produce {limit} tokens "
