@@ -413,10 +413,18 @@ def export_flags(sub) -> None:
     )
     x.add_argument(
         "--format",
-        choices=("torch", "safetensors", "transformers"),
+        choices=("torch", "safetensors", "transformers", "peft"),
         help="torch or safetensors: a weight file for torch_reference (default: safetensors for a .safetensors name, "
         "torch otherwise); transformers: a directory MarianMTModel (or, for a model imported from FSMT or fairseq, "
-        "FSMTForConditionalGeneration) and its tokenizer load with from_pretrained",
+        "FSMTForConditionalGeneration; M2M-100/NLLB, mBART as imported) and its tokenizer load with from_pretrained; "
+        "peft: a LoRA run's adapters alone, a directory peft.PeftModel.from_pretrained loads on the transformers "
+        "model the run was imported from",
+    )
+    x.add_argument(
+        "--merge-lora",
+        action="store_true",
+        help="a LoRA run's adapters folded into the weights (W + A B alpha / r, peft's merge_and_unload) for "
+        "--format transformers, torch or safetensors",
     )
     x.set_defaults(func=cmd_export)
 
@@ -561,6 +569,10 @@ def plan_flags(sub) -> None:
     pl.add_argument("--accumulate", type=number(int, 1), default=1, help="micro-batches per step (default: 1)")
     pl.add_argument("--dtype", choices=("float32", "bfloat16"), help="compute dtype (default: the model's)")
     pl.add_argument("--remat", choices=REMAT_POLICIES, help="recompute layers in the backward pass (as train's)")
+    from jax_transformer.config import LORA_FIELDS, OptimConfig, TransformerConfig
+
+    add_settings(pl, TransformerConfig, "model", "fine-tuning (as train's)", only=LORA_FIELDS)
+    add_settings(pl, OptimConfig, "optim", "fine-tuning", only=("freeze",))
     pl.set_defaults(func=cmd_plan)
 
 
@@ -589,11 +601,13 @@ def cmd_plan(args, start_time: float) -> int:
     else:
         config = preset(args.preset or "base")
     config = config.replace(**{k: getattr(args, k) for k in ("dtype", "remat") if getattr(args, k)})
+    config = config.replace(**given(args, "model"))  # the LoRA flags
+    optim = OptimConfig(**given(args, "optim"))
     n = args.devices or jax.device_count()
     mesh = MeshShape.parse(args.mesh, n)
     width = args.width or min(config.max_len, 128)
     rows = plan.rows_for(args.max_tokens, width, mesh.batch_devices * args.accumulate)
-    _print(plan.describe(plan.plan_step(config, OptimConfig(), mesh, rows, width, args.accumulate), config))
+    _print(plan.describe(plan.plan_step(config, optim, mesh, rows, width, args.accumulate), config, optim))
     return 0
 
 
@@ -631,7 +645,7 @@ def cmd_train(args, start_time: float) -> int:
     return 0
 
 
-def _load(args, quantize_weights: bool = True):
+def _load(args, quantize_weights: bool = True, merge_adapters: bool = True):
     """The checkpoint as --checkpoint/--step, --dtype / --attention-kernel / --quantize, --mesh and --src-lang /
     --tgt-lang ask, where the sub-command has them (`inference.load`)."""
     from jax_transformer import inference
@@ -645,6 +659,7 @@ def _load(args, quantize_weights: bool = True):
         mesh=given(args, "parallel").get("mesh"),
         languages=languages,
         print_fn=lambda line: print(line, file=sys.stderr),
+        merge_adapters=merge_adapters,
     )
 
 
@@ -816,8 +831,22 @@ def _fileno(stream) -> int | None:
 
 def cmd_export(args, start_time: float) -> int:
     from jax_transformer import export
+    from jax_transformer.run import UsageError
 
-    loaded = _load(args)
+    loaded = _load(args, merge_adapters=args.format != "peft" and args.merge_lora)
+    if args.format == "peft":
+        from jax_transformer import hub, run
+
+        path = hub.export_peft(loaded.params, loaded.config, run.stored_settings(loaded), args.output)
+        _print(
+            f"wrote {path}: the LoRA adapters of step {loaded.step} (rank {loaded.config.lora_rank}) for "
+            f"peft.PeftModel.from_pretrained"
+        )
+        return 0
+    if loaded.config.lora_rank:
+        raise UsageError(
+            "this run has LoRA adapters: --merge-lora folds them into the weights, --format peft writes them alone"
+        )
     if args.format == "transformers":
         from jax_transformer import hub, run
 

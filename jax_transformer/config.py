@@ -37,6 +37,11 @@ QUANTIZE_MODES = ("none", "int8", "int8-dynamic", "int8-weights")
 # How the model computes, not what it is: the same parameters serve every value, so checkpoints and weight files
 # ignore these fields when they compare configs (a bfloat16 run evaluates or resumes in float32 and back).
 COMPUTE_FIELDS = ("dtype", "attention_kernel", "remat", "quantize")
+# The matrices LoRA adapters may go beside (`lora_targets`), by peft's module names: q_proj, k_proj, v_proj,
+# out_proj, and fc1 + fc2.
+LORA_TARGETS = ("q", "k", "v", "out", "ffn")
+# The adapters' settings: a run that starts from another's weights (--init-from) may add or change them.
+LORA_FIELDS = ("lora_rank", "lora_alpha", "lora_dropout", "lora_targets")
 BATCHINGS = ("packed", "buckets")
 PARALLEL_MODES = ("jit", "pmap", "sharded")
 BEST_METRICS = ("bleu", "loss")
@@ -238,6 +243,19 @@ class TransformerConfig(Settings):
     norm_bias: bool = setting(True, "bias (beta) of every LayerNorm, the final norms included")
     output_bias: bool = setting(True, "bias of the untied output projection (a tied output never has one)")
     logits_bias: bool = setting(False, "a bias added to the logits of the tied output (Marian's final_logits_bias)")
+    # --- LoRA adapters (jax_transformer/finetuning.py): low-rank terms beside the frozen matrices ------------------
+    lora_rank: int = setting(
+        0, "rank r of LoRA adapters x A B (alpha / r) added to the --lora-targets matrices; 0: none", at_least=0
+    )
+    lora_alpha: float = setting(8.0, "LoRA's alpha: the adapters' product is scaled by alpha / r (peft's)", above=0)
+    lora_dropout: float = setting(
+        0.0, "dropout on the adapters' input, in training (peft's lora_dropout)", at_least=0, below=1
+    )
+    lora_targets: str = setting(
+        "q,v",
+        "the matrices that get adapters, comma-separated: q, k, v, out (every attention's projections, self and "
+        "cross), ffn (both feed-forward matrices) (peft's target_modules q_proj, v_proj by default)",
+    )
     # --- how to compute (COMPUTE_FIELDS: run settings, not architecture) -------------------------------
     dtype: str = setting(
         "float32",
@@ -302,6 +320,21 @@ class TransformerConfig(Settings):
             )
         if self.logits_bias and not self.tie_output:
             raise ConfigError("config field 'logits_bias' is for a tied output; an untied one has 'output_bias'")
+        targets = [t.strip() for t in self.lora_targets.split(",") if t.strip()]
+        unknown = [t for t in targets if t not in LORA_TARGETS]
+        if unknown or not targets:
+            raise ConfigError(
+                f"config field 'lora_targets' ({self.lora_targets!r}): {unknown or 'nothing'} is not a list of "
+                f"{', '.join(LORA_TARGETS)} (--lora-targets)"
+            )
+        if self.lora_rank:  # A (D_in, r) B (r, D_out) of rank above min(D_in, D_out) adds no expressiveness
+            smallest = {t: self.d_model if t != "ffn" else min(self.d_model, self.d_ff) for t in targets}
+            target = min(smallest, key=smallest.get)
+            if self.lora_rank > smallest[target]:
+                raise ConfigError(
+                    f"config field 'lora_rank' ({self.lora_rank}) is larger than the {target} matrices' smaller "
+                    f"dimension ({smallest[target]}) (--lora-rank)"
+                )
 
     @property
     def head_dim(self) -> int:
@@ -377,6 +410,12 @@ class OptimConfig(Settings):
     weight_decay: float = setting(0.0, "decoupled weight decay (AdamW) on weight matrices; 0 is plain Adam", at_least=0)
     label_smoothing: float = setting(
         0.1, "label smoothing epsilon_ls of the cross-entropy (paper 5.4)", at_least=0, below=1
+    )
+    freeze: str | None = setting(
+        None,
+        "parameters left as they are (no gradient, no optimiser state), comma-separated: embeddings (token tables "
+        "and learned positions), encoder, decoder, or a glob over parameter paths such as 'decoder/layer_[01]/*' "
+        "(default: all trained; with LoRA adapters, only they are)",
     )
 
 

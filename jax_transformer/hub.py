@@ -598,3 +598,86 @@ def _fsmt_files(params, config: TransformerConfig, tokenizer, decode):
     ).encode()
     files["generation_config.json"] = json.dumps(_generation_json(config, decode), indent=2).encode()
     return hf, state, files
+
+
+# =============================================================================================================
+# LoRA adapters as peft writes and reads them
+# =============================================================================================================
+
+PEFT_FILES = ("adapter_config.json", "adapter_model.safetensors")
+
+
+def export_peft(params, config: TransformerConfig, run: dict, output: str | Path) -> Path:
+    """Writes `output` as a peft adapter directory (adapter_config.json, adapter_model.safetensors) that
+    `peft.PeftModel.from_pretrained` loads on the transformers model the run was imported from."""
+    from safetensors import SafetensorError
+    from safetensors.numpy import save_file
+
+    from jax_transformer import finetuning
+
+    output = Path(output)
+    if output.exists() and any(output.iterdir()):
+        raise UsageError(f"--output {output} already exists and is not empty; choose a new directory")
+    if not config.lora_rank:
+        raise UsageError("--format peft writes LoRA adapters; this run has none (it was not trained with --lora-rank)")
+    origin = run.get("imported_from") or {}
+    family = origin.get("family")
+    if family not in ("marian", "fsmt", "m2m_100", "mbart"):
+        raise UsageError(
+            "--format peft needs a run that started from a model imported from transformers (peft adapts that "
+            "model); this one was trained here from scratch: export --format transformers --merge-lora instead"
+        )
+    base = origin.get("name") or origin.get("source")
+    state = finetuning.peft_state(params, config, "fsmt" if family == "fsmt" else family)
+    with replaced_folder(output, errors=(SafetensorError,)) as folder:
+        save_file(state, str(folder / "adapter_model.safetensors"), {"format": "pt"})
+        text = json.dumps(finetuning.peft_config(config, base), indent=2, sort_keys=True) + "\n"
+        (folder / "adapter_config.json").write_text(text, encoding="utf-8")
+    return output
+
+
+def is_peft_adapter(source: str | Path) -> bool:
+    return (Path(source) / "adapter_config.json").is_file()
+
+
+def read_peft_adapter(folder: str | Path, base: Pretrained) -> Pretrained:
+    """`base` with the LoRA adapters of the peft directory `folder` (adapter_config.json and
+    adapter_model.safetensors, or adapter_model.bin): its config gains the adapters' settings, its parameters the
+    adapters. An adapter of another base (other shapes or modules) is a ConfigError naming what does not fit."""
+    from jax_transformer import finetuning
+
+    folder = Path(folder)
+    adapter = _json(folder / "adapter_config.json")
+    where = str(folder / "adapter_config.json")
+    config = base.config.replace(**finetuning.lora_settings(adapter, where))
+    weights = folder / "adapter_model.safetensors"
+    if weights.is_file():
+        from safetensors.numpy import load_file
+
+        try:
+            state = load_file(str(weights))
+        except Exception as e:  # noqa: BLE001 (safetensors raises its own SafetensorError, or OSError)
+            raise DataError(f"{weights}: not a complete safetensors file: {e}") from None
+    elif (folder / "adapter_model.bin").is_file():
+        import torch
+
+        loaded = torch.load(folder / "adapter_model.bin", map_location="cpu", weights_only=True)
+        state = {k: v.float().numpy() for k, v in loaded.items()}
+    else:
+        raise DataError(f"{folder}: no adapter_model.safetensors or adapter_model.bin beside adapter_config.json")
+    family = "fsmt" if base.family == "fairseq" else base.family
+    adapters = finetuning.adapters_from_peft(state, config, family, str(weights))
+    params = pretrained._unflatten({**pretrained._flatten(base.params), **adapters})
+    original = {**base.original, "adapter": {"source": str(folder), "config": adapter}}
+    return dataclasses.replace(base, config=config, params=params, original=original)
+
+
+def check_adapter_base(adapter_folder: str | Path, base: str) -> None:
+    """An adapter names the model it was trained on (base_model_name_or_path); `base`, given instead, must be that
+    model: the same name, or a local folder of that name (a download of it)."""
+    named = _json(Path(adapter_folder) / "adapter_config.json").get("base_model_name_or_path")
+    if named and Path(str(named).rstrip("/")).name != Path(str(base).rstrip("/")).name:
+        raise UsageError(
+            f"{adapter_folder}: the adapter was trained on {named}, not on --base {base}; an adapter of another base "
+            f"does not fit (give --base {named}, or a local copy of it)"
+        )

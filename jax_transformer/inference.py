@@ -26,6 +26,7 @@ def load(
     mesh: str | None = None,
     languages: Mapping[str, str] | None = None,
     print_fn: Callable[[str], None] | None = None,
+    merge_adapters: bool = True,
 ) -> checkpoint.Checkpoint:
     """The checkpoint `step` ("best", "latest" or a number) of the run in `directory`, its weights alone, verified
     (damaged weights are a CheckpointError; the optimizer's state, twice their size with Adam, is not read).
@@ -37,6 +38,8 @@ def load(
         a model that does not fit one device: each program then runs over the mesh (the compiler partitions it).
     languages: a multilingual model's src_lang / tgt_lang (default: the tokenizer's, stored at import).
     print_fn: where the one line saying what was loaded goes.
+    merge_adapters: a LoRA run's adapters folded into its kernels (`finetuning.merged`), so that it decodes,
+        quantizes and exports to the twin as the plain model it is; False keeps them (`export --format peft`).
     """
     placement = None if mesh is None else DataParallel("sharded", 1, mesh).placement
     loaded = checkpoint.load(directory, step, weights_only=True, placement=placement)
@@ -46,6 +49,11 @@ def load(
         loaded = dataclasses.replace(loaded, tokenizer=with_languages(loaded.tokenizer, **languages))
     if compute:
         loaded = dataclasses.replace(loaded, config=loaded.config.replace(**compute))
+    if merge_adapters and loaded.config.lora_rank:
+        from jax_transformer.finetuning import merged
+
+        params, config = merged(loaded.params, loaded.config)
+        loaded = dataclasses.replace(loaded.with_params(params), config=config)
     if loaded.config.quantize != "none" and quantize_weights:
         from jax_transformer.quantization import quantize_params
 

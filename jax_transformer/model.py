@@ -43,16 +43,19 @@ class Dense(nn.Module):
     the matmul's result and then the bias sum, each in bfloat16: twice the twin's error, enough to reorder a
     trained model's beam. Parameters (float32) and their names are those of `nn.Dense`. `float32_result` keeps the
     float32 sum (the output projection: logits are never rounded). `quantize`: the kernel is int8
-    (`quantization`), its product float32, then as above."""
+    (`quantization`), its product float32, then as above. `lora` (rank, alpha, dropout), rank > 0: a LoRA adapter
+    beside the kernel, dropout(x) A B * alpha / rank added to the accumulator as peft's `lora.Linear` adds it
+    after the bias; A (D_in, r) and B (r, D_out) are the parameters lora_a and lora_b (jax_transformer.finetuning)."""
 
     features: int
     use_bias: bool = True
     dtype: jnp.dtype = jnp.float32
     float32_result: bool = False
     quantize: str = "none"
+    lora: tuple[int, float, float] = (0, 0.0, 0.0)
 
     @nn.compact
-    def __call__(self, x):
+    def __call__(self, x, deterministic: bool = True):
         kernel = self.param("kernel", xavier_uniform, (x.shape[-1], self.features))  # (D_in, D_out) float32 or int8
         bias = self.param("bias", nn.initializers.zeros_init(), (self.features,)) if self.use_bias else None
         quantization.check_mode(kernel, self.quantize, "/".join(self.scope.path) + "/kernel")
@@ -60,21 +63,44 @@ class Dense(nn.Module):
             y = quantization.rows_times(x, kernel, self.quantize, self.dtype)  # (..., D_out) float32
             if bias is not None:
                 y = y + bias.astype(self.dtype).astype(jnp.float32)
+            y = self._adapter(x, y, deterministic)
             return y if self.float32_result else y.astype(self.dtype)
         if self.dtype == jnp.float32:  # what nn.Dense computes
             y = lax.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())))
-            return y if bias is None else y + bias
+            return self._adapter(x, y if bias is None else y + bias, deterministic)
         y = matmul_float32_result(x.astype(self.dtype), kernel.astype(self.dtype))  # (..., D_out) float32
         if bias is not None:
             y = y + bias.astype(self.dtype).astype(jnp.float32)
+        y = self._adapter(x, y, deterministic)
         return y if self.float32_result else y.astype(self.dtype)
+
+    def _adapter(self, x, y, deterministic: bool):
+        """y (..., D_out) float32 plus the LoRA term of x (..., D_in), if this layer has an adapter."""
+        rank, alpha, rate = self.lora
+        if not rank:
+            return y
+        # peft's kaiming_uniform(a=sqrt(5)) for A: U(-1/sqrt(D_in), 1/sqrt(D_in)); B starts at zero, so the adapted
+        # model starts as the base model.
+        a = self.param("lora_a", nn.initializers.variance_scaling(1 / 3, "fan_in", "uniform"), (x.shape[-1], rank))
+        b = self.param("lora_b", nn.initializers.zeros_init(), (rank, self.features))
+        h = Dropout(rate)(x, deterministic=deterministic).astype(self.dtype)
+        low = lax.dot_general(h, a.astype(self.dtype), (((h.ndim - 1,), (0,)), ((), ())))  # (..., r)
+        delta = lax.dot_general(low, b.astype(self.dtype), (((low.ndim - 1,), (0,)), ((), ())))  # (..., D_out)
+        return y + delta.astype(jnp.float32) * (alpha / rank)
+
+
+# Which `lora_targets` entry each adapted matrix belongs to, by its module name (peft's q_proj ... fc2).
+LORA_TARGET_OF = {"query": "q", "key": "k", "value": "v", "out": "out", "linear1": "ffn", "linear2": "ffn"}
 
 
 def _dense(
     cfg: TransformerConfig, features: int, name: str | None, use_bias: bool = True, float32_result: bool = False
 ) -> Dense:
     # float32 parameters, computed in the compute dtype (float32 result with float32_result: the output projection).
-    return Dense(features, use_bias, compute_dtype(cfg), float32_result, cfg.quantize, name=name)
+    targets = {t.strip() for t in cfg.lora_targets.split(",")}
+    adapted = cfg.lora_rank and LORA_TARGET_OF.get(name) in targets
+    lora = (cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout) if adapted else (0, 0.0, 0.0)
+    return Dense(features, use_bias, compute_dtype(cfg), float32_result, cfg.quantize, lora, name=name)
 
 
 @jax.custom_vjp
@@ -165,7 +191,7 @@ class MultiHeadAttention(nn.Module):
         H, K = cfg.num_heads, cfg.head_dim
 
         def project(name, inputs):  # (B, T, D) -> (B, H, T, K), in the compute dtype
-            y = _dense(cfg, cfg.d_model, name, cfg.qkv_bias)(inputs)
+            y = _dense(cfg, cfg.d_model, name, cfg.qkv_bias)(inputs, deterministic)
             return y.reshape(inputs.shape[0], -1, H, K).transpose(0, 2, 1, 3)
 
         q = project("query", x)
@@ -190,7 +216,7 @@ class MultiHeadAttention(nn.Module):
         if G > 1:
             out = out.reshape(-1, H, G, Tq, K).transpose(0, 2, 1, 3, 4).reshape(B, H, Tq, K)
         out = out.transpose(0, 2, 1, 3).reshape(B, Tq, cfg.d_model)  # heads concatenated
-        return _dense(cfg, cfg.d_model, "out", cfg.qkv_bias)(out)
+        return _dense(cfg, cfg.d_model, "out", cfg.qkv_bias)(out, deterministic)
 
     def _attention(self, q, k, v, mask, deterministic: bool):
         """The explicit computation: (B, H, Tq, K) queries, (B, H, Tk, K) keys and values -> (B, H, Tq, K); or,
@@ -255,11 +281,11 @@ class FeedForward(nn.Module):
     @nn.compact
     def __call__(self, x, deterministic: bool = True):
         cfg = self.config
-        h = _dense(cfg, cfg.d_ff, "linear1", cfg.ffn_bias)(x).astype(jnp.float32)  # (B, T, F)
+        h = _dense(cfg, cfg.d_ff, "linear1", cfg.ffn_bias)(x, deterministic).astype(jnp.float32)  # (B, T, F)
         # The activation and dropout in float32; linear2 casts the result to the compute dtype.
         h = {"relu": nn.relu, "gelu": lambda y: nn.gelu(y, approximate=False), "silu": nn.silu}[cfg.activation](h)
         h = Dropout(cfg.activation_dropout)(h, deterministic=deterministic)
-        return _dense(cfg, cfg.d_model, "linear2", cfg.ffn_bias)(h)  # (B, T, D), compute dtype
+        return _dense(cfg, cfg.d_model, "linear2", cfg.ffn_bias)(h, deterministic)  # (B, T, D), compute dtype
 
 
 def _residual(cfg, x, sublayer, norm, deterministic):

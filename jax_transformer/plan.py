@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jax_transformer import finetuning
 from jax_transformer.config import ConfigError, OptimConfig, TransformerConfig
 from jax_transformer.sharding import BATCH_AXES, MeshShape, total_bytes, tree_shardings, unsplit
 from jax_transformer.training import abstract_train_state, make_train_step
@@ -43,6 +44,7 @@ class Plan:
     width: int  # tokens per row
     accumulate: int
     parameters: int  # how many the model has
+    trained: int  # how many of them the step trains (LoRA adapters, or what --freeze leaves)
     state_total: int  # parameters + optimizer state, all devices together
     arguments: int  # per device: the state's shards and the batch's
     outputs: int  # per device: the new state's shards and the loss sums
@@ -70,6 +72,7 @@ def plan_step(
             f"micro-batch(es): choose --max-tokens for a multiple of {mesh.batch_devices * accumulate} rows"
         )
     devices = mesh.mesh()
+    freeze = optim.freeze
     step = make_train_step(
         config, optim, n_devices=mesh.size, parallel="sharded", accumulate=accumulate, mesh=mesh, donate=True
     )
@@ -85,6 +88,7 @@ def plan_step(
         width=width,
         accumulate=accumulate,
         parameters=sum(math.prod(x.shape) for x in jax.tree.leaves(abstract.params)),
+        trained=sum(math.prod(x.shape) for x in jax.tree.leaves(finetuning.split(abstract.params, config, freeze)[0])),
         state_total=total_bytes(abstract),
         arguments=int(memory.argument_size_in_bytes),
         outputs=int(memory.output_size_in_bytes),
@@ -100,12 +104,13 @@ def rows_for(max_tokens: int, width: int, divisor: int) -> int:
     return max(divisor, (max_tokens // width) // divisor * divisor)
 
 
-def describe(plan: Plan, config: TransformerConfig) -> str:
+def describe(plan: Plan, config: TransformerConfig, optim: OptimConfig | None = None) -> str:
     """The plan as a reader wants it: the mesh, the per-device figures, and the fit on each device kind, with the
     axis that would make it fit where it does not."""
     lines = [
         f"mesh {plan.mesh} ({plan.mesh.size} devices): {plan.parameters:,} parameters; batch {plan.rows} rows x "
         f"{plan.width} tokens, {plan.accumulate} micro-batch(es); {config.dtype}, remat {config.remat}",
+        finetuning.describe(config, (optim or OptimConfig()).freeze),
         f"state (parameters + optimizer moments), all devices: {_size(plan.state_total)}",
         "per device (XLA's memory_analysis of the compiled step):",
         f"  arguments    {_size(plan.arguments):>11}  (the state's shards and the batch's)",
@@ -115,10 +120,10 @@ def describe(plan: Plan, config: TransformerConfig) -> str:
     ]
     for item in plan.unsplit:
         lines.append(f"  not split (replicated along that axis): {item}")
-    # The part of the peak that more fsdp (or tensor) devices divide: the state's shards and the gradients' (with
-    # Adam, the gradient is a third of the state: parameters + two moments); the rest is activations and buffers.
+    # The part of the peak that more fsdp (or tensor) devices divide: the state's shards and the trained
+    # parameters' gradients' (float32, as the parameters); the rest is activations and buffers.
     split = plan.mesh.fsdp * plan.mesh.tensor
-    state_part = plan.state_total * 4 / 3 / split
+    state_part = (plan.state_total + 4 * plan.trained) / split
     lines.append(
         f"  of which about {_size(state_part)} the state's and gradients' shards (1/{split} of them), which "
         f"a larger fsdp divides; the rest, activations, --accumulate and --max-tokens divide"

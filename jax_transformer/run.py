@@ -29,10 +29,11 @@ from typing import Any
 import jax
 
 from jax_transformer import checkpoint as ckpt_lib
-from jax_transformer import compilation, distributed, files, token_arrays
+from jax_transformer import compilation, distributed, files, finetuning, token_arrays
 from jax_transformer.batching import BatchStream, EncodedCorpus, SpecialIds, ValidationSet, encode_corpus
 from jax_transformer.config import (
     COMPUTE_FIELDS,
+    LORA_FIELDS,
     PRESETS,
     ConfigError,
     DataConfig,
@@ -140,6 +141,7 @@ def prepare(
         config, tokenizer, params = model_and_tokenizer(
             settings, restored or start, init_from_torch, dict(model or {}), preset_name, corpus, run_dir, print_fn
         )
+        print_fn(finetuning.describe(config, settings.optim.freeze))  # and checks --freeze / --lora-* against it
         # The decodings of the evaluations, before anything is compiled or written (a run directory this process
         # made is removed again; in a multi-process run process 0 has written tokenizer.model already).
         if valid_corpus is not None:
@@ -361,6 +363,14 @@ def _model_and_tokenizer(
     if restored is not None:
         changes = {**(PRESETS[given_preset] if given_preset else {}), **given_model}
         requested = restored.config.replace(**changes) if changes else restored.config
+        if "opt_state" not in restored.state:  # weights alone (--init-from): adapters may be added
+            if restored.config.lora_rank and _lora(requested) != _lora(restored.config):
+                raise ConfigError(
+                    f"{restored.directory}: its model has LoRA adapters ({_lora(restored.config)}), which a run "
+                    f"starting from it trains on as they are: leave out the --lora-* flags, or merge them first "
+                    f"(export --format transformers --merge-lora, then import)"
+                )
+            restored = dataclasses.replace(restored, config=restored.config.replace(**_lora(requested)))
         ckpt_lib.check_config(restored.config, requested, where=f"checkpoint in {run_dir}")
         # The saved model, computed as asked: a bfloat16 run may go on in float32 and back (not bitwise then).
         return restored.config.replace(**requested.compute_settings()), restored.tokenizer, None
@@ -381,6 +391,10 @@ def _model_and_tokenizer(
         return config.replace(**compute), tokenizer, params
     tokenizer = shared_tokenizer(corpus, settings.data, settings.seed, run_dir, print_fn)
     return model_config(settings.preset, tokenizer.vocab_size, settings.model), tokenizer, None
+
+
+def _lora(config: TransformerConfig) -> dict[str, Any]:
+    return {name: getattr(config, name) for name in LORA_FIELDS}
 
 
 def batches(settings: RunSettings, config, tokenizer, corpus, valid_corpus, devices, restored, stored, print_fn):

@@ -21,7 +21,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_transformer import compilation
+from jax_transformer import compilation, finetuning
 from jax_transformer.config import PARALLEL_MODES, OptimConfig, TransformerConfig
 from jax_transformer.dropout import global_rows
 from jax_transformer.losses import loss_sums
@@ -103,10 +103,13 @@ def create_train_state(config: TransformerConfig, opt: OptimConfig, *, seed: int
         params = init_params(config, seed)
     # A copy: the train step may donate the state's buffers, which must not be the caller's arrays.
     params = jax.tree_util.tree_map(lambda p: jnp.array(p, copy=True), params)
+    if config.lora_rank:  # adapters the given weights lack (a pretrained model's) start fresh
+        params = finetuning.with_adapters(params, config, seed)
     tx = make_optimizer(config, opt)
     # The dropout key is derived from the seed but kept apart from the init key (fold_in 1).
     dropout_key = jax.random.fold_in(jax.random.key(seed), 1)
-    return TrainState(step=jnp.array(0, jnp.int32), params=params, opt_state=tx.init(params), dropout_key=dropout_key)
+    trained, _ = finetuning.split(params, config, opt.freeze)  # the optimiser's state: for the trained arrays only
+    return TrainState(step=jnp.array(0, jnp.int32), params=params, opt_state=tx.init(trained), dropout_key=dropout_key)
 
 
 def abstract_train_state(config: TransformerConfig, opt: OptimConfig) -> TrainState:
@@ -185,6 +188,7 @@ def train_step(
     config: TransformerConfig,
     tx: optax.GradientTransformation,
     label_smoothing: float,
+    freeze: str | None = None,
     dropout: bool = True,
     axis_name: str | None = None,
     accumulate: int = 1,
@@ -209,18 +213,24 @@ def train_step(
       into the parameters' layout as it is added (a whole gradient per device is what splitting avoids).
     Dropout masks are a function of each element's global batch row (`dropout.global_rows`), so they do not
     depend on any of these splits either: every path takes the same step as one device on the whole batch.
+    Only the trained parameters are differentiated and updated (LoRA adapters, or what `freeze` leaves:
+    `finetuning.split`); the frozen ones are read as they are.
     """
     key = jax.random.fold_in(state.dropout_key, state.step)  # depends only on the step: resume is exact
+    trained, frozen = finetuning.split(state.params, config, freeze)
+    if param_shardings is not None:
+        param_shardings, _ = finetuning.split(param_shardings, config, freeze)
     rows = batch["tgt_out"].shape[0]  # rows this program sees: the global batch, or a pmap device's block
     first_row = 0 if axis_name is None else lax.axis_index(axis_name) * rows
 
     def grads_and_sums(part, row_ids):
-        def summed_loss(params):
+        def summed_loss(trained):
+            params = finetuning.joined(trained, frozen)
             with global_rows(row_ids):
                 sums = batch_loss_sums(params, part, config, label_smoothing, key if dropout else None)
             return sums["loss"], sums
 
-        return jax.grad(summed_loss, has_aux=True)(state.params)
+        return jax.grad(summed_loss, has_aux=True)(trained)
 
     if accumulate == 1:
         grads, sums = grads_and_sums(batch, first_row + jnp.arange(rows))
@@ -256,8 +266,8 @@ def train_step(
     grads = jax.tree_util.tree_map(lambda g: g / tokens, grads)  # gradient of the mean loss per real token
     grads = keep_start_row(grads, config)
     with jax.named_scope("optimizer"):  # names the update's ops in a profile (benchmarks/step_profile.py)
-        updates, opt_state = tx.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
+        updates, opt_state = tx.update(grads, state.opt_state, trained)
+        params = finetuning.joined(optax.apply_updates(trained, updates), frozen)
     return state.replace(step=state.step + 1, params=params, opt_state=opt_state), sums
 
 
@@ -269,6 +279,8 @@ def keep_start_row(grads, config: TransformerConfig):
     if config.decoder_start_id != config.pad_id or not config.tie_output:
         return grads
     name = "shared_embed" if config.share_embeddings else "target_embed"
+    if "embedding" not in grads.get(name, {}):  # the table is frozen
+        return grads
     table = grads[name]["embedding"]  # (V, D)
     return {**grads, name: {**grads[name], "embedding": table.at[config.pad_id].set(0.0)}}
 
@@ -345,7 +357,8 @@ def _compiled_train_step(
 ):
     donate = state_donation(config, opt) if donate_state is None else ((0,) if donate_state else ())
     tx = make_optimizer(config, opt)
-    options = dict(config=config, tx=tx, label_smoothing=opt.label_smoothing, dropout=dropout, accumulate=accumulate)
+    options = dict(config=config, tx=tx, label_smoothing=opt.label_smoothing, freeze=opt.freeze, dropout=dropout)
+    options.update(accumulate=accumulate)
     if parallel == "jit":
         return compilation.jit(functools.partial(train_step, **options), config.dtype, donate_argnums=donate)
     if parallel == "pmap":
