@@ -571,7 +571,7 @@ def plan_flags(sub) -> None:
     pl.add_argument("--remat", choices=REMAT_POLICIES, help="recompute layers in the backward pass (as train's)")
     from jax_transformer.config import LORA_FIELDS, OptimConfig, TransformerConfig
 
-    add_settings(pl, TransformerConfig, "model", "fine-tuning (as train's)", only=LORA_FIELDS)
+    add_settings(pl, TransformerConfig, "model", "fine-tuning (as train's)", only=(*LORA_FIELDS, "quantize"))
     add_settings(pl, OptimConfig, "optim", "fine-tuning", only=("freeze",))
     pl.set_defaults(func=cmd_plan)
 

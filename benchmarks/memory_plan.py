@@ -7,10 +7,14 @@ outputs' bytes are exact, the temporaries the CPU compiler's).
     python benchmarks/memory_plan.py                               # the whole table (minutes: compiling)
     python benchmarks/memory_plan.py --models nllb-600m --devices 8
     python benchmarks/memory_plan.py --remat-cost base --max-tokens 4096   # --remat: step time and memory, 1 device
+    python benchmarks/memory_plan.py --fine-tuning --models nllb-600m,nllb-1.3b,nllb-3.3b --max-tokens 2048
 
 --remat-cost: the training step of a preset on this machine's first device with each remat policy: its
 temporaries (memory_analysis) and the median and best of --repeats timed steps (after one untimed), the policies
 interleaved within each repeat.
+
+--fine-tuning: one device, each model fine-tuned in full, with LoRA (rank 16 on every matrix) and with QLoRA (the
+same adapters on an int8 base), and which device sizes each fits.
 """
 
 from __future__ import annotations
@@ -93,6 +97,42 @@ def child(models: list[str], meshes: list[str], max_tokens: int, width: int) -> 
     return rows
 
 
+# The fine-tuning modes of --fine-tuning: TransformerConfig fields over the model's.
+MODES = {
+    "full": {},
+    "LoRA r16": dict(lora_rank=16, lora_alpha=32.0, lora_targets="q,k,v,out,ffn"),
+    "QLoRA r16": dict(lora_rank=16, lora_alpha=32.0, lora_targets="q,k,v,out,ffn", quantize="int8-weights"),
+}
+DEVICE_SIZES = (16, 24, 40, 80)  # GB, as accelerators are sold (10^9 bytes)
+
+
+def fine_tuning(models: list[str], max_tokens: int, width: int, dtype: str, remat: str) -> list[dict]:
+    """The memory plan of each model in each of MODES on one device (this machine's first)."""
+    from jax_transformer import plan
+    from jax_transformer.config import OptimConfig
+    from jax_transformer.sharding import MeshShape
+
+    rows = []
+    for model in models:
+        for mode, fields in MODES.items():
+            config = config_of(model).replace(dtype=dtype, remat=remat, **fields)
+            p = plan.plan_step(config, OptimConfig(), MeshShape(), max_tokens // width, width)
+            rows.append(
+                dict(
+                    model=model,
+                    mode=mode,
+                    parameters=p.parameters,
+                    trained=p.trained,
+                    state_gib=p.state_total / plan.GiB,
+                    temporaries_gib=p.temporaries / plan.GiB,
+                    peak_gib=p.peak / plan.GiB,
+                    fits=[gb for gb in DEVICE_SIZES if p.peak <= gb * 1e9],
+                )
+            )
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
 def remat_cost(name: str, max_tokens: int, width: int, repeats: int) -> list[dict]:
     """Temporaries and step time of `name`'s training step with each remat policy, on one device."""
     import statistics
@@ -147,6 +187,9 @@ def main(argv=None) -> int:
     parser.add_argument("--json", type=Path, help="also write the rows here")
     parser.add_argument("--remat-cost", metavar="PRESET", help="time and memory of --remat's policies instead")
     parser.add_argument("--repeats", type=int, default=5, help="timed steps per policy with --remat-cost")
+    parser.add_argument("--fine-tuning", action="store_true", help="full, LoRA and QLoRA on one device instead")
+    parser.add_argument("--dtype", default="float32", help="compute dtype with --fine-tuning (default float32)")
+    parser.add_argument("--remat", default="none", help="remat policy with --fine-tuning (default none)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     models = args.models.split(",")
@@ -166,6 +209,25 @@ def main(argv=None) -> int:
                 f"{r['step_s_median']:.3f} s | {r['step_s_best']:.3f} s | "
                 f"{r['step_s_median'] / none['step_s_median']:.2f} |"
             )
+        return 0
+    if args.fine_tuning:
+        from benchmarks.machine import machine_info
+
+        info = machine_info()
+        print(f"machine: {info['cpu_model']}, {info['cores']} cores; {info['libraries']}", flush=True)
+        rows = fine_tuning(models, args.max_tokens, args.width, args.dtype, args.remat)
+        shape = f"{args.max_tokens} token slots in rows of {args.width}, {args.dtype}, remat {args.remat}"
+        print(f"\none device, {shape}\n")
+        print("| model | mode | trained parameters | state | temporaries | peak | fits (GB) |")
+        print("|---|---|---:|---:|---:|---:|---|")
+        for r in rows:
+            fits = ", ".join(map(str, r["fits"])) or "none of " + "/".join(map(str, DEVICE_SIZES))
+            print(
+                f"| {r['model']} | {r['mode']} | {r['trained']:,} of {r['parameters']:,} | {r['state_gib']:.2f} GiB | "
+                f"{r['temporaries_gib']:.2f} GiB | {r['peak_gib']:.2f} GiB | {fits} |"
+            )
+        if args.json:
+            args.json.write_text(json.dumps({"machine": info, "rows": rows}, indent=1) + "\n")
         return 0
     if args.child:
         child(models, args.child.split(";"), args.max_tokens, args.width)

@@ -281,8 +281,8 @@ class TransformerConfig(Settings):
         "none",
         "decode with int8 weights, quantized at load per output channel with qwix (never written back): "
         "int8-dynamic (activations quantized per row at run time, int8 x int8 products), int8-weights (weights "
-        "converted inside float products), int8 (the one measured faster on this backend); not for training "
-        "(docs/decoding.md#int8)",
+        "converted inside float products), int8 (the one measured faster on this backend); in training only "
+        "int8-weights with --lora-rank: QLoRA's frozen base (docs/decoding.md#int8)",
         choices=QUANTIZE_MODES,
     )
 

@@ -29,6 +29,7 @@ import numpy as np
 
 from jax_transformer import pretrained
 from jax_transformer.config import ConfigError, TransformerConfig
+from jax_transformer.errors import UsageError
 from jax_transformer.port import _flatten, _unflatten, expected_param_shapes
 
 ADAPTER_LEAVES = ("lora_a", "lora_b")
@@ -148,11 +149,42 @@ def with_adapters(params: Mapping[str, Any], config: TransformerConfig, seed: in
     return _unflatten(flat)
 
 
+def quantized_base(params: Mapping[str, Any], config: TransformerConfig) -> dict:
+    """QLoRA's parameters: the frozen base's matrices and embedding tables in int8 (`quantization.quantize_params`,
+    per output channel), the adapters (never named kernel or embedding) as they are. Quantized ones stay so."""
+    from jax_transformer import quantization
+
+    check_qlora(config)
+    if any(quantization.is_quantized(x) for x in jax.tree.leaves(params, is_leaf=quantization.is_quantized)):
+        return dict(params)
+    return quantization.quantize_params(params)
+
+
+def check_qlora(config: TransformerConfig) -> None:
+    """int8 in training is QLoRA's frozen base under adapters, multiplied as int8-weights (UsageError otherwise)."""
+    from jax_transformer import quantization
+
+    if not config.lora_rank:
+        raise UsageError(
+            f"--quantize {config.quantize} in training is QLoRA: the frozen base in int8 under LoRA adapters "
+            f"(--lora-rank); a model trained in full computes in float32 or bfloat16 (--dtype)"
+        )
+    if quantization.resolve(config.quantize) != "int8-weights":
+        raise UsageError(
+            f"--quantize {config.quantize} in training: QLoRA takes int8-weights (the int8 base converted inside "
+            f"float products, so gradients reach the adapters below it exactly); int8-dynamic rounds the activations"
+        )
+
+
 def merged(params: Mapping[str, Any], config: TransformerConfig) -> tuple[dict, TransformerConfig]:
     """(params, config) of the same function without adapters: each adapted kernel W + A B alpha / r (computed in
-    float32 on the host), as peft's merge_and_unload writes it."""
+    float32 on the host), as peft's merge_and_unload writes it. A QLoRA base is dequantized first (the int8
+    values times their scales: the weights its training computed with)."""
     if not config.lora_rank:
         return dict(params), config
+    from jax_transformer import quantization
+
+    params = _float(quantization.dequantize_params(params))
     flat = {p: np.asarray(v, np.float32) for p, v in _flatten(params).items()}
     scale = config.lora_alpha / config.lora_rank
     for path in [p for p in flat if p[-1] == "lora_a"]:
@@ -165,6 +197,16 @@ def merged(params: Mapping[str, Any], config: TransformerConfig) -> tuple[dict, 
 # =============================================================================================================
 # peft's files
 # =============================================================================================================
+
+
+def _float(tree):
+    """A parameter tree read from a QLoRA checkpoint without its template, whose int8 arrays are {qvalue, scale}
+    dicts, with each of them as the float32 array it stands for (symmetric: the values times their scales)."""
+    if not isinstance(tree, Mapping):
+        return tree
+    if {"qvalue", "scale"} <= set(tree):
+        return np.asarray(tree["qvalue"], np.float32) * np.asarray(tree["scale"], np.float32)
+    return {key: _float(value) for key, value in tree.items()}
 
 
 def peft_config(config: TransformerConfig, base: str) -> dict[str, Any]:

@@ -346,14 +346,11 @@ def model_and_tokenizer(
     """The model config, the tokenizer and initial weights (None: initialise): the checkpoint's on a resume (model
     settings given then must describe the saved model), a PyTorch file's, or a new tokenizer and the preset; the
     tokenizer for the languages --src-lang / --tgt-lang name (a multilingual model's; an error for others)."""
-    if given_model.get("quantize", "none") != "none":
-        raise UsageError(
-            f"--quantize {given_model['quantize']}: int8 is for decoding a trained model (translate, evaluate, "
-            f"verify); training computes in float32 or bfloat16 (--dtype)"
-        )
     config, tokenizer, params = _model_and_tokenizer(
         settings, restored, init_from_torch, given_model, given_preset, corpus, run_dir, print_fn
     )
+    if config.quantize != "none":
+        finetuning.check_qlora(config)  # int8 trains only as QLoRA's frozen base
     return config, with_languages(tokenizer, settings.data.src_lang, settings.data.tgt_lang), params
 
 

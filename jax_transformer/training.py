@@ -105,6 +105,8 @@ def create_train_state(config: TransformerConfig, opt: OptimConfig, *, seed: int
     params = jax.tree_util.tree_map(lambda p: jnp.array(p, copy=True), params)
     if config.lora_rank:  # adapters the given weights lack (a pretrained model's) start fresh
         params = finetuning.with_adapters(params, config, seed)
+    if config.quantize != "none":  # QLoRA: the frozen base's matrices in int8, the adapters float32
+        params = finetuning.quantized_base(params, config)
     tx = make_optimizer(config, opt)
     # The dropout key is derived from the seed but kept apart from the init key (fold_in 1).
     dropout_key = jax.random.fold_in(jax.random.key(seed), 1)

@@ -79,9 +79,25 @@ def test_freeze_leaves_the_named_parameters(tiny_run, tmp_path):
     assert {p[0] for p in _moments(tuned.state)} == {"decoder"}
 
 
+def test_qlora_trains_adapters_on_an_int8_base_and_translates(tiny_run, tmp_path):
+    flags = ("--lora-rank", "2", "--quantize", "int8-weights")
+    code, stdout, stderr, out = _fine_tune(tiny_run, tmp_path, *flags)
+    assert code == 0, stdout + stderr
+    tuned = _params(out)
+    kernel = tuned.params["encoder"]["layer_0"]["self_attention"]["query"]["kernel"]
+    assert np.asarray(kernel["qvalue"]).dtype == np.int8  # saved as int8 values and their scales
+    assert _moments(tuned.state) == {p for p in _flatten(tuned.params) if p[-1] in finetuning.ADAPTER_LEAVES}
+    source = tmp_path / "in.txt"
+    source.write_text("twelve\nthree hundred\n", encoding="utf-8")
+    code, stdout, stderr = run_main(["translate", "--checkpoint", str(out), "--input", str(source)])
+    assert code == 0 and len(stdout.splitlines()) == 2, stdout + stderr
+
+
 @pytest.mark.parametrize(
     "flags, message",
     [
+        (("--quantize", "int8-weights"), "QLoRA: the frozen base in int8 under LoRA adapters"),
+        (("--quantize", "int8-dynamic", "--lora-rank", "2"), "QLoRA takes int8-weights"),
         (("--lora-rank", "500"), "'lora_rank' (500) is larger than the q matrices' smaller dimension (32)"),
         (("--lora-rank", "2", "--lora-targets", "q,attention"), "'lora_targets' ('q,attention')"),
         (("--freeze", "encoder/layer_9"), "--freeze 'encoder/layer_9' names no parameter"),
