@@ -440,6 +440,12 @@ def import_flags(sub) -> None:
     )
     i.add_argument("source", metavar="SOURCE", help="the transformers directory or the fairseq .pt file")
     i.add_argument("--output", required=True, metavar="DIR", help="the run directory to write (new or empty)")
+    i.add_argument(
+        "--base",
+        metavar="MODEL",
+        help="for a peft LoRA adapter directory as SOURCE: the model it adapts (default: its adapter_config.json's "
+        "base_model_name_or_path); the run holds both, and train --init-from goes on training the adapters",
+    )
     i.set_defaults(func=cmd_import)
 
 
@@ -868,7 +874,7 @@ def cmd_export(args, start_time: float) -> int:
 def cmd_import(args, start_time: float) -> int:
     from jax_transformer import hub
 
-    path = hub.import_model(args.source, args.output, print_fn=_print)
+    path = hub.import_model(args.source, args.output, print_fn=_print, base=args.base)
     _print(f"wrote {path}: translate, evaluate, export and train --init-from take it")
     return 0
 

@@ -7,6 +7,7 @@ vocabulary), and one `train --init-from` step (time, peak memory).
     python benchmarks/multilingual.py --model nllb-600m                  # NLLB-200-distilled-600M's shape
     python benchmarks/multilingual.py --model m2m100-418m --repeats 3    # M2M-100-418M's
     python benchmarks/multilingual.py --model nllb-600m --rows greedy:1 --repeats 1 --skip-train   # a first look
+    python benchmarks/multilingual.py --model nllb-600m --rows "" --train-modes full,lora,qlora   # fine-tuning memory
 
 The model: an M2M100ForConditionalGeneration of the shape (transformers' random init, seed 0) with a small NLLB or
 M2M-100 tokenizer learned on the built-in task (tests/helpers/multilingual.py): its vocabulary is the model's
@@ -57,6 +58,21 @@ SHAPE = dict(
     max_position_embeddings=1024,
 )
 ROWS = ("greedy:1", "greedy:16", "beam4:16")
+# The fine-tuning step's modes (--train-modes): its flags beside --init-from.
+TRAIN_MODES = {
+    "full": [],
+    "lora": ["--lora-rank", "16", "--lora-alpha", "32", "--lora-targets", "q,k,v,out,ffn"],
+    "qlora": [
+        "--lora-rank",
+        "16",
+        "--lora-alpha",
+        "32",
+        "--lora-targets",
+        "q,k,v,out,ffn",
+        "--quantize",
+        "int8-weights",
+    ],
+}
 
 
 def write_model(name: str, folder: Path) -> Path:
@@ -214,9 +230,10 @@ def decode_rows(run: Path, folder: Path, name: str, rows, new_tokens: int, src_l
     return results
 
 
-def train_step(run: Path, work: Path, name: str, max_tokens: int, log) -> dict:
-    """`train --init-from` of 3 steps on the built-in task (in a child process, before this one holds a model):
-    its wall time, peak memory and the time between its last two steps (its end: saving the train state)."""
+def train_step(run: Path, work: Path, name: str, max_tokens: int, log, mode: str = "full") -> dict:
+    """`train --init-from` of 3 steps on the built-in task (in a child process, before this one holds a model) in
+    one of TRAIN_MODES: its wall time, peak memory and the time between its last two steps (its end: saving the
+    train state)."""
     from jax_transformer.default_task import write_default_task
     from tests.helpers.multilingual import LANGUAGES
 
@@ -224,9 +241,9 @@ def train_step(run: Path, work: Path, name: str, max_tokens: int, log) -> dict:
     tsv, _ = write_default_task(work / "task", n_train=2000, n_valid=10)
     args = ["train", "--init-from", str(run), "--tsv", str(tsv), "--src-lang", src_lang, "--tgt-lang", tgt_lang]
     args += ["--steps", "3", "--max-tokens", str(max_tokens), "--eval-every", "1000", "--save-every", "1000"]
-    args += ["--eval-sentences", "0", "--samples", "0", "--no-progress", "--run-dir", str(work / "tuned")]
-    measured = child(args, log)
-    metrics = work / "tuned" / "metrics.jsonl"
+    args += ["--eval-sentences", "0", "--samples", "0", "--no-progress", "--run-dir", str(work / f"tuned-{mode}")]
+    measured = {"mode": mode, **child(args + TRAIN_MODES[mode], log)}
+    metrics = work / f"tuned-{mode}" / "metrics.jsonl"
     records = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.is_file() else []
     steps = [r for r in records if r.get("kind") == "train"]
     measured["steps_done"] = len(steps)
@@ -244,6 +261,9 @@ def main(argv=None) -> int:
     parser.add_argument("--src-len", type=int, default=24, help="source tokens per sentence (default: 24)")
     parser.add_argument("--repeats", type=int, default=3, help="timed calls per decoder and row (default: 3)")
     parser.add_argument("--skip-train", action="store_true", help="leave out the training step")
+    parser.add_argument(
+        "--train-modes", default="full", help=f"the training step's modes, comma-separated, of {','.join(TRAIN_MODES)}"
+    )
     parser.add_argument("--max-tokens", type=int, default=256, help="the training step's batch (default: 256)")
     parser.add_argument("--json", type=Path, help="also write the report here")
     args = parser.parse_args(argv)
@@ -266,9 +286,11 @@ def main(argv=None) -> int:
         report["import"]["peak_over_weights"] = round(report["import"]["peak_rss_gb"] / (size / 2**30), 2)
         log(f"import: {report['import']}")
         if not args.skip_train:
-            report["train_step"] = train_step(work / "run", work, args.model, args.max_tokens, log)
-            log(f"train --init-from: {report['train_step']}")
-        rows = args.rows.split(",")
+            report["train_step"] = []
+            for mode in args.train_modes.split(","):
+                report["train_step"].append(train_step(work / "run", work, args.model, args.max_tokens, log, mode))
+                log(f"train --init-from ({mode}): {report['train_step'][-1]}")
+        rows = [row for row in args.rows.split(",") if row]
         report["decoding"] = decode_rows(
             work / "run", folder, args.model, rows, args.new_tokens, args.src_len, args.repeats, log
         )

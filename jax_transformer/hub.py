@@ -344,15 +344,27 @@ def read_fairseq(path: Path) -> Pretrained:
 # =============================================================================================================
 
 
-def import_model(source: str | Path, output: str | Path, print_fn=print) -> Path:
+def import_model(source: str | Path, output: str | Path, print_fn=print, base: str | Path | None = None) -> Path:
     """Writes `output` as a run directory (checkpoints/0 with the parameters, config, tokenizer and how the model
-    decodes; config.json; tokenizer.model) from a pretrained model."""
+    decodes; config.json; tokenizer.model) from a pretrained model. A peft LoRA adapter directory (`base`: its
+    base model, default the one its adapter_config.json names) gives the base model with the adapters, which
+    `train --init-from` goes on training and `export --format peft` writes back."""
     from jax_transformer.checkpoint import CheckpointManager
 
     output = Path(output)
     if output.exists() and any(output.iterdir()):
         raise UsageError(f"--output {output} already exists and is not empty; choose a new directory")
-    model = read_pretrained(source)
+    if is_peft_adapter(source):
+        named = _json(Path(source) / "adapter_config.json").get("base_model_name_or_path")
+        if base is None and not named:
+            raise UsageError(f"{source}: its adapter_config.json names no base model; give --base")
+        if base is not None:
+            check_adapter_base(source, str(base))
+        model = read_peft_adapter(source, read_pretrained(base if base is not None else named))
+    elif base is not None:
+        raise UsageError(f"--base is for a peft adapter directory; {source} is a model (no adapter_config.json)")
+    else:
+        model = read_pretrained(source)
     if model.tokenizer is None:
         raise DataError(
             f"{source}: no tokenizer beside it (bpecodes for a fairseq checkpoint): nothing could translate"
@@ -361,7 +373,7 @@ def import_model(source: str | Path, output: str | Path, print_fn=print) -> Path
     decode = {k: v for k, v in generation.items() if k not in ("num_beams", "length_penalty", "banned")}
     decode.update(beam_size=generation["num_beams"], alpha=generation["length_penalty"])
     run = {
-        "imported_from": {"source": str(source), "family": model.family, **model.original},
+        "imported_from": {"source": str(model.source), "family": model.family, **model.original},
         "decode": {"rules": "transformers", "banned": ",".join(map(str, generation["banned"])), **decode},
     }
     DecodeConfig.from_dict(run["decode"], source=f"{source} generation settings")  # checked before anything is written
@@ -379,6 +391,7 @@ def import_model(source: str | Path, output: str | Path, print_fn=print) -> Path
     print_fn(
         f"imported {model.family} model {source}: {n:,} parameters, vocabulary {model.config.src_vocab_size}/"
         f"{model.config.tgt_vocab_size}; decodes as transformers' generate ({generation})"
+        + (f"; with the LoRA adapters of {source} (rank {model.config.lora_rank})" if model.config.lora_rank else "")
     )
     return output
 

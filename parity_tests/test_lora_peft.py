@@ -34,10 +34,10 @@ LOGIT_TOLERANCE = 1e-5
 @pytest.fixture(scope="module")
 def base(tmp_path_factory):
     """(save_pretrained folder of a tiny NLLB model, the project's import of it, the batch in both frameworks)."""
-    from jax_transformer.default_task import default_pairs
-    from tests.helpers.multilingual import saved_model, their_tokenizer
+    from tests.helpers.multilingual import TOKENIZERS, model_vocab_size, their_tokenizer, tiny_model
 
-    folder = saved_model("nllb", tmp_path_factory.mktemp("nllb"), list(default_pairs("valid", n=8).sources), 18)
+    folder = tmp_path_factory.mktemp("nllb")
+    tiny_model("nllb", model_vocab_size("nllb", TOKENIZERS["nllb"](folder))).save_pretrained(folder)
     tokenizer = their_tokenizer(folder, "nllb")
     tokenizer.src_lang, tokenizer.tgt_lang = "eng_Latn", "fra_Latn"
     encoded = tokenizer(SOURCES, text_target=TARGETS, return_tensors="pt", padding=True)
@@ -207,3 +207,43 @@ def test_exported_adapter_loads_in_peft_and_merges(base, tmp_path):
     assert again.config == config
     for p, v in adapters_of(params).items():
         np.testing.assert_array_equal(adapters_of(again.params)[p], v)
+
+
+def test_a_peft_adapter_imports_and_goes_on_training(base, tmp_path):
+    """`import ADAPTER_DIR` (peft's files, the base named in them) writes a run that `train --init-from` goes on
+    training: the adapters start as the file holds them and move, the base stays, Adam's state is the adapters'.
+    An adapter of another base is refused before anything is written: another name, or other shapes."""
+    from jax_transformer import checkpoint
+    from tests.helpers.training import run_main, write_corpus
+
+    folder, imported, batch, torch_batch = base
+    model = peft_model(folder, seed=5)
+    model.save_pretrained(tmp_path / "adapter")  # peft's own files
+    code, stdout, stderr = run_main(["import", str(tmp_path / "adapter"), "--output", str(tmp_path / "run")])
+    assert code == 0, stdout + stderr
+    start = checkpoint.load(tmp_path / "run", "best")
+    assert start.config.lora_rank == 4 and start.config.lora_targets == "q,k,v,out,ffn"
+    theirs = finetuning.adapters_from_peft(their_adapters(model), start.config, "m2m_100", "peft state")
+    assert all(np.array_equal(adapters_of(start.params)[p], v) for p, v in theirs.items())
+
+    corpus = write_corpus(tmp_path)
+    args = ["train", "--init-from", str(tmp_path / "run"), "--tsv", str(corpus), "--run-dir", str(tmp_path / "t")]
+    args += ["--src-lang", "eng_Latn", "--tgt-lang", "fra_Latn", "--steps", "2", "--max-tokens", "512"]
+    args += ["--warmup-steps", "2", "--eval-every", "1000", "--samples", "0", "--no-progress"]
+    code, stdout, stderr = run_main(args)
+    assert code == 0, stdout + stderr
+    tuned = checkpoint.load(tmp_path / "t", "latest")
+    flat, before = _flatten(tuned.params), _flatten(start.params)
+    assert all(np.array_equal(flat[p], v) for p, v in before.items() if p not in theirs)  # the base
+    assert any(not np.array_equal(flat[p], v) for p, v in theirs.items())  # the adapters moved
+    assert {p[2:] for p in _flatten(tuned.state["opt_state"]) if p[1] in ("mu", "nu")} == set(theirs)
+
+    code, stdout, stderr = run_main(
+        ["import", str(tmp_path / "adapter"), "--base", "facebook/nllb-200-distilled-600M", "--output", "x"]
+    )
+    assert code == 1 and "trained on" in stderr and "nllb-200-distilled-600M" in stderr
+    settings = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    (tmp_path / "adapter" / "adapter_config.json").write_text(json.dumps({**settings, "r": 8}))  # not its weights
+    code, stdout, stderr = run_main(["import", str(tmp_path / "adapter"), "--output", str(tmp_path / "y")])
+    assert code == 1 and "does not fit this base model" in stderr and "lora_A.weight: shape (4, 32)" in stderr
+    assert not (tmp_path / "y").exists()

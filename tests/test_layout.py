@@ -32,6 +32,8 @@ LAYERS = [
     ("model",),
     ("port",),  # numpy-only weight map
     ("pretrained",),  # Marian, FSMT, fairseq, M2M-100 (NLLB) and mBART configs and weight maps (numpy only)
+    ("finetuning",),  # what a fine-tuning run trains: LoRA adapters (on an int8 base: QLoRA), frozen parameters;
+    # the adapters in peft's names
     ("sharding",),  # the mesh's axes (data, fsdp, tensor) and where each array of a train state lives on it
     ("training",),  # optimiser, train state, train/eval steps: the twin of torch_reference/training.py
     ("plan",),  # the memory a training step needs per device, compiled ahead from abstract shapes
