@@ -556,6 +556,11 @@ class LoopConfig(Settings):
     )
     samples: int = setting(5, "sample translations printed by the final evaluation (and by evaluate)", at_least=0)
     progress: bool = setting(True, "show a progress bar")
+    tensorboard: bool | None = setting(
+        None,
+        "also write every metric of metrics.jsonl as TensorBoard events to <run>/tensorboard (tensorboardX, the "
+        "tensorboard extra; default: when it is installed)",
+    )
     best_metric: str = setting(
         "bleu",
         "what 'better' means for the best checkpoint (the one evaluate/translate/export use) and for --patience: "

@@ -34,7 +34,7 @@ from jax_transformer.checks import TokenError, check_batch
 from jax_transformer.compilation import CompileJobs, CompileLog
 from jax_transformer.config import DecodeConfig, LoopConfig, OptimConfig, TransformerConfig
 from jax_transformer.distributed import DataParallel, agree_on_stop, is_primary
-from jax_transformer.errors import DataError
+from jax_transformer.errors import DataError, UsageError
 from jax_transformer.evaluation import evaluate_translations, spread_indices
 from jax_transformer.tokenizer import Tokenizer
 from jax_transformer.training import TrainState, evaluate_loss, make_eval_step, noam_rate, state_for_saving, summarize
@@ -737,19 +737,51 @@ class Saver:
 
 
 class MetricsLog:
-    """Appends one JSON object per line to `<run>/metrics.jsonl`: {"kind": "train" | "eval" | ..., "step": ...}."""
+    """Appends one JSON object per line to `<run>/metrics.jsonl`: {"kind": "train" | "eval" | ..., "step": ...};
+    with `board` (a tensorboardX SummaryWriter, `tensorboard_writer`) also each numeric field as the scalar
+    "<kind>/<field>" at the record's step."""
 
-    def __init__(self, path: str | os.PathLike) -> None:
+    def __init__(self, path: str | os.PathLike, board=None) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 (open for the run)
+        self._board = board
 
     def write(self, record: Mapping[str, Any]) -> None:
         self._file.write(json.dumps(record, sort_keys=True) + "\n")
         self._file.flush()
+        if self._board is None or "step" not in record:
+            return
+        for key, value in record.items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and key != "step":
+                self._board.add_scalar(f"{record.get('kind', 'run')}/{key}", value, record["step"])
+        if record.get("kind") != "train":  # the steps' records are flushed by the writer every few seconds
+            self._board.flush()
 
     def close(self) -> None:
         self._file.close()
+        if self._board is not None:
+            self._board.close()
+
+
+def tensorboard_writer(run_dir: Path, wanted: bool | None, first_step: int):
+    """A tensorboardX SummaryWriter on `<run>/tensorboard` (None: not wanted, or `wanted` unsaid and tensorboardX
+    not installed). A resumed run drops the events of the steps it trains again (`purge_step`), as metrics.jsonl
+    drops their records."""
+    if wanted is False:
+        return None
+    try:
+        from tensorboardX import SummaryWriter
+    except ImportError:
+        if wanted:
+            raise UsageError(
+                "--tensorboard: tensorboardX is not installed (pip install tensorboardX, or the project's "
+                "tensorboard extra)"
+            ) from None
+        return None
+    # Each command's own file (the file name's time has whole seconds only, and a second writer would replace it).
+    suffix = f".from-step-{first_step}"
+    return SummaryWriter(str(run_dir / "tensorboard"), purge_step=first_step, flush_secs=10, filename_suffix=suffix)
 
 
 class DiscardedMetrics:
@@ -784,7 +816,12 @@ class RunOutput:
         self.primary = is_primary()
         self.run_dir, self.start_time, self.loop = run.run_dir, run.start_time, run.loop
         self._print = run.print if self.primary else (lambda text: None)
-        self.metrics = MetricsLog(run.run_dir / "metrics.jsonl") if self.primary else DiscardedMetrics()
+        if self.primary:
+            first = int(jax.device_get(run.state.step)) + 1  # the first step this command trains
+            board = tensorboard_writer(run.run_dir, run.loop.tensorboard, first)
+            self.metrics = MetricsLog(run.run_dir / "metrics.jsonl", board)
+        else:
+            self.metrics = DiscardedMetrics()
         self._bar = None
 
     def start_bar(self, step: int) -> None:

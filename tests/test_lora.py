@@ -130,3 +130,29 @@ def test_the_memory_plan_counts_what_trains():
     assert state - full == 4 * (counts["total"] + 2 * counts["trained"]) - 4 * 3 * full_total
     with pytest.raises(ConfigError, match="names no parameter"):
         finetuning.check(config, "decoder/layer_7")
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"use_dora": True}, "use_dora=True has no counterpart"),
+        ({"target_modules": ["q_proj", "fc1"]}, "one of fc1/fc2 only"),
+        ({"target_modules": ["query"]}, "target_modules ['query'] are not among"),
+        ({"peft_type": "IA3"}, "only LORA adapters are read"),
+        ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
+    ],
+)
+def test_peft_settings_without_a_counterpart_are_refused(change, message):
+    from jax_transformer.config import TransformerConfig
+
+    config = TransformerConfig(lora_rank=4, lora_targets="q,v,ffn")
+    adapter = finetuning.peft_config(config, "facebook/nllb-200-distilled-600M")
+    assert adapter["target_modules"] == ["fc1", "fc2", "q_proj", "v_proj"]
+    assert finetuning.lora_settings(adapter, "x") == {
+        "lora_rank": 4,
+        "lora_alpha": 8.0,
+        "lora_dropout": 0.0,
+        "lora_targets": "q,v,ffn",
+    }
+    with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        finetuning.lora_settings({**adapter, **change}, "adapter_config.json")
