@@ -45,6 +45,9 @@ LORA_FIELDS = ("lora_rank", "lora_alpha", "lora_dropout", "lora_targets")
 BATCHINGS = ("packed", "buckets")
 PARALLEL_MODES = ("jit", "pmap", "sharded")
 BEST_METRICS = ("bleu", "loss")
+# Learning-rate schedules: the paper's (noam), and the fine-tuning ones people know from transformers' optimization
+# module (each a linear warm-up from 0 to --lr, then constant, linear or cosine decay to 0, or 1/sqrt(step)).
+SCHEDULES = ("noam", "constant", "linear", "cosine", "inverse_sqrt")
 OFF = "off"  # the compilation cache setting that turns it off
 
 
@@ -396,6 +399,18 @@ class OptimConfig(Settings):
     training code. The defaults are the paper's, except `lr_scale` (short runs of small models often want more)."""
 
     kind = "optimiser"
+    schedule: str = setting(
+        "noam",
+        "learning-rate schedule: noam (the paper's, set by --lr-scale; for training from scratch); constant, "
+        "linear, cosine, inverse_sqrt (fine-tuning: a linear warm-up from 0 to --lr over --warmup-steps, then "
+        "constant, a linear or cosine decay to 0 at --decay-steps, or lr * sqrt(warmup / step), as transformers' "
+        "get_*_schedule_with_warmup)",
+        choices=SCHEDULES,
+    )
+    lr: float | None = setting(None, "the peak learning rate of the fine-tuning schedules (not noam's)", above=0)
+    decay_steps: int | None = setting(
+        None, "the step at which linear and cosine decay reach 0 (default: the run's --steps)", at_least=1
+    )
     lr_scale: float = setting(
         1.0,
         "multiplies the learning rate lr_scale * d_model^-0.5 * min(step^-0.5, "
@@ -417,6 +432,21 @@ class OptimConfig(Settings):
         "and learned positions), encoder, decoder, or a glob over parameter paths such as 'decoder/layer_[01]/*' "
         "(default: all trained; with LoRA adapters, only they are)",
     )
+
+    def check(self) -> None:
+        if self.schedule == "noam" and self.lr is not None:
+            raise ConfigError(
+                "optimiser field 'lr' is the peak of --schedule constant/linear/cosine/inverse_sqrt; noam's rate is "
+                "set by --lr-scale (--lr)"
+            )
+        if self.schedule != "noam" and self.lr is None:
+            raise ConfigError(f"optimiser field 'lr' is needed with --schedule {self.schedule} (--lr)")
+        if self.schedule in ("linear", "cosine") and self.decay_steps is not None:
+            if self.decay_steps <= self.warmup_steps:
+                raise ConfigError(
+                    f"optimiser field 'decay_steps' ({self.decay_steps}) must be after the warm-up "
+                    f"(--warmup-steps {self.warmup_steps}) (--decay-steps)"
+                )
 
 
 # =============================================================================================================
@@ -1040,14 +1070,18 @@ def resolve(
     preset_name = given.get("preset") or (stored or {}).get("preset") or recipe.get("preset") or DEFAULT_PRESET[task]
     if preset_name not in PRESETS:
         raise ConfigError(f"unknown preset {preset_name!r}; choose one of {sorted(PRESETS)}")
+    optim = OptimConfig.from_dict({**below["optim"], **groups["optim"]}, source="optimiser settings")
+    loop = LoopConfig.from_dict({**below["loop"], **groups["loop"]}, source="loop settings")
+    if optim.schedule in ("linear", "cosine") and optim.decay_steps is None:  # decays to 0 at the run's last step
+        optim = optim.replace(decay_steps=loop.steps)
     return RunSettings(
         preset=preset_name,
         recipe=recipe_name,
         seed=stored["seed"] if stored is not None else (given.get("seed") or 0),
         model={**recipe.get("model", {}), **groups["model"]},
         data=data,
-        optim=OptimConfig.from_dict({**below["optim"], **groups["optim"]}, source="optimiser settings"),
-        loop=LoopConfig.from_dict({**below["loop"], **groups["loop"]}, source="loop settings"),
+        optim=optim,
+        loop=loop,
         parallel=parallel,
         decode=DecodeConfig.from_dict({**below["decode"], **groups["decode"]}, source="decoding settings"),
     )

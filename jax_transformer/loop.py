@@ -37,7 +37,14 @@ from jax_transformer.distributed import DataParallel, agree_on_stop, is_primary
 from jax_transformer.errors import DataError, UsageError
 from jax_transformer.evaluation import evaluate_translations, spread_indices
 from jax_transformer.tokenizer import Tokenizer
-from jax_transformer.training import TrainState, evaluate_loss, make_eval_step, noam_rate, state_for_saving, summarize
+from jax_transformer.training import (
+    TrainState,
+    evaluate_loss,
+    learning_rate_schedule,
+    make_eval_step,
+    state_for_saving,
+    summarize,
+)
 from jax_transformer.translation import (
     TRANSLATE_BATCH_SIZE,
     compile_translation,
@@ -120,6 +127,7 @@ def train_loop(run: Run) -> RunResult:
     compiles = CompileAhead(out, times)
     profile = Profile(loop.profile_steps(), run.run_dir / "profile", out)
     prepared = [step]  # training batches prepared so far, for the messages of `checked_batch`
+    learning_rate = learning_rate_schedule(run.config.d_model, run.optim)  # of the update after `step` updates
     batches = Prefetcher(run.stream, lambda batch: prepare_batch(run, batch, prepared))
     out.start_bar(step)
     try:
@@ -136,7 +144,7 @@ def train_loop(run: Run) -> RunResult:
                 with times.phase("steps"):
                     profile.before(step + 1, in_flight)
                     batch, next_state = next(batches)
-                    lr = float(noam_rate(step + 1, run.config.d_model, run.optim.warmup_steps, run.optim.lr_scale))
+                    lr = float(learning_rate(step))
                     state, sums = run.train_step(state, batch)
                     step, data_state = step + 1, next_state
                     in_flight.add(step, lr, sums)

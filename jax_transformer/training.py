@@ -60,9 +60,24 @@ def noam_rate(step, d_model: int, warmup_steps: int, scale: float = 1.0):
 
 
 def learning_rate_schedule(d_model: int, opt: OptimConfig) -> optax.Schedule:
-    """An optax schedule. optax calls it with the number of updates already applied (0 for the first update),
-    the paper counts from 1: the first update uses noam_rate(1)."""
-    return lambda count: noam_rate(count + 1, d_model, opt.warmup_steps, opt.lr_scale)
+    """An optax schedule. optax calls it with the number of updates already applied (0 for the first update).
+    noam: the paper counts from 1, so the first update uses noam_rate(1). The fine-tuning schedules are optax's,
+    joined after a linear warm-up from 0 (so the first update's rate is 0, as with transformers'
+    get_*_schedule_with_warmup on torch's LambdaLR)."""
+    if opt.schedule == "noam":
+        return lambda count: noam_rate(count + 1, d_model, opt.warmup_steps, opt.lr_scale)
+    peak, warmup = opt.lr, opt.warmup_steps
+    if opt.schedule in ("linear", "cosine") and opt.decay_steps is None:
+        raise ValueError(f"--schedule {opt.schedule} needs decay_steps (run.prepare sets it to the run's --steps)")
+    after = {
+        "constant": lambda: optax.constant_schedule(peak),
+        "linear": lambda: optax.linear_schedule(peak, 0.0, opt.decay_steps - warmup),
+        "cosine": lambda: optax.cosine_decay_schedule(peak, opt.decay_steps - warmup),
+        # transformers' get_inverse_sqrt_schedule (fairseq's inverse_sqrt): peak * sqrt(warmup / step); optax has
+        # no such schedule
+        "inverse_sqrt": lambda: lambda count: peak * jnp.sqrt(warmup / jnp.maximum(count + warmup, warmup)),
+    }[opt.schedule]()
+    return optax.join_schedules([optax.linear_schedule(0.0, peak, warmup), after], [warmup])
 
 
 def _decay_mask(params):

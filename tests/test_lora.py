@@ -69,8 +69,13 @@ def test_lora_trains_the_adapters_alone_and_exports_merged(tiny_run, tmp_path):
 
 
 def test_freeze_leaves_the_named_parameters(tiny_run, tmp_path):
-    code, stdout, stderr, out = _fine_tune(tiny_run, tmp_path, "--freeze", "embeddings,encoder")
+    flags = ("--freeze", "embeddings,encoder", "--schedule", "constant", "--lr", "1e-3")  # warm-up of 20 steps
+    code, stdout, stderr, out = _fine_tune(tiny_run, tmp_path, *flags)
     assert code == 0, stdout + stderr
+    import json
+
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["lr"] for r in records if r["kind"] == "train"] == pytest.approx([0.0, 1e-3 / 20])
     start = _flatten(_params(tiny_run[0], "best").params)
     tuned = _params(out)
     flat = _flatten(tuned.params)

@@ -9,6 +9,7 @@ the same `OptimConfig`, so that a run can be compared with the Flax one step by 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 
 import numpy as np
@@ -47,8 +48,28 @@ def make_optimizer(model: nn.Module, opt: OptimConfig, **implementation):
         optimizer = torch.optim.AdamW(groups, **adam)
     else:
         optimizer = torch.optim.Adam(model.parameters(), **adam)
-    schedule = noam_lambda(model.cfg.d_model, opt.warmup_steps, opt.lr_scale)
-    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, schedule_lambda(model.cfg.d_model, opt))
+
+
+def schedule_lambda(d_model: int, opt: OptimConfig) -> Callable[[int], float]:
+    """LambdaLR's factor (lr=1.0) after `calls` scheduler steps: the paper's schedule, or a fine-tuning one (a
+    linear warm-up from 0 to opt.lr, then constant, linear or cosine decay to 0 at opt.decay_steps, or
+    lr * sqrt(warmup / step)), written as transformers' optimization module writes them."""
+    if opt.schedule == "noam":
+        return noam_lambda(d_model, opt.warmup_steps, opt.lr_scale)
+    peak, warmup, total = opt.lr, opt.warmup_steps, opt.decay_steps
+
+    def factor(calls: int) -> float:
+        if calls < warmup:
+            return peak * calls / warmup
+        if opt.schedule == "constant":
+            return peak
+        if opt.schedule == "inverse_sqrt":
+            return peak * math.sqrt(warmup / calls)
+        progress = min(1.0, (calls - warmup) / (total - warmup))
+        return peak * (1.0 - progress if opt.schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress)))
+
+    return factor
 
 
 def _as_tensor(x, device: torch.device) -> torch.Tensor:
