@@ -13,6 +13,9 @@
     python train.py score --checkpoint runs/my-run --tsv pairs.tsv > scores.txt           # filter a corpus
     python train.py export --checkpoint runs/my-run --output model.pt
     python train.py import opus-mt-de-en/ --output runs/opus-de-en     # a transformers Marian/FSMT dir, or fairseq .pt
+    python train.py import facebook/nllb-200-distilled-600M --output runs/nllb          # a hub name (its cache offline)
+    python train.py train --init-from runs/nllb --lora-rank 16 --schedule linear --lr 1e-3 --warmup-steps 100 ...
+    python train.py export --checkpoint runs/nllb-lora --format peft --output adapter   # for peft.PeftModel
     python train.py export --checkpoint runs/opus-de-en --format transformers --output opus-de-en-hf
     python train.py attention --checkpoint runs/my-run --sentence "ein Hund läuft" --output attention.png
     python train.py average --checkpoint runs/my-run --last 5 --output runs/my-run-avg5
@@ -432,13 +435,23 @@ def export_flags(sub) -> None:
 def import_flags(sub) -> None:
     i = sub.add_parser(
         "import",
-        help="a pretrained model (transformers Marian/FSMT directory, fairseq checkpoint) as a run directory",
-        description="Reads a transformers save_pretrained directory of a MarianMTModel (OPUS-MT) or "
-        "FSMTForConditionalGeneration, or a fairseq transformer checkpoint (.pt with dict.<lang>.txt and bpecodes "
-        "beside it), and writes a run directory that translate, evaluate, attention, export, verify and "
-        "train --init-from take: its weights, config, tokenizer and how it decodes (transformers' generate rules).",
+        help="a pretrained model (a hub name, a transformers directory, a fairseq checkpoint, a peft adapter) as a "
+        "run directory",
+        description="Reads a transformers save_pretrained directory (MarianMTModel, FSMTForConditionalGeneration, "
+        "M2M100ForConditionalGeneration for NLLB-200 and M2M-100, MBartForConditionalGeneration), by path or by its "
+        "hub name, a fairseq transformer checkpoint (.pt with dict.<lang>.txt and bpecodes beside it), or a peft "
+        "LoRA adapter with its base model, and writes a run directory that translate, evaluate, attention, export, "
+        "verify and train --init-from take: its weights, config, tokenizer and how it decodes (transformers' "
+        "generate rules).",
     )
-    i.add_argument("source", metavar="SOURCE", help="the transformers directory or the fairseq .pt file")
+    i.add_argument(
+        "source",
+        metavar="SOURCE",
+        help="a transformers save_pretrained directory, a fairseq .pt file, a peft adapter directory, or a hub name "
+        "(ORG/NAME, e.g. facebook/nllb-200-distilled-600M) read through huggingface_hub: its local cache with "
+        "HF_HUB_OFFLINE=1, a download where there is a network",
+    )
+    i.add_argument("--revision", metavar="REV", help="of a hub name: a branch, tag or commit (default main)")
     i.add_argument("--output", required=True, metavar="DIR", help="the run directory to write (new or empty)")
     i.add_argument(
         "--base",
@@ -874,7 +887,7 @@ def cmd_export(args, start_time: float) -> int:
 def cmd_import(args, start_time: float) -> int:
     from jax_transformer import hub
 
-    path = hub.import_model(args.source, args.output, print_fn=_print, base=args.base)
+    path = hub.import_model(args.source, args.output, print_fn=_print, base=args.base, revision=args.revision)
     _print(f"wrote {path}: translate, evaluate, export and train --init-from take it")
     return 0
 

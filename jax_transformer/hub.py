@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +49,55 @@ class Pretrained:
 # =============================================================================================================
 # Reading
 # =============================================================================================================
+
+
+# The files an import reads from a hub repository: a model's config, weights and tokenizer files, or an adapter's.
+HUB_FILES = (
+    "config.json",
+    "generation_config.json",
+    "*.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "*.spm",
+    "vocab*.json",
+    "merges.txt",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "sentencepiece.bpe.model",
+    "adapter_config.json",
+    "adapter_model.bin",
+)
+_HUB_NAME = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
+
+
+def resolve_source(source: str | Path, revision: str | None = None) -> tuple[Path, dict[str, str]]:
+    """(local path, {"name", "revision"}) of an import's SOURCE: a path that exists as it is ({}); else a hub name
+    (ORG/NAME) through huggingface_hub's snapshot_download: its cache when HF_HUB_OFFLINE=1 (or no network), a
+    download where a network exists. The revision is the snapshot's commit. A name found nowhere is a UsageError
+    naming it, the revision and the cache searched."""
+    path = Path(source)
+    if path.exists() or not _HUB_NAME.fullmatch(str(source)):
+        if revision is not None:
+            raise UsageError(f"--revision {revision} is for a hub name; {source} is a local path")
+        return path, {}
+    import huggingface_hub
+    from huggingface_hub import constants, errors
+
+    cache = os.environ.get("HF_HUB_CACHE") or constants.HF_HUB_CACHE  # read now: a test or a user may set it late
+    offline = os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE")
+    try:
+        folder = huggingface_hub.snapshot_download(
+            str(source), revision=revision, cache_dir=cache, local_files_only=offline, allow_patterns=list(HUB_FILES)
+        )
+    except (errors.HfHubHTTPError, errors.LocalEntryNotFoundError, errors.OfflineModeIsEnabled, OSError) as e:
+        where = f"the cache {cache}" + (" (HF_HUB_OFFLINE=1: nothing is downloaded)" if offline else " or the hub")
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise UsageError(
+            f"{source} (revision {revision or 'main'}): no such local path, and not found in {where}: {reason}"
+        ) from None
+    folder = Path(folder)
+    return folder, {"name": str(source), "revision": folder.name}
 
 
 def read_pretrained(source: str | Path) -> Pretrained:
@@ -344,27 +395,36 @@ def read_fairseq(path: Path) -> Pretrained:
 # =============================================================================================================
 
 
-def import_model(source: str | Path, output: str | Path, print_fn=print, base: str | Path | None = None) -> Path:
+def import_model(
+    source: str | Path,
+    output: str | Path,
+    print_fn=print,
+    base: str | Path | None = None,
+    revision: str | None = None,
+) -> Path:
     """Writes `output` as a run directory (checkpoints/0 with the parameters, config, tokenizer and how the model
-    decodes; config.json; tokenizer.model) from a pretrained model. A peft LoRA adapter directory (`base`: its
-    base model, default the one its adapter_config.json names) gives the base model with the adapters, which
-    `train --init-from` goes on training and `export --format peft` writes back."""
+    decodes; config.json; tokenizer.model) from a pretrained model: a local path, or a hub name at `revision`
+    (`resolve_source`). A peft LoRA adapter (`base`: its base model, default the one its adapter_config.json
+    names) gives the base model with the adapters, which `train --init-from` goes on training and `export
+    --format peft` writes back."""
     from jax_transformer.checkpoint import CheckpointManager
 
     output = Path(output)
     if output.exists() and any(output.iterdir()):
         raise UsageError(f"--output {output} already exists and is not empty; choose a new directory")
-    if is_peft_adapter(source):
-        named = _json(Path(source) / "adapter_config.json").get("base_model_name_or_path")
+    folder, hub = resolve_source(source, revision)
+    if is_peft_adapter(folder):
+        named = _json(folder / "adapter_config.json").get("base_model_name_or_path")
         if base is None and not named:
             raise UsageError(f"{source}: its adapter_config.json names no base model; give --base")
         if base is not None:
-            check_adapter_base(source, str(base))
-        model = read_peft_adapter(source, read_pretrained(base if base is not None else named))
+            check_adapter_base(folder, str(base))
+        base_folder, hub = resolve_source(base if base is not None else named)
+        model = read_peft_adapter(folder, _named_source(read_pretrained(base_folder), hub))
     elif base is not None:
         raise UsageError(f"--base is for a peft adapter directory; {source} is a model (no adapter_config.json)")
     else:
-        model = read_pretrained(source)
+        model = _named_source(read_pretrained(folder), hub)
     if model.tokenizer is None:
         raise DataError(
             f"{source}: no tokenizer beside it (bpecodes for a fairseq checkpoint): nothing could translate"
@@ -394,6 +454,14 @@ def import_model(source: str | Path, output: str | Path, print_fn=print, base: s
         + (f"; with the LoRA adapters of {source} (rank {model.config.lora_rank})" if model.config.lora_rank else "")
     )
     return output
+
+
+def _named_source(model: Pretrained, hub: dict[str, str]) -> Pretrained:
+    """A model read from the hub's cache known by its hub name and commit (what a peft adapter names as its
+    base), not by the cache's folder."""
+    if not hub:
+        return model
+    return dataclasses.replace(model, source=hub["name"], original={**model.original, "revision": hub["revision"]})
 
 
 # =============================================================================================================
