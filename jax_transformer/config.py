@@ -478,6 +478,14 @@ class DataConfig(Settings):
         None, "a multilingual model's source language code (NLLB's eng_Latn, M2M-100's en, mBART-50's en_XX)"
     )
     tgt_lang: str | None = setting(None, "a multilingual model's target language code, forced as its first token")
+    add_language: str | None = setting(
+        None,
+        "with --init-from: a new language code for a multilingual model (NLLB-200, mBART-50), added to its "
+        "tokenizer as a special token with the next id and to its embedding table as a new row",
+    )
+    init_from_language: str | None = setting(
+        None, "the existing code whose embedding row the new one starts as (default: the mean of every code's row)"
+    )
     max_tokens: int = setting(
         4096,
         "token slots per batch (rows x padded length), all devices together; also of evaluation's loss batches",

@@ -137,6 +137,11 @@ def prepare(
         given = dict(preset=preset_name, seed=seed, recipe=recipe, model=model, data=data, optim=optim, loop=loop)
         given.update(decode=decode)
         settings = resolve({**given, "parallel": parallel_config.to_dict()}, stored, inherited)
+        if settings.data.add_language and start is not None:  # (a resume has the code in its tokenizer already)
+            start = finetuning.with_language(start, settings.data.add_language, settings.data.init_from_language)
+            print_fn(f"added language {settings.data.add_language}: id {start.config.src_vocab_size - 1}")
+        elif (settings.data.add_language or settings.data.init_from_language) and stored is None:
+            raise UsageError("--add-language / --init-from-language extend the model of --init-from; give --init-from")
         corpus, valid_corpus = read_corpora(settings.data, stored, print_fn)
         config, tokenizer, params = model_and_tokenizer(
             settings, restored or start, init_from_torch, dict(model or {}), preset_name, corpus, run_dir, print_fn

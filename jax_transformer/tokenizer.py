@@ -516,6 +516,23 @@ class TokenizersJsonTokenizer(LanguageCodeTokenizer):
     def pieces_ids(self, text: str) -> list[int]:
         return self.backend.encode(text, add_special_tokens=False).ids
 
+    def with_code(self, code: str) -> TokenizersJsonTokenizer:
+        """The tokenizer with a new language code: a special added token of the next id in tokenizer.json, and
+        one more entry of tokenizer_config.json's special-token lists (what transformers' NLLB and mBART-50
+        tokenizers read their codes from)."""
+        from tokenizers import AddedToken
+
+        backend = type(self.backend).from_str(self.backend.to_str())
+        backend.add_special_tokens([AddedToken(code, special=True, normalized=False)])
+        files = {**self.files, "tokenizer.json": backend.to_str().encode("utf-8")}
+        if "tokenizer_config.json" in files:
+            settings = json.loads(files["tokenizer_config.json"])
+            for key in ("extra_special_tokens", "additional_special_tokens"):
+                if isinstance(settings.get(key), list):
+                    settings[key] = [*settings[key], code]
+            files["tokenizer_config.json"] = json.dumps(settings, indent=2).encode("utf-8")
+        return type(self)(files, self.options)
+
     def piece(self, index: int, side: str = "target") -> str:
         return self.backend.id_to_token(int(index)) or "<unk>"
 

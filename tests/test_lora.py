@@ -102,6 +102,7 @@ def test_qlora_trains_adapters_on_an_int8_base_and_translates(tiny_run, tmp_path
     "flags, message",
     [
         (("--quantize", "int8-weights"), "QLoRA: the frozen base in int8 under LoRA adapters"),
+        (("--add-language", "xyz_Latn"), "has no language codes; new codes are added to NLLB-200's"),
         (("--quantize", "int8-dynamic", "--lora-rank", "2"), "QLoRA takes int8-weights"),
         (("--lora-rank", "500"), "'lora_rank' (500) is larger than the q matrices' smaller dimension (32)"),
         (("--lora-rank", "2", "--lora-targets", "q,attention"), "'lora_targets' ('q,attention')"),
