@@ -137,7 +137,7 @@ def test_training_steps_match_peft(base):
     for _ in range(3):
         state, sums = step(state, batch)
         loss = model(**torch_batch).loss
-        assert float(sums["loss"]) / float(sums["tokens"]) == pytest.approx(float(loss), rel=1e-5)
+        assert float(sums["loss"]) / float(sums["tokens"]) == pytest.approx(loss.item(), rel=1e-5)
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
@@ -154,7 +154,7 @@ def test_adam_steps_track_peft(base):
     """The run's own optimiser (Adam on the Noam schedule, `make_train_step`) against torch's Adam on the same
     schedule: the losses of three steps agree to 1e-5. (Adam divides each update by the gradient's own size, so an
     adapter entry whose true gradient is zero, such as the key's adapter along a softmax's shift, moves by its
-    rounding noise over its rounding noise, differently in each framework: 2e-3 of the movement seen.)"""
+    rounding noise over its rounding noise, differently in each framework: 5e-4 to 2e-3 of the movement seen.)"""
     folder, imported, batch, torch_batch = base
     model = peft_model(folder)
     config, params = ours_from(imported, model)
