@@ -47,7 +47,7 @@ from jax_transformer.config import (
 )
 from jax_transformer.corpus import Corpus, PairReader, corpus_fingerprint, read_parallel, read_tsv
 from jax_transformer.errors import DataError, UsageError
-from jax_transformer.loop import Run, RunResult, train_loop, truncate_metrics
+from jax_transformer.loop import Run, RunResult, tensorboard_writer_class, train_loop, truncate_metrics
 from jax_transformer.tokenizer import Tokenizer, with_languages
 from jax_transformer.training import TrainState, create_train_state, restore_train_state
 
@@ -137,6 +137,7 @@ def prepare(
         given = dict(preset=preset_name, seed=seed, recipe=recipe, model=model, data=data, optim=optim, loop=loop)
         given.update(decode=decode)
         settings = resolve({**given, "parallel": parallel_config.to_dict()}, stored, inherited)
+        tensorboard_writer_class(settings.loop.tensorboard)  # --tensorboard without tensorboardX: an error now
         if settings.data.add_language and start is not None:  # (a resume has the code in its tokenizer already)
             start = finetuning.with_language(start, settings.data.add_language, settings.data.init_from_language)
             print_fn(f"added language {settings.data.add_language}: id {start.config.src_vocab_size - 1}")
@@ -146,7 +147,8 @@ def prepare(
         config, tokenizer, params = model_and_tokenizer(
             settings, restored or start, init_from_torch, dict(model or {}), preset_name, corpus, run_dir, print_fn
         )
-        print_fn(finetuning.describe(config, settings.optim.freeze))  # and checks --freeze / --lora-* against it
+        if config.lora_rank or settings.optim.freeze:  # (the check traces the model's shapes: only when it can fail)
+            print_fn(finetuning.describe(config, settings.optim.freeze))  # and checks --freeze against the model
         # The decodings of the evaluations, before anything is compiled or written (a run directory this process
         # made is removed again; in a multi-process run process 0 has written tokenizer.model already).
         if valid_corpus is not None:
