@@ -417,7 +417,12 @@ class OptimConfig(Settings):
         "step * warmup_steps^-1.5) (the paper: 1.0)",
         above=0,
     )
-    warmup_steps: int = setting(4000, "steps of linear learning-rate warm-up before the step^-0.5 decay", at_least=1)
+    warmup_steps: int = setting(
+        4000,
+        "steps of linear learning-rate warm-up: before noam's step^-0.5 decay (the paper's 4000), or from 0 to --lr "
+        "(the fine-tuning schedules: set it, a few percent of --steps is usual)",
+        at_least=1,
+    )
     b1: float = setting(0.9, "Adam beta1", at_least=0, below=1)
     b2: float = setting(0.98, "Adam beta2 (the paper's 0.98, not the usual 0.999)", at_least=0, below=1)
     eps: float = setting(1e-9, "Adam epsilon (the paper's 1e-9)", above=0)
@@ -445,7 +450,7 @@ class OptimConfig(Settings):
             if self.decay_steps <= self.warmup_steps:
                 raise ConfigError(
                     f"optimiser field 'decay_steps' ({self.decay_steps}) must be after the warm-up "
-                    f"(--warmup-steps {self.warmup_steps}) (--decay-steps)"
+                    f"(--warmup-steps {self.warmup_steps}) (--decay-steps; its default is the run's --steps)"
                 )
 
 
@@ -1082,6 +1087,13 @@ def resolve(
     loop = LoopConfig.from_dict({**below["loop"], **groups["loop"]}, source="loop settings")
     if optim.schedule in ("linear", "cosine") and optim.decay_steps is None:  # decays to 0 at the run's last step
         optim = optim.replace(decay_steps=loop.steps)
+    if optim.schedule in ("linear", "cosine") and loop.steps > optim.decay_steps:
+        fix = "; a resume keeps its schedule" if stored is not None else ", or a later --decay-steps"
+        raise ConfigError(
+            f"--steps {loop.steps} goes past --decay-steps {optim.decay_steps}, where --schedule {optim.schedule} "
+            f"reaches a learning rate of 0: the steps after it would change nothing (give --steps "
+            f"{optim.decay_steps} or fewer{fix})"
+        )
     return RunSettings(
         preset=preset_name,
         recipe=recipe_name,

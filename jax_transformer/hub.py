@@ -1,8 +1,10 @@
 """The files of pretrained models, in and out: a transformers `save_pretrained` directory of a Marian (OPUS-MT) or
 FSMT model, or a fairseq checkpoint with its dictionaries, becomes a run directory that `translate`, `evaluate`,
-`attention`, `export`, `verify` and `train --init-from` take (`import_model`); `export_transformers` writes a
-MarianMTModel or FSMTForConditionalGeneration directory back. safetensors, torch and transformers are imported
-here only, by the functions that need them (the `pretrained` extra)."""
+`attention`, `export`, `verify` and `train --init-from` take (`import_model`); a transformers model may also be
+named by its hub name (ORG/NAME at a revision), which huggingface_hub finds in its cache or downloads
+(`resolve_source`). `export_transformers` writes a MarianMTModel or FSMTForConditionalGeneration directory back.
+safetensors, torch, transformers and huggingface_hub are imported here only, by the functions that need them (the
+`pretrained` extra)."""
 
 from __future__ import annotations
 
@@ -65,6 +67,7 @@ HUB_FILES = (
     "tokenizer_config.json",
     "special_tokens_map.json",
     "sentencepiece.bpe.model",
+    "*.model",
     "adapter_config.json",
     "adapter_model.bin",
 )
@@ -81,8 +84,14 @@ def resolve_source(source: str | Path, revision: str | None = None) -> tuple[Pat
         if revision is not None:
             raise UsageError(f"--revision {revision} is for a hub name; {source} is a local path")
         return path, {}
-    import huggingface_hub
-    from huggingface_hub import constants, errors
+    try:
+        import huggingface_hub
+        from huggingface_hub import constants, errors
+    except ImportError:
+        raise UsageError(
+            f"{source}: no such local path; as a hub name it needs huggingface_hub (pip install huggingface_hub, or "
+            f"the project's pretrained extra)"
+        ) from None
 
     cache = os.environ.get("HF_HUB_CACHE") or constants.HF_HUB_CACHE  # read now: a test or a user may set it late
     offline = os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE")
@@ -90,14 +99,34 @@ def resolve_source(source: str | Path, revision: str | None = None) -> tuple[Pat
         folder = huggingface_hub.snapshot_download(
             str(source), revision=revision, cache_dir=cache, local_files_only=offline, allow_patterns=list(HUB_FILES)
         )
+    except errors.HFValidationError as e:  # "a--b", "org/name-": refused before any look-up
+        raise UsageError(f"{source}: no such local path, and not a valid hub name (ORG/NAME): {e}") from None
     except (errors.HfHubHTTPError, errors.LocalEntryNotFoundError, errors.OfflineModeIsEnabled, OSError) as e:
         where = f"the cache {cache}" + (" (HF_HUB_OFFLINE=1: nothing is downloaded)" if offline else " or the hub")
-        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise UsageError(
-            f"{source} (revision {revision or 'main'}): no such local path, and not found in {where}: {reason}"
+            f"{source} (revision {revision or 'main'}): no such local path, and not found in {where}: "
+            f"{_hub_reason(e, offline)}"
         ) from None
     folder = Path(folder)
     return folder, {"name": str(source), "revision": folder.name}
+
+
+def _hub_reason(error: Exception, offline: bool) -> str:
+    """Why huggingface_hub found nothing, in a user's terms (its own messages speak of its API's arguments)."""
+    from huggingface_hub import errors
+
+    if isinstance(error, errors.GatedRepoError):
+        return "a gated repository: accept its terms on the hub, then log in (hf auth login)"
+    if isinstance(error, errors.RepositoryNotFoundError):
+        return "no such repository on the hub (or a private one: log in with hf auth login)"
+    if isinstance(error, errors.RevisionNotFoundError):
+        return "the repository has no such revision"
+    if isinstance(error, errors.LocalEntryNotFoundError):
+        if offline:
+            return "the cache has no snapshot of it at that revision"
+        cause = str(error).splitlines()[0].removeprefix("Got: ") if str(error) else type(error).__name__
+        return f"the hub could not be reached ({cause}) and the cache has no snapshot of it at that revision"
+    return str(error).splitlines()[0] if str(error) else type(error).__name__
 
 
 def read_pretrained(source: str | Path) -> Pretrained:
@@ -419,8 +448,11 @@ def import_model(
             raise UsageError(f"{source}: its adapter_config.json names no base model; give --base")
         if base is not None:
             check_adapter_base(folder, str(base))
-        base_folder, hub = resolve_source(base if base is not None else named)
-        model = read_peft_adapter(folder, _named_source(read_pretrained(base_folder), hub))
+        base_folder, base_hub = resolve_source(base if base is not None else named)
+        model = read_peft_adapter(folder, _named_source(read_pretrained(base_folder), base_hub))
+        if hub:  # the adapter too by its hub name and commit, not by the cache's folder
+            adapter = {**model.original["adapter"], "source": hub["name"], "revision": hub["revision"]}
+            model = dataclasses.replace(model, original={**model.original, "adapter": adapter})
     elif base is not None:
         raise UsageError(f"--base is for a peft adapter directory; {source} is a model (no adapter_config.json)")
     else:

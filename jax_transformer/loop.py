@@ -776,6 +776,18 @@ def tensorboard_writer(run_dir: Path, wanted: bool | None, first_step: int):
     """A tensorboardX SummaryWriter on `<run>/tensorboard` (None: not wanted, or `wanted` unsaid and tensorboardX
     not installed). A resumed run drops the events of the steps it trains again (`purge_step`), as metrics.jsonl
     drops their records."""
+    SummaryWriter = tensorboard_writer_class(wanted)  # noqa: N806 (the class)
+    if SummaryWriter is None:
+        return None
+    # Each command's own file (the file name's time has whole seconds only, and a second writer would replace it).
+    suffix = f".from-step-{first_step}"
+    return SummaryWriter(str(run_dir / "tensorboard"), purge_step=first_step, flush_secs=10, filename_suffix=suffix)
+
+
+def tensorboard_writer_class(wanted: bool | None):
+    """tensorboardX's SummaryWriter, or None (not wanted, or `wanted` unsaid and tensorboardX not installed); asked
+    for (--tensorboard) and not installed, a UsageError naming the extra. `run.prepare` asks it before reading any
+    data."""
     if wanted is False:
         return None
     try:
@@ -787,9 +799,7 @@ def tensorboard_writer(run_dir: Path, wanted: bool | None, first_step: int):
                 "tensorboard extra)"
             ) from None
         return None
-    # Each command's own file (the file name's time has whole seconds only, and a second writer would replace it).
-    suffix = f".from-step-{first_step}"
-    return SummaryWriter(str(run_dir / "tensorboard"), purge_step=first_step, flush_secs=10, filename_suffix=suffix)
+    return SummaryWriter
 
 
 class DiscardedMetrics:

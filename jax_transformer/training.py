@@ -22,7 +22,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jax_transformer import compilation, finetuning
-from jax_transformer.config import PARALLEL_MODES, OptimConfig, TransformerConfig
+from jax_transformer.config import PARALLEL_MODES, ConfigError, OptimConfig, TransformerConfig
 from jax_transformer.dropout import global_rows
 from jax_transformer.losses import loss_sums
 from jax_transformer.model import Transformer, init_params
@@ -68,7 +68,10 @@ def learning_rate_schedule(d_model: int, opt: OptimConfig) -> optax.Schedule:
         return lambda count: noam_rate(count + 1, d_model, opt.warmup_steps, opt.lr_scale)
     peak, warmup = opt.lr, opt.warmup_steps
     if opt.schedule in ("linear", "cosine") and opt.decay_steps is None:
-        raise ValueError(f"--schedule {opt.schedule} needs decay_steps (run.prepare sets it to the run's --steps)")
+        raise ConfigError(
+            f"optimiser field 'decay_steps' is needed with --schedule {opt.schedule} (--decay-steps; `train` sets "
+            f"it to the run's --steps)"
+        )
     after = {
         "constant": lambda: optax.constant_schedule(peak),
         "linear": lambda: optax.linear_schedule(peak, 0.0, opt.decay_steps - warmup),
@@ -86,7 +89,8 @@ def _decay_mask(params):
 
 
 def make_optimizer(config: TransformerConfig, opt: OptimConfig) -> optax.GradientTransformation:
-    """Adam(b1, b2, eps) on the paper's schedule; clip_by_global_norm first if asked; AdamW if weight_decay > 0."""
+    """Adam(b1, b2, eps) on `learning_rate_schedule`'s schedule; clip_by_global_norm first if asked; AdamW if
+    weight_decay > 0."""
     schedule = learning_rate_schedule(config.d_model, opt)
     if opt.weight_decay:
         adam = optax.adamw(schedule, b1=opt.b1, b2=opt.b2, eps=opt.eps, weight_decay=opt.weight_decay, mask=_decay_mask)

@@ -101,3 +101,14 @@ def test_a_name_not_there_is_an_error_naming_it_and_the_cache(offline, tmp_path,
     assert line.startswith(f"error: {name} (revision {revision or 'main'}): no such local path"), line
     assert str(cache) in line and "HF_HUB_OFFLINE=1" in line
     assert not (tmp_path / "run").exists()
+
+
+def test_a_name_the_hub_refuses_and_a_revision_of_a_path_are_errors(offline, tmp_path):
+    _, folder = offline
+    code, out, err = run_main(["import", "tiny-org/a--b", "--output", str(tmp_path / "run")])
+    assert code == 1 and "Traceback" not in err, err
+    assert err.strip().splitlines()[-1].startswith("error: tiny-org/a--b: no such local path, and not a valid hub name")
+    code, out, err = run_main(["import", str(folder), "--revision", "v2", "--output", str(tmp_path / "run")])
+    assert code == 1 and "Traceback" not in err, err
+    assert err.strip().splitlines()[-1] == f"error: --revision v2 is for a hub name; {folder} is a local path"
+    assert not (tmp_path / "run").exists()

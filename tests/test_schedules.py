@@ -9,6 +9,7 @@ import pytest
 
 from jax_transformer.config import ConfigError, OptimConfig, resolve
 from jax_transformer.training import learning_rate_schedule, noam_rate
+from tests.helpers.training import run_main
 from torch_reference.training import schedule_lambda
 
 torch = pytest.importorskip("torch")
@@ -74,7 +75,41 @@ def test_faults_name_the_flag(fields, message):
 def test_decay_ends_at_the_runs_last_step_unless_given():
     settings = resolve({"optim": {"schedule": "linear", "lr": 1e-4, "warmup_steps": 10}, "loop": {"steps": 300}})
     assert settings.optim.decay_steps == 300
-    given = {"optim": {"schedule": "cosine", "lr": 1e-4, "warmup_steps": 10, "decay_steps": 200}}
-    assert resolve({**given, "loop": {"steps": 300}}).optim.decay_steps == 200
-    with pytest.raises(ConfigError, match="decay_steps"):
+    given = {"optim": {"schedule": "cosine", "lr": 1e-4, "warmup_steps": 10, "decay_steps": 400}}
+    assert resolve({**given, "loop": {"steps": 300}}).optim.decay_steps == 400
+    with pytest.raises(ConfigError, match=r"\(--decay-steps; its default is the run's --steps\)"):
         resolve({"optim": {"schedule": "linear", "lr": 1e-4, "warmup_steps": 500}, "loop": {"steps": 300}})
+
+
+def test_inverse_sqrt_is_fairseqs():
+    """fairseq's inverse_sqrt (warmup_init_lr 0), written out: lr * min(step / warmup, sqrt(warmup / step)) for the
+    update after `step` updates."""
+    opt = OptimConfig(schedule="inverse_sqrt", lr=PEAK, warmup_steps=WARMUP)
+    ours = learning_rate_schedule(512, opt)
+    steps = [1, 5, WARMUP - 1, WARMUP, WARMUP + 1, 4 * WARMUP, 1000]
+    expected = [PEAK * min(s / WARMUP, (WARMUP / s) ** 0.5) for s in steps]
+    np.testing.assert_allclose([float(ours(s)) for s in steps], expected, rtol=1e-6)
+    assert float(ours(4 * WARMUP)) == pytest.approx(PEAK / 2)
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--schedule", "linear"], "optimiser field 'lr' is needed with --schedule linear (--lr)"),
+        (["--lr", "1e-4"], "noam's rate is set by --lr-scale (--lr)"),
+        (
+            ["--schedule", "linear", "--lr", "1e-4", "--warmup-steps", "5", "--decay-steps", "20"],
+            "past --decay-steps 20",
+        ),
+        (
+            ["--schedule", "linear", "--lr", "1e-4", "--warmup-steps", "40"],
+            "(30) must be after the warm-up (--warmup-steps",
+        ),
+    ],
+)
+def test_the_command_refuses_naming_the_flag(tmp_path, flags, message):
+    code, out, err = run_main(["train", "--steps", "30", "--run-dir", str(tmp_path / "run"), *flags])
+    assert code == 1 and "Traceback" not in err, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], err
+    assert not (tmp_path / "run").exists()

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from jax_transformer.config import OptimConfig
+from jax_transformer.config import ConfigError, OptimConfig
 from torch_reference.losses import loss_sums
 
 # Packed batches carry these too (see jax_transformer.training.PACKING_KEYS).
@@ -58,6 +58,8 @@ def schedule_lambda(d_model: int, opt: OptimConfig) -> Callable[[int], float]:
     if opt.schedule == "noam":
         return noam_lambda(d_model, opt.warmup_steps, opt.lr_scale)
     peak, warmup, total = opt.lr, opt.warmup_steps, opt.decay_steps
+    if opt.schedule in ("linear", "cosine") and total is None:
+        raise ConfigError(f"optimiser field 'decay_steps' is needed with --schedule {opt.schedule} (--decay-steps)")
 
     def factor(calls: int) -> float:
         if calls < warmup:
