@@ -323,7 +323,7 @@ class TransformerConfig(Settings):
             )
         if self.logits_bias and not self.tie_output:
             raise ConfigError("config field 'logits_bias' is for a tied output; an untied one has 'output_bias'")
-        targets = [t.strip() for t in self.lora_targets.split(",") if t.strip()]
+        targets = self.lora_target_list
         unknown = [t for t in targets if t not in LORA_TARGETS]
         if unknown or not targets:
             raise ConfigError(
@@ -338,6 +338,11 @@ class TransformerConfig(Settings):
                     f"config field 'lora_rank' ({self.lora_rank}) is larger than the {target} matrices' smaller "
                     f"dimension ({smallest[target]}) (--lora-rank)"
                 )
+
+    @property
+    def lora_target_list(self) -> list[str]:
+        """`lora_targets` as its entries ("q, v" and "q,,v" are ["q", "v"])."""
+        return [t.strip() for t in self.lora_targets.split(",") if t.strip()]
 
     @property
     def head_dim(self) -> int:

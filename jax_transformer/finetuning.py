@@ -194,11 +194,6 @@ def merged(params: Mapping[str, Any], config: TransformerConfig) -> tuple[dict, 
     return _unflatten(flat), config.replace(lora_rank=0)
 
 
-# =============================================================================================================
-# peft's files
-# =============================================================================================================
-
-
 def _float(tree):
     """A parameter tree read from a QLoRA checkpoint without its template, whose int8 arrays are {qvalue, scale}
     dicts, with each of them as the float32 array it stands for (symmetric: the values times their scales)."""
@@ -209,9 +204,14 @@ def _float(tree):
     return {key: _float(value) for key, value in tree.items()}
 
 
+# =============================================================================================================
+# peft's files
+# =============================================================================================================
+
+
 def peft_config(config: TransformerConfig, base: str) -> dict[str, Any]:
     """adapter_config.json of a peft LoraConfig for the run's adapters on the transformers model `base`."""
-    targets = [t.strip() for t in config.lora_targets.split(",")]
+    targets = config.lora_target_list
     return {
         "peft_type": "LORA",
         "task_type": "SEQ_2_SEQ_LM",

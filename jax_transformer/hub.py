@@ -447,7 +447,7 @@ def import_model(
         if base is None and not named:
             raise UsageError(f"{source}: its adapter_config.json names no base model; give --base")
         if base is not None:
-            check_adapter_base(folder, str(base))
+            check_adapter_base(folder, named, str(base))
         base_folder, base_hub = resolve_source(base if base is not None else named)
         model = read_peft_adapter(folder, _named_source(read_pretrained(base_folder), base_hub))
         if hub:  # the adapter too by its hub name and commit, not by the cache's folder
@@ -717,8 +717,6 @@ def _fsmt_files(params, config: TransformerConfig, tokenizer, decode):
 # LoRA adapters as peft writes and reads them
 # =============================================================================================================
 
-PEFT_FILES = ("adapter_config.json", "adapter_model.safetensors")
-
 
 def export_peft(params, config: TransformerConfig, run: dict, output: str | Path) -> Path:
     """Writes `output` as a peft adapter directory (adapter_config.json, adapter_model.safetensors) that
@@ -741,7 +739,7 @@ def export_peft(params, config: TransformerConfig, run: dict, output: str | Path
             "model); this one was trained here from scratch: export --format transformers --merge-lora instead"
         )
     base = origin.get("name") or origin.get("source")
-    state = finetuning.peft_state(params, config, "fsmt" if family == "fsmt" else family)
+    state = finetuning.peft_state(params, config, family)
     with replaced_folder(output, errors=(SafetensorError,)) as folder:
         save_file(state, str(folder / "adapter_model.safetensors"), {"format": "pt"})
         text = json.dumps(finetuning.peft_config(config, base), indent=2, sort_keys=True) + "\n"
@@ -785,10 +783,9 @@ def read_peft_adapter(folder: str | Path, base: Pretrained) -> Pretrained:
     return dataclasses.replace(base, config=config, params=params, original=original)
 
 
-def check_adapter_base(adapter_folder: str | Path, base: str) -> None:
-    """An adapter names the model it was trained on (base_model_name_or_path); `base`, given instead, must be that
-    model: the same name, or a local folder of that name (a download of it)."""
-    named = _json(Path(adapter_folder) / "adapter_config.json").get("base_model_name_or_path")
+def check_adapter_base(adapter_folder: str | Path, named: str | None, base: str) -> None:
+    """An adapter names the model it was trained on (`named`: its base_model_name_or_path); `base`, given instead,
+    must be that model: the same name, or a local folder of that name (a download of it)."""
     if named and Path(str(named).rstrip("/")).name != Path(str(base).rstrip("/")).name:
         raise UsageError(
             f"{adapter_folder}: the adapter was trained on {named}, not on --base {base}; an adapter of another base "

@@ -97,8 +97,7 @@ def _dense(
     cfg: TransformerConfig, features: int, name: str | None, use_bias: bool = True, float32_result: bool = False
 ) -> Dense:
     # float32 parameters, computed in the compute dtype (float32 result with float32_result: the output projection).
-    targets = {t.strip() for t in cfg.lora_targets.split(",")}
-    adapted = cfg.lora_rank and LORA_TARGET_OF.get(name) in targets
+    adapted = cfg.lora_rank and LORA_TARGET_OF.get(name) in cfg.lora_target_list
     lora = (cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout) if adapted else (0, 0.0, 0.0)
     return Dense(features, use_bias, compute_dtype(cfg), float32_result, cfg.quantize, lora, name=name)
 

@@ -151,7 +151,7 @@ def test_the_memory_plan_counts_what_trains():
 def test_peft_settings_without_a_counterpart_are_refused(change, message):
     from jax_transformer.config import TransformerConfig
 
-    config = TransformerConfig(lora_rank=4, lora_targets="q,v,ffn")
+    config = TransformerConfig(lora_rank=4, lora_targets="q, v,,ffn")  # read as its entries q, v, ffn
     adapter = finetuning.peft_config(config, "facebook/nllb-200-distilled-600M")
     assert adapter["target_modules"] == ["fc1", "fc2", "q_proj", "v_proj"]
     assert finetuning.lora_settings(adapter, "x") == {
