@@ -311,7 +311,7 @@ def evaluation_data_flags(p) -> None:
     g.add_argument("--src", metavar="FILE", help="source sentences")
     g.add_argument("--tgt", metavar="FILE", help="reference translations, line-aligned with --src")
     g.add_argument("--tsv", metavar="FILE", help="source<TAB>reference lines (instead of --src/--tgt)")
-    add_settings(p, DataConfig, "data", "loss batches", only=("max_tokens",))
+    add_settings(p, DataConfig, "data", "loss batches, language columns", only=("max_tokens", "language_columns"))
 
 
 def evaluate_flags(sub) -> None:
@@ -691,7 +691,8 @@ def _evaluation_data(args, loaded, limit: int | None = None):
     from jax_transformer.config import DataConfig
 
     if args.src or args.tgt or args.tsv:
-        files = DataConfig(src=args.src, tgt=args.tgt, tsv=args.tsv)
+        columns = given(args, "data").get("language_columns", False)
+        files = DataConfig(src=args.src, tgt=args.tgt, tsv=args.tsv, language_columns=columns)
         corpus = run.load_corpus(files, "train")  # the given files, read as a training corpus is
     else:
         corpus = run.load_corpus(DataConfig.from_dict(run.stored_settings(loaded)["data"]), "valid")
@@ -703,6 +704,7 @@ def _evaluation_data(args, loaded, limit: int | None = None):
             sources=corpus.sources[:limit],
             targets=corpus.targets[:limit],
             line_numbers=corpus.line_numbers[:limit],
+            languages=None if corpus.languages is None else corpus.languages[:limit],
         )
     encoded = encode_corpus(corpus, loaded.tokenizer, loaded.config.max_len, on_too_long="skip")
     print(f"evaluation data: {corpus.describe()}; {encoded.describe()}", file=sys.stderr)
@@ -731,7 +733,13 @@ def cmd_evaluate(args, start_time: float) -> int:
         print(f"decoding: {decode.describe()}", file=sys.stderr)
         began = time.time()
         scores, hypotheses = evaluation.evaluate_translations(
-            loaded.params, loaded.config, loaded.tokenizer, valid.sources, valid.references, decode.replace(n_best=1)
+            loaded.params,
+            loaded.config,
+            loaded.tokenizer,
+            valid.sources,
+            valid.references,
+            decode.replace(n_best=1),
+            languages=valid.languages,
         )
         row = {**scores, "beam_size": decode.beam_size, "alpha": decode.alpha}
         rows.append({**row, "seconds": round(time.time() - began, 1)})
@@ -747,6 +755,8 @@ def cmd_evaluate(args, start_time: float) -> int:
             f"BLEU {row['bleu']:.2f}, chrF {row['chrf']:.2f} (beam {row['beam_size']}, alpha {row['alpha']:g}); "
             f"lowercased 13a-tokenized BLEU {row['bleu_lc']:.2f}"
         )
+        if pairs := evaluation.describe_pairs(row):
+            _print(f"per language pair: {pairs}")
     else:
         _print("| beam | alpha | BLEU | chrF | BLEU lowercased | seconds |\n|---:|---:|---:|---:|---:|---:|")
         for i, row in enumerate(rows):

@@ -133,12 +133,53 @@ def encode_corpus(corpus: Corpus, tokenizer: Tokenizer, max_len: int, *, on_too_
     check_fitting(max_len, on_too_long)
     ids = SpecialIds.of(tokenizer)
     eos = np.array([ids.eos], dtype=np.int32)
-    src_ids = tokenizer.encode_batch(corpus.sources, side="source")
-    tgt_ids = tokenizer.encode_batch(corpus.targets, side="target")
+    src_ids, tgt_ids = encode_sides(
+        tokenizer, corpus.sources, corpus.targets, corpus.languages, corpus.line_numbers, corpus.origin
+    )
     src = Ragged.of([np.concatenate([np.asarray(s, dtype=np.int32), eos]) for s in src_ids])
     tgt = Ragged.of(tgt_ids)
     lines = np.asarray(corpus.line_numbers, dtype=np.int64)
     return fitting(src, tgt, lines, corpus.origin, max_len, on_too_long, ids)
+
+
+def encode_sides(
+    tokenizer,
+    sources: Sequence[str],
+    targets: Sequence[str],
+    languages: Sequence[tuple[str, str]] | None = None,
+    line_numbers: Sequence[int] = (),
+    origin: str = "",
+) -> tuple[list[list[int]], list[list[int]]]:
+    """The sources' and the targets' ids. With `languages` (a corpus of many language pairs), each sentence is
+    marked with its own pair's code, as the tokenizer marks every sentence with --src-lang's / --tgt-lang's: the
+    target's code is its first token, so teacher forcing trains each row into its own language. A code the
+    tokenizer does not know is a DataError naming the line."""
+    if languages is None:
+        return tokenizer.encode_batch(list(sources)), tokenizer.encode_batch(list(targets), side="target")
+    check_language_codes(tokenizer, languages, line_numbers, origin)
+    return (
+        tokenizer.encode_with_codes(sources, [pair[0] for pair in languages]),
+        tokenizer.encode_with_codes(targets, [pair[1] for pair in languages]),
+    )
+
+
+def check_language_codes(
+    tokenizer, languages: Sequence[tuple[str, str]], line_numbers: Sequence[int], origin: str
+) -> None:
+    """Every code of `languages` is one of the tokenizer's, else a DataError at the first line that has one that
+    is not (with the closest codes); a tokenizer without codes takes no language columns."""
+    if not hasattr(tokenizer, "codes"):
+        raise DataError(
+            f"{origin}: language columns need a multilingual model's tokenizer (NLLB-200, M2M-100, mBART-50: "
+            f"import one and train --init-from it); this one ({getattr(tokenizer, 'kind', 'sentencepiece')}) has no "
+            f"language codes"
+        )
+    for column, side in ((0, "source"), (1, "target")):
+        unknown = {pair[column] for pair in languages} - set(tokenizer.codes)
+        if unknown:
+            i = next(i for i, pair in enumerate(languages) if pair[column] in unknown)
+            where = location(origin, int(line_numbers[i])) if len(line_numbers) else origin
+            tokenizer.checked_language(languages[i][column], f"{where}: the {side} language column")
 
 
 def check_fitting(max_len: int, on_too_long: str) -> None:
@@ -689,6 +730,7 @@ class ValidationSet:
     batches: list[dict[str, np.ndarray]]
     sources: list[str]
     references: list[str]
+    languages: list[tuple[str, str]] | None = None  # each pair's (source, target) codes, for many language pairs
 
     @classmethod
     def from_encoded(
@@ -702,4 +744,5 @@ class ValidationSet:
             batches,
             [corpus.sources[i] for i in encoded.corpus_index],
             [corpus.targets[i] for i in encoded.corpus_index],
+            None if corpus.languages is None else [corpus.languages[i] for i in encoded.corpus_index],
         )

@@ -488,6 +488,11 @@ class DataConfig(Settings):
         None, "a multilingual model's source language code (NLLB's eng_Latn, M2M-100's en, mBART-50's en_XX)"
     )
     tgt_lang: str | None = setting(None, "a multilingual model's target language code, forced as its first token")
+    language_columns: bool = setting(
+        False,
+        "TSV lines are src_lang<TAB>tgt_lang<TAB>source<TAB>target: a multilingual model trained and evaluated on "
+        "many language pairs in one run, each pair marked with its own codes (validation BLEU/chrF per pair)",
+    )
     add_language: str | None = setting(
         None,
         "with --init-from: a new language code for a multilingual model (NLLB-200, mBART-50), added to its "
@@ -554,6 +559,14 @@ class DataConfig(Settings):
                 raise DataError(f"{split} data: a {given} file was given without its {missing} file")
         if self.uses_default_task and (self.valid_src or self.valid_tsv):
             raise DataError("validation files were given without training files (the built-in task has its own)")
+        if self.language_columns:
+            for split, src, tsv in (("training", self.src, self.tsv), ("validation", self.valid_src, self.valid_tsv)):
+                if src is not None or (split == "training" and tsv is None):
+                    flag = "--tsv" if split == "training" else "--valid-tsv"
+                    raise DataError(
+                        f"--language-columns: the {split} pairs must be a TSV file ({flag}) of "
+                        f"src_lang<TAB>tgt_lang<TAB>source<TAB>target lines"
+                    )
         if self.pack_length is not None and self.batching != "packed":
             raise DataError(
                 f"data field 'pack_length' ({self.pack_length}) needs batching='packed', got {self.batching!r}"

@@ -1,15 +1,20 @@
 """Reading a parallel corpus: line-aligned files (or source<TAB>target lines) into a `Corpus` of string pairs, each
 with the 1-based line it came from, so that every later error can point at the line at fault. Bad input (invalid
-UTF-8, NUL bytes, a UTF-16 file, a missing side) is a DataError naming the file and line."""
+UTF-8, NUL bytes, a UTF-16 file, a missing side) is a DataError naming the file and line.
+
+A corpus of many language pairs (for a multilingual model) is a TSV with two language columns first,
+`src_lang<TAB>tgt_lang<TAB>source<TAB>target`: each pair keeps its codes (`Corpus.languages`), and whoever encodes
+it marks each sentence with its own code (`batching.encode_sides`)."""
 
 from __future__ import annotations
 
 import codecs
+import collections
 import dataclasses
 import io
 import itertools
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 from jax_transformer.errors import DataError
@@ -28,6 +33,7 @@ class Corpus:
     the first few of their line numbers are kept in `skipped_empty_lines` so a log can show where they were.
     `stripped_boms` counts the files that began with a UTF-8 byte-order mark and `crlf_lines` the lines that
     ended in CRLF: both are removed while reading (see `read_lines`) and reported by `describe`.
+    `languages[i]`: pair i's (source, target) language codes, for a TSV read with language columns; else None.
     """
 
     sources: list[str]
@@ -38,6 +44,7 @@ class Corpus:
     skipped_empty_lines: list[int] = dataclasses.field(default_factory=list)
     stripped_boms: int = 0
     crlf_lines: int = 0
+    languages: list[tuple[str, str]] | None = None
 
     def __post_init__(self) -> None:
         if not len(self.sources) == len(self.targets) == len(self.line_numbers):
@@ -45,6 +52,8 @@ class Corpus:
                 f"{self.origin}: Corpus needs as many sources ({len(self.sources)}) as targets "
                 f"({len(self.targets)}) and line numbers ({len(self.line_numbers)})"
             )
+        if self.languages is not None and len(self.languages) != len(self.sources):
+            raise ValueError(f"{self.origin}: {len(self.languages)} language pairs for {len(self.sources)} pairs")
 
     def __len__(self) -> int:
         return len(self.sources)
@@ -53,15 +62,35 @@ class Corpus:
         """One line for a log: how many pairs were kept, how many empty lines skipped, and where; what the
         reader removed (byte-order marks, CRLF line ends)."""
         return describe_pairs(
-            self.origin, len(self), self.skipped_empty, self.skipped_empty_lines, self.stripped_boms, self.crlf_lines
+            self.origin,
+            len(self),
+            self.skipped_empty,
+            self.skipped_empty_lines,
+            self.stripped_boms,
+            self.crlf_lines,
+            None if self.languages is None else collections.Counter(map(pair_name, self.languages)),
         )
 
 
+def pair_name(languages: Sequence[str]) -> str:
+    """A language pair in logs and metric names: "deu_Latn-eng_Latn"."""
+    return "-".join(languages)
+
+
 def describe_pairs(
-    origin: str, pairs: int, skipped_empty: int, skipped_empty_lines: Sequence[int], boms: int, crlf_lines: int
+    origin: str,
+    pairs: int,
+    skipped_empty: int,
+    skipped_empty_lines: Sequence[int],
+    boms: int,
+    crlf_lines: int,
+    language_pairs: Mapping[str, int] | None = None,
 ) -> str:
     """Corpus.describe's line from its counts (also for a corpus encoded on disk, `token_arrays`)."""
     text = f"{origin}: {pairs} pairs"
+    if language_pairs is not None:
+        counts = ", ".join(f"{name} {n}" for name, n in sorted(language_pairs.items()))
+        text += f" in {len(language_pairs)} language pair{'s' * (len(language_pairs) != 1)} ({counts})"
     if skipped_empty:
         text += f", skipped {skipped_empty} with an empty side{lines_hint(skipped_empty_lines)}"
     if boms:
@@ -180,32 +209,46 @@ class PairReader:
     """The pairs of one corpus (a TSV file, or two line-aligned files), read one at a time: what `read_tsv` and
     `read_parallel` collect into a Corpus, and what `token_arrays` encodes onto disk without holding the text.
 
-    Iterating yields (line, source, target) for every kept pair; pairs with an empty side are skipped and counted
+    Iterating yields (line, source, target) for every kept pair; `rows()` yields (line, source, target, languages),
+    languages being the pair's (source, target) codes when the TSV has language columns
+    (`src_lang<TAB>tgt_lang<TAB>source<TAB>target`), else None. Pairs with an empty side are skipped and counted
     (`skipped_empty`, the first few of their lines in `skipped_empty_lines`) or are a DataError (on_empty="error").
-    `stats` counts what the reader removed; `lines` is the last line read. `describe` is Corpus.describe's line.
+    `stats` counts what the reader removed; `lines` is the last line read; `language_pairs` counts the kept pairs
+    of each language pair. `describe` is Corpus.describe's line.
     """
 
-    def __init__(self, paths: Sequence[str | os.PathLike], *, on_empty: str = "skip") -> None:
+    def __init__(
+        self, paths: Sequence[str | os.PathLike], *, on_empty: str = "skip", language_columns: bool = False
+    ) -> None:
         if on_empty not in _ON_EMPTY:
             raise ValueError(f"on_empty must be one of {_ON_EMPTY}, got {on_empty!r}")
         if len(paths) not in (1, 2):
             raise ValueError(f"PairReader reads a TSV file or a source and a target file, got {len(paths)} paths")
+        if language_columns and len(paths) != 1:
+            raise DataError("language columns are read from a TSV file (--tsv), not from a source and a target file")
         self.paths = [Path(p) for p in paths]
         for path in self.paths:
             _check_readable(path)
         self.on_empty = on_empty
+        self.language_columns = language_columns
         self.origin = " + ".join(map(str, self.paths))
         self.stats = ReadStats()  # shared by the readers of every file of this corpus
         self.pairs = self.skipped_empty = self.lines = 0
         self.skipped_empty_lines: list[int] = []
+        self.language_pairs: collections.Counter[str] | None = collections.Counter() if language_columns else None
 
     def __iter__(self) -> Iterator[tuple[int, str, str]]:
+        return ((line, source, target) for line, source, target, _ in self.rows())
+
+    def rows(self) -> Iterator[tuple[int, str, str, tuple[str, str] | None]]:
         candidates = self._tsv() if len(self.paths) == 1 else self._parallel()
-        for line, source, target, empty_error in candidates:
+        for line, source, target, languages, empty_error in candidates:
             self.lines = line
             if source.strip() and target.strip():
                 self.pairs += 1
-                yield line, source, target
+                if languages is not None:
+                    self.language_pairs[pair_name(languages)] += 1
+                yield line, source, target, languages
             elif self.on_empty == "error":
                 raise DataError(empty_error + ' (pass on_empty="skip" to skip such pairs)')
             else:
@@ -215,19 +258,35 @@ class PairReader:
         if not self.pairs:  # nothing could be trained or evaluated on
             raise DataError(f"{self.origin}: no sentence pairs: all {self.lines} lines have an empty side")
 
-    def _tsv(self) -> Iterator[tuple[int, str, str, str]]:
+    def _tsv(self) -> Iterator[tuple[int, str, str, tuple[str, str] | None, str]]:
         path = self.paths[0]
         for line, text in read_lines(path, stats=self.stats):
             tabs = text.count("\t")
-            if tabs != 1:
+            if not self.language_columns:
+                if tabs != 1:
+                    raise DataError(
+                        f"{location(path, line)}: expected exactly one tab between source and target, found {tabs}"
+                    )
+                source, target = text.split("\t")
+                side = "source (left of the tab)" if not source.strip() else "target (right of the tab)"
+                yield line, source, target, None, f"{location(path, line)}: empty {side}"
+                continue
+            if tabs != 3:
                 raise DataError(
-                    f"{location(path, line)}: expected exactly one tab between source and target, found {tabs}"
+                    f"{location(path, line)}: expected src_lang<TAB>tgt_lang<TAB>source<TAB>target (three tabs, "
+                    f"--language-columns), found {tabs}"
                 )
-            source, target = text.split("\t")
-            side = "source (left of the tab)" if not source.strip() else "target (right of the tab)"
-            yield line, source, target, f"{location(path, line)}: empty {side}"
+            src_lang, tgt_lang, source, target = text.split("\t")
+            for column, code in (("first", src_lang), ("second", tgt_lang)):
+                if not code or code != code.strip():
+                    raise DataError(
+                        f"{location(path, line)}: the {column} column ({'source' if column == 'first' else 'target'} "
+                        f"language) is {code!r}, not a language code"
+                    )
+            side = "source (third column)" if not source.strip() else "target (fourth column)"
+            yield line, source, target, (src_lang, tgt_lang), f"{location(path, line)}: empty {side}"
 
-    def _parallel(self) -> Iterator[tuple[int, str, str, str]]:
+    def _parallel(self) -> Iterator[tuple[int, str, str, None, str]]:
         src, tgt = self.paths
         for src_item, tgt_item in itertools.zip_longest(
             read_lines(src, stats=self.stats), read_lines(tgt, stats=self.stats)
@@ -245,7 +304,7 @@ class PairReader:
                 message = f"{location(src, line)}: empty source line" + ("" if target.strip() else f" (and {tgt} too)")
             else:
                 message = f"{location(tgt, line)}: empty target line"
-            yield line, source, target, message
+            yield line, source, target, None, message
 
     def describe(self) -> str:
         """Corpus.describe's line, for the pairs read so far."""
@@ -256,15 +315,18 @@ class PairReader:
             self.skipped_empty_lines,
             self.stats.stripped_boms,
             self.stats.crlf_lines,
+            self.language_pairs,
         )
 
     def read(self) -> Corpus:
         """Every pair, in memory."""
-        corpus = Corpus([], [], [], self.origin)
-        for line, source, target in self:
+        corpus = Corpus([], [], [], self.origin, languages=[] if self.language_columns else None)
+        for line, source, target, languages in self.rows():
             corpus.sources.append(source)
             corpus.targets.append(target)
             corpus.line_numbers.append(line)
+            if languages is not None:
+                corpus.languages.append(languages)
         corpus.skipped_empty, corpus.skipped_empty_lines = self.skipped_empty, self.skipped_empty_lines
         corpus.stripped_boms, corpus.crlf_lines = self.stats.stripped_boms, self.stats.crlf_lines
         return corpus
@@ -282,12 +344,13 @@ def read_parallel(src_path: str | os.PathLike, tgt_path: str | os.PathLike, *, o
     return PairReader([src_path, tgt_path], on_empty=on_empty).read()
 
 
-def read_tsv(path: str | os.PathLike, *, on_empty: str = "skip") -> Corpus:
-    """Reads `source<TAB>target` lines from one UTF-8 file; each line must hold exactly one tab.
+def read_tsv(path: str | os.PathLike, *, on_empty: str = "skip", language_columns: bool = False) -> Corpus:
+    """Reads `source<TAB>target` lines from one UTF-8 file; each line must hold exactly one tab (with
+    `language_columns`, `src_lang<TAB>tgt_lang<TAB>source<TAB>target` lines: three tabs).
 
     Empty sides, empty files and bad bytes are handled as in `read_parallel`.
     """
-    return PairReader([path], on_empty=on_empty).read()
+    return PairReader([path], on_empty=on_empty, language_columns=language_columns).read()
 
 
 class Fingerprint:
@@ -298,8 +361,9 @@ class Fingerprint:
 
         self._digest = hashlib.sha256()
 
-    def add(self, source: str, target: str) -> None:
-        self._digest.update(source.encode("utf-8") + b"\t" + target.encode("utf-8") + b"\n")
+    def add(self, source: str, target: str, languages: Sequence[str] | None = None) -> None:
+        codes = "".join(code + "\t" for code in languages or ()).encode("utf-8")  # a pair without codes: as before
+        self._digest.update(codes + source.encode("utf-8") + b"\t" + target.encode("utf-8") + b"\n")
 
     def hexdigest(self) -> str:
         return self._digest.hexdigest()[:16]
@@ -308,6 +372,6 @@ class Fingerprint:
 def corpus_fingerprint(corpus: Corpus) -> str:
     """The `Fingerprint` of a Corpus in memory."""
     fingerprint = Fingerprint()
-    for source, target in zip(corpus.sources, corpus.targets):
-        fingerprint.add(source, target)
+    for i, (source, target) in enumerate(zip(corpus.sources, corpus.targets)):
+        fingerprint.add(source, target, None if corpus.languages is None else corpus.languages[i])
     return fingerprint.hexdigest()

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from jax_transformer.config import DecodeConfig, TransformerConfig
+from jax_transformer.corpus import pair_name
 from jax_transformer.translation import translate
 
 
@@ -45,9 +46,59 @@ def evaluate_translations(
     references: Sequence[str],
     decode: DecodeConfig | None = None,
     *,
+    languages: Sequence[tuple[str, str]] | None = None,
     progress: bool = True,
 ) -> tuple[dict[str, float | str], list[str]]:
     """Translates `sources` as `decode` says (default: `DecodeConfig()`) and scores the best translations against
-    `references`: (scores as `score_translations` gives them, hypotheses)."""
-    hypotheses = translate(params, config, tokenizer, list(sources), decode, progress=progress)
-    return score_translations(hypotheses, references), hypotheses
+    `references`: (scores as `score_translations` gives them, hypotheses).
+
+    With `languages` (each sentence's (source, target) codes: a corpus of many language pairs), the sentences of
+    each pair are decoded together, that pair's target code forced first, and the scores hold each pair's too
+    (`score_pairs`): BLEU and chrF over all hypotheses, and per pair."""
+    if languages is None:
+        hypotheses = translate(params, config, tokenizer, list(sources), decode, progress=progress)
+        return score_translations(hypotheses, references), hypotheses
+    hypotheses = [""] * len(sources)
+    for (src_lang, tgt_lang), rows in by_pair(languages).items():
+        pair_tokenizer = tokenizer.with_languages(src_lang, tgt_lang)
+        for i, hypothesis in zip(
+            rows, translate(params, config, pair_tokenizer, [sources[i] for i in rows], decode, progress=progress)
+        ):
+            hypotheses[i] = hypothesis
+    return {**score_translations(hypotheses, references), **score_pairs(hypotheses, references, languages)}, hypotheses
+
+
+def by_pair(languages: Sequence[tuple[str, str]]) -> dict[tuple[str, str], list[int]]:
+    """The sentence indices of each language pair, pairs in order of first appearance."""
+    rows: dict[tuple[str, str], list[int]] = {}
+    for i, pair in enumerate(languages):
+        rows.setdefault(tuple(pair), []).append(i)
+    return rows
+
+
+def score_pairs(
+    hypotheses: Sequence[str], references: Sequence[str], languages: Sequence[tuple[str, str]]
+) -> dict[str, float | int]:
+    """Each language pair's corpus BLEU, chrF and sentence count, as "bleu/<src>-<tgt>", "chrf/<src>-<tgt>" and
+    "sentences/<src>-<tgt>" (flat keys: metrics.jsonl's fields and TensorBoard's tags). sacreBLEU's statistics of the
+    pairs add up to the whole corpus's, from which the overall BLEU and chrF are computed."""
+    from sacrebleu.metrics import BLEU, CHRF
+
+    scores: dict[str, float | int] = {}
+    for pair, rows in sorted(by_pair(languages).items()):
+        name = pair_name(pair)
+        hyps, refs = [hypotheses[i] for i in rows], [[references[i] for i in rows]]
+        scores[f"bleu/{name}"] = BLEU().corpus_score(hyps, refs).score
+        scores[f"chrf/{name}"] = CHRF().corpus_score(hyps, refs).score
+        scores[f"sentences/{name}"] = len(rows)
+    return scores
+
+
+def describe_pairs(scores: dict) -> str:
+    """The per-pair scores of `score_pairs` in one line ("" when there are none)."""
+    names = [key.split("/", 1)[1] for key in scores if key.startswith("sentences/")]
+    return "; ".join(
+        f"{name} BLEU {scores[f'bleu/{name}']:.2f}, chrF {scores[f'chrf/{name}']:.2f} "
+        f"({scores[f'sentences/{name}']} sentences)"
+        for name in names
+    )

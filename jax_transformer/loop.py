@@ -35,7 +35,7 @@ from jax_transformer.compilation import CompileJobs, CompileLog
 from jax_transformer.config import DecodeConfig, LoopConfig, OptimConfig, TransformerConfig
 from jax_transformer.distributed import DataParallel, agree_on_stop, is_primary
 from jax_transformer.errors import DataError, UsageError
-from jax_transformer.evaluation import evaluate_translations, spread_indices
+from jax_transformer.evaluation import describe_pairs, evaluate_translations, spread_indices
 from jax_transformer.tokenizer import Tokenizer
 from jax_transformer.training import (
     TrainState,
@@ -663,9 +663,17 @@ class Evaluator:
     def _bleu(self, params, step: int, n: int, final: bool, result: dict[str, Any]):
         decode = self.decoding(final)
         sources, references = self.valid.sources[:n], self.valid.references[:n]
+        languages = None if self.valid.languages is None else self.valid.languages[:n]
         try:
             scores, hypotheses = evaluate_translations(
-                params, self.run.config, self.run.tokenizer, sources, references, decode, progress=self.loop.progress
+                params,
+                self.run.config,
+                self.run.tokenizer,
+                sources,
+                references,
+                decode,
+                languages=languages,
+                progress=self.loop.progress,
             )
         except Exception as e:  # a decoding failure must not end a long training run: warn, go on
             self.out.print(
@@ -691,6 +699,8 @@ class Evaluator:
         else:
             line += " (no BLEU: decoding failed)" if "decode_error" in result else " (BLEU off: --eval-sentences 0)"
         self.out.print(line)
+        if pairs := describe_pairs(result):
+            self.out.print(f"  per language pair: {pairs}")
         if final and "bleu" in result:  # how the figures were computed, for the record
             self.out.print(
                 f"  sacreBLEU {result['bleu_signature']}; chrF {result['chrf_signature']}; lowercased BLEU "

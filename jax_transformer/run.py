@@ -266,7 +266,7 @@ def load_corpus(data: DataConfig, split: str = "train") -> Corpus | None:
     prefix = "" if split == "train" else "valid_"
     src, tgt, tsv = (getattr(data, prefix + name) for name in ("src", "tgt", "tsv"))
     if tsv is not None:
-        return read_tsv(tsv, on_empty=data.on_empty)
+        return read_tsv(tsv, on_empty=data.on_empty, language_columns=data.language_columns)
     if src is not None:
         return read_parallel(src, tgt, on_empty=data.on_empty)
     return None
@@ -296,7 +296,13 @@ class TrainingData:
         """What a new joint tokenizer trains on: both sides of at most `tokenizer_sample` pairs."""
         if self.corpus is not None:
             return self.corpus.sources + self.corpus.targets
-        return token_arrays.tokenizer_sample(self.paths, self.data.tokenizer_sample, seed, on_empty=self.data.on_empty)
+        return token_arrays.tokenizer_sample(
+            self.paths,
+            self.data.tokenizer_sample,
+            seed,
+            on_empty=self.data.on_empty,
+            language_columns=self.data.language_columns,
+        )
 
     def encoded(self, tokenizer, max_len: int, print_fn) -> tuple[EncodedCorpus, str]:
         """The pairs that fit max_len (on disk, for files) and a line describing the corpus; sets `fingerprint`."""
@@ -316,6 +322,7 @@ class TrainingData:
             self.paths,
             tokenizer,
             on_empty=self.data.on_empty,
+            language_columns=self.data.language_columns,
             cache_dir=self.data.data_cache,
             identity=self.identity,
             print_fn=print_fn,
@@ -393,6 +400,12 @@ def _model_and_tokenizer(
         )
         compute = {k: v for k, v in settings.model.items() if k in COMPUTE_FIELDS}
         return config.replace(**compute), tokenizer, params
+    if settings.data.language_columns:  # said before a tokenizer trains for minutes
+        raise DataError(
+            "--language-columns: a model trained from scratch gets a joint SentencePiece tokenizer, which has no "
+            "language codes; start from a multilingual model (train.py import NLLB-200, M2M-100 or mBART-50, then "
+            "train --init-from RUN)"
+        )
     tokenizer = shared_tokenizer(corpus, settings.data, settings.seed, run_dir, print_fn)
     return model_config(settings.preset, tokenizer.vocab_size, settings.model), tokenizer, None
 

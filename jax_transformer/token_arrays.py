@@ -8,8 +8,10 @@ One cache entry, `<cache>/<file name>-<key>/`, holds raw little-endian arrays, f
     tgt.bin, tgt.idx the targets' tokens, the same way
     lines.bin int64  (pairs,) the 1-based line each pair came from (for errors and skipped-pair reports)
     meta.json        what the entry was made from (the files' size, mtime and content hash; the tokenizer's digest;
-                     the empty-line policy), what the reader skipped or removed, the text fingerprint a resume
-                     checks, and each array file's size and SHA-256
+                     the empty-line policy; language columns), what the reader skipped or removed, the pairs per
+                     language pair, the text fingerprint a resume checks, and each array file's size and SHA-256
+
+A corpus of many language pairs (language columns) is stored as any other: each sentence's code is its first token.
 
 The key is a digest of what the entry was made from, so an edited file or another tokenizer gets a new entry, never
 a stale one. An entry is written into a temporary folder and renamed when whole; on every open the array files'
@@ -39,7 +41,7 @@ from typing import Any
 import numpy as np
 
 from jax_transformer import files
-from jax_transformer.batching import EncodedCorpus, Ragged, SpecialIds, fitting
+from jax_transformer.batching import EncodedCorpus, Ragged, SpecialIds, encode_sides, fitting
 from jax_transformer.corpus import Fingerprint, PairReader, count_lines, describe_pairs
 from jax_transformer.errors import DataError, WriteError
 
@@ -95,7 +97,9 @@ def tokenizer_digest(tokenizer) -> str:
 # =============================================================================================================
 
 
-def tokenizer_sample(paths: Sequence[str | os.PathLike], pairs: int, seed: int, *, on_empty: str = "skip") -> list[str]:
+def tokenizer_sample(
+    paths: Sequence[str | os.PathLike], pairs: int, seed: int, *, on_empty: str = "skip", language_columns: bool = False
+) -> list[str]:
     """The sentences a joint tokenizer trains on: the sources, then the targets, of at most `pairs` pairs, the
     lines drawn uniformly at random by np.random.default_rng((seed, 1)) (all pairs when the file has no more), in
     corpus order. Reads the whole corpus (so bad input is reported before anything trains) but holds the sample
@@ -106,7 +110,7 @@ def tokenizer_sample(paths: Sequence[str | os.PathLike], pairs: int, seed: int, 
         chosen = np.zeros(lines + 1, dtype=bool)
         chosen[np.random.default_rng((seed, 1)).choice(lines, pairs, replace=False) + 1] = True
     sources, targets = [], []
-    for line, source, target in PairReader(paths, on_empty=on_empty):
+    for line, source, target in PairReader(paths, on_empty=on_empty, language_columns=language_columns):
         if chosen is None or chosen[line]:
             sources.append(source)
             targets.append(target)
@@ -136,7 +140,13 @@ class TokenArrays:
         """Corpus.describe's line for the pairs the entry holds."""
         m = self.meta
         return describe_pairs(
-            m["origin"], m["pairs"], m["skipped_empty"], m["skipped_empty_lines"], m["boms"], m["crlf"]
+            m["origin"],
+            m["pairs"],
+            m["skipped_empty"],
+            m["skipped_empty_lines"],
+            m["boms"],
+            m["crlf"],
+            m.get("language_pairs"),
         )
 
     def encoded(self, max_len: int, on_too_long: str, ids: SpecialIds) -> EncodedCorpus:
@@ -149,14 +159,15 @@ def open_encoded(
     tokenizer,
     *,
     on_empty: str = "skip",
+    language_columns: bool = False,
     cache_dir: str | os.PathLike | None = None,
     identity: list[dict[str, Any]] | None = None,
     print_fn: Callable[[str], None] = print,
     progress: bool = True,
 ) -> TokenArrays:
     """The corpus in `paths` (a TSV file, or a source and a target file) encoded by `tokenizer`: the cache entry
-    made from these files' bytes, this tokenizer and `on_empty` if there is an intact one, else encoded now (bad
-    input is a DataError naming file and line, as `corpus.read_tsv`'s) and stored in `cache_dir`
+    made from these files' bytes, this tokenizer, `on_empty` and `language_columns` if there is an intact one, else
+    encoded now (bad input is a DataError naming file and line, as `corpus.read_tsv`'s) and stored in `cache_dir`
     (`default_cache_dir()` when None). `identity`: the files' `file_identity`, if already computed."""
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     identity = identity or [file_identity(p) for p in paths]
@@ -166,6 +177,7 @@ def open_encoded(
         "tokenizer": tokenizer_digest(tokenizer),
         "eos": tokenizer.eos_id,
         "on_empty": on_empty,
+        **({"language_columns": True} if language_columns else {}),  # (entries without them keep their keys)
     }
     key = hashlib.sha256(json.dumps(made_from, sort_keys=True).encode()).hexdigest()[:16]
     entry = cache / f"{Path(paths[0]).name}-{key}"
@@ -179,7 +191,7 @@ def open_encoded(
     print_fn(f"encoding {' + '.join(map(str, paths))} once into {entry} (later starts map it from disk)")
     try:
         with files.replaced_folder(entry) as temporary:  # the folder is renamed whole: its files are written plainly
-            meta = _encode(paths, tokenizer, on_empty, temporary, progress)
+            meta = _encode(paths, tokenizer, on_empty, language_columns, temporary, progress)
             meta.update(made_from=made_from, identity=identity)
             (temporary / "meta.json").write_text(json.dumps(meta, indent=1) + "\n", encoding="utf-8")
     except WriteError:
@@ -204,11 +216,11 @@ def _check_writable(cache: Path) -> None:
         )
 
 
-def _encode(paths, tokenizer, on_empty: str, folder: Path, progress: bool) -> dict[str, Any]:
+def _encode(paths, tokenizer, on_empty: str, language_columns: bool, folder: Path, progress: bool) -> dict[str, Any]:
     """Reads and encodes the corpus chunk by chunk into the array files of `folder`; what meta.json says of it."""
     from tqdm.auto import tqdm
 
-    reader = PairReader(paths, on_empty=on_empty)
+    reader = PairReader(paths, on_empty=on_empty, language_columns=language_columns)
     fingerprint = Fingerprint()
     eos = tokenizer.eos_id
     ends = {"src": 0, "tgt": 0}
@@ -220,13 +232,15 @@ def _encode(paths, tokenizer, on_empty: str, folder: Path, progress: bool) -> di
         bar = stack.enter_context(  # a corpus of fewer lines encodes in a few seconds
             tqdm(total=total, desc="encoding", unit=" lines", unit_scale=True, disable=not progress or total < 200_000)
         )
-        pairs = iter(reader)
+        pairs = reader.rows()
         while chunk := list(itertools.islice(pairs, _CHUNK)):
-            lines, sources, targets = zip(*chunk)
-            for source, target in zip(sources, targets):
-                fingerprint.add(source, target)
-            for side, texts in (("src", sources), ("tgt", targets)):
-                ids = tokenizer.encode_batch(list(texts), side="source" if side == "src" else "target")
+            lines, sources, targets, languages = zip(*chunk)
+            for source, target, codes in zip(sources, targets, languages):
+                fingerprint.add(source, target, codes)
+            encoded = encode_sides(
+                tokenizer, sources, targets, languages if language_columns else None, lines, reader.origin
+            )
+            for side, ids in zip(("src", "tgt"), encoded):
                 lengths = np.fromiter(map(len, ids), np.int64, count=len(ids))
                 tokens = np.fromiter(itertools.chain.from_iterable(ids), np.int32, count=int(lengths.sum()))
                 if side == "src":  # the source's EOS is part of the encoder input
@@ -243,6 +257,7 @@ def _encode(paths, tokenizer, on_empty: str, folder: Path, progress: bool) -> di
         "skipped_empty_lines": reader.skipped_empty_lines,
         "boms": reader.stats.stripped_boms,
         "crlf": reader.stats.crlf_lines,
+        "language_pairs": None if reader.language_pairs is None else dict(sorted(reader.language_pairs.items())),
         "fingerprint": fingerprint.hexdigest(),
         "arrays": {
             name: {"bytes": (folder / name).stat().st_size, "sha256": _sha256(folder / name)} for name in _ARRAYS

@@ -460,6 +460,11 @@ class LanguageCodeTokenizer(_Bundle):
     def encode_batch(self, texts: Sequence[str], side: str = "source") -> list[list[int]]:
         return [self.encode(text, side) for text in texts]
 
+    def encode_with_codes(self, texts: Sequence[str], codes: Sequence[str]) -> list[list[int]]:
+        """Each text marked with its own language's code (a corpus of many language pairs); the codes checked
+        by the caller (`checked_language`), where it knows each one's line."""
+        return [[self.codes[code]] + self.pieces_ids(text) for text, code in zip(texts, codes)]
+
     def pieces_ids(self, text: str) -> list[int]:
         raise NotImplementedError
 

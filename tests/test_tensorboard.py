@@ -65,8 +65,9 @@ RECORDS = [
         "final": True,
         "valid_loss": 3.25,
         "bleu": 13.0,
-        "bleu_en-de": 14.5,
-        "chrf_en-de": 41.0,
+        "bleu/eng_Latn-deu_Latn": 14.5,  # a run of many language pairs: each pair's (evaluation.score_pairs)
+        "chrf/eng_Latn-deu_Latn": 41.0,
+        "sentences/eng_Latn-deu_Latn": 7,
     },
     {"kind": "train", "step": 5, "lr": 5e-4, "loss": math.nan, "error": "non-finite loss"},
     {"kind": "summary", "step": 5, "elapsed_s": 9.5, "steps_s": 4.25},
@@ -119,7 +120,7 @@ def test_every_numeric_field_of_every_record_is_a_scalar(tmp_path):
     out.close()
     written = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     expected = numeric(written)
-    assert {"train/loss", "train/lr", "train/grad_norm", "eval/bleu", "eval/chrf_en-de", "summary/steps_s"} <= {
+    assert {"train/loss", "train/lr", "train/grad_norm", "eval/bleu", "eval/chrf/eng_Latn-deu_Latn", "summary/steps_s"} <= {
         tag for tag, _ in expected
     }
     found = scalars(tmp_path / "tensorboard")
