@@ -53,6 +53,7 @@ COMMANDS = (
     "verify",
     "plot",
     "plan",
+    "serve",
 )
 EXIT_ERROR, EXIT_DIVERGED, EXIT_NOT_VERIFIED = 1, 3, 4  # and distributed.EXIT_PEER_LOST (5)
 EXIT_BROKEN_PIPE = 128 + 13  # SIGPIPE's: what a Unix tool killed by it reports
@@ -146,7 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", metavar="SUBCOMMAND")
     for add in (train_flags, evaluate_flags, translate_flags, score_flags, export_flags, import_flags,
-                attention_flags, average_flags, verify_flags, plot_flags, plan_flags):  # fmt: skip
+                attention_flags, average_flags, verify_flags, plot_flags, plan_flags, serve_flags):  # fmt: skip
         add(sub)
     return parser
 
@@ -593,6 +594,39 @@ def plan_flags(sub) -> None:
     add_settings(pl, TransformerConfig, "model", "fine-tuning (as train's)", only=(*LORA_FIELDS, "quantize"))
     add_settings(pl, OptimConfig, "optim", "fine-tuning", only=("freeze",))
     pl.set_defaults(func=cmd_plan)
+
+
+def serve_flags(sub) -> None:
+    from jax_transformer.config import ServeConfig
+
+    sv = sub.add_parser(
+        "serve",
+        help="an HTTP translation service (LibreTranslate's API, a native JSON API with scores) on 127.0.0.1",
+        description="Keeps the model and its compiled decoders in one process and answers HTTP requests: "
+        "LibreTranslate's POST /translate, GET /languages and POST /detect, so its clients work unchanged; POST "
+        "/v1/translate with every decoding option and the scores; GET /health. Requests that arrive within "
+        "--batch-window-ms share a batch, up to --max-tokens source tokens. Text is split into sentences with its "
+        "layout kept. SIGTERM stops taking requests, finishes those in flight and exits. docs/serving.md.",
+    )
+    checkpoint_flags(sv, compute=True, mesh=True)
+    decoding_flags(sv)
+    compilation_flags(sv)
+    add_settings(sv, ServeConfig, "serve", "service")
+    sv.set_defaults(func=cmd_serve)
+
+
+def cmd_serve(args, start_time: float) -> int:
+    from jax_transformer import inference, service
+    from jax_transformer.config import ServeConfig
+
+    settings = ServeConfig.from_dict(given(args, "serve"), source="serve flags")
+    use_compilation_cache(args)
+    loaded = _load(args)
+    decode = inference.decoding(loaded, given(args, "decode"))
+    print(f"decoding: {decode.describe()}", file=sys.stderr)
+    found = service.build(loaded, decode, settings)
+    service.serve(found, print_fn=lambda line: print(line, file=sys.stderr, flush=True))
+    return 0
 
 
 def cmd_plan(args, start_time: float) -> int:

@@ -873,6 +873,37 @@ NETWORK_TIMEOUTS = {"init": 300, "heartbeat": 100}
 
 
 @dataclasses.dataclass(frozen=True)
+class ServeConfig(Settings):
+    """How `train.py serve` listens, batches and refuses (`jax_transformer.service`)."""
+
+    kind = "serve"
+    host: str = setting("127.0.0.1", "address to listen on (0.0.0.0: every interface, reachable from other hosts)")
+    port: int = setting(5000, "TCP port (LibreTranslate's default; 0: any free port, printed at start)", at_least=0,
+                        below=65536)  # fmt: skip
+    max_tokens: int = setting(
+        4096, "source tokens decoded together: requests that arrive within --batch-window-ms share a batch", at_least=1
+    )
+    batch_window_ms: float = setting(
+        5.0, "how long the first request of a batch waits for others to join it (milliseconds)", at_least=0.0
+    )
+    max_queue: int = setting(
+        1024, "sentences waiting to be decoded; a request that would exceed it is answered 503", at_least=1
+    )
+    max_request_bytes: int = setting(1_000_000, "largest request body; larger ones are answered 413", at_least=1)
+    api_key_file: str | None = setting(
+        None, "a file holding the API key every request must carry (LibreTranslate's api_key); none: no key"
+    )
+    languages: str | None = setting(
+        None,
+        "SRC-TGT codes of a model without language codes, as LibreTranslate names them (e.g. de-en); default: "
+        "the built-in task's en-fr, or an OPUS-MT name's pair",
+    )
+    shutdown_timeout_s: float = setting(
+        60.0, "on SIGTERM, how long requests in flight may take to finish before the process exits", above=0.0
+    )
+
+
+@dataclasses.dataclass(frozen=True)
 class ParallelConfig(Settings):
     """How one run uses devices and processes (`jax_transformer.distributed`). It describes the machine, not the
     run: a resume may change every field. Every process of a multi-process run gets the same flags except

@@ -46,3 +46,19 @@ def load_saved_model(name: str) -> SavedModel:
             tokenizer=Tokenizer.from_bytes(z["tokenizer"].tobytes()) if "tokenizer" in z.files else None,
             **texts,
         )
+
+
+def saved_run(directory: Path, name: str = "trained_tiny") -> Path:
+    """A run directory holding the saved model `name` as its checkpoint of step 1 (Adam's state new, the default
+    settings: the built-in task's English -> French), for the sub-commands that read a run (translate, serve)."""
+    from jax_transformer import checkpoint, training
+    from jax_transformer.config import OptimConfig
+
+    saved = load_saved_model(name)
+    optim = OptimConfig()
+    state = training.create_train_state(saved.config, optim, params=saved.params)
+    manager = checkpoint.CheckpointManager(directory, async_save=False)
+    manager.save(1, training.state_for_saving(state), config=saved.config, optim=optim.to_dict(),
+                 tokenizer=saved.tokenizer)  # fmt: skip
+    manager.close()
+    return directory

@@ -1,0 +1,628 @@
+"""`train.py serve`: one process keeps a model and its compiled decoders and answers translations over HTTP.
+
+- `Batcher`: a thread that owns the model. Requests that arrive within `batch_window_ms` of each other share a
+  batch, up to `max_tokens` source tokens; each group of equal decoding options and languages decodes together
+  (`translation.translations`, sorted by length as `translate` sorts). A full queue is refused, not grown.
+- `Languages`: the model's codes (NLLB's eng_Latn, mBART-50's en_XX, M2M-100's en) and the ISO 639-1 codes
+  LibreTranslate's clients send ("en"), mapped by `langcodes`; `Detector` guesses a text's language with
+  py3langid, whose model ships inside its package.
+- `app`: a Starlette application with LibreTranslate's `POST /translate`, `GET /languages` and `POST /detect`
+  (so its clients work unchanged), a native `POST /v1/translate` with every decoding option and the scores, and
+  `GET /health`. Every error is a JSON body {"error": ...} with its status: 400 for a bad field (named), 403 for a
+  wrong API key, 413 for a body over the limit, 503 when the queue is full.
+- `serve`: uvicorn on 127.0.0.1 unless told otherwise. SIGTERM stops accepting connections, lets the requests in
+  flight finish (uvicorn's graceful shutdown, then the batcher drains), and exits.
+
+Why Starlette and uvicorn (the `serve` extra): a small, maintained ASGI stack (FastAPI is built on it) with
+graceful shutdown and request streaming, so the body limit holds before a body is read. A text is split into
+sentences with the layout kept (`documents.Segmenter`) as LibreTranslate splits its input.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import contextlib
+import dataclasses
+import hmac
+import json
+import signal
+import threading
+import time
+import urllib.parse
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from jax_transformer.config import ConfigError, DecodeConfig, ServeConfig
+from jax_transformer.errors import DataError
+
+EXTRA = "pip install -e '.[serve]'"
+
+
+class HTTPError(Exception):
+    """An answer other than 200: its status and the message of its JSON body."""
+
+    def __init__(self, status: int, message: str, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.headers = status, message, headers or {}
+
+
+# =============================================================================================================
+# Languages
+# =============================================================================================================
+
+
+def iso_code(code: str) -> str | None:
+    """The ISO 639-1 code (or 639-3 where there is none) of a model's language code: eng_Latn -> en, en_XX -> en,
+    de -> de; None where langcodes reads none."""
+    import langcodes
+
+    try:
+        return langcodes.Language.get(code.replace("_", "-").split("-")[0]).language
+    except (ValueError, LookupError):
+        return None
+
+
+class Languages:
+    """The languages a model translates between: its own codes (a multilingual tokenizer's, or the one pair of a
+    model without codes), each also reachable by its ISO 639-1 code (the first model code of a language wins, e.g.
+    zho_Hans for "zh"; the model's own codes are always accepted)."""
+
+    def __init__(self, sources: Sequence[str], targets: Sequence[str], multilingual: bool) -> None:
+        self.sources, self.targets, self.multilingual = list(sources), list(targets), multilingual
+        self.alias: dict[str, str] = {}
+        for code in dict.fromkeys([*sources, *targets]):
+            short = iso_code(code)
+            if short and short not in self.alias:
+                self.alias[short] = code
+
+    @classmethod
+    def of(cls, loaded, pair: str | None) -> Languages:
+        tokenizer = loaded.tokenizer
+        if hasattr(tokenizer, "codes"):
+            codes = list(tokenizer.codes)
+            return cls(codes, codes, True)
+        src, tgt = _pair(loaded, pair)
+        return cls([src], [tgt], False)
+
+    def code(self, given: Any, field: str, side: str) -> str:
+        """The model's code for `given` (its own, or an ISO code), else HTTPError 400 naming the field."""
+        known = self.sources if side == "source" else self.targets
+        if not isinstance(given, str) or not given:
+            raise HTTPError(400, f"Invalid request: missing {field} parameter")
+        code = given if given in known else self.alias.get(given.lower())
+        if code not in known:
+            import difflib
+
+            candidates = [*(iso for iso, code in self.alias.items() if code in known), *known]
+            close = difflib.get_close_matches(given, candidates, n=5, cutoff=0.4)
+            hint = f" (closest: {', '.join(close)})" if close else f" (this model: {', '.join(self.short(known))})"
+            raise HTTPError(400, f"{field} {given!r} is not a {side} language of this model{hint}")
+        return code
+
+    def short(self, codes: Sequence[str]) -> list[str]:
+        """The codes as clients see them: ISO where one maps back to the code, else the model's own."""
+        out = []
+        for code in codes:
+            iso = iso_code(code)
+            out.append(iso if iso and self.alias.get(iso) == code else code)
+        return out
+
+    def listing(self) -> list[dict[str, Any]]:
+        """LibreTranslate's /languages: [{"code", "name", "targets"}] per source language."""
+        import langcodes
+
+        targets = self.short(self.targets)
+        out = []
+        for code, short in zip(self.sources, self.short(self.sources)):
+            try:
+                name = langcodes.Language.get(code.replace("_", "-")).display_name()
+            except (ValueError, LookupError, ImportError):  # (names need the language_data package)
+                name = code
+            out.append({"code": short, "name": name, "targets": [t for t in targets if t != short]})
+        return out
+
+
+def _pair(loaded, given: str | None) -> tuple[str, str]:
+    """The (source, target) codes of a model without language codes: --languages, else what its run says."""
+    if given:
+        src, _, tgt = given.partition("-")
+        if not src or not tgt:
+            raise ConfigError(f"--languages {given!r}: expected SRC-TGT, e.g. de-en")
+        return src, tgt
+    from jax_transformer.config import DataConfig
+    from jax_transformer.run import stored_settings
+
+    settings = stored_settings(loaded)
+    if DataConfig.from_dict(settings.get("data", {})).uses_default_task and not settings.get("imported_from"):
+        return "en", "fr"  # the built-in task: English number words to French
+    name = str((loaded.run or {}).get("imported_from", {}).get("source", ""))
+    if "opus-mt-" in name:  # Helsinki-NLP/opus-mt-de-en
+        parts = name.rsplit("opus-mt-", 1)[1].split("-")
+        if len(parts) == 2:
+            return parts[0], parts[1]
+    raise ConfigError(
+        "serve: this model has no language codes and its languages are not known from its run; give them, e.g. "
+        "--languages de-en"
+    )
+
+
+class Detector:
+    """A text's language among the model's source languages: py3langid (its model ships inside the package) with
+    normalized probabilities; [(model code, confidence 0-100)], most likely first."""
+
+    def __init__(self, languages: Languages) -> None:
+        try:
+            from py3langid.langid import MODEL_FILE, LanguageIdentifier
+        except ImportError:
+            raise ConfigError(f"language detection needs py3langid: {EXTRA}") from None
+        self.identifier = LanguageIdentifier.from_model_file(MODEL_FILE, norm_probs=True)
+        self.codes = {iso: code for iso, code in languages.alias.items() if code in languages.sources}
+        known = [iso for iso in self.codes if iso in self.identifier.nb_classes]
+        if not known:
+            raise ConfigError("language detection: none of this model's source languages is one py3langid knows")
+        self.identifier.set_languages(known)
+
+    def detect(self, text: str, n: int = 3) -> list[tuple[str, float]]:
+        ranked = self.identifier.rank(text)[:n]
+        return [(self.codes[iso], round(100.0 * float(p), 2)) for iso, p in ranked]
+
+
+# =============================================================================================================
+# Batching requests
+# =============================================================================================================
+
+
+class QueueFull(Exception):
+    pass
+
+
+@dataclasses.dataclass
+class Job:
+    """Sentences of one request, decoded alike: their translations go to `future`."""
+
+    sentences: list[str]
+    decode: DecodeConfig
+    languages: tuple[str | None, str | None]
+    future: concurrent.futures.Future = dataclasses.field(default_factory=concurrent.futures.Future)
+    tokens: int | None = None  # source tokens, EOS included: counted when the batcher first looks at the job
+
+    @property
+    def key(self):
+        return self.decode, self.languages
+
+
+class Batcher:
+    """The thread that owns the model. `submit` queues a request's sentences (QueueFull past `max_queue`); the
+    thread takes the first waiting request, waits `window_s` for others (or until `max_tokens` source tokens
+    wait), and decodes each group of equal options and languages in one `translations` call."""
+
+    def __init__(self, loaded, *, max_tokens: int, window_s: float, max_queue: int) -> None:
+        self.loaded, self.max_tokens, self.window_s, self.max_queue = loaded, max_tokens, window_s, max_queue
+        self.jobs: collections.deque[Job] = collections.deque()
+        self.waiting = 0  # sentences queued, not yet taken
+        self.busy = 0  # sentences being decoded
+        self.served = self.batches = 0
+        self.closing = False
+        self.lock = threading.Condition()
+        self.tokenizers: dict[tuple, Any] = {}
+        self.thread = threading.Thread(target=self._run, name="decoder", daemon=True)
+
+    def start(self) -> Batcher:
+        self.thread.start()
+        return self
+
+    def submit(self, sentences: list[str], decode: DecodeConfig, languages=(None, None)) -> concurrent.futures.Future:
+        job = Job(list(sentences), decode, tuple(languages))
+        with self.lock:
+            if self.closing:
+                raise QueueFull("the service is shutting down")
+            if self.waiting + len(job.sentences) > self.max_queue:
+                raise QueueFull(
+                    f"the queue is full ({self.waiting} sentences waiting, at most {self.max_queue}); retry later"
+                )
+            self.jobs.append(job)
+            self.waiting += len(job.sentences)
+            self.lock.notify()
+        return job.future
+
+    def close(self, timeout: float | None = None) -> None:
+        """Refuses new requests, decodes the queued ones, then ends the thread."""
+        with self.lock:
+            self.closing = True
+            self.lock.notify()
+        self.thread.join(timeout)
+
+    def tokenizer(self, languages: tuple[str | None, str | None]):
+        if languages not in self.tokenizers:
+            from jax_transformer.tokenizer import with_languages
+
+            self.tokenizers[languages] = with_languages(self.loaded.tokenizer, *languages)
+        return self.tokenizers[languages]
+
+    def _take(self) -> list[Job] | None:
+        """The next batch: the first waiting job and those that join it within the window, up to the budget."""
+        with self.lock:
+            while not self.jobs:
+                if self.closing:
+                    return None
+                self.lock.wait()
+            taken = [self.jobs.popleft()]
+            tokens = self._tokens(taken[0])
+            deadline = time.monotonic() + self.window_s
+            while tokens < self.max_tokens and not self.closing:
+                if not self.jobs:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        break
+                    self.lock.wait(left)
+                    continue
+                tokens += self._tokens(self.jobs[0])
+                taken.append(self.jobs.popleft())
+            moved = sum(len(job.sentences) for job in taken)
+            self.waiting -= moved
+            self.busy += moved
+            return taken
+
+    def _tokens(self, job: Job) -> int:
+        if job.tokens is None:
+            job.tokens = sum(len(ids) + 1 for ids in self.tokenizer(job.languages).encode_batch(job.sentences))
+        return job.tokens
+
+    def _run(self) -> None:
+        from jax_transformer.translation import translations
+
+        while (taken := self._take()) is not None:
+            groups: dict[Any, list[Job]] = {}
+            for job in taken:
+                groups.setdefault(job.key, []).append(job)
+            for (decode, languages), jobs in groups.items():
+                sentences = [s for job in jobs for s in job.sentences]
+                try:
+                    found = translations(
+                        self.loaded.params,
+                        self.loaded.config,
+                        self.tokenizer(languages),
+                        sentences,
+                        decode,
+                        progress=False,
+                    )
+                except Exception as e:  # noqa: BLE001 (the request gets the error; the service goes on)
+                    for job in jobs:
+                        job.future.set_exception(e)
+                else:
+                    start = 0
+                    for job in jobs:
+                        job.future.set_result(found[start : start + len(job.sentences)])
+                        start += len(job.sentences)
+                self.batches += 1
+            with self.lock:
+                done = sum(len(job.sentences) for job in taken)
+                self.busy -= done
+                self.served += done
+
+
+# =============================================================================================================
+# The HTTP application
+# =============================================================================================================
+
+
+@dataclasses.dataclass
+class Service:
+    """What the handlers share: the model, its decoding defaults, languages, the batcher and the limits."""
+
+    loaded: Any
+    decode: DecodeConfig
+    languages: Languages
+    batcher: Batcher
+    settings: ServeConfig
+    segmenter: Callable[[str], Any]  # language code -> documents.Segmenter
+    detector: Detector | None = None
+    api_key: str | None = None
+
+    def decoding(self, options: Any, field: str = "options") -> DecodeConfig:
+        """The request's decoding: the service's, with the fields given (DecodeConfig's names), checked."""
+        from jax_transformer import inference
+
+        if not options:
+            return self.decode
+        if not isinstance(options, dict):
+            raise HTTPError(400, f"{field}: expected an object of decoding settings, got {type(options).__name__}")
+        try:
+            return inference.decoding(self.loaded, {**_given(self.decode), **options})
+        except (ConfigError, TypeError, ValueError) as e:
+            raise HTTPError(400, f"{field}: {e}") from None
+
+    def pair(self, source: Any, target: Any) -> tuple[str | None, str | None]:
+        src = self.languages.code(source, "source", "source")
+        tgt = self.languages.code(target, "target", "target")
+        return (src, tgt) if self.languages.multilingual else (None, None)
+
+    async def translate(self, texts: list[str], decode: DecodeConfig, pair) -> list[list[Any]]:
+        """Each text's sentences (their pieces, layout kept) with their `Translation`s: [(pieces, translations)]."""
+        segmenter = self.segmenter(pair[0] or self.languages.sources[0])
+        pieces = [segmenter.pieces(text) for text in texts]
+        sentences = [piece for each in pieces for piece, is_sentence in each if is_sentence]
+        try:
+            future = self.batcher.submit(sentences, decode, pair) if sentences else None
+        except QueueFull as e:
+            raise HTTPError(503, str(e), {"Retry-After": "1"}) from None
+        found = await asyncio.wrap_future(future) if future is not None else []
+        out, start = [], 0
+        for each in pieces:
+            n = sum(1 for _, is_sentence in each if is_sentence)
+            out.append((each, found[start : start + n]))
+            start += n
+        return out
+
+
+def _given(decode: DecodeConfig) -> dict[str, Any]:
+    return decode.to_dict()
+
+
+def joined(pieces: list[tuple[str, bool]], translations, rank: int = 0) -> str:
+    """The text with each sentence replaced by its `rank`-th translation ("" where it has fewer), layout kept."""
+    out, i = [], 0
+    for piece, is_sentence in pieces:
+        if is_sentence:
+            hypotheses = translations[i].hypotheses
+            out.append(hypotheses[rank].text if rank < len(hypotheses) else "")
+            i += 1
+        else:
+            out.append(piece)
+    return "".join(out)
+
+
+async def read_body(request, limit: int) -> dict[str, Any]:
+    """The request's fields (JSON, or a form as libretranslatepy and HTML forms send), refused with 413 past
+    `limit` bytes before more is read."""
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > limit:
+        raise HTTPError(413, f"the request body is {int(length):,} bytes, more than this service takes ({limit:,})")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise HTTPError(413, f"the request body is more than this service takes ({limit:,} bytes)")
+    kind = request.headers.get("content-type", "").split(";")[0].strip()
+    fields: dict[str, Any] = {}
+    if body and kind == "application/json":
+        try:
+            fields = json.loads(body)
+        except ValueError as e:
+            raise HTTPError(400, f"the body is not valid JSON: {e}") from None
+        if not isinstance(fields, dict):
+            raise HTTPError(400, "the body must be a JSON object")
+    elif body:
+        if kind not in ("", "application/x-www-form-urlencoded"):
+            raise HTTPError(415, f"content type {kind!r}: send application/json or application/x-www-form-urlencoded")
+        try:
+            fields = {k: v[-1] for k, v in urllib.parse.parse_qs(body.decode("utf-8"), keep_blank_values=True).items()}
+        except UnicodeDecodeError:
+            raise HTTPError(400, "the form is not UTF-8") from None
+    for key, values in urllib.parse.parse_qs(request.url.query).items():
+        fields.setdefault(key, values[-1])
+    return fields
+
+
+def _int_field(fields: dict[str, Any], name: str, default: int) -> int:
+    value = fields.get(name, default)
+    try:
+        number = int(value)
+    except (TypeError, ValueError):
+        raise HTTPError(400, f"{name}: expected a whole number, got {value!r}") from None
+    if number < 0:
+        raise HTTPError(400, f"{name}: expected 0 or more, got {number}")
+    return number
+
+
+def _texts(fields: dict[str, Any], name: str) -> tuple[list[str], bool]:
+    """(texts, whether one string was sent) of field `name`: a string or a list of strings."""
+    value = fields.get(name)
+    if value is None:
+        raise HTTPError(400, f"Invalid request: missing {name} parameter")
+    if isinstance(value, str):
+        return [value], True
+    if isinstance(value, list) and all(isinstance(v, str) for v in value):
+        return value, False
+    raise HTTPError(400, f"{name}: expected a string or a list of strings")
+
+
+def app(service: Service):
+    """The Starlette application of `service`."""
+    from starlette.applications import Starlette
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+
+    def checked(handler, keyed: bool = True):
+        async def endpoint(request):
+            try:
+                fields = await read_body(request, service.settings.max_request_bytes)
+                if keyed and service.api_key is not None:
+                    given = str(fields.get("api_key", request.headers.get("authorization", "").removeprefix("Bearer ")))
+                    if not hmac.compare_digest(given.encode(), service.api_key.encode()):
+                        raise HTTPError(403, "Invalid API key")
+                return JSONResponse(await handler(fields))
+            except HTTPError as e:
+                return JSONResponse({"error": e.message}, status_code=e.status, headers=e.headers)
+            except (DataError, ConfigError) as e:  # a sentence or option the model refuses
+                return JSONResponse({"error": str(e)}, status_code=400)
+
+        return endpoint
+
+    async def translate(fields):
+        texts, one = _texts(fields, "q")
+        if fields.get("format", "text") != "text":
+            raise HTTPError(400, f"format {fields.get('format')!r}: this service translates plain text ('text')")
+        alternatives = _int_field(fields, "alternatives", 0)
+        detected = None
+        source = fields.get("source")
+        if source == "auto":
+            if service.detector is None:
+                raise HTTPError(400, f"source 'auto': language detection is off (install py3langid: {EXTRA})")
+            code, confidence = service.detector.detect(" ".join(texts), 1)[0]
+            detected, source = {"confidence": confidence, "language": service.languages.short([code])[0]}, code
+        decode = service.decode
+        if alternatives:
+            n = alternatives + 1
+            decode = service.decoding({"n_best": n, "beam_size": max(n, decode.beam_size)}, "alternatives")
+        results = await service.translate(texts, decode, service.pair(source, fields.get("target")))
+        translated = [joined(pieces, found) for pieces, found in results]
+        answer: dict[str, Any] = {"translatedText": translated[0] if one else translated}
+        if alternatives:
+            others = [[joined(pieces, found, rank) for rank in range(1, alternatives + 1)] for pieces, found in results]
+            answer["alternatives"] = others[0] if one else others
+        if detected is not None:
+            answer["detectedLanguage"] = detected if one else [detected] * len(texts)
+        return answer
+
+    async def native(fields):
+        texts, _ = _texts(fields, "text")
+        decode = service.decoding(fields.get("options"))
+        pair = service.pair(
+            fields.get("source", service.languages.sources[0]), fields.get("target", service.languages.targets[0])
+        )
+        began = time.monotonic()
+        results = await service.translate(texts, decode, pair)
+        return {
+            "translations": [
+                {
+                    "text": joined(pieces, found),
+                    "sentences": [
+                        {"source": t.source, "hypotheses": [dataclasses.asdict(h) for h in t.hypotheses]} for t in found
+                    ],
+                }
+                for pieces, found in results
+            ],
+            "decoding": decode.describe(),
+            "seconds": round(time.monotonic() - began, 4),
+        }
+
+    async def languages(fields):
+        return service.languages.listing()
+
+    async def detect(fields):
+        texts, _ = _texts(fields, "q")
+        if service.detector is None:
+            raise HTTPError(400, f"language detection is off (install py3langid: {EXTRA})")
+        ranked = service.detector.detect(" ".join(texts))
+        return [{"confidence": c, "language": service.languages.short([code])[0]} for code, c in ranked]
+
+    async def health(fields):
+        b = service.batcher
+        return {
+            "status": "shutting down" if b.closing else "ok",
+            "model": str(service.loaded.directory),
+            "step": service.loaded.step,
+            "waiting": b.waiting,
+            "decoding": b.busy,
+            "served": b.served,
+            "batches": b.batches,
+        }
+
+    routes = [
+        Route("/translate", checked(translate), methods=["POST"]),
+        Route("/languages", checked(languages, keyed=False), methods=["GET", "POST"]),  # as LibreTranslate's
+        Route("/detect", checked(detect), methods=["POST"]),
+        Route("/v1/translate", checked(native), methods=["POST"]),
+        Route("/health", checked(health, keyed=False), methods=["GET"]),
+    ]
+    return Starlette(routes=routes)
+
+
+# =============================================================================================================
+# Running it
+# =============================================================================================================
+
+
+def build(loaded, decode: DecodeConfig, settings: ServeConfig, *, detect: bool = True) -> Service:
+    """The service of a loaded model: its languages, detector (where py3langid is installed), key and batcher
+    (not started)."""
+    from jax_transformer.documents import Segmenter
+    from jax_transformer.tokenizer import with_languages
+
+    languages = Languages.of(loaded, settings.languages)
+    segmenters: dict[str, Any] = {}
+
+    def segmenter(code: str):  # a source language's splitter; a sentence fits with its code (if any) and EOS
+        if code not in segmenters:
+            tokenizer = with_languages(loaded.tokenizer, code if languages.multilingual else None)
+            segmenters[code] = Segmenter(code, lambda s: len(tokenizer.encode(s)) + 1 <= loaded.config.max_len)
+        return segmenters[code]
+
+    detector = None
+    if detect:
+        try:
+            detector = Detector(languages)
+        except ConfigError:
+            detector = None
+    api_key = None
+    if settings.api_key_file:
+        try:
+            api_key = open(settings.api_key_file, encoding="utf-8").read().strip()
+        except OSError as e:
+            raise ConfigError(f"--api-key-file {settings.api_key_file}: cannot read it: {e.strerror or e}") from None
+        if not api_key:
+            raise ConfigError(f"--api-key-file {settings.api_key_file}: the file is empty")
+    window = settings.batch_window_ms / 1000
+    batcher = Batcher(loaded, max_tokens=settings.max_tokens, window_s=window, max_queue=settings.max_queue)
+    return Service(loaded, decode, languages, batcher, settings, segmenter, detector, api_key)
+
+
+def serve(service: Service, print_fn: Callable[[str], None] = print) -> None:
+    """Warms the decoders up, listens, and serves until SIGTERM or SIGINT (then drains, as the module says)."""
+    import socket
+
+    try:
+        import uvicorn
+    except ImportError:
+        raise ConfigError(f"serve needs uvicorn and starlette: {EXTRA}") from None
+    settings = service.settings
+    began = time.monotonic()
+    service.batcher.start()
+    warm = service.batcher.submit(["hello"], service.decode, service.pair(*_first_pair(service.languages)))
+    warm.result()  # the first decoding compiles its programs: before the first client waits for it
+    print_fn(f"decoders ready in {time.monotonic() - began:.1f} s")
+    family = socket.AF_INET6 if ":" in settings.host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((settings.host, settings.port))
+    except OSError as e:
+        raise ConfigError(f"cannot listen on {settings.host}:{settings.port}: {e.strerror or e}") from None
+    host, port = sock.getsockname()[:2]
+    config = uvicorn.Config(
+        app(service),
+        log_level="warning",
+        timeout_graceful_shutdown=settings.shutdown_timeout_s,
+        limit_concurrency=None,
+    )
+    server = _server_class(uvicorn)(config)
+    print_fn(f"serving http://{host}:{port} (LibreTranslate's /translate, /languages, /detect; /v1/translate; /health)")
+    try:
+        server.run(sockets=[sock])
+    finally:
+        service.batcher.close(settings.shutdown_timeout_s)
+        print_fn(f"stopped: {service.batcher.served} sentences served in {service.batcher.batches} batches")
+
+
+def _server_class(uvicorn):
+    class Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self):
+            # As uvicorn's, without raising the signal again once the requests in flight are answered: the batcher
+            # still drains, and a graceful stop exits 0 (uvicorn would end the process by the signal itself).
+            original = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for sig, handler in original.items():
+                    signal.signal(sig, handler)
+
+    return Server
+
+
+def _first_pair(languages: Languages) -> tuple[str, str]:
+    source = languages.sources[0]
+    return source, next((t for t in languages.targets if t != source), languages.targets[0])

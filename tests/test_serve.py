@@ -1,0 +1,239 @@
+"""`train.py serve` over real HTTP on 127.0.0.1 (a child process, as a user starts it): LibreTranslate's API through
+its own client package (libretranslatepy), the native endpoint with options and scores against `translations`,
+the same text as `translate`, text with its layout kept, the documented errors, a full queue, a bounded load from
+concurrent clients, and a SIGTERM that loses no accepted request. The trained tiny model (tests/data) decodes, so
+the translations are the same on every CPU. Requests go to loopback only, a bounded number of them."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from jax_transformer import inference
+from jax_transformer.translation import translations
+from tests.helpers.saved import load_saved_model, saved_run
+from tests.helpers.training import REPO, run_main
+
+pytest.importorskip("starlette")
+pytest.importorskip("uvicorn")
+
+KEY = "s3cret-key"
+SENTENCES = list(load_saved_model("trained_tiny").source_texts[:24])
+
+
+class Server:
+    """`train.py serve ... --port 0` in a child process (through tests.helpers.serve_held when `hold` is given):
+    its URL read from the line it prints once it listens."""
+
+    def __init__(self, args: list[str], hold: Path | None = None) -> None:
+        prefix = ["-m", "tests.helpers.serve_held", str(hold)] if hold else ["train.py"]
+        path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+        env = dict(os.environ, PYTHONPATH=path, JAX_PLATFORMS="cpu")
+        self.process = subprocess.Popen(
+            [sys.executable, *prefix, "serve", "--port", "0", *args],
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        self.lines: queue.Queue[str] = queue.Queue()
+        self.log: list[str] = []
+        threading.Thread(target=self._read, daemon=True).start()
+        self.url = None
+        deadline = time.monotonic() + 180
+        while self.url is None:
+            try:
+                line = self.lines.get(timeout=max(0.1, deadline - time.monotonic()))
+            except queue.Empty:
+                self.process.kill()
+                raise AssertionError("serve did not start:\n" + "".join(self.log)) from None
+            if line.startswith("serving http://"):
+                self.url = line.split()[1]
+            elif line == "":
+                raise AssertionError("serve exited:\n" + "".join(self.log))
+
+    def _read(self) -> None:
+        for line in self.process.stderr:
+            self.log.append(line)
+            self.lines.put(line)
+        self.lines.put("")
+
+    def request(self, path: str, body=None, *, method: str | None = None, headers=None) -> tuple[int, object]:
+        """(status, decoded JSON) of one request; `body` a dict is sent as JSON, bytes as they are."""
+        data = json.dumps(body).encode() if isinstance(body, dict) else body
+        kind = {"Content-Type": "application/json"} if isinstance(body, dict) else {}
+        req = urllib.request.Request(self.url + path, data=data, method=method, headers={**kind, **(headers or {})})
+        try:
+            with urllib.request.urlopen(req, timeout=120) as response:
+                return response.status, json.loads(response.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
+
+    def stop(self) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        try:
+            return self.process.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            raise
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    return saved_run(tmp_path_factory.mktemp("serve") / "run")
+
+
+@pytest.fixture(scope="module")
+def server(run, tmp_path_factory):
+    key = tmp_path_factory.mktemp("key") / "key"
+    key.write_text(KEY + "\n")
+    found = Server(["--checkpoint", str(run), "--step", "latest", "--api-key-file", str(key), "--max-request-bytes",
+                    "4000", "--beam-size", "2"])  # fmt: skip
+    yield found
+    assert found.stop() == 0, "".join(found.log)
+
+
+def translated(run, sentences, **decode) -> list[str]:
+    """`train.py translate` of these sentences (one per line), in this process."""
+    source = Path(run).parent / "source.txt"
+    source.write_text("".join(s + "\n" for s in sentences), encoding="utf-8")
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in decode.items()]
+    code, out, err = run_main(
+        ["translate", "--checkpoint", str(run), "--step", "latest", "--input", str(source), *flags]
+    )
+    assert code == 0, err
+    return out.splitlines()
+
+
+def test_libretranslate_clients_get_what_translate_gives(server, run):
+    from libretranslatepy import LibreTranslateAPI
+
+    client = LibreTranslateAPI(server.url, api_key=KEY)
+    expected = translated(run, SENTENCES[:6], beam_size=2)
+    assert [client.translate(s, "en", "fr") for s in SENTENCES[:6]] == expected
+    assert client.languages() == [{"code": "en", "name": "English", "targets": ["fr"]}]
+    assert client.detect(SENTENCES[0])[0]["language"] == "en"
+    # A list of texts, and a text of several lines and blank lines: each line its own translation, layout kept.
+    status, answer = server.request("/translate", {"q": SENTENCES[:3], "source": "en", "target": "fr", "api_key": KEY})
+    assert status == 200 and answer["translatedText"] == expected[:3]
+    text = f"  {SENTENCES[0]}\n\n{SENTENCES[1]}\r\n\t{SENTENCES[2]}\n"
+    status, answer = server.request("/translate", {"q": text, "source": "en", "target": "fr", "api_key": KEY})
+    assert status == 200 and answer["translatedText"] == f"  {expected[0]}\n\n{expected[1]}\r\n\t{expected[2]}\n"
+
+
+def test_the_native_endpoint_takes_every_option_and_gives_scores(server, run):
+    loaded = inference.load(run, "latest")
+    options = {"beam_size": 4, "n_best": 3, "alpha": 0.8}
+    expected = translations(
+        loaded.params,
+        loaded.config,
+        loaded.tokenizer,
+        SENTENCES[:5],
+        inference.decoding(loaded, options),
+        progress=False,
+    )
+    status, answer = server.request("/v1/translate", {"text": SENTENCES[:5], "options": options, "api_key": KEY})
+    assert status == 200, answer
+    for got, want in zip(answer["translations"], expected):
+        (sentence,) = got["sentences"]
+        assert got["text"] == want.hypotheses[0].text and sentence["source"] == want.source
+        assert [h["tokens"] for h in sentence["hypotheses"]] == [h.tokens for h in want.hypotheses]
+        # The same program on the same inputs: scores equal up to float32 printing through JSON.
+        assert [h["score"] for h in sentence["hypotheses"]] == pytest.approx(
+            [h.score for h in want.hypotheses], abs=1e-6
+        )
+    status, answer = server.request("/translate", {"q": SENTENCES[0], "source": "en", "target": "fr",
+                                                   "alternatives": 2, "api_key": KEY})  # fmt: skip
+    assert status == 200 and len(answer["alternatives"]) == 2
+
+
+@pytest.mark.parametrize(
+    "body, status, message",
+    [
+        ({"q": "one", "source": "en", "target": "de"}, 400, "target 'de' is not a target language of this model"),
+        ({"q": "one", "source": "xx", "target": "fr"}, 400, "source 'xx' is not a source language"),
+        ({"source": "en", "target": "fr"}, 400, "missing q parameter"),
+        ({"q": "one", "source": "en", "target": "fr", "format": "html"}, 400, "format 'html'"),
+        ({"q": "one", "source": "en", "target": "fr", "alternatives": "x"}, 400, "alternatives: expected a whole"),
+        ({"text": "one", "options": {"beam_size": 0}}, 400, "beam_size"),
+        ({"text": "one", "options": {"beams": 2}}, 400, "unknown DecodeConfig field(s) ['beams']"),
+        ({"q": "x" * 5000, "source": "en", "target": "fr"}, 413, "more than this service takes (4,000)"),
+        ({"q": "one", "source": "en", "target": "fr", "api_key": "wrong"}, 403, "Invalid API key"),
+    ],
+)
+def test_bad_requests_are_answered_with_the_documented_errors(server, body, status, message):
+    body = {"api_key": KEY, **body}
+    path = "/v1/translate" if "text" in body else "/translate"
+    got, answer = server.request(path, body)
+    assert got == status and message in answer["error"], answer
+    got, answer = server.request("/translate", b"{not json", headers={"Content-Type": "application/json"})
+    assert got == 400 and "not valid JSON" in answer["error"]
+    assert server.request("/health", method="GET", headers={"Authorization": f"Bearer {KEY}"})[1]["status"] == "ok"
+
+
+def test_concurrent_clients_get_their_own_translations(server, run):
+    """A bounded load: 4 clients, 24 requests of one sentence each, all answered, each with its own translation."""
+    expected = dict(zip(SENTENCES, translated(run, SENTENCES, beam_size=2)))
+
+    def ask(sentence):
+        return sentence, server.request("/translate", {"q": sentence, "source": "en", "target": "fr", "api_key": KEY})
+
+    with ThreadPoolExecutor(4) as pool:
+        answers = list(pool.map(ask, SENTENCES))
+    assert [status for _, (status, _) in answers] == [200] * len(SENTENCES)
+    assert {s: a["translatedText"] for s, (_, a) in answers} == expected
+
+
+def test_a_full_queue_and_a_sigterm_lose_no_accepted_request(run, tmp_path):
+    """Decoding held (tests.helpers.serve_held): one request decoding, 4 sentences waiting fill --max-queue 4, the
+    next request is 503; then SIGTERM, then decoding goes on: every accepted request is answered and the process
+    exits 0."""
+    hold = tmp_path / "hold"
+    server = Server(["--checkpoint", str(run), "--step", "latest", "--max-queue", "4"], hold=hold)
+    expected = dict(zip(SENTENCES[:5], translated(run, SENTENCES[:5])))
+    try:
+        hold.touch()
+        pool = ThreadPoolExecutor(5)
+        first = pool.submit(server.request, "/translate", {"q": SENTENCES[0], "source": "en", "target": "fr"})
+        _until(server, lambda h: h["decoding"] == 1 and hold.with_name("hold.inside").exists())
+        rest = [
+            pool.submit(server.request, "/translate", {"q": s, "source": "en", "target": "fr"}) for s in SENTENCES[1:5]
+        ]
+        _until(server, lambda h: h["waiting"] == 4)
+        status, answer = server.request("/translate", {"q": "one", "source": "en", "target": "fr"})
+        assert status == 503 and "the queue is full (4 sentences waiting, at most 4)" in answer["error"]
+        server.process.send_signal(signal.SIGTERM)
+        hold.unlink()
+        answers = [future.result(timeout=120) for future in [first, *rest]]
+        assert [a["translatedText"] for _, a in answers] == list(expected.values())
+        assert {status for status, _ in answers} == {200}
+        assert server.process.wait(timeout=120) == 0, "".join(server.log)
+        assert "stopped: " in "".join(server.log)
+    finally:
+        if hold.exists():
+            hold.unlink()
+        server.stop()
+
+
+def _until(server: Server, ready) -> None:
+    """Reads /health until `ready(health)` (the held decoding keeps the state still; bounded)."""
+    for _ in range(2000):
+        status, health = server.request("/health", method="GET")
+        if status == 200 and ready(health):
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"the service never reached the state: {health}")
