@@ -237,3 +237,49 @@ def _until(server: Server, ready) -> None:
             return
         time.sleep(0.01)
     raise AssertionError(f"the service never reached the state: {health}")
+
+
+def test_language_codes_map_between_the_model_and_libretranslate():
+    from jax_transformer.service import HTTPError, Languages
+
+    codes = ["eng_Latn", "deu_Latn", "zho_Hans", "zho_Hant", "fra_Latn"]
+    languages = Languages(codes, codes, multilingual=True)
+    assert [languages.code(c, "source", "source") for c in ("de", "DE", "deu_Latn", "zh", "zho_Hant")] == [
+        "deu_Latn",
+        "deu_Latn",
+        "deu_Latn",
+        "zho_Hans",  # the first code of a language takes its ISO code
+        "zho_Hant",
+    ]
+    listing = {entry["code"]: entry for entry in languages.listing()}
+    assert listing["de"]["name"] == "German" and "zho_Hant" in listing and "de" not in listing["de"]["targets"]
+    with pytest.raises(HTTPError, match="target 'deu_Lat' is not a target language of this model .closest: deu_Latn"):
+        languages.code("deu_Lat", "target", "target")
+
+
+def test_a_multilingual_model_translates_into_the_target_asked_for(tmp_path):
+    """A tiny random NLLB model: LibreTranslate's ISO codes and NLLB's own give what translate gives with
+    --src-lang / --tgt-lang, the target's code forced first."""
+    pytest.importorskip("transformers")
+    from jax_transformer import hub
+    from tests.helpers.multilingual import TOKENIZERS, model_vocab_size, tiny_model
+
+    folder = tmp_path / "nllb"
+    tiny_model("nllb", model_vocab_size("nllb", TOKENIZERS["nllb"](folder))).save_pretrained(folder)
+    run = hub.import_model(folder, tmp_path / "run", print_fn=lambda line: None)
+    server = Server(["--checkpoint", str(run), "--step", "latest"])
+    try:
+        source = tmp_path / "source.txt"
+        source.write_text("".join(s + "\n" for s in SENTENCES[:4]), encoding="utf-8")
+        for src, tgt, iso in (("eng_Latn", "fra_Latn", ("en", "fr")), ("fra_Latn", "eng_Latn", ("fr", "en"))):
+            args = ["translate", "--checkpoint", str(run), "--step", "latest", "--input", str(source)]
+            code, out, err = run_main([*args, "--src-lang", src, "--tgt-lang", tgt])
+            assert code == 0, err
+            for source_code, target_code in (iso, (src, tgt)):
+                body = {"q": SENTENCES[:4], "source": source_code, "target": target_code}
+                status, answer = server.request("/translate", body)
+                assert status == 200 and answer["translatedText"] == out.splitlines(), answer
+        status, listing = server.request("/languages", method="GET")
+        assert status == 200 and {"en", "fr", "de"} <= {entry["code"] for entry in listing}
+    finally:
+        assert server.stop() == 0, "".join(server.log)
