@@ -374,6 +374,28 @@ def translate_flags(sub) -> None:
         help="a line longer than the model's max_len tokens: stop with an error naming the line (after writing "
         "the lines before it), or translate its first max_len - 1 tokens and report the line (default error)",
     )
+    tr.add_argument(
+        "--max-tokens",
+        type=number(int, 1),
+        metavar="N",
+        help="batch by source tokens: each batch as many sentences (sorted by length) as fit rows x padded width "
+        "<= N, all devices together; a sentence wider than N alone is still translated, in the smallest batch "
+        "(default: 64 sentences a batch). With --mesh, each batch's rows are split over the mesh's data axis",
+    )
+    g = tr.add_argument_group("documents (the documents extra: pip install -e '.[documents]')")
+    g.add_argument(
+        "--document",
+        action="store_true",
+        help="the input is a document, not a sentence per line: each sentence (sentencex's, within each line) is "
+        "replaced by its translation and every space, tab, line break and blank line is kept; a sentence longer "
+        "than the model takes is cut into parts at a clause mark or space (reported); lines of any length stream",
+    )
+    g.add_argument(
+        "--document-language",
+        metavar="CODE",
+        help="the document's language for the sentence splitter, ISO 639-1 (de) or a model's code (deu_Latn, "
+        "de_DE) (default: --src-lang of a multilingual model, else en)",
+    )
     tr.set_defaults(func=cmd_translate)
 
 
@@ -820,10 +842,48 @@ def cmd_translate(args, start_time: float) -> int:
     from jax_transformer.corpus import count_lines, read_lines
     from jax_transformer.translation import OutputLines, translate_lines
 
+    if args.document:  # refused before the model loads
+        from jax_transformer import documents
+        from jax_transformer.run import UsageError
+
+        flags = {"--output-format": args.output_format, "--input-format": args.input_format}
+        for flag, value in flags.items():
+            if value != "text":
+                raise UsageError(f"--document writes the document, translated, as text: it takes no {flag} {value}")
+        n_best = given(args, "decode").get("n_best", 1)
+        if n_best > 1:
+            raise UsageError(f"--document writes one translation of each sentence: it takes no --n-best {n_best}")
+        documents.Segmenter()  # a UsageError naming the documents extra where sentencex is missing
     use_compilation_cache(args)
     loaded = _load(args)
     decode = inference.decoding(loaded, given(args, "decode"))
     print(f"decoding: {decode.describe()}", file=sys.stderr)
+    if args.document:
+        if decode.n_best > 1:  # the run's stored choice
+            raise UsageError(f"--document writes one translation of each sentence: the run's --n-best {decode.n_best} "
+                             f"needs --n-best 1")  # fmt: skip
+        language = args.document_language or getattr(loaded.tokenizer, "src_lang", None)  # None: English
+        segmenter = documents.Segmenter(language, documents.model_fits(loaded.tokenizer, loaded.config))
+        origin = args.input or "stdin"
+        sys.stdout.flush()  # what was printed before goes first; the translation bypasses Python's buffer
+        fd = _fileno(sys.stdout)
+        try:
+            report = documents.translate_document(
+                loaded.params,
+                loaded.config,
+                loaded.tokenizer,
+                documents.read_blocks(args.input or sys.stdin.buffer, origin=origin),
+                sys.stdout.write if fd is None else documents.OutputText(fd),
+                decode,
+                segmenter=segmenter,
+                origin=origin,
+                progress=given(args, "loop").get("progress"),  # None: when stderr is a terminal
+                max_tokens=args.max_tokens,  # None: TRANSLATE_BATCH_SIZE sentences a batch
+            )
+        finally:
+            sys.stdout.flush()
+        print(report.describe(), file=sys.stderr)
+        return 0
     # Read, translated and written a chunk of lines at a time: memory does not grow with the input.
     if args.input:
         origin, lines, total = args.input, read_lines(args.input), count_lines(args.input)
@@ -846,6 +906,7 @@ def cmd_translate(args, start_time: float) -> int:
             progress=given(args, "loop").get("progress"),  # None: when stderr is a terminal
             output_format=args.output_format,
             prefix_column=args.input_format == "tsv",
+            max_tokens=args.max_tokens,  # None: TRANSLATE_BATCH_SIZE sentences a batch
         )
     finally:
         sys.stdout.flush()

@@ -286,6 +286,7 @@ class Batcher:
                         self.tokenizer(languages),
                         sentences,
                         decode,
+                        max_tokens=self.max_tokens,  # batches by the same budget (rows x padded width)
                         progress=False,
                     )
                 except Exception as e:  # noqa: BLE001 (the request gets the error; the service goes on)
@@ -342,7 +343,7 @@ class Service:
     async def translate(self, texts: list[str], decode: DecodeConfig, pair) -> list[list[Any]]:
         """Each text's sentences (their pieces, layout kept) with their `Translation`s: [(pieces, translations)]."""
         segmenter = self.segmenter(pair[0] or self.languages.sources[0])
-        pieces = [segmenter.pieces(text) for text in texts]
+        pieces = await asyncio.to_thread(lambda: [segmenter.pieces(text) for text in texts])  # off the event loop
         sentences = [piece for each in pieces for piece, is_sentence in each if is_sentence]
         try:
             future = self.batcher.submit(sentences, decode, pair) if sentences else None

@@ -1,5 +1,6 @@
 """Text in, text out: `translations` encodes sentences (and their target prefixes), decodes them in batches of a few
-fixed shapes (sorted by length, so compilations are few and reused; `plan_translation`) as one `DecodeConfig` says
+fixed shapes (sorted by length, so compilations are few and reused; of a sentence count or a token budget, over the
+'data' axis of the weights' mesh where they lie on one; `plan_translation`) as one `DecodeConfig` says
 (`decoding.decoder`), and returns each sentence's hypotheses with their text, tokens and scores; `translate` the
 best texts alone. `translate_lines` does it for a file or stream of any size, chunk by chunk, one output record per
 input line (text, TSV or JSON lines: `format_translation`). `compile_translation` compiles a plan's programs
@@ -17,7 +18,9 @@ from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import jax
 import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from tqdm.auto import tqdm
 
 from jax_transformer import schedule as schedules
@@ -39,12 +42,14 @@ TRANSLATE_CHUNK_LINES = 4096
 # =============================================================================================================
 
 
-def batch_buckets(batch_size: int) -> tuple[int, ...]:
-    """Row counts a decoding batch is padded to: 1, 2, 4, ... (powers of two below batch_size), batch_size."""
+def batch_buckets(batch_size: int, multiple: int = 1) -> tuple[int, ...]:
+    """Row counts a decoding batch is padded to: 1, 2, 4, ... (powers of two below batch_size), batch_size; each
+    times `multiple` (the devices a batch's rows are split over), batch_size rounded up to a multiple of it."""
+    top = -(-batch_size // multiple)  # batch_size in units of `multiple`
     sizes = [1]
-    while sizes[-1] * 2 < batch_size:
+    while sizes[-1] * 2 < top:
         sizes.append(sizes[-1] * 2)
-    return tuple(sizes) + ((batch_size,) if batch_size > 1 else ())
+    return tuple(multiple * n for n in sizes + ([top] if top > 1 else []))
 
 
 def decode_widths(max_len: int) -> tuple[int, ...]:
@@ -64,35 +69,90 @@ def _bucket(n: int, sizes: Sequence[int]) -> int:
     return next(size for size in sizes if size >= n)
 
 
-def _tail_rows(n: int, batch_size: int) -> list[int]:
-    """Row counts for the last n < batch_size sentences: one batch of the next power of two, or two whose rows add
-    up to fewer: the largest power of two below n, and one for the rest. A step costs about its rows' share of
-    the work down to a few rows, and filler rows decode like real ones until the batch shrinks: 36 sentences
+def _tail_rows(n: int, sizes: Sequence[int]) -> list[int]:
+    """Row counts for the last n sentences (n <= sizes[-1]): one batch of the next row bucket of `sizes`, or two
+    whose rows add up to fewer: the largest bucket below n, and one for the rest. A step costs about its rows' share
+    of the work down to a few rows, and filler rows decode like real ones until the batch shrinks: 36 sentences
     decode as 32 + 4 rows, not as 64 (28 of them filler). A batch of fewer than `schedules.SMALLEST_LEVEL` (4) rows
     counts as 4 here, a rough floor: a beam step costs about the same below, a greedy one at 1 row about half."""
-    sizes = batch_buckets(batch_size)
     whole = _bucket(n, sizes)
-    first = max(size for size in sizes if size <= n)
-    if first == n:
-        return [n]
+    below = [size for size in sizes if size < n]
+    if whole == n or not below:
+        return [whole]
+    first = below[-1]
     second = _bucket(n - first, sizes)
     floor = schedules.SMALLEST_LEVEL
     return [first, second] if max(first, floor) + max(second, floor) < whole else [whole]
 
 
-def translation_batches(lengths: Sequence[int], batch_size: int, max_len: int) -> list[tuple[np.ndarray, int, int]]:
+def _budget_rows(lengths: np.ndarray, max_tokens: int, sizes: Sequence[int], widths: Sequence[int]) -> list[int]:
+    """The rows of each batch of sources sorted by length (`lengths`, ascending) under a budget of `max_tokens`
+    slots (rows x padded width): each batch takes sentences while its padded shape fits, is cut back to a whole
+    row bucket (the rest begin the next batch, which may be wider), and the last ones go as `_tail_rows` says."""
+
+    def fits(count: int, width: int) -> bool:
+        return count <= sizes[-1] and _bucket(count, sizes) * width <= max_tokens
+
+    rows, start, n = [], 0, len(lengths)
+    while start < n:
+        # The smallest batch (sizes[0] rows: one sentence, or one per data device) is filled whatever the budget:
+        # a sentence too long for the budget is still decoded, in the smallest batch that can hold it.
+        end = min(start + sizes[0], n)
+        while end < n and fits(end + 1 - start, _bucket(int(lengths[end]), widths)):
+            end += 1
+        if end == n:
+            return rows + _tail_rows(end - start, sizes)
+        # Cut back to a whole bucket (as fairseq cuts a batch to a multiple of --required-batch-size-multiple): no
+        # filler rows before the last batch; the rest begin the next one.
+        rows.append(max(size for size in sizes if size <= end - start))
+        start += rows[-1]
+    return rows
+
+
+def check_batching(batch_size: int | None, max_tokens: int | None, row_multiple: int = 1) -> None:
+    """ValueError naming the argument unless each given one is an int >= 1, and at most one of batch_size and
+    max_tokens is given."""
+    if max_tokens is not None and batch_size is not None:
+        raise ValueError(f"give batch_size ({batch_size}) or max_tokens ({max_tokens}), not both")
+    for name, value in (("batch_size", batch_size), ("max_tokens", max_tokens), ("row_multiple", row_multiple)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+
+
+def translation_batches(
+    lengths: Sequence[int],
+    batch_size: int | None,
+    max_len: int,
+    *,
+    max_tokens: int | None = None,
+    row_multiple: int = 1,
+) -> list[tuple[np.ndarray, int, int]]:
     """How `translate` batches sources of these lengths (EOS included): (sentence indices, rows, width) per batch.
 
-    Sentences are sorted by length (similar lengths share a batch) and taken `batch_size` at a time. The last
-    ones, fewer than `batch_size`, go in one or two batches of a power of two rows (`_tail_rows`), completed with
-    all-PAD filler rows, which finish at once. The width is the first of `decode_widths(max_len)` that holds the
-    longest source of the batch."""
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
+    Sentences are sorted by length (similar lengths share a batch). By default they are taken `batch_size` at a
+    time (None: TRANSLATE_BATCH_SIZE), the last ones, fewer, in one or two smaller batches (`_tail_rows`). With
+    `max_tokens` instead, each batch takes as many as fit rows x padded width <= max_tokens (`_budget_rows`). A
+    batch's rows are one of a few buckets (`batch_buckets`: powers of two times `row_multiple`, the devices its rows
+    are split over), completed with all-PAD filler rows, which finish at once; its width is the first of
+    `decode_widths(max_len)` that holds its longest source. So a corpus compiles a handful of shapes.
+
+    The budget, as fairseq's --max-tokens and CTranslate2's max_batch_size with batch_type="tokens" count it: the
+    padded shape (rows x width), not the sum of lengths. Unlike fairseq, which refuses a sentence longer than the
+    budget, and like CTranslate2, which gives it a batch of its own, a batch is never smaller than its smallest
+    bucket (`row_multiple` rows): only such a batch may exceed the budget, where one of its sentences alone does."""
+    check_batching(batch_size, max_tokens, row_multiple)
     order = np.argsort(np.asarray(lengths, dtype=np.int64), kind="stable")
-    whole, rest = divmod(len(order), batch_size)
-    rows = [batch_size] * whole + (_tail_rows(rest, batch_size) if rest else [])
     widths = decode_widths(max_len)
+    if max_tokens is None:
+        sizes = batch_buckets(TRANSLATE_BATCH_SIZE if batch_size is None else batch_size, row_multiple)
+        whole, rest = divmod(len(order), sizes[-1])
+        rows = [sizes[-1]] * whole + (_tail_rows(rest, sizes) if rest else [])
+    else:
+        most = row_multiple  # the largest bucket whose rows fit the budget at the narrowest width, at least one
+        while 2 * most * widths[0] <= max_tokens:
+            most *= 2
+        sorted_lengths = np.asarray(lengths, dtype=np.int64)[order]
+        rows = _budget_rows(sorted_lengths, max_tokens, batch_buckets(most, row_multiple), widths)
     batches, start = [], 0
     for n in rows:
         chunk = order[start : start + n]
@@ -126,13 +186,53 @@ class TranslationPlan:
 
 
 def plan_translation(
-    lengths: Sequence[int], batch_size: int, max_len: int, schedule: schedules.Schedule | None = None
+    lengths: Sequence[int],
+    batch_size: int | None,
+    max_len: int,
+    schedule: schedules.Schedule | None = None,
+    *,
+    max_tokens: int | None = None,
+    row_multiple: int = 1,
 ) -> TranslationPlan:
-    """The plan of `translate` for sources of these lengths (EOS included), on `schedule` (default:
-    `schedule.default()`, which says how many whole batches to decode at once and how each then runs)."""
-    batches = translation_batches(lengths, batch_size, max_len)
+    """The plan of `translate` for sources of these lengths (EOS included), batched as `translation_batches` says,
+    on `schedule` (default: `schedule.default()`, which says how many whole batches to decode at once and how each
+    then runs)."""
+    batches = translation_batches(lengths, batch_size, max_len, max_tokens=max_tokens, row_multiple=row_multiple)
     at_once, schedule = (schedule or schedules.default()).for_batches(len(batches))
     return TranslationPlan(np.asarray(lengths, np.int64), batches, at_once, schedule)
+
+
+def weights_mesh(params) -> Mesh | None:
+    """The mesh of several devices the weights lie on (`inference.load(mesh=...)`: one with a 'data' axis, as
+    `sharding.MESH_AXES` names them), else None."""
+    for leaf in jax.tree.leaves(params):
+        sharding = getattr(leaf, "sharding", None)
+        if isinstance(sharding, NamedSharding) and sharding.mesh.size > 1 and "data" in sharding.mesh.axis_names:
+            return sharding.mesh
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class OverData(schedules.Whole):
+    """How a batch runs where the weights lie on a mesh: `Whole`, the batch as one program, its rows (a multiple of
+    the 'data' axis's size, `translation_batches`' row_multiple) split over the 'data' axis of the weights' mesh.
+    The sources and each row's settings are placed by rows; jit's partitioner lays out the rest (the encoder's
+    output, the search's state) from them and the weights. Not the CPU's `Scheduled`: its halves, shrinking levels
+    and encoder groups pick rows by index on the host, which gathers a split batch back and leaves row counts that
+    the axis does not divide; nor batches side by side (`for_batches`: one at a time, each over every device)."""
+
+    mesh: Mesh
+
+    def decode(self, params, config, rules, src, rows, length):
+        by_rows = NamedSharding(self.mesh, PartitionSpec("data"))  # dimension 0 (rows) over 'data', whole elsewhere
+        src, rows = jax.device_put((src, rows), by_rows)
+        return super().decode(params, config, rules, src, rows, length)
+
+    def programs(self, params, config, rules, rows, width, length):
+        return {}  # `Whole`'s would compile for one device: the mesh's programs compile at their first call
+
+    def encoder_programs(self, params, config, shapes):
+        return {}
 
 
 def compile_translation(
@@ -221,13 +321,14 @@ def translate(
     decode: DecodeConfig | None = None,
     *,
     prefixes: Sequence[str | None] | None = None,
-    batch_size: int = TRANSLATE_BATCH_SIZE,
+    batch_size: int | None = None,
+    max_tokens: int | None = None,
     progress: bool = True,
 ) -> list[str]:
     """The best translation of each sentence (strings), in the same order; `translations` has every hypothesis
     with its tokens and scores, and the arguments."""
     found = translations(params, config, tokenizer, sentences, decode, prefixes=prefixes, batch_size=batch_size,
-                         progress=progress)  # fmt: skip
+                         max_tokens=max_tokens, progress=progress)  # fmt: skip
     return [t.text for t in found]
 
 
@@ -239,17 +340,20 @@ def translations(
     decode: DecodeConfig | None = None,
     *,
     prefixes: Sequence[str | None] | None = None,
-    batch_size: int = TRANSLATE_BATCH_SIZE,
+    batch_size: int | None = None,
+    max_tokens: int | None = None,
     progress: bool = True,
 ) -> list[Translation]:
     """Translates sentences (strings) as `decode` says (default: `DecodeConfig()`, this project's beam search of 4;
     the n-best list, sampling and the rules are its fields), each from its target prefix if `prefixes` gives one
     (text the translation must begin with; None or "": none). Returns a `Translation` per sentence, in order.
 
-    Sentences are sorted by length and decoded `batch_size` at a time, each batch padded to one of a few shapes
-    (`plan_translation`), so compilations are few and reused; where the schedule says so (a CPU of two cores or
+    Sentences are sorted by length and decoded `batch_size` at a time (None: TRANSLATE_BATCH_SIZE), or with
+    `max_tokens` instead as many as fit rows x padded width <= max_tokens (`translation_batches`), each batch padded
+    to one of a few shapes, so compilations are few and reused; where the schedule says so (a CPU of two cores or
     more), several batches at once in threads of their own, which take the caller's matmul precision and default
-    device. For a file or stream of any size, `translate_lines` does this chunk by chunk.
+    device. Weights on a mesh (`inference.load(mesh=...)`) decode each batch over it, its rows split over the
+    'data' axis (`OverData`). For a file or stream of any size, `translate_lines` does this chunk by chunk.
     """
     decode = forced_language(decode, tokenizer)
     sources = encode_sources(tokenizer, sentences, config)
@@ -259,7 +363,9 @@ def translations(
     if prefixes is not None:
         ids = encode_prefixes(tokenizer, prefixes)
         check_prefixes(config, decode, sources, ids, [f"sentence {i}" for i in range(len(sources))])
-    decoded = _decode_sources(params, config, sources, ids, decode, batch_size=batch_size, progress=progress)
+    decoded = _decode_sources(
+        params, config, sources, ids, decode, batch_size=batch_size, max_tokens=max_tokens, progress=progress
+    )
     prefixes = prefixes or [None] * len(sources)
     return [
         Translation(sentence, _hypotheses(tokenizer, found, config), prefix or None)
@@ -286,11 +392,17 @@ def _decode_sources(
     prefixes: list[list[int] | None] | None,
     decode: DecodeConfig,
     *,
-    batch_size: int,
+    batch_size: int | None,
+    max_tokens: int | None,
     progress: bool,
 ) -> list[Decoded]:
     """The hypotheses of encoded sources (ids + EOS), each a Decoded of one row, in their order; see `translate`."""
-    plan = plan_translation([len(s) for s in sources], batch_size, config.max_len)
+    mesh = weights_mesh(params)  # on a mesh: every batch whole over it, its rows split over 'data'
+    schedule, row_multiple = (None, 1) if mesh is None else (OverData(mesh), mesh.shape["data"])
+    lengths = [len(s) for s in sources]
+    plan = plan_translation(
+        lengths, batch_size, config.max_len, schedule, max_tokens=max_tokens, row_multiple=row_multiple
+    )
     params = on_device(params)  # once for all the batches of a call (of a chunk, for translate_lines)
     settings = schedules.callers_settings()  # the caller's matmul precision and device, in the pool's threads too
 
@@ -420,7 +532,8 @@ def translate_lines(
     chunk_size: int = TRANSLATE_CHUNK_LINES,
     total: int | None = None,
     progress: bool | None = True,
-    batch_size: int = TRANSLATE_BATCH_SIZE,
+    batch_size: int | None = None,
+    max_tokens: int | None = None,
     output_format: str = "text",
     prefix_column: bool = False,
 ) -> TranslationReport:
@@ -428,8 +541,8 @@ def translate_lines(
     `write(line)` for each output line, in order (`format_translation`: with n-best 1 and text, exactly one output
     per input; an empty (or blank) line gives an empty output, and line breaks inside a translation become
     spaces). With `prefix_column`, a line is "source<TAB>target prefix" (the prefix may be empty). Memory is
-    bounded by `chunk_size` lines: each chunk is read, decoded (sorted by length into batches, as `translate` does)
-    and written before the next is read.
+    bounded by `chunk_size` lines: each chunk is read, decoded (sorted by length into batches of `batch_size`
+    sentences or of `max_tokens` token slots, as `translate` does) and written before the next is read.
 
     The too-long rule: a line of n tokens needs n + 1 <= config.max_len positions (EOS). With on_too_long="error"
     a longer line is a DataError naming `origin` and the line (the lines before it are already written); with
@@ -442,6 +555,7 @@ def translate_lines(
         raise ValueError(f"output_format must be one of {OUTPUT_FORMATS}, got {output_format!r}")
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size must be an int >= 1, got {chunk_size!r}")
+    check_batching(batch_size, max_tokens)  # before a line is read
     decode = forced_language(decode, tokenizer)
     report = TranslationReport()
     bar = tqdm(
@@ -475,7 +589,14 @@ def translate_lines(
                 prefix_ids = encode_prefixes(tokenizer, [prefixes[i] for i in done])
                 check_prefixes(config, decode, sources, prefix_ids, [f"{origin}, line {first + i}" for i in done])
             decoded = _decode_sources(
-                params, config, sources, prefix_ids, decode, batch_size=batch_size, progress=False
+                params,
+                config,
+                sources,
+                prefix_ids,
+                decode,
+                batch_size=batch_size,
+                max_tokens=max_tokens,
+                progress=False,
             )
             found = dict(zip(done, (Translation(chunk[i], _hypotheses(tokenizer, d, config), prefixes[i] or None)
                                     for i, d in zip(done, decoded))))  # fmt: skip

@@ -41,6 +41,7 @@ LAYERS = [
     ("schedule",),  # how a batch runs through the search's programs: whole, or the CPU's throughput schedule
     ("decoding",),  # the decoders callers use: greedy and beam search, generate, a run's decoder
     ("translation",),  # text in, text out: batches of a few shapes, decoded by the model's rules
+    ("documents",),  # documents in: sentences split with the layout kept, streamed in bounded memory
     ("scoring",),  # the log-probs of given translations (teacher forcing), for filtering and reranking
     ("evaluation", "visualize"),
     ("checkpoint",),
@@ -51,6 +52,7 @@ LAYERS = [
     ("loop",),  # the training loop
     ("run",),  # setting up a run
     ("inference",),  # a model loaded to decode (checkpoint, dtype, int8, mesh, languages), its decoding resolved
+    ("service",),  # train.py serve: HTTP (LibreTranslate's API, a native one), requests batched for the decoders
 ]
 
 

@@ -30,7 +30,7 @@ pytest.importorskip("starlette")
 pytest.importorskip("uvicorn")
 
 KEY = "s3cret-key"
-SENTENCES = list(load_saved_model("trained_tiny").source_texts[:24])
+SENTENCES = list(load_saved_model("trained_tiny").source_texts[:12])
 
 
 class Server:
@@ -186,15 +186,15 @@ def test_bad_requests_are_answered_with_the_documented_errors(server, body, stat
 
 
 def test_concurrent_clients_get_their_own_translations(server, run):
-    """A bounded load: 4 clients, 24 requests of one sentence each, all answered, each with its own translation."""
-    expected = dict(zip(SENTENCES, translated(run, SENTENCES, beam_size=2)))
+    """A bounded load: 4 clients, 12 requests of one sentence each, all answered, each with its own translation."""
+    expected = dict(zip(SENTENCES[:12], translated(run, SENTENCES[:12], beam_size=2)))
 
     def ask(sentence):
         return sentence, server.request("/translate", {"q": sentence, "source": "en", "target": "fr", "api_key": KEY})
 
     with ThreadPoolExecutor(4) as pool:
-        answers = list(pool.map(ask, SENTENCES))
-    assert [status for _, (status, _) in answers] == [200] * len(SENTENCES)
+        answers = list(pool.map(ask, SENTENCES[:12]))
+    assert [status for _, (status, _) in answers] == [200] * 12
     assert {s: a["translatedText"] for s, (_, a) in answers} == expected
 
 
