@@ -12,10 +12,11 @@ so all three decode the very same float32 weights. Greedy search, at most `--new
 random model seldom ends a sentence on its own: every row runs to the limit, in all three alike).
 
 Rows:
-- `serve, N clients`: a child process `train.py serve --port 0` (its start-up and first compilation before the
-  clock starts); N client threads, each with its own keep-alive connection, send the requests one after the other
-  (LibreTranslate's POST /translate, one sentence each) until `--requests` are sent in all. requests/s and
-  sentences/s over the wall time of all of them; p50 and p99 of each request's latency; errors: any answer but 200.
+- `serve, N clients`: a child process `train.py serve --port 0` (its start-up, and one untimed pass of every load
+  to compile the batch shapes it makes, before the clock starts); N client threads, each with its own keep-alive
+  connection, send the requests one after the other (LibreTranslate's POST /translate, one sentence each) until
+  `--requests` are sent in all. requests/s and sentences/s over the wall time of all of them; p50 and p99 of each
+  request's latency; errors: any answer but 200.
 - `translate`: `translation.translate` of the same sentences in this process, all at once (what `train.py
   translate` does with a file, its start-up left out), after one untimed warm-up.
 - `ctranslate2`: `Translator.translate_batch` of the same sentences, max_batch_size 64, `intra_threads` = the cores.
@@ -66,6 +67,7 @@ class Service:
     def __init__(self, run: Path, flags: list[str]) -> None:
         self.process = subprocess.Popen(
             [sys.executable, str(REPO / "train.py"), "serve", "--checkpoint", str(run), "--port", "0", *flags],
+            stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             text=True,
             env=dict(os.environ, PYTHONPATH=str(REPO)),
@@ -139,7 +141,10 @@ def main(argv=None) -> int:
     from jax_transformer.translation import translate
 
     texts = sentences(args.input, args.requests)
-    flags = ["--beam-size", "1", "--max-len-a", "0", "--max-len-b", str(args.new_tokens)]
+    # Imported models decode by transformers' rules: max_length counts the start token; no forced EOS, so that each
+    # engine stops after the same `new_tokens` tokens as CTranslate2's max_decoding_length.
+    limits = {"beam_size": 1, "max_length": args.new_tokens + 1, "forced_eos": False}
+    flags = ["--beam-size", "1", "--max-length", str(args.new_tokens + 1), "--no-forced-eos"]
     rows: dict[str, list[dict]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
@@ -149,7 +154,7 @@ def main(argv=None) -> int:
         subprocess.run([sys.executable, str(REPO / "train.py"), "import", str(tmp / "hf"), "--output",
                         str(tmp / "run")], check=True, capture_output=True)  # fmt: skip
         loaded = inference.load(tmp / "run", "latest")
-        decode = inference.decoding(loaded, {"beam_size": 1, "max_len_a": 0.0, "max_len_b": args.new_tokens})
+        decode = inference.decoding(loaded, limits)
         ct2 = None
         try:
             import ctranslate2
@@ -162,28 +167,37 @@ def main(argv=None) -> int:
         tok = loaded.tokenizer
         source = [[tok.piece(i, "source") for i in tok.encode(x)] + ["</s>"] for x in texts]
 
+        outputs = {}
+
         def run_translate() -> dict:
             began = time.perf_counter()
-            translate(loaded.params, loaded.config, tok, texts, decode, progress=False)
+            outputs["translate"] = translate(loaded.params, loaded.config, tok, texts, decode, progress=False)
             return {"seconds": time.perf_counter() - began, "errors": 0}
 
         def run_ct2() -> dict:
             began = time.perf_counter()
-            ct2.translate_batch(source, beam_size=1, max_batch_size=64, max_decoding_length=args.new_tokens)
-            return {"seconds": time.perf_counter() - began, "errors": 0}
+            found = ct2.translate_batch(source, beam_size=1, max_batch_size=64, max_decoding_length=args.new_tokens)
+            seconds = time.perf_counter() - began
+            outputs["ctranslate2"] = [tok.decode([tok.target_vocab[t] for t in r.hypotheses[0]]) for r in found]
+            return {"seconds": seconds, "errors": 0}
 
         run_translate()  # compiles its programs
         service = Service(tmp / "run", [*flags, "--languages", "de-en", "--max-queue", str(len(texts) + 1)])
-        load(service, texts[:8], 2)  # the service's first batches of other shapes compile here
         try:
+            for clients in args.clients:  # untimed: the batch shapes each load makes compile here, once
+                load(service, texts, clients)
             for _ in range(repeats):
                 for clients in args.clients:
-                    rows.setdefault(f"serve, {clients} clients", []).append(load(service, texts, clients))
+                    name = f"serve, {clients} client{'s' * (clients > 1)}"
+                    rows.setdefault(name, []).append(load(service, texts, clients))
                 rows.setdefault("translate (one call, all sentences)", []).append(run_translate())
                 if ct2 is not None:
                     rows.setdefault("ctranslate2 translate_batch", []).append(run_ct2())
         finally:
             code = service.stop()
+    if "ctranslate2" in outputs:  # the same weights and search: the same translations, but for near-ties
+        same = sum(a == b for a, b in zip(outputs["translate"], outputs["ctranslate2"]))
+        print(f"translate and ctranslate2: {same}/{len(texts)} identical translations")
     info = machine_info()
     print(f"machine: {info}")
     print(f"{len(texts)} sentences, greedy, at most {args.new_tokens} tokens each; {repeats} repeat(s); exit {code}")

@@ -599,8 +599,9 @@ def serve(service: Service, print_fn: Callable[[str], None] = print) -> None:
         timeout_graceful_shutdown=settings.shutdown_timeout_s,
         limit_concurrency=None,
     )
-    server = _server_class(uvicorn)(config)
-    print_fn(f"serving http://{host}:{port} (LibreTranslate's /translate, /languages, /detect; /v1/translate; /health)")
+    listening = f"serving http://{host}:{port} (LibreTranslate's /translate, /languages, /detect; /v1/translate; "
+    listening += "/health)"
+    server = _server_class(uvicorn, lambda: print_fn(listening))(config)
     try:
         server.run(sockets=[sock])
     finally:
@@ -608,8 +609,13 @@ def serve(service: Service, print_fn: Callable[[str], None] = print) -> None:
         print_fn(f"stopped: {service.batcher.served} sentences served in {service.batcher.batches} batches")
 
 
-def _server_class(uvicorn):
+def _server_class(uvicorn, on_listening: Callable[[], None]):
     class Server(uvicorn.Server):
+        async def startup(self, sockets=None) -> None:
+            await super().startup(sockets=sockets)
+            if not self.should_exit:  # listening now: a client may connect once this is printed
+                on_listening()
+
         @contextlib.contextmanager
         def capture_signals(self):
             # As uvicorn's, without raising the signal again once the requests in flight are answered: the batcher
