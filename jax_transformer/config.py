@@ -890,6 +890,12 @@ class ServeConfig(Settings):
         1024, "sentences waiting to be decoded; a request that would exceed it is answered 503", at_least=1
     )
     max_request_bytes: int = setting(1_000_000, "largest request body; larger ones are answered 413", at_least=1)
+    max_beam: int = setting(
+        8, "largest beam_size and n_best (LibreTranslate's alternatives + 1) a request may ask for", at_least=1
+    )
+    max_connections: int = setting(
+        256, "connections served at once; more are answered 503 (uvicorn's limit_concurrency)", at_least=1
+    )
     api_key_file: str | None = setting(
         None, "a file holding the API key every request must carry (LibreTranslate's api_key); none: no key"
     )

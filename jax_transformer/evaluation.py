@@ -68,6 +68,21 @@ def evaluate_translations(
     return {**score_translations(hypotheses, references), **score_pairs(hypotheses, references, languages)}, hypotheses
 
 
+def first_rows(languages: Sequence[tuple[str, str]] | None, n: int) -> list[int]:
+    """The indices of n validation rows, in order: the first n, or with languages the first rows of every pair in
+    turn (a file grouped by pair, evaluated on part of it, then still reports every pair)."""
+    if languages is None or n >= len(languages):
+        return list(range(n if languages is None else len(languages)))
+    queues = [iter(rows) for rows in by_pair(languages).values()]
+    picked: list[int] = []
+    while len(picked) < n:
+        for queue in queues:
+            row = next(queue, None)
+            if row is not None and len(picked) < n:
+                picked.append(row)
+    return sorted(picked)
+
+
 def by_pair(languages: Sequence[tuple[str, str]]) -> dict[tuple[str, str], list[int]]:
     """The sentence indices of each language pair, pairs in order of first appearance."""
     rows: dict[tuple[str, str], list[int]] = {}

@@ -35,7 +35,7 @@ from jax_transformer.compilation import CompileJobs, CompileLog
 from jax_transformer.config import DecodeConfig, LoopConfig, OptimConfig, TransformerConfig
 from jax_transformer.distributed import DataParallel, agree_on_stop, is_primary
 from jax_transformer.errors import DataError, UsageError
-from jax_transformer.evaluation import describe_pairs, evaluate_translations, spread_indices
+from jax_transformer.evaluation import describe_pairs, evaluate_translations, first_rows, spread_indices
 from jax_transformer.tokenizer import Tokenizer
 from jax_transformer.training import (
     TrainState,
@@ -662,8 +662,9 @@ class Evaluator:
 
     def _bleu(self, params, step: int, n: int, final: bool, result: dict[str, Any]):
         decode = self.decoding(final)
-        sources, references = self.valid.sources[:n], self.valid.references[:n]
-        languages = None if self.valid.languages is None else self.valid.languages[:n]
+        rows = first_rows(self.valid.languages, n)
+        sources, references = [self.valid.sources[i] for i in rows], [self.valid.references[i] for i in rows]
+        languages = None if self.valid.languages is None else [self.valid.languages[i] for i in rows]
         try:
             scores, hypotheses = evaluate_translations(
                 params,

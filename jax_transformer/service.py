@@ -27,6 +27,7 @@ import contextlib
 import dataclasses
 import hmac
 import json
+import logging
 import signal
 import threading
 import time
@@ -34,8 +35,11 @@ import urllib.parse
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from jax_transformer.checks import TokenError
 from jax_transformer.config import ConfigError, DecodeConfig, ServeConfig
 from jax_transformer.errors import DataError
+
+log = logging.getLogger(__name__)
 
 EXTRA = "pip install -e '.[serve]'"
 
@@ -178,6 +182,10 @@ class QueueFull(Exception):
     pass
 
 
+class TooMany(Exception):
+    """A request of more sentences than the whole queue holds: it could never be taken (413, not 503)."""
+
+
 @dataclasses.dataclass
 class Job:
     """Sentences of one request, decoded alike: their translations go to `future`."""
@@ -213,10 +221,18 @@ class Batcher:
         self.thread.start()
         return self
 
-    def submit(self, sentences: list[str], decode: DecodeConfig, languages=(None, None)) -> concurrent.futures.Future:
-        job = Job(list(sentences), decode, tuple(languages))
+    def submit(
+        self, sentences: list[str], decode: DecodeConfig, languages=(None, None), tokens: int | None = None
+    ) -> concurrent.futures.Future:
+        """Queues a request's sentences (`tokens`: their source tokens, counted by the caller off the lock)."""
+        job = Job(list(sentences), decode, tuple(languages), tokens=tokens)
+        if len(job.sentences) > self.max_queue:
+            raise TooMany(
+                f"the request holds {len(job.sentences)} sentences, more than this service queues ({self.max_queue}, "
+                f"--max-queue): send them in several requests"
+            )
         with self.lock:
-            if self.closing:
+            if self.closing or not self.thread.is_alive() and self.thread.ident is not None:
                 raise QueueFull("the service is shutting down")
             if self.waiting + len(job.sentences) > self.max_queue:
                 raise QueueFull(
@@ -235,11 +251,16 @@ class Batcher:
         self.thread.join(timeout)
 
     def tokenizer(self, languages: tuple[str | None, str | None]):
+        """The tokenizer for a language pair (a view of the model's: the same files, its languages set)."""
         if languages not in self.tokenizers:
             from jax_transformer.tokenizer import with_languages
 
             self.tokenizers[languages] = with_languages(self.loaded.tokenizer, *languages)
         return self.tokenizers[languages]
+
+    def tokens(self, sentences: Sequence[str], languages) -> int:
+        """Source tokens of `sentences`, EOS included."""
+        return sum(len(ids) + 1 for ids in self.tokenizer(tuple(languages)).encode_batch(list(sentences)))
 
     def _take(self) -> list[Job] | None:
         """The next batch: the first waiting job and those that join it within the window, up to the budget."""
@@ -266,17 +287,30 @@ class Batcher:
             return taken
 
     def _tokens(self, job: Job) -> int:
-        if job.tokens is None:
-            job.tokens = sum(len(ids) + 1 for ids in self.tokenizer(job.languages).encode_batch(job.sentences))
+        if job.tokens is None:  # (callers count them before they submit, off the lock)
+            job.tokens = self.tokens(job.sentences, job.languages)
         return job.tokens
 
     def _run(self) -> None:
+        try:
+            self._serve()
+        except BaseException as e:  # the thread must not end quietly with requests waiting: fail them, refuse more
+            with self.lock:
+                self.closing = True
+                waiting, self.jobs = list(self.jobs), collections.deque()
+            for job in waiting:
+                if job.future.set_running_or_notify_cancel():
+                    job.future.set_exception(RuntimeError(f"the decoder stopped: {type(e).__name__}: {e}"))
+            raise
+
+    def _serve(self) -> None:
         from jax_transformer.translation import translations
 
         while (taken := self._take()) is not None:
             groups: dict[Any, list[Job]] = {}
             for job in taken:
-                groups.setdefault(job.key, []).append(job)
+                if job.future.set_running_or_notify_cancel():  # False: its client is gone (a cancelled request)
+                    groups.setdefault(job.key, []).append(job)
             for (decode, languages), jobs in groups.items():
                 sentences = [s for job in jobs for s in job.sentences]
                 try:
@@ -323,17 +357,30 @@ class Service:
     api_key: str | None = None
 
     def decoding(self, options: Any, field: str = "options") -> DecodeConfig:
-        """The request's decoding: the service's, with the fields given (DecodeConfig's names), checked."""
-        from jax_transformer import inference
+        """The request's decoding: the service's, with the fields given (DecodeConfig's names) over it, checked
+        against the model and against --max-beam (each new width compiles programs on the decoder thread)."""
+        from jax_transformer.config import check_decoding
 
         if not options:
             return self.decode
         if not isinstance(options, dict):
             raise HTTPError(400, f"{field}: expected an object of decoding settings, got {type(options).__name__}")
+        for name, value in options.items():
+            if isinstance(value, (list, dict)):
+                raise HTTPError(400, f"{field}.{name}: expected one value, got {type(value).__name__}")
+        base = self.decode.to_dict()
+        if options.get("do_sample"):
+            base.pop("beam_size")  # sampling draws one hypothesis per sample: the service's beam does not apply
         try:
-            return inference.decoding(self.loaded, {**_given(self.decode), **options})
+            decode = DecodeConfig.from_dict({**base, **options}, source=field)
+            check_decoding(self.loaded.config, decode, {f"{field}.beam_size": [decode.beams]}, given=options)
         except (ConfigError, TypeError, ValueError) as e:
             raise HTTPError(400, f"{field}: {e}") from None
+        most = self.settings.max_beam
+        for name in ("beam_size", "n_best"):
+            if getattr(decode, name) > most:
+                raise HTTPError(400, f"{field}.{name} {getattr(decode, name)}: more than this service allows ({most})")
+        return decode
 
     def pair(self, source: Any, target: Any) -> tuple[str | None, str | None]:
         src = self.languages.code(source, "source", "source")
@@ -342,11 +389,18 @@ class Service:
 
     async def translate(self, texts: list[str], decode: DecodeConfig, pair) -> list[list[Any]]:
         """Each text's sentences (their pieces, layout kept) with their `Translation`s: [(pieces, translations)]."""
-        segmenter = self.segmenter(pair[0] or self.languages.sources[0])
-        pieces = await asyncio.to_thread(lambda: [segmenter.pieces(text) for text in texts])  # off the event loop
-        sentences = [piece for each in pieces for piece, is_sentence in each if is_sentence]
+
+        def prepare():  # splitting and tokenizing: in a worker thread, off the event loop and the batcher's lock
+            segmenter = self.segmenter(pair[0] or self.languages.sources[0])
+            pieces = [segmenter.pieces(text) for text in texts]
+            sentences = [piece for each in pieces for piece, is_sentence in each if is_sentence]
+            return pieces, sentences, self.batcher.tokens(sentences, pair)
+
+        pieces, sentences, tokens = await asyncio.to_thread(prepare)
         try:
-            future = self.batcher.submit(sentences, decode, pair) if sentences else None
+            future = self.batcher.submit(sentences, decode, pair, tokens) if sentences else None
+        except TooMany as e:
+            raise HTTPError(413, str(e)) from None
         except QueueFull as e:
             raise HTTPError(503, str(e), {"Retry-After": "1"}) from None
         found = await asyncio.wrap_future(future) if future is not None else []
@@ -356,10 +410,6 @@ class Service:
             out.append((each, found[start : start + n]))
             start += n
         return out
-
-
-def _given(decode: DecodeConfig) -> dict[str, Any]:
-    return decode.to_dict()
 
 
 def joined(pieces: list[tuple[str, bool]], translations, rank: int = 0) -> str:
@@ -386,7 +436,7 @@ async def read_body(request, limit: int) -> dict[str, Any]:
         body += chunk
         if len(body) > limit:
             raise HTTPError(413, f"the request body is more than this service takes ({limit:,} bytes)")
-    kind = request.headers.get("content-type", "").split(";")[0].strip()
+    kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
     fields: dict[str, Any] = {}
     if body and kind == "application/json":
         try:
@@ -407,11 +457,19 @@ async def read_body(request, limit: int) -> dict[str, Any]:
     return fields
 
 
+def _unique(texts: list[str], translation: str) -> list[str]:
+    out: list[str] = []
+    for text in texts:
+        if text and text != translation and text not in out:
+            out.append(text)
+    return out
+
+
 def _int_field(fields: dict[str, Any], name: str, default: int) -> int:
     value = fields.get(name, default)
     try:
         number = int(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         raise HTTPError(400, f"{name}: expected a whole number, got {value!r}") from None
     if number < 0:
         raise HTTPError(400, f"{name}: expected 0 or more, got {number}")
@@ -423,16 +481,22 @@ def _texts(fields: dict[str, Any], name: str) -> tuple[list[str], bool]:
     value = fields.get(name)
     if value is None:
         raise HTTPError(400, f"Invalid request: missing {name} parameter")
-    if isinstance(value, str):
-        return [value], True
-    if isinstance(value, list) and all(isinstance(v, str) for v in value):
-        return value, False
-    raise HTTPError(400, f"{name}: expected a string or a list of strings")
+    texts, one = ([value], True) if isinstance(value, str) else (value, False)
+    if not isinstance(texts, list) or not all(isinstance(v, str) for v in texts):
+        raise HTTPError(400, f"{name}: expected a string or a list of strings")
+    for i, text in enumerate(texts):
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:  # JSON can carry a lone surrogate ("\ud800"), which is no text
+            where = name if one else f"{name}[{i}]"
+            raise HTTPError(400, f"{where}: not Unicode text: {e.reason} at character {e.start}") from None
+    return texts, one
 
 
 def app(service: Service):
     """The Starlette application of `service`."""
     from starlette.applications import Starlette
+    from starlette.exceptions import HTTPException
     from starlette.responses import JSONResponse
     from starlette.routing import Route
 
@@ -441,20 +505,25 @@ def app(service: Service):
             try:
                 fields = await read_body(request, service.settings.max_request_bytes)
                 if keyed and service.api_key is not None:
-                    given = str(fields.get("api_key", request.headers.get("authorization", "").removeprefix("Bearer ")))
-                    if not hmac.compare_digest(given.encode(), service.api_key.encode()):
+                    bearer = request.headers.get("authorization", "")
+                    given = str(fields.get("api_key", bearer[7:] if bearer[:7].lower() == "bearer " else ""))
+                    key = given.encode("utf-8", "surrogatepass")
+                    if not hmac.compare_digest(key, service.api_key.encode()):
                         raise HTTPError(403, "Invalid API key")
                 return JSONResponse(await handler(fields))
             except HTTPError as e:
                 return JSONResponse({"error": e.message}, status_code=e.status, headers=e.headers)
-            except (DataError, ConfigError) as e:  # a sentence or option the model refuses
+            except (DataError, ConfigError, TokenError) as e:  # a sentence or option the model refuses
                 return JSONResponse({"error": str(e)}, status_code=400)
+            except Exception as e:  # noqa: BLE001 (answered as JSON, logged; the service goes on)
+                log.exception("%s %s failed", request.method, request.url.path)
+                return JSONResponse({"error": f"internal error: {type(e).__name__}: {e}"}, status_code=500)
 
         return endpoint
 
     async def translate(fields):
         texts, one = _texts(fields, "q")
-        if fields.get("format", "text") != "text":
+        if (fields.get("format") or "text") != "text":  # (LibreTranslate reads "" and null as text too)
             raise HTTPError(400, f"format {fields.get('format')!r}: this service translates plain text ('text')")
         alternatives = _int_field(fields, "alternatives", 0)
         detected = None
@@ -462,7 +531,7 @@ def app(service: Service):
         if source == "auto":
             if service.detector is None:
                 raise HTTPError(400, f"source 'auto': language detection is off (install py3langid: {EXTRA})")
-            code, confidence = service.detector.detect(" ".join(texts), 1)[0]
+            code, confidence = (await asyncio.to_thread(service.detector.detect, " ".join(texts), 1))[0]
             detected, source = {"confidence": confidence, "language": service.languages.short([code])[0]}, code
         decode = service.decode
         if alternatives:
@@ -471,8 +540,11 @@ def app(service: Service):
         results = await service.translate(texts, decode, service.pair(source, fields.get("target")))
         translated = [joined(pieces, found) for pieces, found in results]
         answer: dict[str, Any] = {"translatedText": translated[0] if one else translated}
-        if alternatives:
-            others = [[joined(pieces, found, rank) for rank in range(1, alternatives + 1)] for pieces, found in results]
+        if alternatives:  # as LibreTranslate: the other texts, none empty, none twice, none the translation itself
+            others = [
+                _unique([joined(pieces, found, rank) for rank in range(1, alternatives + 1)], text)
+                for (pieces, found), text in zip(results, translated)
+            ]
             answer["alternatives"] = others[0] if one else others
         if detected is not None:
             answer["detectedLanguage"] = detected if one else [detected] * len(texts)
@@ -481,9 +553,11 @@ def app(service: Service):
     async def native(fields):
         texts, _ = _texts(fields, "text")
         decode = service.decoding(fields.get("options"))
-        pair = service.pair(
-            fields.get("source", service.languages.sources[0]), fields.get("target", service.languages.targets[0])
-        )
+        if service.languages.multilingual:  # source and target: required (a model of one pair has its own)
+            pair = service.pair(fields.get("source"), fields.get("target"))
+        else:
+            pair = service.pair(fields.get("source", service.languages.sources[0]),
+                                fields.get("target", service.languages.targets[0]))  # fmt: skip
         began = time.monotonic()
         results = await service.translate(texts, decode, pair)
         return {
@@ -507,13 +581,13 @@ def app(service: Service):
         texts, _ = _texts(fields, "q")
         if service.detector is None:
             raise HTTPError(400, f"language detection is off (install py3langid: {EXTRA})")
-        ranked = service.detector.detect(" ".join(texts))
+        ranked = await asyncio.to_thread(service.detector.detect, " ".join(texts))
         return [{"confidence": c, "language": service.languages.short([code])[0]} for code, c in ranked]
 
     async def health(fields):
         b = service.batcher
         return {
-            "status": "shutting down" if b.closing else "ok",
+            "status": "ok" if b.thread.is_alive() and not b.closing else "stopped",
             "model": str(service.loaded.directory),
             "step": service.loaded.step,
             "waiting": b.waiting,
@@ -529,7 +603,11 @@ def app(service: Service):
         Route("/v1/translate", checked(native), methods=["POST"]),
         Route("/health", checked(health, keyed=False), methods=["GET"]),
     ]
-    return Starlette(routes=routes)
+
+    async def not_here(request, error):  # 404, 405 and the like: JSON as every other answer
+        return JSONResponse({"error": error.detail}, status_code=error.status_code, headers=error.headers)
+
+    return Starlette(routes=routes, exception_handlers={HTTPException: not_here})
 
 
 # =============================================================================================================
@@ -597,7 +675,7 @@ def serve(service: Service, print_fn: Callable[[str], None] = print) -> None:
         app(service),
         log_level="warning",
         timeout_graceful_shutdown=settings.shutdown_timeout_s,
-        limit_concurrency=None,
+        limit_concurrency=settings.max_connections,
     )
     listening = f"serving http://{host}:{port} (LibreTranslate's /translate, /languages, /detect; /v1/translate; "
     listening += "/health)"

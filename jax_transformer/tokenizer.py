@@ -432,12 +432,17 @@ class LanguageCodeTokenizer(_Bundle):
         return code
 
     def with_languages(self, src_lang: str | None = None, tgt_lang: str | None = None) -> LanguageCodeTokenizer:
-        """The same tokenizer for another pair of languages (None: keep the current one), each checked."""
+        """The same tokenizer for another pair of languages (None: keep the current one), each checked: a view that
+        shares this one's files and models (a pair per request costs no parse of NLLB's 17 MB tokenizer.json)."""
+        import copy
+
         options = dict(self.options)
         for key, code in (("src_lang", src_lang), ("tgt_lang", tgt_lang)):
             if code is not None:
                 options[key] = self.checked_language(code, f"--{key.replace('_', '-')}")
-        return type(self)(self.files, options)
+        view = copy.copy(self)  # the languages are read from `options` when used, nothing else depends on them
+        view.options = options
+        return view
 
     @property
     def src_lang(self) -> str | None:

@@ -181,3 +181,12 @@ def checkpoint_free_tokenizer():
 
     pairs = default_pairs("train", n=300)
     return Tokenizer.train(list(pairs.sources) + list(pairs.targets), vocab_size=100)
+
+
+def test_part_of_a_file_grouped_by_pair_still_evaluates_every_pair():
+    from jax_transformer.evaluation import first_rows
+
+    languages = [EN_FR] * 5 + [FR_EN] * 3  # a validation file grouped by pair
+    assert first_rows(languages, 4) == [0, 1, 5, 6]  # --eval-sentences 4: two of each, not the first pair alone
+    assert first_rows(languages, 7) == [0, 1, 2, 3, 5, 6, 7]
+    assert first_rows(languages, 20) == list(range(8)) and first_rows(None, 3) == [0, 1, 2]

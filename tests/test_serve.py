@@ -126,7 +126,6 @@ def test_libretranslate_clients_get_what_translate_gives(server, run):
     expected = translated(run, SENTENCES[:6], beam_size=2)
     assert [client.translate(s, "en", "fr") for s in SENTENCES[:6]] == expected
     assert client.languages() == [{"code": "en", "name": "English", "targets": ["fr"]}]
-    assert client.detect(SENTENCES[0])[0]["language"] == "en"
     # A list of texts, and a text of several lines and blank lines: each line its own translation, layout kept.
     status, answer = server.request("/translate", {"q": SENTENCES[:3], "source": "en", "target": "fr", "api_key": KEY})
     assert status == 200 and answer["translatedText"] == expected[:3]
@@ -156,9 +155,20 @@ def test_the_native_endpoint_takes_every_option_and_gives_scores(server, run):
         assert [h["score"] for h in sentence["hypotheses"]] == pytest.approx(
             [h.score for h in want.hypotheses], abs=1e-6
         )
+    # LibreTranslate's alternatives: the n-best list's other texts, none empty, none twice, none the translation.
+    decode = inference.decoding(loaded, {"beam_size": 3, "n_best": 3})
+    best = translations(loaded.params, loaded.config, loaded.tokenizer, SENTENCES[:1], decode, progress=False)[0]
+    texts = [h.text for h in best.hypotheses]
     status, answer = server.request("/translate", {"q": SENTENCES[0], "source": "en", "target": "fr",
                                                    "alternatives": 2, "api_key": KEY})  # fmt: skip
-    assert status == 200 and len(answer["alternatives"]) == 2
+    assert status == 200 and answer["translatedText"] == texts[0]
+    assert answer["alternatives"] == [t for i, t in enumerate(texts) if i and t and t not in texts[:i]]
+    # Sampling through the options, its seed given: the same request draws the same again.
+    sample = {"text": SENTENCES[1], "options": {"do_sample": True, "top_k": 5, "sample_seed": 3}, "api_key": KEY}
+    first, again = server.request("/v1/translate", sample), server.request("/v1/translate", sample)
+    assert (
+        first[0] == 200 and "sampling" in first[1]["decoding"] and first[1]["translations"] == again[1]["translations"]
+    )
 
 
 @pytest.mark.parametrize(
@@ -171,6 +181,9 @@ def test_the_native_endpoint_takes_every_option_and_gives_scores(server, run):
         ({"q": "one", "source": "en", "target": "fr", "alternatives": "x"}, 400, "alternatives: expected a whole"),
         ({"text": "one", "options": {"beam_size": 0}}, 400, "beam_size"),
         ({"text": "one", "options": {"beams": 2}}, 400, "unknown DecodeConfig field(s) ['beams']"),
+        ({"text": "one", "options": {"beam_size": [2, 4]}}, 400, "options.beam_size: expected one value"),
+        ({"text": "one", "options": {"beam_size": 9}}, 400, "options.beam_size 9: more than this service allows (8)"),
+        ({"q": "one \ud800", "source": "en", "target": "fr"}, 400, "q: not Unicode text"),
         ({"q": "x" * 5000, "source": "en", "target": "fr"}, 413, "more than this service takes (4,000)"),
         ({"q": "one", "source": "en", "target": "fr", "api_key": "wrong"}, 403, "Invalid API key"),
     ],
@@ -182,7 +195,27 @@ def test_bad_requests_are_answered_with_the_documented_errors(server, body, stat
     assert got == status and message in answer["error"], answer
     got, answer = server.request("/translate", b"{not json", headers={"Content-Type": "application/json"})
     assert got == 400 and "not valid JSON" in answer["error"]
-    assert server.request("/health", method="GET", headers={"Authorization": f"Bearer {KEY}"})[1]["status"] == "ok"
+    assert server.request("/nowhere", method="GET") == (404, {"error": "Not Found"})
+
+
+def test_the_key_the_limits_and_a_chunked_body(server):
+    import http.client
+
+    body = {"q": "one", "source": "en", "target": "fr"}
+    assert server.request("/translate", body)[0] == 403  # no key
+    assert server.request("/translate", body, headers={"Authorization": f"Bearer {KEY}"})[0] == 200
+    # A body without Content-Length (chunked) is counted as it streams in, and refused past the limit.
+    host, port = server.url.removeprefix("http://").split(":")
+    connection = http.client.HTTPConnection(host, int(port), timeout=60)
+    chunks = (
+        json.dumps({"q": "x" * 6000, "source": "en", "target": "fr"})[i : i + 1000].encode()
+        for i in range(0, 7000, 1000)
+    )
+    connection.request("POST", "/translate", chunks, {"Content-Type": "application/json"}, encode_chunked=True)
+    response = connection.getresponse()
+    assert (
+        response.status == 413 and "more than this service takes (4,000 bytes)" in json.loads(response.read())["error"]
+    )
 
 
 def test_concurrent_clients_get_their_own_translations(server, run):
@@ -216,6 +249,9 @@ def test_a_full_queue_and_a_sigterm_lose_no_accepted_request(run, tmp_path):
         _until(server, lambda h: h["waiting"] == 4)
         status, answer = server.request("/translate", {"q": "one", "source": "en", "target": "fr"})
         assert status == 503 and "the queue is full (4 sentences waiting, at most 4)" in answer["error"]
+        five = "\n".join(SENTENCES[:5])  # more sentences than the queue holds at all: never, so not "retry later"
+        status, answer = server.request("/translate", {"q": five, "source": "en", "target": "fr"})
+        assert status == 413 and "the request holds 5 sentences, more than this service queues (4" in answer["error"]
         server.process.send_signal(signal.SIGTERM)
         hold.unlink()
         answers = [future.result(timeout=120) for future in [first, *rest]]
@@ -281,5 +317,14 @@ def test_a_multilingual_model_translates_into_the_target_asked_for(tmp_path):
                 assert status == 200 and answer["translatedText"] == out.splitlines(), answer
         status, listing = server.request("/languages", method="GET")
         assert status == 200 and {"en", "fr", "de"} <= {entry["code"] for entry in listing}
+        # Detection among the model's source languages (py3langid's model), and a source it detects.
+        german = "Der Hund läuft schnell über die Straße, weil er die Katze sieht."
+        status, found = server.request("/detect", {"q": german})
+        assert status == 200 and found[0]["language"] == "de" and found[0]["confidence"] > 50
+        status, answer = server.request("/translate", {"q": german, "source": "auto", "target": "en"})
+        assert status == 200 and answer["detectedLanguage"]["language"] == "de"
+        # The native endpoint asks a multilingual model for both languages.
+        status, answer = server.request("/v1/translate", {"text": "one"})
+        assert status == 400 and "missing source parameter" in answer["error"]
     finally:
         assert server.stop() == 0, "".join(server.log)
