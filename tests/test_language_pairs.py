@@ -48,7 +48,8 @@ def imported(tmp_path_factory):
 
     folder = tmp_path_factory.mktemp("nllb")
     tiny_model("nllb", model_vocab_size("nllb", TOKENIZERS["nllb"](folder))).save_pretrained(folder)
-    return folder, hub.import_model(folder, folder.parent / "run", print_fn=lambda line: None)
+    run = tmp_path_factory.mktemp("nllb_run") / "run"  # a folder of its own: other modules import beside it
+    return folder, hub.import_model(folder, run, print_fn=lambda line: None)
 
 
 def test_each_pair_is_encoded_with_its_own_codes_as_transformers_does(imported, tmp_path):
