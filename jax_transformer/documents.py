@@ -504,6 +504,12 @@ def translate_document(
     return report
 
 
+def joined(pieces: list[Piece], translations: Iterable[str]) -> str:
+    """One text's pieces (`Segmenter.split`) with each sentence replaced by its translation, joined as
+    `translate_document` joins them (the server's texts too)."""
+    return _Joined()(pieces, iter(translations))
+
+
 class _Joined:
     """Pieces with each sentence replaced by the next translation (line breaks in it made spaces), chunk after
     chunk; between two sentences that nothing separated, a space where neither facing character is wide (CJK)."""

@@ -392,8 +392,8 @@ class Service:
 
         def prepare():  # splitting and tokenizing: in a worker thread, off the event loop and the batcher's lock
             segmenter = self.segmenter(pair[0] or self.languages.sources[0])
-            pieces = [segmenter.pieces(text) for text in texts]
-            sentences = [piece for each in pieces for piece, is_sentence in each if is_sentence]
+            pieces = [segmenter.split(text) for text in texts]
+            sentences = [piece.text for each in pieces for piece in each if piece.sentence]
             return pieces, sentences, self.batcher.tokens(sentences, pair)
 
         pieces, sentences, tokens = await asyncio.to_thread(prepare)
@@ -406,23 +406,18 @@ class Service:
         found = await asyncio.wrap_future(future) if future is not None else []
         out, start = [], 0
         for each in pieces:
-            n = sum(1 for _, is_sentence in each if is_sentence)
+            n = sum(piece.sentence for piece in each)
             out.append((each, found[start : start + n]))
             start += n
         return out
 
 
-def joined(pieces: list[tuple[str, bool]], translations, rank: int = 0) -> str:
-    """The text with each sentence replaced by its `rank`-th translation ("" where it has fewer), layout kept."""
-    out, i = [], 0
-    for piece, is_sentence in pieces:
-        if is_sentence:
-            hypotheses = translations[i].hypotheses
-            out.append(hypotheses[rank].text if rank < len(hypotheses) else "")
-            i += 1
-        else:
-            out.append(piece)
-    return "".join(out)
+def joined(pieces, translations, rank: int = 0) -> str:
+    """The text with each sentence replaced by its `rank`-th translation ("" where it has fewer), joined as
+    `translate --document` joins a document (`documents.joined`)."""
+    from jax_transformer import documents
+
+    return documents.joined(pieces, (t.hypotheses[rank].text if rank < len(t.hypotheses) else "" for t in translations))
 
 
 async def read_body(request, limit: int) -> dict[str, Any]:
@@ -618,16 +613,16 @@ def app(service: Service):
 def build(loaded, decode: DecodeConfig, settings: ServeConfig, *, detect: bool = True) -> Service:
     """The service of a loaded model: its languages, detector (where py3langid is installed), key and batcher
     (not started)."""
-    from jax_transformer.documents import Segmenter
+    from jax_transformer.documents import Segmenter, model_fits
     from jax_transformer.tokenizer import with_languages
 
     languages = Languages.of(loaded, settings.languages)
     segmenters: dict[str, Any] = {}
 
-    def segmenter(code: str):  # a source language's splitter; a sentence fits with its code (if any) and EOS
+    def segmenter(code: str):  # a source language's splitter; a sentence must fit with its code (if any)
         if code not in segmenters:
             tokenizer = with_languages(loaded.tokenizer, code if languages.multilingual else None)
-            segmenters[code] = Segmenter(code, lambda s: len(tokenizer.encode(s)) + 1 <= loaded.config.max_len)
+            segmenters[code] = Segmenter(code, model_fits(tokenizer, loaded.config))
         return segmenters[code]
 
     detector = None
