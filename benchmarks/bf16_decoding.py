@@ -41,16 +41,17 @@ def _same(a, b) -> int:
 
 def flax_uncached_greedy(params, config, src: np.ndarray) -> list[tuple[int, ...]]:
     """Greedy search without a cache: the Flax model re-run over the whole prefix at every step (teacher forcing
-    on what it produced so far), with decoding.greedy_search's rules (PAD and BOS banned, the same length limit)."""
+    on what it produced so far), with decoders.greedy_search's rules (PAD and BOS banned, the same length limit)."""
     import jax
     import jax.numpy as jnp
 
-    from jax_transformer import compilation, decoding
-    from jax_transformer.model import Transformer
+    from jax_transformer import compilation
+    from jax_transformer.decoding import decoders
+    from jax_transformer.model.transformer import Transformer
 
     model = Transformer(config)
     forward = compilation.jit(lambda p, s, t: model.apply({"params": p}, s, t)[:, -1], config.dtype)
-    limits = decoding.max_new_tokens(src, config)
+    limits = decoders.max_new_tokens(src, config)
     prefix = np.full((len(src), 1), config.bos_id, np.int32)
     done = np.zeros(len(src), bool)
     for step in range(int(limits.max())):
@@ -68,7 +69,7 @@ def token_outputs(saved, dtype: str, path: str) -> dict[str, list[tuple[int, ...
     """{"flax": [...], "twin": [...]}: each framework's output tokens (up to EOS) for every source, in `dtype`."""
     import torch
 
-    from jax_transformer import decoding
+    from jax_transformer.decoding import decoders
     from tests.helpers.twins import t, torch_twin
     from torch_reference import decoding as torch_decoding
 
@@ -79,18 +80,18 @@ def token_outputs(saved, dtype: str, path: str) -> dict[str, list[tuple[int, ...
     if kind == "greedy":
         use_cache = "without" not in rest
         if "batch 1" in rest:
-            flax = [decoding.greedy_search(saved.params, config, row[None])[0][0] for row in src]
+            flax = [decoders.greedy_search(saved.params, config, row[None])[0][0] for row in src]
             twin_out = [torch_decoding.greedy_search(twin, t(row[None]), use_cache=True)[0][0] for row in src]
             return {"flax": cut(flax), "twin": cut(x.numpy() for x in twin_out)}
         flax = (
-            cut(decoding.greedy_search(saved.params, config, src)[0])
+            cut(decoders.greedy_search(saved.params, config, src)[0])
             if use_cache
             else flax_uncached_greedy(saved.params, config, src)
         )
         return {"flax": flax, "twin": cut(torch_decoding.greedy_search(twin, t(src), use_cache=use_cache)[0].numpy())}
     beam = int(rest.split()[0])
     use_cache = "without" not in rest
-    flax = decoding.beam_search(saved.params, config, src, beam_size=beam, alpha=0.6)[0]
+    flax = decoders.beam_search(saved.params, config, src, beam_size=beam, alpha=0.6)[0]
     with torch.no_grad():
         twin_tokens = torch_decoding.beam_search(twin, t(src), beam_size=beam, alpha=0.6, use_cache=use_cache)[0]
     return {"flax": cut(flax), "twin": cut(twin_tokens.numpy())}
@@ -101,7 +102,7 @@ def text_outputs(saved, dtype: str, path: str) -> dict[str, list[str]]:
     for evaluate the BLEU of each."""
     import torch
 
-    from jax_transformer import evaluation, translation
+    from jax_transformer.decoding import evaluation, translation
     from tests.helpers.batches import pad_rows
     from tests.helpers.twins import t, torch_twin
     from torch_reference import decoding as torch_decoding
@@ -137,12 +138,12 @@ TEXT_PATHS = ("translate (beam 4, text)", "evaluate (beam 4, BLEU)")
 
 
 def verify_counts(saved) -> dict[str, dict[str, int]]:
-    """`train.py verify`'s decoding comparison (jax_transformer.verify.compare_decoding: Flax vs the twin rebuilt
-    from an exported weight file, greedy and beam 4) in each dtype: {dtype: {search: identical sentences}}."""
+    """`train.py verify`'s decoding comparison (jax_transformer.interop.verify.compare_decoding: Flax vs the twin
+    rebuilt from an exported weight file, greedy and beam 4) in each dtype: {dtype: {search: identical sentences}}."""
     from pathlib import Path
 
-    from jax_transformer.checkpoint import Checkpoint
-    from jax_transformer.verify import compare_decoding, torch_twin_from_export
+    from jax_transformer.checkpoint.manager import Checkpoint
+    from jax_transformer.interop.verify import compare_decoding, torch_twin_from_export
 
     out = {}
     for dtype in DTYPES:

@@ -26,7 +26,9 @@ class Settings:
     torch_threads: int
     quick: bool
     gpu_variants: tuple[str, ...] | None = None  # the gpu section's training-step variants (None: every one)
-    freed_memory_kept: bool = False  # glibc keeps what the process frees (jax_transformer.host_memory), as in training
+    freed_memory_kept: bool = (
+        False  # glibc keeps what the process frees (jax_transformer.training.host_memory), as in training
+    )
 
     def repeats_for(self, preset_name: str) -> int:
         return self.repeats.get(preset_name, min(self.repeats.values()))

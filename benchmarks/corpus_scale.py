@@ -258,10 +258,10 @@ def stream_rate(tsv: Path, run_dir: Path, cache: Path, *, cold: str, seconds: fl
     """Real tokens (source and target, padding not counted) a second that the run's batch stream cuts from the
     memory-mapped arrays, for `seconds`: after emptying the page cache ("cold": read from disk) or not ("warm")."""
     sys.path.insert(0, str(REPO))
-    from jax_transformer import token_arrays
-    from jax_transformer.batching import BatchStream, SpecialIds
-    from jax_transformer.config import DataConfig, preset
-    from jax_transformer.tokenizer import Tokenizer
+    from jax_transformer.data import token_arrays
+    from jax_transformer.data.batching import BatchStream, SpecialIds
+    from jax_transformer.data.tokenizer import Tokenizer
+    from jax_transformer.settings.config import DataConfig, preset
 
     tokenizer = Tokenizer.load(run_dir / "tokenizer.model")
     arrays = token_arrays.open_encoded([tsv], tokenizer, cache_dir=cache, print_fn=lambda _: None, progress=False)

@@ -10,7 +10,7 @@
     python benchmarks/ctranslate2_decoding.py --model nllb-600m --rows greedy:1,greedy:16,beam4:16   # a real shape
 
 Needs the `ctranslate2` extra (`pip install -e ".[ctranslate2]"`) and transformers (the `pretrained` extra): the
-model is written with `export --format transformers` (jax_transformer.hub) and converted by CTranslate2's own
+model is written with `export --format transformers` (jax_transformer.interop.hub) and converted by CTranslate2's own
 TransformersConverter, so both engines run the very same float32 weights. Without ctranslate2 the script says so
 and exits 0 (it is an optional benchmark).
 
@@ -19,7 +19,7 @@ Marian's conventions, which CTranslate2's Marian loader requires (pad the last i
 decoder starts from, EOS 0, no BOS, sinusoids in halves); random weights, seed 0. Sources: random ids, 32 tokens
 per sentence (EOS last). Every call produces exactly `--new-tokens` tokens per sentence (EOS banned until then:
 the Flax decoders' min_len, CTranslate2's min_decoding_length = max_decoding_length), and includes encoding.
-Decoders: `flax` (jax_transformer.decoding, this project's own rules), `flax-generate` (`decoding.generate`,
+Decoders: `flax` (jax_transformer.decoding.decoders, this project's own rules), `flax-generate` (`decoders.generate`,
 transformers' rules, what imported models use) and `ctranslate2` (Translator.translate_batch, float32,
 `intra_threads` = the machine's cores). With every output of one length, the length penalties do not reorder the
 beam, so all three should give the same tokens: the table says how many sentences agree.
@@ -65,7 +65,7 @@ from benchmarks.machine import machine_info  # noqa: E402
 
 ROWS = ("greedy:16", "greedy:64", "greedy:1", "beam4:16", "beam4:64", "beam4:1")
 DECODERS = ("flax", "flax-generate", "ctranslate2")
-# int8 (--decoders): this project's search on weights quantized at load (jax_transformer.quantization: int8 x int8
+# int8 (--decoders): this project's search on weights quantized at load (jax_transformer.model.quantization: int8 x int8
 # products, or int8 weights converted inside float ones) and CTranslate2's compute_type "int8", same weights.
 INT8_DECODERS = ("flax-int8", "flax-int8-weights", "ctranslate2-int8")
 QUANTIZE = {"flax-int8": "int8-dynamic", "flax-int8-weights": "int8-weights"}
@@ -78,10 +78,10 @@ def marian_shaped_model(preset_name: str, vocab: int, max_len: int, seed: int = 
     (the rest of the entries are placeholder pieces)."""
     import sentencepiece as spm
 
-    from jax_transformer.config import preset
-    from jax_transformer.default_task import default_pairs
-    from jax_transformer.model import init_params
-    from jax_transformer.tokenizer import MarianTokenizer, unigram_model_bytes
+    from jax_transformer.data.default_task import default_pairs
+    from jax_transformer.data.tokenizer import MarianTokenizer, unigram_model_bytes
+    from jax_transformer.model.transformer import init_params
+    from jax_transformer.settings.config import preset
 
     pad = vocab - 1
     config = preset(
@@ -124,11 +124,11 @@ def marian_shaped_model(preset_name: str, vocab: int, max_len: int, seed: int = 
 
 
 def convert(params, config, tokenizer, folder: Path, run: dict | None = None) -> Path:
-    """Writes the model as a MarianMTModel directory (jax_transformer.hub) and converts it with CTranslate2's
+    """Writes the model as a MarianMTModel directory (jax_transformer.interop.hub) and converts it with CTranslate2's
     TransformersConverter; returns the CTranslate2 model folder."""
     import ctranslate2
 
-    from jax_transformer import hub
+    from jax_transformer.interop import hub
 
     run = run or {"imported_from": {"family": "marian"}, "decode": {"beam_size": 4, "alpha": 1.0}}
     hf = folder / "transformers"
@@ -148,8 +148,8 @@ def decoders(
 ) -> dict:
     """name -> a zero-argument call that decodes `src` into (B, new_tokens) token ids. `translator` is CTranslate2's,
     its decoder called `name`; `quantized`: {decoder name: (params, config)} of the int8 rows."""
-    from jax_transformer import decoding
-    from jax_transformer.decoding import generate
+    from jax_transformer.decoding import decoders
+    from jax_transformer.decoding.decoders import generate
 
     fixed = dict(max_len_a=0, max_len_b=new_tokens, min_len=new_tokens)
     index = {piece: i for i, piece in enumerate(pieces)}
@@ -163,8 +163,8 @@ def decoders(
     # The searches return their tokens as numpy, on the host: on a GPU a call's time includes the device's work.
     def flax(params=params, config=config):
         if beam == 1:
-            return decoding.greedy_search(params, config, src, **fixed)[0]
-        return decoding.beam_search(params, config, src, beam_size=beam, alpha=1.0, **fixed)[0]
+            return decoders.greedy_search(params, config, src, **fixed)[0]
+        return decoders.beam_search(params, config, src, beam_size=beam, alpha=1.0, **fixed)[0]
 
     def flax_generate():
         return generate(
@@ -228,7 +228,7 @@ def benchmark(
     ct2_compute_type = ct2_compute_type or dtype
     if len([name for name in names if name.startswith("ctranslate2")]) != 1:
         raise ValueError(f"one CTranslate2 decoder per run (two in one process slow each other), got {names}")
-    from jax_transformer import quantization
+    from jax_transformer.model import quantization
 
     config, params, tokenizer = marian_shaped_model(preset_name, vocab, max(new_tokens, src_len) + 1)
     results = []
@@ -303,14 +303,14 @@ def translate_run(run_dir: Path, input_path: Path, beam: int, repeats: int, log=
     the run's tokenizer on both sides: sentences/s over the whole file, tokenizing and detokenizing included."""
     import ctranslate2
 
-    from jax_transformer import inference
-    from jax_transformer.decoding import decoder
-    from jax_transformer.run import stored_settings
-    from jax_transformer.translation import translate_lines
+    from jax_transformer.checkpoint.settings import stored_settings
+    from jax_transformer.decoding import loading
+    from jax_transformer.decoding.decoders import decoder
+    from jax_transformer.decoding.translation import translate_lines
 
-    loaded = inference.load(run_dir, "best")  # as train.py translate loads it
+    loaded = loading.load(run_dir, "best")  # as train.py translate loads it
     config, tokenizer, settings = loaded.config, loaded.tokenizer, stored_settings(loaded)
-    decode = inference.decoding(loaded)
+    decode = loading.decoding(loaded)
     lines = [line.rstrip("\n") for line in input_path.read_text(encoding="utf-8").splitlines()]
     # Lines longer than the model takes are left out (translate would stop at them), and counted.
     fits = [line for line in lines if len(tokenizer.encode(line)) < config.max_len]
@@ -455,7 +455,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         forwarded += ["--json", str(args.json)] if args.json else []
         return subprocess.run([sys.executable, str(REPO / "benchmarks" / "multilingual.py"), *forwarded]).returncode
     if args.write_marian:
-        from jax_transformer import hub
+        from jax_transformer.interop import hub
 
         texts = [line for path in args.texts for line in path.read_text(encoding="utf-8").splitlines()]
         config, params, tokenizer = marian_shaped_model(args.preset, args.vocab, args.max_len, texts=texts)

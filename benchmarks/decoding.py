@@ -7,7 +7,7 @@
     python benchmarks/decoding.py --json decoding.json
 
 Implementations (all decode the same random-weight model on the same random sources):
-  flax-cached             jax_transformer.decoding: key/value cache, the whole loop one jitted lax.while_loop.
+  flax-cached             jax_transformer.decoding.decoders: key/value cache, the whole loop one jitted lax.while_loop.
   torch-tutorial          the Annotated Transformer's greedy_decode, batched: each step re-runs the decoder over
                           the whole prefix and appends the argmax (greedy only; the tutorial has no beam search).
   torch-reference         torch_reference.decoding, the parity reference: re-runs the whole prefix each step,
@@ -45,7 +45,7 @@ import numpy as np  # noqa: E402
 
 from benchmarks.machine import machine_info  # noqa: E402
 from benchmarks.report import add_ratio, figure_from_summary, ratio  # noqa: E402
-from jax_transformer.config import TransformerConfig  # noqa: E402
+from jax_transformer.settings.config import TransformerConfig  # noqa: E402
 from tests.helpers.configs import preset_config  # noqa: E402
 from tests.helpers.twins import twin_models  # noqa: E402
 
@@ -76,14 +76,14 @@ def _decoders(
     """name -> a zero-argument call that decodes `src` and returns the tokens (B, new_tokens) as numpy."""
     import torch
 
-    from jax_transformer import decoding
+    from jax_transformer.decoding import decoders
     from torch_reference import decoding as torch_decoding
 
     src_t = torch.from_numpy(src).long()
     fixed = dict(max_len_a=0, max_len_b=new_tokens, min_len=new_tokens)  # exactly new_tokens tokens
     if beam_size == 1:
         calls = {
-            "flax-cached": lambda: decoding.greedy_search(params, config, src, **fixed)[0],
+            "flax-cached": lambda: decoders.greedy_search(params, config, src, **fixed)[0],
             "torch-tutorial": lambda: tutorial_greedy_decode(torch_model, src_t, new_tokens, config.bos_id).numpy(),
             "torch-reference": lambda: torch_decoding.greedy_search(torch_model, src_t, **fixed)[0].numpy(),
             "torch-reference-cached": lambda: torch_decoding.greedy_search(torch_model, src_t, use_cache=True, **fixed)[
@@ -93,7 +93,7 @@ def _decoders(
     else:
         beam = dict(beam_size=beam_size, alpha=0.6, **fixed)
         calls = {
-            "flax-cached": lambda: decoding.beam_search(params, config, src, **beam)[0],
+            "flax-cached": lambda: decoders.beam_search(params, config, src, **beam)[0],
             "torch-reference": lambda: torch_decoding.beam_search(torch_model, src_t, **beam)[0].numpy(),
             "torch-reference-cached": lambda: torch_decoding.beam_search(torch_model, src_t, use_cache=True, **beam)[
                 0

@@ -51,8 +51,9 @@ def document(groups: list[list[str]], rng: random.Random) -> tuple[list[tuple[st
 
 
 def main() -> int:
-    from jax_transformer import documents, hub, inference
-    from jax_transformer.translation import translate
+    from jax_transformer.decoding import documents, loading
+    from jax_transformer.decoding.translation import translate
+    from jax_transformer.interop import hub
 
     missing = [str(p) for p in SETS.values() if not p.exists()]
     if missing:
@@ -67,8 +68,8 @@ def main() -> int:
         config, params, tokenizer = marian_shaped_model("small", 8000, 128, texts=every)
         hub.export_transformers(params, config, tokenizer, {"imported_from": {"family": "marian"}}, tmp / "hf")
         run = hub.import_model(tmp / "hf", tmp / "run", print_fn=lambda line: None)
-        loaded = inference.load(run, "latest")
-        decode = inference.decoding(loaded, {"beam_size": 1, "max_length": 33, "forced_eos": False})
+        loaded = loading.load(run, "latest")
+        decode = loading.decoding(loaded, {"beam_size": 1, "max_length": 33, "forced_eos": False})
         segmenter = documents.Segmenter("de", documents.model_fits(loaded.tokenizer, loaded.config))
         print("| set | paragraphs | sentences | paragraphs byte for byte | whole document byte for byte |")
         print("|---|---:|---:|---:|---|")

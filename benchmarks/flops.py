@@ -17,7 +17,7 @@ import numpy as np
 
 from benchmarks.report import add_ratio, figure, ratio
 from benchmarks.train_step import JAX_LABEL, JaxTrain, interleaved, training_batch
-from jax_transformer.config import TransformerConfig
+from jax_transformer.settings.config import TransformerConfig
 from tests.helpers.configs import preset_config
 from tests.helpers.twins import ported_params
 
@@ -93,7 +93,7 @@ def traced_train_step_matmul_flops(config: TransformerConfig, batch_size: int, s
     import jax
     import jax.numpy as jnp
 
-    from jax_transformer.training import OptimConfig, abstract_train_state, make_train_step
+    from jax_transformer.training.trainer import OptimConfig, abstract_train_state, make_train_step
 
     opt = OptimConfig()
     shapes = {"src": (batch_size, src_len), "tgt_in": (batch_size, tgt_len), "tgt_out": (batch_size, tgt_len)}

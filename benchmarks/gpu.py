@@ -256,7 +256,7 @@ def _train_ratios(rate: dict, peak_keys: dict) -> None:
 def _decode(s, figures, failures, kind, torch_device, on_gpu, peak) -> None:
     import torch
 
-    from jax_transformer import decoding
+    from jax_transformer.decoding import decoders
     from tests.helpers.twins import torch_twin
     from torch_reference import decoding as torch_decoding
 
@@ -273,9 +273,9 @@ def _decode(s, figures, failures, kind, torch_device, on_gpu, peak) -> None:
             for dtype in ("float32", "bfloat16"):
                 config = base.replace(dtype=dtype)
                 model = torch_twin(config, params, device=torch_device)
-                runners[f"JAX greedy {dtype}"] = lambda c=config: decoding.greedy_search(params, c, src, **fixed)
+                runners[f"JAX greedy {dtype}"] = lambda c=config: decoders.greedy_search(params, c, src, **fixed)
                 if not s.quick:
-                    runners[f"JAX beam {BEAM} {dtype}"] = lambda c=config: decoding.beam_search(
+                    runners[f"JAX beam {BEAM} {dtype}"] = lambda c=config: decoders.beam_search(
                         params, c, src, beam_size=BEAM, alpha=0.6, **fixed
                     )
                 runners[f"torch greedy {dtype} (cached)"] = lambda m=model: torch_decoding.greedy_search(
@@ -326,7 +326,7 @@ def child_compile(s: Settings, dtype: str, cache_dir: str) -> dict:
     quickly it compiled): trace and compile the training step of the first preset in `dtype`."""
     import jax
 
-    from jax_transformer.training import OptimConfig, abstract_train_state, make_train_step
+    from jax_transformer.training.trainer import OptimConfig, abstract_train_state, make_train_step
 
     jax.config.update("jax_enable_compilation_cache", True)  # run.py's isolate_caches turned it off
     jax.config.update("jax_compilation_cache_dir", cache_dir)

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """What int8 decoding costs in quality: a trained run's checkpoint decoded in float32 and with its weights quantized
-at load (jax_transformer.quantization), on the run's validation data (or --src/--tgt).
+at load (jax_transformer.model.quantization), on the run's validation data (or --src/--tgt).
 
     python benchmarks/int8_quality.py --run runs/m30k                      # greedy and beam 4, both int8 modes
     python benchmarks/int8_quality.py --run runs/m30k --sentences 200 --beams 1 --modes int8-dynamic
@@ -33,7 +33,7 @@ MODES = ("int8-dynamic", "int8-weights")
 
 def largest_logit_difference(params, config, qparams, qconfig, batches) -> tuple[float, float]:
     """(largest |float32 - int8| logit, largest |float32 logit|) over the real target positions of `batches`."""
-    from jax_transformer.verify import flax_logits_fn
+    from jax_transformer.interop.verify import flax_logits_fn
 
     exact, quantized = flax_logits_fn(config), flax_logits_fn(qconfig)
     diff = largest = 0.0
@@ -49,12 +49,13 @@ def largest_logit_difference(params, config, qparams, qconfig, batches) -> tuple
 def measure(run: Path, step: str, sources, references, batches, beams: Sequence[int], modes: Sequence[str], log=print):
     import jax
 
-    from jax_transformer import inference, quantization
-    from jax_transformer.config import DecodeConfig
-    from jax_transformer.evaluation import score_translations
-    from jax_transformer.translation import translate
+    from jax_transformer.decoding import loading
+    from jax_transformer.decoding.evaluation import score_translations
+    from jax_transformer.decoding.translation import translate
+    from jax_transformer.model import quantization
+    from jax_transformer.settings.config import DecodeConfig
 
-    loaded = inference.load(run, step)  # the float weights, as train.py loads them
+    loaded = loading.load(run, step)  # the float weights, as train.py loads them
     params, config, tokenizer = loaded.params, loaded.config, loaded.tokenizer
     rows = []
     with jax.default_matmul_precision("highest"):
@@ -132,15 +133,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     import dataclasses
 
-    from jax_transformer import checkpoint, run
-    from jax_transformer.batching import ValidationSet, encode_corpus
-    from jax_transformer.config import DataConfig
+    from jax_transformer.checkpoint import manager as checkpoint
+    from jax_transformer.checkpoint.settings import stored_settings
+    from jax_transformer.data.batching import ValidationSet, encode_corpus
+    from jax_transformer.data.reading import load_corpus
+    from jax_transformer.settings.config import DataConfig
 
     loaded = checkpoint.load(args.run, args.step, weights_only=True)
     if args.src:
-        corpus = run.load_corpus(DataConfig(src=str(args.src), tgt=str(args.tgt)), "train")
+        corpus = load_corpus(DataConfig(src=str(args.src), tgt=str(args.tgt)), "train")
     else:
-        corpus = run.load_corpus(DataConfig.from_dict(run.stored_settings(loaded)["data"]), "valid")
+        corpus = load_corpus(DataConfig.from_dict(stored_settings(loaded)["data"]), "valid")
     if corpus is None:
         parser.error("the run had no validation data: give --src and --tgt")
     if args.sentences:

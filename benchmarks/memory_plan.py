@@ -46,7 +46,7 @@ MESHES = {  # device count -> meshes
 
 
 def config_of(name: str):
-    from jax_transformer.config import TransformerConfig
+    from jax_transformer.settings.config import TransformerConfig
 
     s = SHAPES[name]
     return TransformerConfig(
@@ -68,9 +68,9 @@ def child(models: list[str], meshes: list[str], max_tokens: int, width: int) -> 
     """In a process with the devices: one plan per (model, mesh)."""
     import jax
 
-    from jax_transformer import plan
-    from jax_transformer.config import OptimConfig
-    from jax_transformer.sharding import MeshShape
+    from jax_transformer.model.sharding import MeshShape
+    from jax_transformer.settings.config import OptimConfig
+    from jax_transformer.training import plan
 
     rows = []
     for model in models:
@@ -108,9 +108,9 @@ DEVICE_SIZES = (16, 24, 40, 80)  # GB, as accelerators are sold (10^9 bytes)
 
 def fine_tuning(models: list[str], max_tokens: int, width: int, dtype: str, remat: str) -> list[dict]:
     """The memory plan of each model in each of MODES on one device (this machine's first)."""
-    from jax_transformer import plan
-    from jax_transformer.config import OptimConfig
-    from jax_transformer.sharding import MeshShape
+    from jax_transformer.model.sharding import MeshShape
+    from jax_transformer.settings.config import OptimConfig
+    from jax_transformer.training import plan
 
     rows = []
     for model in models:
@@ -141,9 +141,9 @@ def remat_cost(name: str, max_tokens: int, width: int, repeats: int) -> list[dic
     import jax
     import numpy as np
 
-    from jax_transformer import plan, training
-    from jax_transformer.config import REMAT_POLICIES, OptimConfig, preset
-    from jax_transformer.sharding import MeshShape
+    from jax_transformer.model.sharding import MeshShape
+    from jax_transformer.settings.config import REMAT_POLICIES, OptimConfig, preset
+    from jax_transformer.training import plan, trainer
 
     optim, rows = OptimConfig(), max_tokens // width
     rng = np.random.default_rng(0)
@@ -153,8 +153,8 @@ def remat_cost(name: str, max_tokens: int, width: int, repeats: int) -> list[dic
         memory = plan.plan_step(config, optim, MeshShape(), rows, width)
         batch = {k: rng.integers(4, config.tgt_vocab_size, (rows, width), dtype=np.int32) for k in ("src", "tgt_in")}
         batch["tgt_out"] = batch["tgt_in"]
-        step = training.make_train_step(config, optim)
-        state = training.create_train_state(config, optim, seed=0)
+        step = trainer.make_train_step(config, optim)
+        state = trainer.create_train_state(config, optim, seed=0)
         state, _ = step(state, batch)  # compiles
         runs[remat] = dict(step=step, state=state, batch=batch, memory=memory, seconds=[])
     for _ in range(repeats):

@@ -15,10 +15,10 @@ whole run (CPU) and time to BLEU 40 (GPU), each in fresh `train.py` processes.
     # GPU: seconds from launch to validation BLEU >= 40 (greedy, 200 sentences), cold then warm compilation cache
     python benchmarks/multi30k.py time-to-bleu --json bleu40.json --plot bleu40.png   # two runs of <= 4 minutes
 
-Both run the `multi30k` recipe (`jax_transformer/configs/recipes/multi30k.json`, docs/quality.md's Multi30k command
-before the 60-minute CPU recipe `multi30k-cpu`), written out as flags so that the code before recipes runs it too
-(`readme_flags`: small preset, 6000-piece vocabulary, 4096 token slots, eval every 500 steps on 200 sentences, greedy)
-with only `--max-minutes`, `--run-dir` and the compilation cache changed, and read what happened from the run's
+Both run the `multi30k` recipe (`jax_transformer/settings/configs/recipes/multi30k.json`, docs/quality.md's Multi30k
+command before the 60-minute CPU recipe `multi30k-cpu`), written out as flags so that the code before recipes runs it
+too (`readme_flags`: small preset, 6000-piece vocabulary, 4096 token slots, eval every 500 steps on 200 sentences,
+greedy) with only `--max-minutes`, `--run-dir` and the compilation cache changed, and read what happened from the run's
 metrics.jsonl: target tokens trained (the "tokens" of every step), and the wall time by phase (its "summary" record:
 setup, compile, steps, eval, checkpoint). Code without that record (--old-ref) is split from its records' timestamps and
 `JAX_LOG_COMPILES` lines instead, marked "estimated"."""
@@ -411,9 +411,9 @@ def padding(args) -> dict:
     tokens per batch; with --plot, draws one batch of each (docs/packing.png)."""
     check_data(args.data)
     sys.path.insert(0, str(REPO))
-    from jax_transformer.batching import BatchStream, encode_corpus, eval_batches
-    from jax_transformer.corpus import read_parallel
-    from jax_transformer.tokenizer import PAD_ID, Tokenizer
+    from jax_transformer.data.batching import BatchStream, encode_corpus, eval_batches
+    from jax_transformer.data.corpus import read_parallel
+    from jax_transformer.data.tokenizer import PAD_ID, Tokenizer
 
     corpus = read_parallel(args.data / "train.de", args.data / "train.en")
     tokenizer = Tokenizer.train(corpus.sources + corpus.targets, 6000)

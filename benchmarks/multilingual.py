@@ -151,12 +151,12 @@ def decode_rows(run: Path, folder: Path, name: str, rows, new_tokens: int, src_l
     import jax
 
     from benchmarks.ctranslate2_decoding import interleaved
-    from jax_transformer import inference
-    from jax_transformer.decoding import generate, on_device
+    from jax_transformer.decoding import loading
+    from jax_transformer.decoding.decoders import generate, on_device
     from tests.helpers.multilingual import LANGUAGES
 
     src_lang, tgt_lang = LANGUAGES[MODELS[name]["family"]]
-    loaded = inference.load(run, "latest", languages={"src_lang": src_lang, "tgt_lang": tgt_lang})
+    loaded = loading.load(run, "latest", languages={"src_lang": src_lang, "tgt_lang": tgt_lang})
     config, tokenizer = loaded.config, loaded.tokenizer
     params = on_device(loaded.params)
     ct2 = folder.parent / "ctranslate2"
@@ -234,7 +234,7 @@ def train_step(run: Path, work: Path, name: str, max_tokens: int, log, mode: str
     """`train --init-from` of 3 steps on the built-in task (in a child process, before this one holds a model) in
     one of TRAIN_MODES: its wall time, peak memory and the time between its last two steps (its end: saving the
     train state)."""
-    from jax_transformer.default_task import write_default_task
+    from jax_transformer.data.default_task import write_default_task
     from tests.helpers.multilingual import LANGUAGES
 
     src_lang, tgt_lang = LANGUAGES[MODELS[name]["family"]]

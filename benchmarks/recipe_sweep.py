@@ -3,13 +3,13 @@
 
     python benchmarks/recipe_sweep.py --data .data/multi30k --minutes 8 --out sweep benchmarks/recipes/*.json
 
-Each recipe (a JSON file of the form of `jax_transformer/configs/recipes/`, read by `train.py train --recipe FILE`)
-trains in its own `train.py` process, all at the same time (`--parallel-runs`; on a GPU small models leave most of the
-device idle, so several fit beside each other: each process gets an equal share of the GPU memory), for `--minutes` of
-wall time. The runs share the machine, so their wall times say little; what a sweep measures is quality against *steps*:
-`sweep.json` holds every evaluation (step, BLEU, loss) of every recipe, `sweep.png` draws BLEU against steps, and the
-table printed at the end gives each recipe's BLEU at the steps of `--at-steps` (e.g. the steps another machine makes in
-30 and 60 minutes, which `train.py`'s step times there give) and its best.
+Each recipe (a JSON file of the form of `jax_transformer/settings/configs/recipes/`, read by `train.py train --recipe
+FILE`) trains in its own `train.py` process, all at the same time (`--parallel-runs`; on a GPU small models leave most
+of the device idle, so several fit beside each other: each process gets an equal share of the GPU memory), for
+`--minutes` of wall time. The runs share the machine, so their wall times say little; what a sweep measures is quality
+against *steps*: `sweep.json` holds every evaluation (step, BLEU, loss) of every recipe, `sweep.png` draws BLEU against
+steps, and the table printed at the end gives each recipe's BLEU at the steps of `--at-steps` (e.g. the steps another
+machine makes in 30 and 60 minutes, which `train.py`'s step times there give) and its best.
 
 Why by hand: a sweep of training commands with per-process GPU memory shares is a dozen lines over subprocess;
 the experiment managers that do it (hydra, wandb sweeps) are not dependencies of this project.

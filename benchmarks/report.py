@@ -112,7 +112,7 @@ def machine_lines(result: dict) -> list[str]:
         "host memory: "
         + (
             "freed memory kept for reuse in every section, as `train.py train` keeps it on a CPU (translate and "
-            "evaluate do not; jax_transformer.host_memory)"
+            "evaluate do not; jax_transformer.training.host_memory)"
             if st.get("freed_memory_kept")
             else "the C library's defaults (freed memory not kept)"
         ),

@@ -35,8 +35,9 @@ Fairness: the frameworks are interleaved in one loop (JAX step, torch step, ...,
 every round) so that load from other processes on a shared machine hits all of them alike. Each figure is given
 at the fastest and at the median of its timed repeats, after untimed warm-up steps. Ratios are of medians.
 torch runs with torch.set_num_threads(number of cores); XLA uses all cores by default.
-Where JAX runs on the CPU the process keeps the memory it frees, as `train.py train` does (jax_transformer.host_memory),
-for every framework and section; `--no-keep-freed-memory` leaves glibc's malloc as it is.
+Where JAX runs on the CPU the process keeps the memory it frees, as `train.py train` does
+(jax_transformer.training.host_memory), for every framework and section; `--no-keep-freed-memory` leaves glibc's malloc
+as it is.
 """
 
 from __future__ import annotations
@@ -70,8 +71,8 @@ from benchmarks.machine import core_count, machine_info  # noqa: E402
 from benchmarks.report import DEFAULT_SECTIONS, SECTION_TITLES, SECTIONS, markdown_table, text_table  # noqa: E402
 from benchmarks.scale import child_multihost, section_accumulate, section_multihost  # noqa: E402
 from benchmarks.train_step import TORCH_VARIANTS, section_train, set_torch_threads  # noqa: E402
-from jax_transformer import host_memory  # noqa: E402
-from jax_transformer.config import PRESETS  # noqa: E402
+from jax_transformer.settings.config import PRESETS  # noqa: E402
+from jax_transformer.training import host_memory  # noqa: E402
 from tests.helpers.configs import MODEL_SHAPES  # noqa: E402
 
 SCHEMA = "jax-transformer-benchmark/1"
@@ -154,8 +155,9 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, S
         "--keep-freed-memory",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="keep the memory the process frees, as `train.py train` does on a CPU (jax_transformer.host_memory), "
-        "for every framework and section in the process and its children (default on)",
+        help="keep the memory the process frees, as `train.py train` does on a CPU "
+        "(jax_transformer.training.host_memory), for every framework and section in the process and its children "
+        "(default on)",
     )
     p.add_argument(
         "--child", choices=("first-step", "pmap", "multihost", "compile"), help=argparse.SUPPRESS

@@ -98,8 +98,8 @@ def child_multihost(s: Settings, coordinator: str | None, num_processes: int | N
     batch after warm-up steps. The first thing it does with jax is `jax.distributed.initialize`."""
     import jax
 
-    from jax_transformer import distributed
-    from jax_transformer.config import ParallelConfig
+    from jax_transformer.settings.config import ParallelConfig
+    from jax_transformer.training import distributed
 
     parallel = ParallelConfig(
         coordinator=coordinator, num_processes=num_processes, process_id=process_id, heartbeat_timeout=30

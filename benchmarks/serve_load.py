@@ -55,7 +55,7 @@ def sentences(path: Path | None, n: int) -> list[str]:
     if path is not None:
         lines = [line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
     else:
-        from jax_transformer.default_task import default_pairs
+        from jax_transformer.data.default_task import default_pairs
 
         lines = list(default_pairs("valid", n=n).sources)
     return (lines * (n // len(lines) + 1))[:n]
@@ -137,8 +137,9 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     repeats = 1 if args.quick else args.repeats
 
-    from jax_transformer import hub, inference
-    from jax_transformer.translation import translate
+    from jax_transformer.decoding import loading
+    from jax_transformer.decoding.translation import translate
+    from jax_transformer.interop import hub
 
     texts = sentences(args.input, args.requests)
     # Imported models decode by transformers' rules: max_length counts the start token; no forced EOS, so that each
@@ -153,8 +154,8 @@ def main(argv=None) -> int:
         hub.export_transformers(params, config, tokenizer, run_info, tmp / "hf")
         subprocess.run([sys.executable, str(REPO / "train.py"), "import", str(tmp / "hf"), "--output",
                         str(tmp / "run")], check=True, capture_output=True)  # fmt: skip
-        loaded = inference.load(tmp / "run", "latest")
-        decode = inference.decoding(loaded, limits)
+        loaded = loading.load(tmp / "run", "latest")
+        decode = loading.decoding(loaded, limits)
         ct2 = None
         try:
             import ctranslate2

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Sentence splitters for `translate --document` (jax_transformer/documents.py), compared on real sentences:
+"""Sentence splitters for `translate --document` (jax_transformer/decoding/documents.py), compared on real sentences:
 sentencex (Wikimedia), pysbd, and a regex baseline (a split after . ! ? or … before a space).
 
     python benchmarks/splitters.py                        # the data in ../shared/data (or --data DIR)
@@ -58,7 +58,7 @@ def splitters(language: str) -> dict[str, Callable[[str], list[str]]]:
     import pysbd
     import sentencex
 
-    from jax_transformer.documents import Segmenter
+    from jax_transformer.decoding.documents import Segmenter
 
     segmenter = Segmenter(language)
     pysbd_segmenter = pysbd.Segmenter(language=language, clean=False)

@@ -4,9 +4,9 @@
     python benchmarks/step_profile.py                         # small and base presets, batch 16 x 32, 10 steps
     python benchmarks/step_profile.py --presets small --plot docs/step_profile.png --json profile.json
 
-The step is the project's own (benchmarks/train_step.py's JaxTrain: jax_transformer.training.make_train_step under
-jit, the paper's Adam, dropout on). Its optimised HLO names every op the trace shows; each op's category comes from
-the source locations XLA keeps in the op's metadata (the jax op names, which carry the Flax module path):
+The step is the project's own (benchmarks/train_step.py's JaxTrain: jax_transformer.training.trainer.make_train_step
+under jit, the paper's Adam, dropout on). Its optimised HLO names every op the trace shows; each op's category comes
+from the source locations XLA keeps in the op's metadata (the jax op names, which carry the Flax module path):
 
     matmul           dot products: XLA:CPU's YNNPACK fusions and dots (projections, attention products, output)
     softmax/LayerNorm  softmax, log-softmax (the loss) and LayerNorm, forward and backward
@@ -238,10 +238,11 @@ def main(argv=None) -> int:
         "--keep-freed-memory",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="keep the memory the process frees, as `train.py train` does (jax_transformer.host_memory; default on)",
+        help="keep the memory the process frees, as `train.py train` does "
+        "(jax_transformer.training.host_memory; default on)",
     )
     args = parser.parse_args(argv)
-    from jax_transformer import host_memory
+    from jax_transformer.training import host_memory
 
     kept = args.keep_freed_memory and host_memory.keep_freed_memory()  # before jax starts its threads
     import jax

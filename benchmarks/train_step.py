@@ -1,11 +1,11 @@
 """Section 1 of the benchmark: one training step, timed in every framework on the same batch and weights.
 
-JaxTrain is the project's compiled step (jax_transformer.training.make_train_step: jit, pmap or sharded jit, with or
-without gradient accumulation, placed by jax_transformer.distributed.DataParallel as a training run places it).
-TorchTrain is the PyTorch reference step (torch_reference.training.train_step) with one of Adam's implementations:
-the default (a for-loop over parameters on CPU), foreach and fused, run eagerly, or the model under torch.compile
-with the fused Adam (TORCH_VARIANTS). All start from the same weights (the Flax initialisation, ported) and use
-the same batch, loss, label smoothing, schedule and dropout rate, so they do the same work.
+JaxTrain is the project's compiled step (jax_transformer.training.trainer.make_train_step: jit, pmap or sharded jit,
+with or without gradient accumulation, placed by jax_transformer.training.distributed.DataParallel as a training run
+places it). TorchTrain is the PyTorch reference step (torch_reference.training.train_step) with one of Adam's
+implementations: the default (a for-loop over parameters on CPU), foreach and fused, run eagerly, or the model under
+torch.compile with the fused Adam (TORCH_VARIANTS). All start from the same weights (the Flax initialisation, ported)
+and use the same batch, loss, label smoothing, schedule and dropout rate, so they do the same work.
 
 section_train reports ms/step and target tokens/s at the fastest and the median repeat, JAX's ratios to each
 torch variant, and the first call of a jitted or torch.compiled step (tracing and compilation) apart from the
@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from benchmarks.report import add_ratio, figure, ratio
-from jax_transformer.config import TransformerConfig
+from jax_transformer.settings.config import TransformerConfig
 from tests.helpers.batches import make_batch, target_tokens
 from tests.helpers.configs import preset_config
 from tests.helpers.twins import ported_params
@@ -85,7 +85,7 @@ def training_batch(
 
 
 class JaxTrain:
-    """The project's compiled step (jax_transformer.training.make_train_step; its state donated from call to
+    """The project's compiled step (jax_transformer.training.trainer.make_train_step; its state donated from call to
     call off the CPU, `training.state_donation`).
     `parallel` ("jit", "pmap", "sharded") and `accumulate` as in `train.py train --parallel --accumulate`."""
 
@@ -99,8 +99,8 @@ class JaxTrain:
     ):
         import jax
 
-        from jax_transformer.distributed import DataParallel
-        from jax_transformer.training import OptimConfig, create_train_state
+        from jax_transformer.training.distributed import DataParallel
+        from jax_transformer.training.trainer import OptimConfig, create_train_state
 
         opt = OptimConfig()  # the paper's Adam and schedule, label smoothing 0.1
         devices = DataParallel(parallel, accumulate)
@@ -155,7 +155,7 @@ class TorchTrain:
         pass (benchmarks/gpu.py); tf32: allow TF32 matmuls on CUDA during this step (None: leave the setting)."""
         import torch
 
-        from jax_transformer.training import OptimConfig
+        from jax_transformer.training.trainer import OptimConfig
         from torch_reference import Transformer, load_numpy_state_dict
         from torch_reference.training import make_optimizer
 

@@ -7,8 +7,8 @@
 Both start from the same weights (Flax's initialisation, ported to torch_reference), see the same batches in the
 same order (real Multi30k de->en pairs from `--data`, default /work/shared/data/multi30k, or the built-in numbers
 task when that folder is missing), with every dropout off, and take the paper's Adam steps
-(`jax_transformer.training` against `torch_reference.training`, the same `OptimConfig`; the peak learning rate of
-the multi30k recipe, docs/quality.md). The parity tests check three such steps; here they run for hundreds. The
+(`jax_transformer.training.trainer` against `torch_reference.training`, the same `OptimConfig`; the peak learning rate
+of the multi30k recipe, docs/quality.md). The parity tests check three such steps; here they run for hundreds. The
 script draws both loss curves and their relative gap |loss_a - loss_b| / loss_b per step
 (`docs/twin_training_curve.png`), and prints the largest gap and how far apart the parameters end (per tensor:
 ||p_a - p_b|| / ||p_a - p_initial||, the movement-relative measure of parity_tests/test_training_parity.py).
@@ -49,8 +49,8 @@ LR_SCALE = 0.144
 
 def load_pairs(data: str):
     """(corpus, description): Multi30k's train.de/train.en from `data` if they exist, else the built-in task."""
-    from jax_transformer.corpus import read_parallel
-    from jax_transformer.default_task import default_pairs
+    from jax_transformer.data.corpus import read_parallel
+    from jax_transformer.data.default_task import default_pairs
 
     folder = Path(data) if data != "none" else None
     if folder is not None and (folder / "train.de").is_file() and (folder / "train.en").is_file():
@@ -72,12 +72,12 @@ class _JaxSide:
     def __init__(self, config, optim, params, nudge: bool = False):
         import jax
 
-        from jax_transformer import training
+        from jax_transformer.training import trainer
 
         if nudge:
             params = jax.tree_util.tree_map(lambda p: np.nextafter(p, np.array(np.inf, p.dtype)), params)
-        self.state = training.create_train_state(config, optim, params=params)
-        self.step_fn = training.make_train_step(config, optim, dropout=False)
+        self.state = trainer.create_train_state(config, optim, params=params)
+        self.step_fn = trainer.make_train_step(config, optim, dropout=False)
 
     def step(self, batch) -> float:
         self.state, sums = self.step_fn(self.state, batch)
@@ -86,7 +86,7 @@ class _JaxSide:
     def weights(self) -> dict[str, np.ndarray]:
         import jax
 
-        from jax_transformer.port import flax_to_torch
+        from jax_transformer.interop.port import flax_to_torch
 
         return flax_to_torch(jax.device_get(self.state.params))
 
@@ -118,9 +118,9 @@ class _TorchSide:
 
 def setup(data: str, rows: int, width: int):
     """(corpus encoded, config, optim, description): the data, the small dropout-free model and the optimiser."""
-    from jax_transformer.batching import encode_corpus
-    from jax_transformer.config import OptimConfig, preset
-    from jax_transformer.tokenizer import Tokenizer
+    from jax_transformer.data.batching import encode_corpus
+    from jax_transformer.data.tokenizer import Tokenizer
+    from jax_transformer.settings.config import OptimConfig, preset
 
     corpus, described = load_pairs(data)
     tokenizer = Tokenizer.train(corpus.sources + corpus.targets, 2000, model_type="bpe")

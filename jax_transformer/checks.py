@@ -13,16 +13,13 @@ from typing import Any
 import jax
 import numpy as np
 
-from jax_transformer.config import TransformerConfig
+from jax_transformer.errors import TokenError
+from jax_transformer.settings.config import TransformerConfig
 
 SIDES = {"src": "source", "tgt_in": "target", "tgt_out": "target"}
-# The packed-row keys, as `jax_transformer.training.PACKING_KEYS` names them (that module is above this one).
+# The packed-row keys, as `jax_transformer.training.trainer.PACKING_KEYS` names them (that module is above this one).
 PACKING_KEYS = ("src_segments", "tgt_segments", "src_positions", "tgt_positions")
 _VOCAB_FIELD = {"source": "src_vocab_size", "target": "tgt_vocab_size"}
-
-
-class TokenError(ValueError):
-    """Token ids or shapes the model cannot take; the message names the array, the position and the limit."""
 
 
 def is_traced(x: Any) -> bool:

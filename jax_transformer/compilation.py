@@ -521,3 +521,11 @@ class CompileJobs:
     def close(self) -> None:
         """Drops the jobs not started yet (a compile under way cannot be interrupted; the process waits for it)."""
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def simulate_cpu_devices(count: int) -> None:
+    """JAX's CPU backend as `count` devices (XLA's --xla_force_host_platform_device_count), for compiling a mesh's
+    programs on a machine without them (`train.py plan --devices`); set before JAX starts its backends."""
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "host_platform_device_count" not in f]
+    os.environ["XLA_FLAGS"] = " ".join([*flags, f"--xla_force_host_platform_device_count={count}"])
+    os.environ["JAX_PLATFORMS"] = "cpu"

@@ -87,3 +87,14 @@ def write_bytes(path: str | os.PathLike, data: bytes) -> Path:
 def write_text(path: str | os.PathLike, text: str) -> Path:
     """`text` as UTF-8 into `path`, whole or not at all (`replaced`)."""
     return write_bytes(path, text.encode("utf-8"))
+
+
+def save_figure(fig, path: str | os.PathLike, dpi: int) -> None:
+    """`fig` as an image file of the type its suffix names (PNG without one), whole or not at all; then closed."""
+    try:
+        with replaced(path) as temporary:
+            fig.savefig(temporary, dpi=dpi, format=Path(path).suffix[1:].lower() or "png")
+    finally:
+        import matplotlib.pyplot as plt  # (the figure's own module: matplotlib is loaded already)
+
+        plt.close(fig)

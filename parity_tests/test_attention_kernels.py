@@ -22,8 +22,8 @@ import jax
 import numpy as np
 import pytest
 
-from jax_transformer import losses
-from jax_transformer.model import Transformer, init_params
+from jax_transformer.model.transformer import Transformer, init_params
+from jax_transformer.training import losses
 from parity_tests.test_packing_parity import _packed
 from tests.helpers.batches import make_batch
 from tests.helpers.configs import PARITY_CONFIGS

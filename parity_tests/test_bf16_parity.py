@@ -39,9 +39,10 @@ import numpy as np
 import pytest
 import torch
 
-from jax_transformer import compilation, losses
-from jax_transformer.model import Transformer
-from jax_transformer.port import flax_to_torch
+from jax_transformer import compilation
+from jax_transformer.interop.port import flax_to_torch
+from jax_transformer.model.transformer import Transformer
+from jax_transformer.training import losses
 from tests.helpers.batches import make_batch
 from tests.helpers.configs import PARITY_CONFIGS
 from tests.helpers.tolerances import gradient_tolerance, layers, logit_tolerance

@@ -37,12 +37,12 @@ import numpy as np
 import pytest
 import torch
 
-from jax_transformer import hub
-from jax_transformer.config import DecodeConfig
-from jax_transformer.decoding import Decoded, check_source, decoder
-from jax_transformer.default_task import default_pairs
-from jax_transformer.schedule import Whole
-from jax_transformer.search import Sampler
+from jax_transformer.data.default_task import default_pairs
+from jax_transformer.decoding.decoders import Decoded, check_source, decoder
+from jax_transformer.decoding.schedule import Whole
+from jax_transformer.decoding.search import Sampler
+from jax_transformer.interop import hub
+from jax_transformer.settings.config import DecodeConfig
 from parity_tests.test_decoding_parity import one_torch_thread  # noqa: F401 (an autouse fixture)
 from parity_tests.test_multilingual import _imported
 from parity_tests.test_pretrained import MAX_LENGTH, SOURCES, _saved, _their_model

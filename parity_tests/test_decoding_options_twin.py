@@ -1,4 +1,4 @@
-"""Target prefixes and n-best lists against the PyTorch twin: `decoding.decoder(config, DecodeConfig(...), width)`
+"""Target prefixes and n-best lists against the PyTorch twin: `decoders.decoder(config, DecodeConfig(...), width)`
 with `prefixes` and `n_best` against `torch_reference.decoding`'s searches with the same arguments, on the same
 weights, greedy and beam 4 (its 3 best), every batch holding prefixes of several lengths and rows without one.
 
@@ -23,9 +23,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from jax_transformer import decoding
-from jax_transformer.config import DecodeConfig
-from jax_transformer.schedule import Whole
+from jax_transformer.decoding import decoders
+from jax_transformer.decoding.schedule import Whole
+from jax_transformer.settings.config import DecodeConfig
 from parity_tests.test_decoding_parity import (  # noqa: F401 (one_torch_thread: an autouse fixture)
     MIN_MARGIN,
     SCORE_ATOL,
@@ -63,8 +63,8 @@ def case(request, saved):
     return f"trained tiny {batch}", config, params, torch_twin(config, params), src, prefixes
 
 
-def plain_decoding(config, params, src, decode: DecodeConfig, prefixes=None) -> decoding.Decoded:
-    return decoding.decoder(config, decode, src.shape[1])(params, src, Whole(), prefixes)
+def plain_decoding(config, params, src, decode: DecodeConfig, prefixes=None) -> decoders.Decoded:
+    return decoders.decoder(config, decode, src.shape[1])(params, src, Whole(), prefixes)
 
 
 def twin_decoding(model, src, decode: DecodeConfig, prefixes, use_cache: bool, n_best):
@@ -95,7 +95,7 @@ def check_rules(model, src, found, prefixes, alpha: float, what: str) -> None:
     assert diff <= SCORE_ATOL, f"{what}: per-token log-probs are not the model's (max diff {diff:.1e})"
     assert (found.token_scores[found.tokens == cfg.pad_id] == 0).all(), f"{what}: a score after the end"
     generated = real.sum(axis=2)  # (B, n) tokens after the prefix, EOS included
-    expected = found.token_scores.sum(axis=2) / decoding.length_penalties(L, alpha)[generated]
+    expected = found.token_scores.sum(axis=2) / decoders.length_penalties(L, alpha)[generated]
     diff = float(np.max(np.abs(expected - found.scores)))
     assert diff <= SCORE_ATOL, f"{what}: scores are not log P / penalty(generated) (max diff {diff:.1e})"
 
@@ -118,7 +118,7 @@ def test_prefixes_and_n_best_identical(case, beams, parity_report):
     decode = DecodeConfig(beam_size=beams, n_best=n, alpha=ALPHA)
     alpha = 0.0 if beams == 1 else ALPHA  # greedy's score is log P itself
     flax = plain_decoding(config, params, src, decode, prefixes)
-    assert flax.tokens.shape == (len(src), n, decoding.output_length(src.shape[1], config))
+    assert flax.tokens.shape == (len(src), n, decoders.output_length(src.shape[1], config))
     check_rules(model, src, flax, prefixes, alpha, "flax")
     if beams == 1:
         margin = greedy_margin_after_prefix(model, src, flax.tokens[:, 0], prefixes)
@@ -127,7 +127,7 @@ def test_prefixes_and_n_best_identical(case, beams, parity_report):
     for use_cache in (False, True):
         search = "greedy" if beams == 1 else f"beam {beams} n-best {n}"
         what = f"{search} + prefixes vs torch {'cached' if use_cache else 'uncached'}"
-        twin = decoding.Decoded(
+        twin = decoders.Decoded(
             *(x.cpu().numpy() for x in twin_decoding(model, src, decode, prefixes, use_cache, n_best=n))
         )
         for k in range(n):
@@ -163,7 +163,7 @@ def test_prefixes_and_n_best_identical(case, beams, parity_report):
         assert (np.diff(flax.scores, axis=1) <= 0).all()
         for row in range(len(src)):
             assert len({tuple(h) for h in flax.tokens[row]}) == n, f"row {row}: repeated hypotheses"
-        best_tokens, best_scores = decoding.beam_search(
+        best_tokens, best_scores = decoders.beam_search(
             params, config, src, beam_size=beams, alpha=ALPHA, schedule=Whole()
         )
         assert np.array_equal(plain.tokens[:, 0], best_tokens) and np.array_equal(plain.scores[:, 0], best_scores)

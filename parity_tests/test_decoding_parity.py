@@ -1,5 +1,5 @@
-"""Decoding parity: the fast Flax decoder (jax_transformer.decoding: key/value cache, jit, while_loop) against the
-PyTorch reference (torch_reference.decoding: the decoder re-run over the whole prefix at every step, and its own
+"""Decoding parity: the fast Flax decoder (jax_transformer.decoding.decoders: key/value cache, jit, while_loop) against
+the PyTorch reference (torch_reference.decoding: the decoder re-run over the whole prefix at every step, and its own
 key/value cache), on the same weights.
 
 Tokens must be identical. They are chosen by argmax / top-k over log-probs that differ between the frameworks
@@ -26,9 +26,9 @@ import numpy as np
 import pytest
 import torch
 
-from jax_transformer import decoding
-from jax_transformer.model import init_params
-from jax_transformer.schedule import Whole
+from jax_transformer.decoding import decoders
+from jax_transformer.decoding.schedule import Whole
+from jax_transformer.model.transformer import init_params
 from tests.helpers.batches import make_src
 from tests.helpers.configs import DECODING_CONFIGS as CONFIGS
 from tests.helpers.configs import DECODING_MAX_LEN as MAX_LEN
@@ -135,19 +135,19 @@ def test_length_rules_agree():
     src = make_src(config, LENGTHS, seed=0)
     src[-1] = config.pad_id  # an all-PAD filler row
     for a, b in ((1.5, 10), (0.0, 6), (1.2, 0.5), (0.7, 3)):
-        assert decoding.max_new_tokens(src, config, a, b).tolist() == torch_decoding.max_new_tokens(
+        assert decoders.max_new_tokens(src, config, a, b).tolist() == torch_decoding.max_new_tokens(
             t(src), config, a, b
         )
-        assert decoding.output_length(MAX_LEN, config, a, b) == torch_decoding.output_length(MAX_LEN, config, a, b)
+        assert decoders.output_length(MAX_LEN, config, a, b) == torch_decoding.output_length(MAX_LEN, config, a, b)
     for alpha in (0.0, 0.6, 1.0):
-        table = decoding.length_penalties(MAX_LEN, alpha)
+        table = decoders.length_penalties(MAX_LEN, alpha)
         assert table.tolist() == [torch_decoding.length_penalty(n, alpha) for n in range(MAX_LEN + 1)]
 
 
 def test_greedy_tokens_identical(random_case, parity_report):
     name, config, params, model, src = random_case
     for min_len in (0, 4):
-        flax_out = decoding.greedy_search(params, config, src, min_len=min_len, schedule=Whole())
+        flax_out = decoders.greedy_search(params, config, src, min_len=min_len, schedule=Whole())
         margin = greedy_margin(model, src, flax_out[0], min_len)
         assert margin > MIN_MARGIN, f"near-tie on the greedy path (margin {margin:.1e}): choose another seed"
         for use_cache in (False, True):
@@ -162,7 +162,7 @@ def test_greedy_tokens_identical(random_case, parity_report):
 def test_beam_search_identical(random_case, parity_report):
     name, config, params, model, src = random_case
     for alpha, min_len in ((0.6, 0), (0.0, 3)):
-        flax_out = decoding.beam_search(
+        flax_out = decoders.beam_search(
             params, config, src, beam_size=4, alpha=alpha, min_len=min_len, schedule=Whole()
         )
         for use_cache in (False, True):
@@ -209,7 +209,7 @@ def trained():
 def test_trained_model_greedy_and_beam_identical(trained, parity_report):
     config, params, src = trained.config, trained.params, trained.sources[:16]
     model = torch_twin(config, params)
-    greedy = decoding.greedy_search(params, config, src)
+    greedy = decoders.greedy_search(params, config, src)
     ended = np.any(greedy[0] == config.eos_id, axis=1)
     assert ended.mean() >= 0.5, f"only {ended.sum()} of {len(ended)} outputs end with EOS: is the model trained?"
     margin = greedy_margin(model, src, greedy[0])
@@ -223,7 +223,7 @@ def test_trained_model_greedy_and_beam_identical(trained, parity_report):
         torch_decoding.greedy_search(model, t(src)),
         parity_report,
     )
-    beam = decoding.beam_search(params, config, src, beam_size=4, alpha=0.6)
+    beam = decoders.beam_search(params, config, src, beam_size=4, alpha=0.6)
     check_same(
         "trained tiny",
         "beam 4 alpha=0.6 vs torch uncached",
@@ -242,10 +242,10 @@ def _decode_both(saved, dtype: str, search: str) -> tuple[np.ndarray, np.ndarray
     config = saved.config.replace(dtype=dtype)
     model, src = torch_twin(config, saved.params), saved.sources
     if search == "greedy":
-        flax_tokens, _ = decoding.greedy_search(saved.params, config, src, schedule=Whole())
+        flax_tokens, _ = decoders.greedy_search(saved.params, config, src, schedule=Whole())
         torch_tokens, _ = torch_decoding.greedy_search(model, t(src), use_cache=True)
     else:
-        flax_tokens, _ = decoding.beam_search(saved.params, config, src, beam_size=4, alpha=0.6, schedule=Whole())
+        flax_tokens, _ = decoders.beam_search(saved.params, config, src, beam_size=4, alpha=0.6, schedule=Whole())
         torch_tokens, _ = torch_decoding.beam_search(model, t(src), beam_size=4, alpha=0.6, use_cache=True)
     return flax_tokens, torch_tokens.cpu().numpy()
 

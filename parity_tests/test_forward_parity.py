@@ -15,8 +15,8 @@ import pytest
 import torch
 
 import torch_reference
-from jax_transformer import masks
-from jax_transformer.model import MultiHeadAttention, attention_maps
+from jax_transformer.model import masks
+from jax_transformer.model.transformer import MultiHeadAttention, attention_maps
 from tests.helpers.batches import make_batch
 from tests.helpers.configs import BASE
 from tests.helpers.configs import PARITY_CONFIGS as CONFIGS

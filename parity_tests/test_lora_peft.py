@@ -15,10 +15,12 @@ import jax
 import numpy as np
 import pytest
 
-from jax_transformer import finetuning, hub, training
-from jax_transformer.config import OptimConfig
-from jax_transformer.model import Transformer
-from jax_transformer.port import _flatten, _unflatten
+from jax_transformer.interop import hub, peft
+from jax_transformer.model import lora
+from jax_transformer.model.params import flatten, unflatten
+from jax_transformer.model.transformer import Transformer
+from jax_transformer.settings.config import OptimConfig
+from jax_transformer.training import finetuning, trainer
 
 pytest.importorskip("peft")
 torch = pytest.importorskip("torch")
@@ -85,9 +87,9 @@ def their_adapters(model) -> dict[str, np.ndarray]:
 def ours_from(imported, model):
     """(config, params): the imported model with the peft model's adapters, read by `finetuning`."""
     adapter = {"peft_type": "LORA", **model.peft_config["default"].to_dict()}
-    config = imported.config.replace(**finetuning.lora_settings(adapter, "peft config"))
-    adapters = finetuning.adapters_from_peft(their_adapters(model), config, "m2m_100", "peft state")
-    return config, _unflatten({**_flatten(imported.params), **adapters})
+    config = imported.config.replace(**peft.lora_settings(adapter, "peft config"))
+    adapters = peft.adapters_from_peft(their_adapters(model), config, "m2m_100", "peft state")
+    return config, unflatten({**flatten(imported.params), **adapters})
 
 
 def logits_of(config, params, batch):
@@ -101,7 +103,7 @@ def their_logits(model, torch_batch):
 
 
 def adapters_of(params) -> dict:
-    return {p: np.asarray(v) for p, v in _flatten(params).items() if p[-1] in finetuning.ADAPTER_LEAVES}
+    return {p: np.asarray(v) for p, v in flatten(params).items() if p[-1] in lora.ADAPTER_LEAVES}
 
 
 def test_logits_match_peft(base):
@@ -129,10 +131,10 @@ def test_training_steps_match_peft(base):
     config, params = ours_from(imported, model)
     before = adapters_of(params)
     tx = optax.sgd(0.5, momentum=0.9)
-    state = training.create_train_state(config, OptimConfig(label_smoothing=0.0), params=params)
+    state = trainer.create_train_state(config, OptimConfig(label_smoothing=0.0), params=params)
     state = state.replace(opt_state=tx.init(finetuning.split(state.params, config, None)[0]))
-    assert set(_flatten(finetuning.split(state.params, config, None)[0])) == set(before)  # the adapters alone
-    step = jax.jit(functools.partial(training.train_step, config=config, tx=tx, label_smoothing=0.0, dropout=False))
+    assert set(flatten(finetuning.split(state.params, config, None)[0])) == set(before)  # the adapters alone
+    step = jax.jit(functools.partial(trainer.train_step, config=config, tx=tx, label_smoothing=0.0, dropout=False))
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5, momentum=0.9)
     for _ in range(3):
         state, sums = step(state, batch)
@@ -141,13 +143,13 @@ def test_training_steps_match_peft(base):
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-    theirs = finetuning.adapters_from_peft(their_adapters(model), config, "m2m_100", "peft state")
+    theirs = peft.adapters_from_peft(their_adapters(model), config, "m2m_100", "peft state")
     ours = adapters_of(state.params)
     movement = max(np.abs(theirs[p] - before[p]).max() for p in before)
     assert movement > 0.1
     assert max(np.abs(ours[p] - theirs[p]).max() for p in before) <= 1e-5 * movement
-    frozen = {p: v for p, v in _flatten(state.params).items() if p not in before}
-    assert all(np.array_equal(np.asarray(v), np.asarray(_flatten(params)[p])) for p, v in frozen.items())
+    frozen = {p: v for p, v in flatten(state.params).items() if p not in before}
+    assert all(np.array_equal(np.asarray(v), np.asarray(flatten(params)[p])) for p, v in frozen.items())
 
 
 def test_adam_steps_track_peft(base):
@@ -159,10 +161,10 @@ def test_adam_steps_track_peft(base):
     model = peft_model(folder)
     config, params = ours_from(imported, model)
     opt = OptimConfig(warmup_steps=4, label_smoothing=0.0, b2=0.999, eps=1e-8)
-    state = training.create_train_state(config, opt, params=params)
-    step = training.make_train_step(config, opt, dropout=False)
+    state = trainer.create_train_state(config, opt, params=params)
+    step = trainer.make_train_step(config, opt, dropout=False)
     optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1.0, betas=(opt.b1, opt.b2))
-    rate = lambda s: float(training.noam_rate(s + 1, config.d_model, opt.warmup_steps, opt.lr_scale))  # noqa: E731
+    rate = lambda s: float(trainer.noam_rate(s + 1, config.d_model, opt.warmup_steps, opt.lr_scale))  # noqa: E731
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, rate)
     losses = []
     for _ in range(3):
@@ -197,7 +199,7 @@ def test_exported_adapter_loads_in_peft_and_merges(base, tmp_path):
     real = batch["tgt_out"] != config.pad_id
     assert np.abs(logits_of(config, params, batch) - theirs)[real].max() < LOGIT_TOLERANCE
 
-    merged_params, merged_config = finetuning.merged(params, config)
+    merged_params, merged_config = lora.merged(params, config)
     assert merged_config.lora_rank == 0
     out, kind = hub.export_transformers(merged_params, merged_config, imported.tokenizer, run, tmp_path / "merged")
     merged = AutoModelForSeq2SeqLM.from_pretrained(out, attn_implementation="eager").eval()
@@ -213,7 +215,7 @@ def test_a_peft_adapter_imports_and_goes_on_training(base, tmp_path):
     """`import ADAPTER_DIR` (peft's files, the base named in them) writes a run that `train --init-from` goes on
     training: the adapters start as the file holds them and move, the base stays, Adam's state is the adapters'.
     An adapter of another base is refused before anything is written: another name, or other shapes."""
-    from jax_transformer import checkpoint
+    from jax_transformer.checkpoint import manager as checkpoint
     from tests.helpers.training import run_main, write_corpus
 
     folder, imported, batch, torch_batch = base
@@ -223,7 +225,7 @@ def test_a_peft_adapter_imports_and_goes_on_training(base, tmp_path):
     assert code == 0, stdout + stderr
     start = checkpoint.load(tmp_path / "run", "best")
     assert start.config.lora_rank == 4 and start.config.lora_targets == "q,k,v,out,ffn"
-    theirs = finetuning.adapters_from_peft(their_adapters(model), start.config, "m2m_100", "peft state")
+    theirs = peft.adapters_from_peft(their_adapters(model), start.config, "m2m_100", "peft state")
     assert all(np.array_equal(adapters_of(start.params)[p], v) for p, v in theirs.items())
 
     corpus = write_corpus(tmp_path)
@@ -233,10 +235,10 @@ def test_a_peft_adapter_imports_and_goes_on_training(base, tmp_path):
     code, stdout, stderr = run_main(args)
     assert code == 0, stdout + stderr
     tuned = checkpoint.load(tmp_path / "t", "latest")
-    flat, before = _flatten(tuned.params), _flatten(start.params)
+    flat, before = flatten(tuned.params), flatten(start.params)
     assert all(np.array_equal(flat[p], v) for p, v in before.items() if p not in theirs)  # the base
     assert any(not np.array_equal(flat[p], v) for p, v in theirs.items())  # the adapters moved
-    assert {p[2:] for p in _flatten(tuned.state["opt_state"]) if p[1] in ("mu", "nu")} == set(theirs)
+    assert {p[2:] for p in flatten(tuned.state["opt_state"]) if p[1] in ("mu", "nu")} == set(theirs)
 
     code, stdout, stderr = run_main(
         ["import", str(tmp_path / "adapter"), "--base", "facebook/nllb-200-distilled-600M", "--output", "x"]

@@ -19,8 +19,8 @@ import jax
 import numpy as np
 import pytest
 
-from jax_transformer import losses
-from jax_transformer.port import flax_to_torch
+from jax_transformer.interop.port import flax_to_torch
+from jax_transformer.training import losses
 from tests.helpers.batches import make_batch
 from tests.helpers.configs import BASE
 from tests.helpers.twins import t, twin_models

@@ -1,6 +1,6 @@
 """The multilingual models people translate with, against transformers: NLLB-200 and M2M-100
 (M2M100ForConditionalGeneration) and mBART-50 (MBartForConditionalGeneration), eager attention, read by
-`jax_transformer.hub` into this project's Flax model.
+`jax_transformer.interop.hub` into this project's Flax model.
 
 Tiny random models stand in for the real ones (no download in the suite), with every part a real one has:
 pre-norm layers and final norms, one table for encoder, decoder and output, scaled embeddings; M2M-100's sinusoids
@@ -20,11 +20,11 @@ import numpy as np
 import pytest
 import torch
 
-from jax_transformer import hub
-from jax_transformer.decoding import generate
-from jax_transformer.default_task import default_pairs
+from jax_transformer.data.default_task import default_pairs
+from jax_transformer.decoding.decoders import generate
 from jax_transformer.errors import DataError
-from jax_transformer.model import Transformer
+from jax_transformer.interop import hub
+from jax_transformer.model.transformer import Transformer
 from tests.helpers.batches import pad_rows
 from tests.helpers.multilingual import (
     FAMILIES,

@@ -8,9 +8,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from jax_transformer import checkpoint, finetuning, hub
-from jax_transformer.decoding import generate
-from jax_transformer.port import _flatten, _unflatten
+from jax_transformer.checkpoint import manager as checkpoint
+from jax_transformer.decoding.decoders import generate
+from jax_transformer.interop import hub, languages
+from jax_transformer.model.params import flatten, unflatten
 from tests.helpers.batches import pad_rows
 from tests.helpers.training import run_main, write_corpus
 
@@ -36,18 +37,18 @@ def test_a_new_code_exports_and_decodes_as_transformers_does(imported, tmp_path)
     from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
 
     start = checkpoint.load(imported, "best")
-    extended = finetuning.with_language(start, CODE, "fra_Latn")
+    extended = languages.with_language(start, CODE, "fra_Latn")
     tokenizer = extended.tokenizer.with_languages("eng_Latn", CODE)
     new_id = tokenizer.forced_bos_id
     assert new_id == start.config.src_vocab_size == extended.config.src_vocab_size - 1
-    table = _flatten(extended.params)[("shared_embed", "embedding")]
+    table = flatten(extended.params)[("shared_embed", "embedding")]
     np.testing.assert_array_equal(table[new_id], table[start.tokenizer.codes["fra_Latn"]])
-    np.testing.assert_array_equal(table[:new_id], _flatten(start.params)[("shared_embed", "embedding")])
+    np.testing.assert_array_equal(table[:new_id], flatten(start.params)[("shared_embed", "embedding")])
     # The row as training would leave it: its own, not a copy (a copy ties its logits with fra_Latn's).
-    flat = _flatten(extended.params)
+    flat = flatten(extended.params)
     flat[("shared_embed", "embedding")] = table.copy()
     flat[("shared_embed", "embedding")][new_id] += np.random.default_rng(0).normal(0, 0.05, table.shape[1])
-    params = _unflatten(flat)
+    params = unflatten(flat)
 
     out, kind = hub.export_transformers(
         params, extended.config, tokenizer, checkpoint.load(imported, "best").run, tmp_path / "hf"
@@ -101,6 +102,6 @@ def test_train_adds_the_code_and_trains_into_it(imported, tmp_path):
     new_id = start.config.src_vocab_size
     assert tuned.tokenizer.codes[CODE] == new_id and tuned.config.src_vocab_size == new_id + 1
     assert tuned.tokenizer.tgt_lang == CODE and tuned.tokenizer.forced_bos_id == new_id
-    table = _flatten(tuned.params)[("shared_embed", "embedding")]
-    started_as = _flatten(start.params)[("shared_embed", "embedding")][start.tokenizer.codes["fra_Latn"]]
+    table = flatten(tuned.params)[("shared_embed", "embedding")]
+    started_as = flatten(start.params)[("shared_embed", "embedding")][start.tokenizer.codes["fra_Latn"]]
     assert not np.array_equal(table[new_id], started_as)  # it trained (each target's first token is the code)

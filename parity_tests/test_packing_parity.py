@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 import torch
 
-from jax_transformer.losses import loss_sums
-from jax_transformer.model import Transformer, init_params
-from jax_transformer.port import flax_to_torch
+from jax_transformer.interop.port import flax_to_torch
+from jax_transformer.model.transformer import Transformer, init_params
+from jax_transformer.training.losses import loss_sums
 from tests.helpers.batches import packed_pairs, unpacked
 from tests.helpers.configs import PARITY_CONFIGS as CONFIGS
 from tests.helpers.twins import max_abs_diff, t, torch_twin, twin_models
@@ -170,9 +170,9 @@ def test_packed_loss_and_gradients_equal_the_pairs_alone(twins, parity_report):
 def real_packed_batch():
     """A batch cut by the data pipeline's packer (BatchStream, batching="packed") from real text: the built-in
     task's English -> French sentences, tokenized by a SentencePiece model trained on them. (config, batch)."""
-    from jax_transformer import default_task
-    from jax_transformer.batching import BatchStream, encode_corpus
-    from jax_transformer.tokenizer import Tokenizer
+    from jax_transformer.data import default_task
+    from jax_transformer.data.batching import BatchStream, encode_corpus
+    from jax_transformer.data.tokenizer import Tokenizer
 
     pairs = default_task.default_pairs("train", n=400)
     tokenizer = Tokenizer.train(pairs.sources + pairs.targets, 200, model_type=default_task.TOKENIZER_MODEL_TYPE)

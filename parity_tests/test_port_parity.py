@@ -10,15 +10,10 @@ import torch
 from torch import nn
 
 import torch_reference
-from jax_transformer.model import Transformer
-from jax_transformer.port import (
-    PortError,
-    expected_param_shapes,
-    flax_to_torch,
-    from_nn_transformer,
-    torch_name,
-    torch_to_flax,
-)
+from jax_transformer.errors import PortError
+from jax_transformer.interop.port import flax_to_torch, from_nn_transformer, torch_name, torch_to_flax
+from jax_transformer.model.params import expected_param_shapes
+from jax_transformer.model.transformer import Transformer
 from tests.helpers.batches import make_batch
 from tests.helpers.configs import PARITY_CONFIGS as CONFIGS
 from tests.helpers.twins import flat, max_abs_diff, t, twin_device, twin_models

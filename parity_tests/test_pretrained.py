@@ -1,5 +1,5 @@
 """Pretrained models against their own PyTorch code: transformers' MarianMTModel and FSMTForConditionalGeneration
-(eager attention), and a fairseq checkpoint of the same FSMT weights, read by `jax_transformer.hub` into this
+(eager attention), and a fairseq checkpoint of the same FSMT weights, read by `jax_transformer.interop.hub` into this
 project's Flax model.
 
 Random tiny models of each family stand in for the real ones (no download in the suite); they have every part a
@@ -23,10 +23,11 @@ import numpy as np
 import pytest
 import torch
 
-from jax_transformer import hub, pretrained
-from jax_transformer.decoding import generate
-from jax_transformer.default_task import default_pairs
-from jax_transformer.model import Transformer
+from jax_transformer.data.default_task import default_pairs
+from jax_transformer.decoding.decoders import generate
+from jax_transformer.interop import hub
+from jax_transformer.model.params import flatten
+from jax_transformer.model.transformer import Transformer
 from tests.helpers.pretrained import (
     end_at_various_lengths,
     fsmt_tokenizer_files,
@@ -187,7 +188,7 @@ def test_fairseq_checkpoint_reads_as_its_fsmt_conversion(fsmt_dir, tmp_path, par
     assert ours.family == "fairseq" and ours.config == converted.config.replace(
         max_len=ours.config.max_len, bos_id=ours.config.bos_id
     )
-    a, b = pretrained._flatten(ours.params), pretrained._flatten(converted.params)
+    a, b = flatten(ours.params), flatten(converted.params)
     assert a.keys() == b.keys()
     diff = max(float(np.abs(a[k] - b[k]).max()) for k in a)
     parity_report("fairseq checkpoint vs its FSMT conversion", "parameters", diff, 0.0)

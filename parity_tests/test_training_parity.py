@@ -1,4 +1,4 @@
-"""Training-step parity: optax (jax_transformer.training) against torch.optim (torch_reference.training).
+"""Training-step parity: optax (jax_transformer.training.trainer) against torch.optim (torch_reference.training).
 
 Same initial weights (ported), same three batches, dropout off, three updates of Adam(0.9, 0.98, 1e-9) on the
 paper's warmup schedule with label-smoothed cross-entropy; a second case adds AdamW weight decay and gradient
@@ -30,8 +30,8 @@ import pytest
 import torch
 
 import torch_reference
-from jax_transformer import training
-from jax_transformer.port import flax_to_torch
+from jax_transformer.interop.port import flax_to_torch
+from jax_transformer.training import trainer
 from tests.helpers.batches import make_batch
 from tests.helpers.configs import PARITY_CONFIGS as CONFIGS
 from tests.helpers.twins import t, twin_device, twin_models
@@ -45,8 +45,8 @@ TENSOR_RTOL = 1e-2  # check 4
 NOISE_GRADIENT = 1e-6  # check 4: a gradient below this everywhere is rounding noise (real ones are >= 1e-4)
 
 OPTIMISERS = {
-    "adam": training.OptimConfig(warmup_steps=4, lr_scale=1.0),
-    "adamw+clip": training.OptimConfig(warmup_steps=4, lr_scale=1.0, weight_decay=0.1, clip_norm=0.5),
+    "adam": trainer.OptimConfig(warmup_steps=4, lr_scale=1.0),
+    "adamw+clip": trainer.OptimConfig(warmup_steps=4, lr_scale=1.0, weight_decay=0.1, clip_norm=0.5),
 }
 # The paper's layout with plain Adam; the pre-norm / learned-positions / untied / GELU / bias-free variant with
 # weight decay and clipping. (All configs x both optimisers pass too; two cases keep the suite fast.)
@@ -76,11 +76,11 @@ def test_three_optimizer_steps_match(case, optim_name, parity_report):
     initial = _as_torch_names(params)
 
     # End to end: each framework computes its own loss and gradients.
-    state = training.create_train_state(cfg, optim, params=params)
-    jax_step = training.make_train_step(cfg, optim, dropout=False)
+    state = trainer.create_train_state(cfg, optim, params=params)
+    jax_step = trainer.make_train_step(cfg, optim, dropout=False)
     optimizer, scheduler = _torch_optimizer(torch_model, cfg, optim)
     # The optimiser rule alone: both fed the same (jax) gradients.
-    tx = training.make_optimizer(cfg, optim)
+    tx = trainer.make_optimizer(cfg, optim)
     rule_params = jax.tree_util.tree_map(np.array, params)
     rule_opt_state = tx.init(rule_params)
     rule_model = torch_reference.Transformer(cfg).to(twin_device())
@@ -88,13 +88,13 @@ def test_three_optimizer_steps_match(case, optim_name, parity_report):
     rule_optimizer, rule_scheduler = _torch_optimizer(rule_model, cfg, optim)
 
     def mean_loss(p, batch):
-        sums = training.batch_loss_sums(p, batch, cfg, optim.label_smoothing)
+        sums = trainer.batch_loss_sums(p, batch, cfg, optim.label_smoothing)
         return sums["loss"] / sums["tokens"]
 
     gradient = jax.jit(jax.grad(mean_loss))
     losses, lr_errors, grad_diff, key_bias_grad = [], [], 0.0, 0.0
     for batch in _batches(cfg):
-        lr = float(training.noam_rate(len(losses) + 1, cfg.d_model, optim.warmup_steps, optim.lr_scale))
+        lr = float(trainer.noam_rate(len(losses) + 1, cfg.d_model, optim.warmup_steps, optim.lr_scale))
         lr_errors.append(abs(scheduler.get_last_lr()[0] - lr) / lr)
         grads = gradient(state.params, batch)  # the gradient jax_step is about to use (state not donated here)
         grads_np = _as_torch_names(grads)
@@ -175,8 +175,8 @@ def test_marian_start_row_stays_zero_in_both_twins():
     params = {**params, name: {**params[name], "embedding": table}}
     torch_reference.load_numpy_state_dict(torch_model, _as_torch_names(params))
     torch_model.train()
-    state = training.create_train_state(cfg, optim, params=params)
-    jax_step = training.make_train_step(cfg, optim, dropout=False)
+    state = trainer.create_train_state(cfg, optim, params=params)
+    jax_step = trainer.make_train_step(cfg, optim, dropout=False)
     optimizer, scheduler = _torch_optimizer(torch_model, cfg, optim)
     for batch in _batches(cfg)[:2]:
         state, _ = jax_step(state, batch)

@@ -1,6 +1,6 @@
-"""Weight files (`jax_transformer.export`): torch.save and safetensors exports round-trip bit-exactly, a safetensors
-export loads into torch_reference without pickle and gives the Flax logits, the format is read off the content, and
-broken files fail with errors naming the file."""
+"""Weight files (`jax_transformer.interop.export`): torch.save and safetensors exports round-trip bit-exactly, a
+safetensors export loads into torch_reference without pickle and gives the Flax logits, the format is read off
+the content, and broken files fail with errors naming the file."""
 
 import base64
 
@@ -13,12 +13,12 @@ import torch
 from safetensors import safe_open
 
 import torch_reference
-from jax_transformer.checkpoint import CheckpointError
-from jax_transformer.config import ConfigError, TransformerConfig
-from jax_transformer.export import export_weights, import_weights
-from jax_transformer.model import Transformer, init_params
-from jax_transformer.port import PortError, flax_to_torch, torch_to_flax
-from jax_transformer.tokenizer import Tokenizer
+from jax_transformer.data.tokenizer import Tokenizer
+from jax_transformer.errors import CheckpointError, ConfigError, PortError
+from jax_transformer.interop.export import export_weights, import_weights
+from jax_transformer.interop.port import flax_to_torch, torch_to_flax
+from jax_transformer.model.transformer import Transformer, init_params
+from jax_transformer.settings.config import TransformerConfig
 from tests.helpers.batches import make_batch
 from tests.helpers.configs import PARITY_CONFIGS as CONFIGS
 from tests.helpers.twins import max_abs_diff, t, twin_device

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from jax_transformer.config import preset
+from jax_transformer.settings.config import preset
 
 REPO = Path(__file__).resolve().parent.parent
 RUN = REPO / "benchmarks" / "run.py"
@@ -219,17 +219,17 @@ def test_multi30k_benchmark_runs_the_multi30k_recipe_and_splits_old_runs_by_phas
     parses them to exactly the recipe's settings, only --max-minutes changed; and its phase split of a run without
     a summary record adds up to the wall time."""
     from benchmarks import multi30k
-    from jax_transformer.config import RECIPES
+    from jax_transformer.settings.config import RECIPES
 
     ours = multi30k.readme_flags(Path("/data"), Path("/run"), 7)
     assert ours[-1] == "--no-progress"
     sys.path.insert(0, str(REPO))
     try:
-        import train
+        from jax_transformer.cli import main as cli
     finally:
         sys.path.remove(str(REPO))
-    args = train.build_parser().parse_args(ours)
-    assert args.func is train.cmd_train and getattr(args, "loop.max_minutes") == 7.0
+    args = cli.build_parser().parse_args(ours)
+    assert args.func is cli.COMMANDS["train"].run and getattr(args, "loop.max_minutes") == 7.0
     recipe = RECIPES["multi30k"]
     assert args.preset == recipe["preset"]
     for group in ("model", "data", "optim", "loop"):
@@ -375,7 +375,7 @@ def test_the_corpus_scale_benchmark_makes_the_corpus_it_describes(tmp_path):
         import corpus_scale
     finally:
         sys.path.remove(str(REPO / "benchmarks"))
-    from jax_transformer.corpus import read_tsv
+    from jax_transformer.data.corpus import read_tsv
 
     paths = [tmp_path / name for name in ("a.tsv", "b.tsv", "c.tsv")]
     sizes = [corpus_scale.make_tsv(path, 2_000, seed) for path, seed in zip(paths, (3, 3, 4))]

@@ -10,10 +10,10 @@ import jax
 import numpy as np
 import pytest
 
-from jax_transformer import checkpoint as ckpt_lib
-from jax_transformer import training
-from jax_transformer.config import ConfigError
-from jax_transformer.tokenizer import Tokenizer
+from jax_transformer.checkpoint import manager as ckpt_lib
+from jax_transformer.data.tokenizer import Tokenizer
+from jax_transformer.errors import ConfigError
+from jax_transformer.training import trainer
 from tests.helpers.batches import unit_batch
 from tests.helpers.configs import unit_config, unit_optim
 from tests.helpers.training import run_main, tiny_train_args, write_corpus
@@ -30,8 +30,8 @@ def tokenizer():
 
 
 def _trained_state(steps: int = 2):
-    state = training.create_train_state(CONFIG, OPTIM, seed=1)
-    step = training.make_train_step(CONFIG, OPTIM)
+    state = trainer.create_train_state(CONFIG, OPTIM, seed=1)
+    step = trainer.make_train_step(CONFIG, OPTIM)
     for i in range(steps):
         state, _ = step(state, unit_batch(i))
     return state
@@ -43,7 +43,7 @@ def test_save_restore_round_trip_is_exact(tmp_path, tokenizer):
     data_state = {"epoch": 3, "index": 7, "batches_per_epoch": 11}
     manager.save(
         2,
-        training.state_for_saving(state),
+        trainer.state_for_saving(state),
         config=CONFIG,
         optim=OPTIM.to_dict(),
         tokenizer=tokenizer,
@@ -56,7 +56,7 @@ def test_save_restore_round_trip_is_exact(tmp_path, tokenizer):
     assert restored.step == 2 and restored.config == CONFIG and restored.data_state == data_state
     assert restored.run == {"seed": 5} and restored.optim == OPTIM.to_dict()
     assert restored.tokenizer.to_bytes() == tokenizer.to_bytes()
-    rebuilt = training.restore_train_state(restored.state, CONFIG, OPTIM)
+    rebuilt = trainer.restore_train_state(restored.state, CONFIG, OPTIM)
     assert jax.tree_util.tree_structure(rebuilt) == jax.tree_util.tree_structure(state)
     before, after = flat(jax.device_get(state)), flat(rebuilt)
     assert before.keys() == after.keys()
@@ -68,7 +68,7 @@ def test_reading_a_checkpoint_logs_no_warning(tmp_path, tokenizer, caplog):
     """Every translate, evaluate and export opens the checkpoints read-only: orbax's warnings about that (and about
     saves without metrics) say nothing the user can act on, so none reaches the log."""
     manager = ckpt_lib.CheckpointManager(tmp_path / "ckpt")
-    manager.save(1, training.state_for_saving(_trained_state(1)), config=CONFIG, optim=OPTIM.to_dict(),
+    manager.save(1, trainer.state_for_saving(_trained_state(1)), config=CONFIG, optim=OPTIM.to_dict(),
                  tokenizer=tokenizer, data_state=None, run={})  # fmt: skip
     manager.close()
     with caplog.at_level(logging.INFO):
@@ -81,7 +81,7 @@ def test_weights_only_reads_the_parameters_alone_and_verifies_them(tmp_path, tok
     """load(..., weights_only=True), what translate, evaluate, export and --init-from use: the saved parameters
     bit for bit, no optimizer state, and still checked against their checksums."""
     manager = ckpt_lib.CheckpointManager(tmp_path / "ckpt")
-    manager.save(3, training.state_for_saving(_trained_state()), config=CONFIG, optim=OPTIM.to_dict(),
+    manager.save(3, trainer.state_for_saving(_trained_state()), config=CONFIG, optim=OPTIM.to_dict(),
                  tokenizer=tokenizer, data_state=None, run={"seed": 5})  # fmt: skip
     manager.close()
     full = ckpt_lib.load(tmp_path / "ckpt", "latest")
@@ -114,7 +114,7 @@ def test_keeps_the_last_k_and_the_best(tmp_path, tokenizer):
         metrics = {"score": scores[step]} if step in scores else None
         manager.save(
             step,
-            training.state_for_saving(state),
+            trainer.state_for_saving(state),
             config=CONFIG,
             optim=OPTIM.to_dict(),
             tokenizer=tokenizer,
@@ -130,7 +130,7 @@ def test_keeps_the_last_k_and_the_best(tmp_path, tokenizer):
 def test_restoring_into_a_different_config_names_the_field(tmp_path, tokenizer):
     manager = ckpt_lib.CheckpointManager(tmp_path / "ckpt")
     manager.save(
-        1, training.state_for_saving(_trained_state(0)), config=CONFIG, optim=OPTIM.to_dict(), tokenizer=tokenizer
+        1, trainer.state_for_saving(_trained_state(0)), config=CONFIG, optim=OPTIM.to_dict(), tokenizer=tokenizer
     )
     manager.close()
     with pytest.raises(ConfigError, match=r"'d_model': checkpoint .* has 32, requested 64"):
@@ -207,7 +207,8 @@ def test_resume_with_another_config_names_the_field(resumed_and_straight):
 def test_runs_from_before_packing_resume_with_length_buckets():
     """A checkpoint whose data settings predate `batching` was trained on length buckets: its resume keeps them, and
     asking for packed batches on that resume is refused (the data order would change)."""
-    from jax_transformer.config import UsageError, resolve
+    from jax_transformer.errors import UsageError
+    from jax_transformer.settings.resolve import resolve
 
     def data(given, stored_data):  # what a resume with these data flags continues with
         stored = {"seed": 0, "optim": {}, "loop": {}, "data": stored_data}
@@ -261,10 +262,10 @@ def test_array_sums_are_the_same_on_host_and_device_and_see_any_change(monkeypat
 def test_a_format_3_step_is_still_verified_by_its_sha256(tmp_path, tokenizer):
     """Steps written before the element sums carry the SHA-256 of each whole array: they load verified by it (onto
     the host, then where a placement asks), and an array that does not match it is named."""
-    from jax_transformer.checkpoint import _meta_checksum
+    from jax_transformer.checkpoint.manager import _meta_checksum
 
     manager = ckpt_lib.CheckpointManager(tmp_path / "ckpt")
-    state = jax.device_get(training.state_for_saving(_trained_state()))
+    state = jax.device_get(trainer.state_for_saving(_trained_state()))
     manager.save(3, state, config=CONFIG, optim=OPTIM.to_dict(), tokenizer=tokenizer)
     manager.close()
     meta_file = tmp_path / "ckpt" / "3" / "meta" / "metadata"

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from tests.helpers.training import REPO, completed_steps, run_main, tiny_train_args, write_corpus
 
 sys.path.insert(0, str(REPO))
-import train  # noqa: E402
+from jax_transformer.cli import main as cli  # noqa: E402
 
 sys.path.remove(str(REPO))
 
@@ -40,7 +40,7 @@ REQUIRED = {
 
 def numeric_flags() -> list[tuple[str, str, argparse.Action]]:
     """(sub-command, flag, action) of every flag that takes a number, across every sub-command."""
-    parser = train.build_parser()
+    parser = cli.build_parser()
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     found = []
     for command, p in sub.choices.items():
@@ -75,7 +75,7 @@ def out_of_range(action: argparse.Action):
 
 def test_every_numeric_flag_has_a_checked_range():
     """A plain `type=int` would take any value and fail later, somewhere inside: every number a flag takes is checked
-    as it is parsed (a settings field's own check, or `train.number`), so the sweep below covers it."""
+    as it is parsed (a settings field's own check, or `cli.flags.number`), so the sweep below covers it."""
     assert len(FLAGS) > 40  # every sub-command's numbers: the model's, the loop's, the data's, verify's, plan's
     unchecked = [(command, flag) for command, flag, action in FLAGS if not hasattr(action.type, "bounds")]
     assert not unchecked
@@ -94,7 +94,7 @@ def test_out_of_range_values_are_refused_at_parse_time_naming_the_flag(command, 
     value = data.draw(out_of_range(action), label="value")
     argv = [command, *REQUIRED.get(command, []), flag, value]
     with pytest.raises(SystemExit) as stop, contextlib.redirect_stderr(io.StringIO()) as stderr:
-        train.build_parser().parse_args(argv)
+        cli.build_parser().parse_args(argv)
     assert stop.value.code == 2
     err = stderr.getvalue()
     assert f"argument {flag}" in err.splitlines()[-1] and "Traceback" not in err
@@ -150,7 +150,7 @@ def test_train_refuses_a_beam_the_model_cannot_do_before_the_run_folder(tmp_path
 def test_a_run_whose_every_bleu_failed_does_not_claim_a_bleu_choice(tmp_path, monkeypatch):
     """A decoding failure during training is a warning (a long run goes on); the summary then says that no
     evaluation computed a score, instead of "best step N (by validation bleu)"."""
-    from jax_transformer import loop
+    from jax_transformer.training import loop
 
     def fail(*args, **kwargs):
         raise RuntimeError("decoding failed here")
@@ -208,14 +208,14 @@ def translate_to(fd: int, run, source, capsys) -> tuple[int, str]:
     """`train.py translate` with stdout on `fd`: (exit code, stderr)."""
     argv = ["translate", "--checkpoint", str(run), "--input", str(source), "--beam-size", "1", "--no-progress"]
     with StdoutTo(fd):
-        code = train.main(argv)
+        code = cli.main(argv)
     return code, capsys.readouterr().err
 
 
 def test_translate_into_a_full_file_keeps_whole_lines_and_says_how_many(tiny_run, tmp_path, monkeypatch, capsys):
     """Before: the output ended in a partial line and nobody said how many lines were written. The disk fills
     in the middle of line 4 (a partial write, then ENOSPC, as the kernel does)."""
-    from jax_transformer import translation
+    from jax_transformer.decoding import translation
 
     run, _ = tiny_run
     source = tmp_path / "input.txt"
@@ -248,7 +248,7 @@ def test_translate_into_a_full_file_keeps_whole_lines_and_says_how_many(tiny_run
 
 def test_translate_whose_first_line_fails_keeps_what_the_file_held(tiny_run, tmp_path, monkeypatch, capsys):
     """`translate >> out.txt` on a full disk: nothing of the file's earlier content is cut away."""
-    from jax_transformer import translation
+    from jax_transformer.decoding import translation
 
     run, _ = tiny_run
     source = tmp_path / "input.txt"

@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-from jax_transformer.config import ConfigError, OptimConfig, TransformerConfig, preset
+from jax_transformer.errors import ConfigError
+from jax_transformer.settings.config import OptimConfig, TransformerConfig, preset
 from tests.helpers.configs import PARITY_CONFIGS
 
 
@@ -82,8 +83,9 @@ def test_diff_names_changed_fields():
 
 def test_importing_the_flax_package_never_imports_torch():
     code = (
-        "import sys, jax_transformer, jax_transformer.model, jax_transformer.port, jax_transformer.losses, "
-        "jax_transformer.corpus, jax_transformer.tokenizer, jax_transformer.batching; "
+        "import sys, jax_transformer, jax_transformer.model.transformer, jax_transformer.interop.port, "
+        "jax_transformer.training.losses, jax_transformer.data.corpus, jax_transformer.data.tokenizer, "
+        "jax_transformer.data.batching; "
         "assert 'torch' not in sys.modules, 'torch was imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
@@ -93,8 +95,9 @@ def test_port_without_torch_is_exact_and_shapes_are_checked():
     import jax
     import numpy as np
 
-    from jax_transformer.model import init_params
-    from jax_transformer.port import PortError, flax_to_torch, torch_to_flax
+    from jax_transformer.errors import PortError
+    from jax_transformer.interop.port import flax_to_torch, torch_to_flax
+    from jax_transformer.model.transformer import init_params
 
     cfg = preset("tiny", src_vocab_size=40, tgt_vocab_size=40)
     params = init_params(cfg, 3)
@@ -127,7 +130,7 @@ def test_a_parameter_of_another_shape_is_named_with_both_shapes(case):
     import jax
     import jax.numpy as jnp
 
-    from jax_transformer.model import Transformer, init_params
+    from jax_transformer.model.transformer import Transformer, init_params
 
     config = PARAMETER_CASES[case]
     params = init_params(config, 0)

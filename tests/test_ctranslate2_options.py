@@ -28,10 +28,11 @@ from typing import Any
 import numpy as np
 import pytest
 
-from jax_transformer import hub, scoring
-from jax_transformer.config import DecodeConfig
-from jax_transformer.decoding import decoder
-from jax_transformer.default_task import default_pairs
+from jax_transformer.data.default_task import default_pairs
+from jax_transformer.decoding import scoring
+from jax_transformer.decoding.decoders import decoder
+from jax_transformer.interop import hub
+from jax_transformer.settings.config import DecodeConfig
 
 ctranslate2 = pytest.importorskip("ctranslate2")
 pytest.importorskip("torch")

@@ -1,5 +1,5 @@
-"""Tests of the data pipeline (jax_transformer/corpus.py, tokenizer.py, batching.py) and the built-in task
-(jax_transformer/default_task.py)."""
+"""Tests of the data pipeline (jax_transformer/data/corpus.py, tokenizer.py, batching.py) and the built-in task
+(jax_transformer/data/default_task.py)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import sys
 import numpy as np
 import pytest
 
-from jax_transformer import default_task
-from jax_transformer.batching import (
+from jax_transformer.data import default_task
+from jax_transformer.data.batching import (
     BatchStream,
     EncodedCorpus,
     bucket_lengths,
@@ -20,10 +20,10 @@ from jax_transformer.batching import (
     padding_efficiency,
     rows_per_batch,
 )
-from jax_transformer.config import DataConfig, TransformerConfig
-from jax_transformer.corpus import Corpus, read_parallel, read_tsv
+from jax_transformer.data.corpus import Corpus, read_parallel, read_tsv
+from jax_transformer.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Tokenizer
 from jax_transformer.errors import DataError
-from jax_transformer.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Tokenizer
+from jax_transformer.settings.config import DataConfig, TransformerConfig
 from tests.helpers.batches import packed_pairs
 
 SENTENCES = [
@@ -311,7 +311,7 @@ def unpack(batch) -> dict[int, tuple[np.ndarray, ...]]:
 
 
 def test_packed_stream_has_one_shape_and_every_pair_once_per_epoch():
-    from jax_transformer.training import PACKING_KEYS
+    from jax_transformer.training.trainer import PACKING_KEYS
 
     encoded = synthetic(realistic_lengths(1500, 128), max_len=128)
     longest = int(encoded.positions_needed().max())
@@ -433,8 +433,8 @@ def test_packing_settings_are_checked():
 
 def test_modules_do_not_import_jax_or_torch():
     code = (
-        "import sys, jax_transformer.config, jax_transformer.corpus, jax_transformer.tokenizer, "
-        "jax_transformer.batching, jax_transformer.default_task; "
+        "import sys, jax_transformer.settings.config, jax_transformer.data.corpus, jax_transformer.data.tokenizer, "
+        "jax_transformer.data.batching, jax_transformer.data.default_task; "
         "print(sorted(m for m in ('jax', 'torch', 'flax') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -1,4 +1,4 @@
-"""Decoding (jax_transformer.decoding, .search, .schedule) against the plain model: the cache, greedy and beam
+"""Decoding (jax_transformer.decoding.decoders, .search, .schedule) against the plain model: the cache, greedy and beam
 search, lengths, edge cases, the CPU's schedule, translate and the attention plot. Cross-framework checks are in
 parity_tests/test_decoding_parity.py.
 
@@ -16,9 +16,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_transformer import decoding, schedule, search, translation
-from jax_transformer.config import DecodeConfig, preset
-from jax_transformer.model import Transformer, grow_cache, init_params, select_cache
+from jax_transformer.decoding import decoders, schedule, search, translation
+from jax_transformer.model.transformer import Transformer, grow_cache, init_params, select_cache
+from jax_transformer.settings.config import DecodeConfig, preset
 from tests.helpers.batches import make_src, pad_rows
 from tests.helpers.configs import DECODING_CONFIGS
 from tests.helpers.configs import DECODING_MAX_LEN as MAX_LEN
@@ -72,12 +72,12 @@ def step_log_probs(params, config, src, tokens, t):
 
 
 def oracle_greedy(
-    params, config, src, max_len_a=decoding.DEFAULT_MAX_LEN_A, max_len_b=decoding.DEFAULT_MAX_LEN_B, min_len=0
+    params, config, src, max_len_a=decoders.DEFAULT_MAX_LEN_A, max_len_b=decoders.DEFAULT_MAX_LEN_B, min_len=0
 ):
     """Greedy decoding by full forward passes, written from the documented semantics. Also returns, per row,
     the smallest margin between the chosen token's log-prob and the runner-up's (to rule out near-ties)."""
-    limits = decoding.max_new_tokens(src, config, max_len_a, max_len_b)
-    L = decoding.output_length(src.shape[1], config, max_len_a, max_len_b)
+    limits = decoders.max_new_tokens(src, config, max_len_a, max_len_b)
+    L = decoders.output_length(src.shape[1], config, max_len_a, max_len_b)
     B = src.shape[0]
     tokens = np.full((B, L), config.pad_id, np.int32)
     scores = np.zeros(B, np.float32)
@@ -204,7 +204,7 @@ def test_weights_given_as_numpy_go_to_the_device_once(model_b, monkeypatch):
     # arrays already on a device are kept as they are, not copied.
     on_device = jnp.zeros(2)
     tree = {"numpy": np.arange(3, dtype=np.float32), "device": on_device}
-    out = decoding.on_device(tree)
+    out = decoders.on_device(tree)
     assert isinstance(out["numpy"], jax.Array) and out["device"] is on_device
     np.testing.assert_array_equal(out["numpy"], tree["numpy"])
     # A search given numpy weights hands its encoder and every program device arrays, whichever the schedule.
@@ -222,7 +222,7 @@ def test_weights_given_as_numpy_go_to_the_device_once(model_b, monkeypatch):
         monkeypatch.setattr(search, name, noting(getattr(search, name)))
     for way in (schedule.Whole(), schedule.Scheduled()):
         seen.clear()
-        decoding.greedy_search(jax.tree.map(np.asarray, params), config, src, schedule=way)
+        decoders.greedy_search(jax.tree.map(np.asarray, params), config, src, schedule=way)
         assert seen and all(seen)
 
 
@@ -293,7 +293,7 @@ def test_select_rows_and_grow_follow_the_caches_layout():
     assert grown["cross_attention"]["cached_key"].shape == cross.shape  # the source's
 
     # A whole decoding state: every array with a row per sentence follows, the table of slots grows with the cache.
-    rules = decoding.gnmt_decoder(CONFIG_A, 8, beam_size=G).rules
+    rules = decoders.gnmt_decoder(CONFIG_A, 8, beam_size=G).rules
     rows = search.Rows(
         limit=np.array([5, 6, 7]), prefix=np.arange(S)[:, None] * np.ones((S, 10), np.int32), prefix_len=np.arange(S),
         draw=np.arange(S, dtype=np.uint32),
@@ -319,14 +319,14 @@ def test_select_rows_and_grow_follow_the_caches_layout():
 def test_greedy_equals_full_forward_oracle(which, model_a, model_b):
     config, params, src = model_a if which == "a" else model_b
     assert np.all(src[0] != config.pad_id), "row 0 is a source at the maximum length"
-    tokens, scores = decoding.greedy_search(params, config, src)
+    tokens, scores = decoders.greedy_search(params, config, src)
     assert tokens.shape == (len(src), MAX_LEN)  # 1.5 * 16 + 10 tokens, capped at max_len
     expected, expected_scores, gaps = oracle_greedy(params, config, src)
     assert gaps.min() > 1e-4, f"a near-tie ({gaps.min():.1e}) would make this comparison meaningless"
     np.testing.assert_array_equal(tokens, expected)
     np.testing.assert_allclose(scores, expected_scores, rtol=0, atol=SCORE_ATOL)
     # The output convention: no BOS, EOS where emitted, PAD after; rows without EOS stop at their limit.
-    limits = decoding.max_new_tokens(src, config)
+    limits = decoders.max_new_tokens(src, config)
     for row, limit in zip(tokens, limits):
         produced = row[row != config.pad_id]
         assert config.bos_id not in produced
@@ -336,7 +336,7 @@ def test_greedy_equals_full_forward_oracle(which, model_a, model_b):
 
 def test_some_rows_finish_at_the_first_step(model_a):
     config, params, src = model_a
-    tokens, scores = decoding.greedy_search(params, config, src)
+    tokens, scores = decoders.greedy_search(params, config, src)
     first_eos = tokens[:, 0] == config.eos_id
     assert first_eos.any() and not first_eos.all(), "the EOS bias should split the batch (see eos_biased)"
     assert np.all(tokens[first_eos, 1:] == config.pad_id)
@@ -352,8 +352,8 @@ def test_batch_of_one_empty_source_equals_its_row_in_the_batch(model_a):
     of the padded batch."""
     config, params, src = model_a
     row = LENGTHS.index(1)
-    batch_tokens, batch_scores = decoding.greedy_search(params, config, src)
-    tokens, scores = decoding.greedy_search(params, config, src[row : row + 1, :1])  # (1, 1): just EOS
+    batch_tokens, batch_scores = decoders.greedy_search(params, config, src)
+    tokens, scores = decoders.greedy_search(params, config, src[row : row + 1, :1])  # (1, 1): just EOS
     L = tokens.shape[1]
     np.testing.assert_array_equal(tokens[0], batch_tokens[row, :L])
     assert np.all(batch_tokens[row, L:] == config.pad_id)
@@ -363,19 +363,19 @@ def test_batch_of_one_empty_source_equals_its_row_in_the_batch(model_a):
 def test_length_limits_and_min_len(model_a):
     config, params, src = model_a
     # No EOS before 3 tokens.
-    tokens, scores = decoding.greedy_search(params, config, src, min_len=3)
+    tokens, scores = decoders.greedy_search(params, config, src, min_len=3)
     assert not np.any(tokens[:, :3] == config.eos_id)
     expected, expected_scores, _ = oracle_greedy(params, config, src, min_len=3)
     np.testing.assert_array_equal(tokens, expected)
     assert np.any(tokens == config.eos_id), "some rows should still end with EOS after min_len"
     # min_len at least the limits forces every row to exactly its limit (how benchmarks fix the length).
-    limits = decoding.max_new_tokens(src, config)
-    for decode in (decoding.greedy_search, decoding.beam_search):
+    limits = decoders.max_new_tokens(src, config)
+    for decode in (decoders.greedy_search, decoders.beam_search):
         tokens, _ = decode(params, config, src, min_len=MAX_LEN)
         assert np.count_nonzero(tokens != config.pad_id, axis=1).tolist() == limits.tolist()
         assert not np.any(tokens == config.eos_id)
     # Other length parameters: at most floor(0 * n + 6) = 6 tokens per row, and the output is 6 wide.
-    tokens, _ = decoding.greedy_search(params, config, src, max_len_a=0, max_len_b=6)
+    tokens, _ = decoders.greedy_search(params, config, src, max_len_a=0, max_len_b=6)
     expected, _, _ = oracle_greedy(params, config, src, max_len_a=0, max_len_b=6)
     assert tokens.shape == (len(src), 6)
     np.testing.assert_array_equal(tokens, expected)
@@ -393,8 +393,8 @@ def test_beam_size_one_without_penalty_is_greedy(which, model_a, model_b):
     a log-prob may differ by a float32 ulp or two of the logits it is computed from, so the scores are compared
     within SCORE_ATOL there (16 such terms; see its comment)."""
     config, params, src = model_a if which == "a" else model_b
-    greedy_tokens, greedy_scores = decoding.greedy_search(params, config, src)
-    tokens, scores = decoding.beam_search(params, config, src, beam_size=1, alpha=0.0)
+    greedy_tokens, greedy_scores = decoders.greedy_search(params, config, src)
+    tokens, scores = decoders.beam_search(params, config, src, beam_size=1, alpha=0.0)
     np.testing.assert_array_equal(tokens, greedy_tokens)
     if jax.default_backend() == "cpu":
         np.testing.assert_array_equal(scores, greedy_scores)
@@ -405,9 +405,9 @@ def test_beam_size_one_without_penalty_is_greedy(which, model_a, model_b):
 @pytest.mark.parametrize("alpha", [0.6, 0.0])
 def test_beam_scores_are_penalised_log_probs(alpha, model_a):
     config, params, src = model_a
-    tokens, scores = decoding.beam_search(params, config, src, beam_size=4, alpha=alpha)
+    tokens, scores = decoders.beam_search(params, config, src, beam_size=4, alpha=alpha)
     lengths = np.count_nonzero(tokens != config.pad_id, axis=1)
-    limits = decoding.max_new_tokens(src, config)
+    limits = decoders.max_new_tokens(src, config)
     for row, n, limit in zip(tokens, lengths, limits):  # ends with EOS, or runs to its limit without one
         assert np.all(row[n:] == config.pad_id)
         assert (row[n - 1] == config.eos_id and config.eos_id not in row[: n - 1]) or n == limit
@@ -434,13 +434,13 @@ def test_bad_inputs_are_refused_with_clear_errors(model_a):
     ]
     for bad, message in cases:
         with pytest.raises(ValueError, match=message):
-            decoding.greedy_search(params, config, bad)
+            decoders.greedy_search(params, config, bad)
     with pytest.raises(ValueError, match="beam_size"):
-        decoding.beam_search(params, config, src, beam_size=(VOCAB - 2) // 2)
+        decoders.beam_search(params, config, src, beam_size=(VOCAB - 2) // 2)
     with pytest.raises(ValueError, match="alpha"):
-        decoding.beam_search(params, config, src, alpha=-1.0)
+        decoders.beam_search(params, config, src, alpha=-1.0)
     with pytest.raises(ValueError, match="min_len"):
-        decoding.greedy_search(params, config, src, min_len=-1)
+        decoders.greedy_search(params, config, src, min_len=-1)
 
 
 def test_length_rule():
@@ -448,10 +448,10 @@ def test_length_rule():
     src = make_src(CONFIG_A, (8, 3, 1), width=8)  # the ids do not matter here, only the lengths
     src[2] = 0  # an all-PAD filler row
     # n = 8, 3, 0 -> floor(1.5 n + 10) capped at 16; a filler row gets one step.
-    assert decoding.max_new_tokens(src, config).tolist() == [16, 14, 1]
-    assert decoding.max_new_tokens(src, config, 0.5, 1).tolist() == [5, 2, 1]
-    assert decoding.output_length(8, config, 0.5, 1) == 5
-    np.testing.assert_allclose(decoding.length_penalties(3, 0.6), [((5 + i) / 6) ** 0.6 for i in range(4)], rtol=1e-7)
+    assert decoders.max_new_tokens(src, config).tolist() == [16, 14, 1]
+    assert decoders.max_new_tokens(src, config, 0.5, 1).tolist() == [5, 2, 1]
+    assert decoders.output_length(8, config, 0.5, 1) == 5
+    np.testing.assert_allclose(decoders.length_penalties(3, 0.6), [((5 + i) / 6) ** 0.6 for i in range(4)], rtol=1e-7)
 
 
 # --- translate and the attention plot ----------------------------------------------------------------------
@@ -459,8 +459,8 @@ def test_length_rule():
 
 @pytest.fixture(scope="module")
 def tiny_translator():
-    from jax_transformer.default_task import TOKENIZER_MODEL_TYPE, default_pairs
-    from jax_transformer.tokenizer import Tokenizer
+    from jax_transformer.data.default_task import TOKENIZER_MODEL_TYPE, default_pairs
+    from jax_transformer.data.tokenizer import Tokenizer
 
     pairs = default_pairs("train", n=300)
     tokenizer = Tokenizer.train(pairs.sources + pairs.targets, vocab_size=200, model_type=TOKENIZER_MODEL_TYPE)
@@ -480,8 +480,8 @@ def test_translate_keeps_order_and_reuses_compilations(tiny_translator, monkeypa
     sources = translation.encode_sources(tokenizer, chosen, config)
     tokens = np.concatenate(
         [
-            decoding.greedy_search(params, config, pad_rows(sources[:4], 16))[0],
-            decoding.greedy_search(params, config, pad_rows(sources[4:] + [[]], 16))[0],
+            decoders.greedy_search(params, config, pad_rows(sources[:4], 16))[0],
+            decoders.greedy_search(params, config, pad_rows(sources[4:] + [[]], 16))[0],
         ]
     )
     assert out == [tokenizer.decode(row) for row in tokens[:7]]
@@ -659,27 +659,27 @@ def test_translation_encoders_are_the_encoder_programs_translate_runs(tiny_trans
 
 
 def test_plot_attention_draws_every_layer_and_head(tiny_translator, tmp_path):
-    from jax_transformer import visualize
+    from jax_transformer.decoding import attention
 
     config, params, tokenizer, sentences = tiny_translator
-    path = visualize.plot_attention(params, config, tokenizer, sentences[123], tmp_path / "attention.png")
+    path = attention.plot_attention(params, config, tokenizer, sentences[123], tmp_path / "attention.png")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # The grid: one axes per (kind, layer, head); cross-attention has the source subwords on x (ending with
     # </s>) and the produced tokens on y.
-    result = visualize.sentence_attention(params, config, tokenizer, sentences[123])
+    result = attention.sentence_attention(params, config, tokenizer, sentences[123])
     src = translation.encode_sources(tokenizer, [sentences[123]], config)[0]
-    assert result.labels["source"] == visualize.token_labels(tokenizer, src, config)
+    assert result.labels["source"] == attention.token_labels(tokenizer, src, config)
     assert result.labels["source"][-1] == "</s>"
     m = len(result.labels["produced"])
     assert result.maps["decoder/layer_1/cross_attention"].shape == (1, config.num_heads, m, len(src))
     assert result.labels["decoder_in"][0] == "<s>" and len(result.labels["decoder_in"]) == m
-    fig = visualize.attention_figure(result.maps, config, ("cross", "self", "encoder"), result.labels)
+    fig = attention.attention_figure(result.maps, config, ("cross", "self", "encoder"), result.labels)
     assert len(fig.axes) == 3 * 2 * config.num_heads
     assert [t.get_text() for t in fig.axes[0].get_xticklabels()] == result.labels["source"]
     assert [t.get_text() for t in fig.axes[0].get_yticklabels()] == result.labels["produced"]
     np.testing.assert_allclose(result.maps["decoder/layer_0/cross_attention"].sum(-1), 1.0, atol=1e-5)
     with pytest.raises(ValueError, match="unknown attention kind"):
-        visualize.attention_figure(result.maps, config, ("bogus",), result.labels)
+        attention.attention_figure(result.maps, config, ("bogus",), result.labels)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -746,7 +746,7 @@ def test_generate_leaves_filler_rows_finished_from_the_start(num_beams, shift, m
     loop), and the real rows come out as without it. Also where the logits are large and positive (every one
     shifted by 100, which changes no log-prob): greedy ranks the logits themselves, and their sums must not push
     an unfinished hypothesis into the finished set."""
-    from jax_transformer.decoding import generate
+    from jax_transformer.decoding.decoders import generate
 
     config, params, src = model_a
     params = {**params, "output_proj": {**params["output_proj"], "bias": params["output_proj"]["bias"] + shift}}
@@ -799,7 +799,7 @@ def test_finished_sentences_leave_the_batch_and_change_nothing(search_kind, monk
         "generate greedy": (1, transformers_rules),
         "generate beam 4": (4, transformers_rules),
     }[search_kind]
-    decoder = decoding.decoder(config, (rules or DecodeConfig()).replace(beam_size=beam_size), src.shape[1])
+    decoder = decoders.decoder(config, (rules or DecodeConfig()).replace(beam_size=beam_size), src.shape[1])
     monkeypatch.setattr(schedule, "side_by_side", lambda: 2)  # two halves, on any machine
     layer = schedule.Scheduled()
     levels, select_rows = [], schedule._select_rows_jit
@@ -812,7 +812,7 @@ def test_finished_sentences_leave_the_batch_and_change_nothing(search_kind, monk
     for compile_job in decoder.programs(params, *src.shape, layer).values():
         compile_job()
     encoders = layer.encoder_shapes(np.count_nonzero(src != config.pad_id, axis=1), src.shape[1])  # of the two halves
-    for compile_job in layer.encoder_programs(decoding.on_device(params), config, encoders).values():
+    for compile_job in layer.encoder_programs(decoders.on_device(params), config, encoders).values():
         compile_job()
     monkeypatch.setattr(schedule, "_select_rows_jit", counted)
     with compiled_functions() as compiled:

@@ -1,6 +1,6 @@
 """`train.py translate --document`: a document's sentences translated in place, every separator kept byte for byte
-(`jax_transformer.documents`); sentences longer than the model takes cut into parts that fit, and named; a line of
-any length streamed with a bounded carry; bad bytes named by line and byte offset; the flags it refuses."""
+(`jax_transformer.decoding.documents`); sentences longer than the model takes cut into parts that fit, and named; a line
+of any length streamed with a bounded carry; bad bytes named by line and byte offset; the flags it refuses."""
 
 from __future__ import annotations
 
@@ -12,13 +12,13 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from jax_transformer import checkpoint as ckpt_lib
-from jax_transformer import documents
-from jax_transformer.config import DecodeConfig
-from jax_transformer.default_task import default_pairs
-from jax_transformer.documents import LINE_BREAK, Segmenter, read_blocks, stream_pieces, translate_document
+from jax_transformer.checkpoint import manager as ckpt_lib
+from jax_transformer.data.default_task import default_pairs
+from jax_transformer.decoding import documents
+from jax_transformer.decoding.documents import LINE_BREAK, Segmenter, read_blocks, stream_pieces, translate_document
+from jax_transformer.decoding.translation import translate
 from jax_transformer.errors import DataError, UsageError
-from jax_transformer.translation import translate
+from jax_transformer.settings.config import DecodeConfig
 from tests.helpers.saved import load_saved_model
 from tests.helpers.tooling import fuzz
 from tests.helpers.training import run_main

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_transformer.dropout import Dropout, hashed_bits, keep_mask
+from jax_transformer.model.dropout import Dropout, hashed_bits, keep_mask
 
 N = 1 << 20  # elements per mask
 
@@ -72,7 +72,7 @@ def test_a_block_of_rows_draws_its_rows_of_the_whole_batch_mask():
     """A pmap device or an accumulation micro-batch sees some rows of the global batch; told which (`global_rows`),
     it must draw exactly those rows of the mask the whole batch would get, so that masks do not depend on how a
     batch is split. Without row ids the index is the flat index, as it always was."""
-    from jax_transformer.dropout import global_rows
+    from jax_transformer.model.dropout import global_rows
 
     key, shape = jax.random.key(5), (8, 3, 5, 7)  # (B, H, T, S), like attention probabilities
     whole = np.asarray(keep_mask(key, 0.5, shape))

@@ -19,8 +19,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from jax_transformer import checkpoint as ckpt_lib
-from jax_transformer import run as run_lib
+from jax_transformer.checkpoint import manager as ckpt_lib
+from jax_transformer.training import run as run_lib
 from tests.helpers.training import REPO, completed_steps, run_main, tiny_train_args, write_corpus
 from tests.helpers.twins import flat
 

@@ -1,5 +1,5 @@
-"""jax_transformer.host_memory: memory a thread frees stays in the process for the next allocation (glibc's malloc),
-and `train.py train` asks for it before JAX starts."""
+"""jax_transformer.training.host_memory: memory a thread frees stays in the process for the next allocation (glibc's
+malloc), and `train.py train` asks for it before JAX starts."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ glibc_only = pytest.mark.skipif(
 # thread arena's 64 MB heap, write it, free it. Page faults counted for that thread alone, per round.
 CHILD = """
 import ctypes, resource, sys, threading
-from jax_transformer import host_memory
+from jax_transformer.training import host_memory
 
 if sys.argv[1] == "after-a-thread":  # a thread that allocates, and so gets an arena of its own
     started = threading.Thread(target=lambda: bytearray(2**20))
@@ -96,8 +96,9 @@ def test_train_py_sets_it_before_any_other_thread_allocates():
     # train.main's own imports (jax, flax, orbax through the run module) and flag parsing, then `train` as far as
     # the call, with the run itself left out: the settings are taken.
     code = """
-import train
-from jax_transformer import host_memory, run
+from jax_transformer.cli import main as cli
+from jax_transformer.training import host_memory
+from jax_transformer.training import run
 
 taken = host_memory.keep_freed_memory
 
@@ -109,13 +110,13 @@ def train_run(**_):
     raise SystemExit(0)
 
 host_memory.keep_freed_memory, run.train = keep_freed_memory, train_run
-train.main(["train", "--no-progress"])
+cli.main(["train", "--no-progress"])
 """
     assert child(code) == ["kept", "True"]
 
 
 def test_jax_runs_on_cpu_follows_jax_platforms_else_the_installed_accelerators(monkeypatch):
-    from jax_transformer import host_memory
+    from jax_transformer.training import host_memory
 
     for platforms, expected in (("cpu", True), ("cpu,cuda", True), ("cuda,cpu", False), ("tpu", False)):
         monkeypatch.setenv("JAX_PLATFORMS", platforms)
@@ -129,8 +130,8 @@ def test_jax_runs_on_cpu_follows_jax_platforms_else_the_installed_accelerators(m
 
 
 def test_train_keeps_freed_memory_before_jax_starts_unless_told_not_to(monkeypatch):
-    import train
-    from jax_transformer import host_memory, run
+    from jax_transformer.cli import main as cli
+    from jax_transformer.training import host_memory, run
 
     class Started(Exception):
         pass
@@ -145,7 +146,7 @@ def test_train_keeps_freed_memory_before_jax_starts_unless_told_not_to(monkeypat
     monkeypatch.setattr(run, "train", train_run)
     for flags, expected in (([], ["kept", "run"]), (["--no-keep-freed-memory"], ["run"])):
         calls.clear()
-        args = train.build_parser().parse_args(["train", *flags])
+        args = cli.build_parser().parse_args(["train", *flags])
         with pytest.raises(Started):
             args.func(args, 0.0)
         assert calls == expected, flags

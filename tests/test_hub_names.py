@@ -12,8 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from jax_transformer import checkpoint
-from jax_transformer.port import _flatten
+from jax_transformer.checkpoint import manager as checkpoint
+from jax_transformer.model.params import flatten
 from tests.helpers.training import run_main
 
 pytest.importorskip("transformers")
@@ -75,8 +75,8 @@ def test_a_hub_name_imports_as_its_folder_does(offline, tmp_path):
     assert code == 0, out + err
     by_name, by_path = (checkpoint.load(tmp_path / name, "best") for name in ("by-name", "by-path"))
     assert by_name.config == by_path.config
-    for key, value in _flatten(by_path.params).items():
-        np.testing.assert_array_equal(_flatten(by_name.params)[key], value)
+    for key, value in flatten(by_path.params).items():
+        np.testing.assert_array_equal(flatten(by_name.params)[key], value)
     origin = by_name.run["imported_from"]
     assert origin["source"] == NAME and origin["revision"] == "a" * 40  # the name and commit, not the cache folder
 

@@ -16,7 +16,7 @@ import json
 import numpy as np
 import pytest
 
-from jax_transformer import checkpoint as ckpt_lib
+from jax_transformer.checkpoint import manager as ckpt_lib
 from tests.helpers.training import (
     completed_steps,
     kill_at_pause,

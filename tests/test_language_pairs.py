@@ -13,12 +13,15 @@ import numpy as np
 import pytest
 from sacrebleu.metrics import BLEU, CHRF
 
-from jax_transformer import checkpoint, hub, inference, token_arrays
-from jax_transformer.batching import encode_corpus
-from jax_transformer.corpus import Fingerprint, corpus_fingerprint, read_tsv
-from jax_transformer.default_task import number_pair
+from jax_transformer.checkpoint import manager as checkpoint
+from jax_transformer.data import token_arrays
+from jax_transformer.data.batching import encode_corpus
+from jax_transformer.data.corpus import Fingerprint, corpus_fingerprint, read_tsv
+from jax_transformer.data.default_task import number_pair
+from jax_transformer.decoding import loading
+from jax_transformer.decoding.translation import translations
 from jax_transformer.errors import DataError
-from jax_transformer.translation import translations
+from jax_transformer.interop import hub
 from tests.helpers.training import run_main
 
 pytest.importorskip("transformers")
@@ -115,7 +118,7 @@ def test_two_pairs_train_decode_each_into_its_own_language_and_score_per_pair(im
     for pair in (EN_FR, FR_EN):
         picked = [i for i, r in enumerate(rows) if tuple(r[:2]) == pair]
         # Decoded on their own, into their own language: the pair's code is every translation's first token.
-        loaded = inference.load(tmp_path / "tuned", "latest", languages=dict(zip(("src_lang", "tgt_lang"), pair)))
+        loaded = loading.load(tmp_path / "tuned", "latest", languages=dict(zip(("src_lang", "tgt_lang"), pair)))
         sources = [rows[i][2] for i in picked]
         found = translations(loaded.params, loaded.config, loaded.tokenizer, sources, _decode(loaded), progress=False)
         assert [t.hypotheses[0].tokens[0] for t in found] == [loaded.tokenizer.codes[pair[1]]] * len(picked)
@@ -135,7 +138,7 @@ METRICS = {"bleu": BLEU, "chrf": CHRF}
 
 
 def _decode(loaded):
-    from jax_transformer.config import DecodeConfig
+    from jax_transformer.settings.config import DecodeConfig
 
     return DecodeConfig.from_dict(loaded.run["decode"]).replace(beam_size=2, n_best=1)
 
@@ -177,15 +180,15 @@ def test_language_columns_need_a_tsv_and_a_multilingual_model(tmp_path):
 
 def checkpoint_free_tokenizer():
     """This project's joint SentencePiece tokenizer, trained on the built-in task (it has no language codes)."""
-    from jax_transformer.default_task import default_pairs
-    from jax_transformer.tokenizer import Tokenizer
+    from jax_transformer.data.default_task import default_pairs
+    from jax_transformer.data.tokenizer import Tokenizer
 
     pairs = default_pairs("train", n=300)
     return Tokenizer.train(list(pairs.sources) + list(pairs.targets), vocab_size=100)
 
 
 def test_part_of_a_file_grouped_by_pair_still_evaluates_every_pair():
-    from jax_transformer.evaluation import first_rows
+    from jax_transformer.decoding.evaluation import first_rows
 
     languages = [EN_FR] * 5 + [FR_EN] * 3  # a validation file grouped by pair
     assert first_rows(languages, 4) == [0, 1, 5, 6]  # --eval-sentences 4: two of each, not the first pair alone

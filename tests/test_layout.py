@@ -1,99 +1,120 @@
-"""The package's layering: each module of `jax_transformer` imports only modules before it in `LAYERS`.
+"""The package's layout: sub-packages by concern, each importing only the ones its `__init__` names.
 
-Data flows text -> tokenizer and batches -> model -> step -> run loop -> checkpoints -> decoder -> text, and imports
-go one way, downwards: the checkpoint module never imports the loop, the step never imports the loop, the
-decoder never imports training. A new module must be placed in `LAYERS` (the test fails until it is), which is
-where a reader learns what it may use.
+Data flows text -> tokenizer and batches -> model -> step -> run loop -> checkpoints -> decoder -> text. Each
+sub-package's `__init__.py` ends its docstring with a line "May import: a, b, c." naming the sub-packages and
+top-level modules it may use; this test holds the code to those lines, so a reader learns the rules from the folder
+itself. Beside them: decoding and serving never import training, the model imports no data and no training, no
+two sub-packages import each other, and no modules of one sub-package import each other in a circle.
 """
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "jax_transformer"
-
-# Lowest first. Modules on one line form one layer and may import each other.
-LAYERS = [
-    ("errors",),  # the errors a user can cause
-    ("files",),  # files written whole or not at all
-    ("config",),  # every setting: the dataclasses, their validation, recipes and `resolve`; no jax, no torch
-    ("compilation",),  # how programs compile: exact rounding in bfloat16, the persistent cache and the decoders
-    # stored as traced, compiling ahead
-    ("host_memory",),  # malloc keeps what a program frees on a CPU (glibc), set before jax starts its threads
-    ("positions", "masks", "checks"),  # checks: token ids and shapes at the entry points
-    ("corpus", "tokenizer"),  # text in: reading files (file:line errors); the joint SentencePiece model
-    ("batching", "default_task"),  # ids and batches (packed rows or length buckets); the built-in task's pairs
-    ("token_arrays",),  # training files encoded once into memory-mapped token arrays (the corpus cache)
-    ("dropout", "losses"),
-    ("quantization",),  # int8 weights with qwix, and the products that read them
-    ("model",),
-    ("port",),  # numpy-only weight map
-    ("pretrained",),  # Marian, FSMT, fairseq, M2M-100 (NLLB) and mBART configs and weight maps (numpy only)
-    ("finetuning",),  # what a fine-tuning run trains: LoRA adapters (on an int8 base: QLoRA), frozen parameters;
-    # the adapters in peft's names
-    ("sharding",),  # the mesh's axes (data, fsdp, tensor) and where each array of a train state lives on it
-    ("training",),  # optimiser, train state, train/eval steps: the twin of torch_reference/training.py
-    ("plan",),  # the memory a training step needs per device, compiled ahead from abstract shapes
-    ("search",),  # the one search loop over the model's cache, its rules as strategies (this project's, transformers')
-    ("schedule",),  # how a batch runs through the search's programs: whole, or the CPU's throughput schedule
-    ("decoding",),  # the decoders callers use: greedy and beam search, generate, a run's decoder
-    ("translation",),  # text in, text out: batches of a few shapes, decoded by the model's rules
-    ("documents",),  # documents in: sentences split with the layout kept, streamed in bounded memory
-    ("scoring",),  # the log-probs of given translations (teacher forcing), for filtering and reranking
-    ("evaluation", "visualize"),
-    ("checkpoint",),
-    ("export",),  # PyTorch / safetensors weight files
-    ("distributed",),  # devices and processes: where state and batches live, jax.distributed, agreeing to stop
-    ("averaging", "verify"),  # checkpoint averaging; a trained checkpoint against its PyTorch twin (via export)
-    ("hub",),  # pretrained models' files: import them as run directories, export them back
-    ("loop",),  # the training loop
-    ("run",),  # setting up a run
-    ("inference",),  # a model loaded to decode (checkpoint, dtype, int8, mesh, languages), its decoding resolved
-    ("service",),  # train.py serve: HTTP (LibreTranslate's API, a native one), requests batched for the decoders
-]
+# The modules at the package's top: what every layer may need (errors, files written whole, token checks, how
+# programs compile). Everything else lives in a sub-package.
+TOP = ("errors", "files", "checks", "compilation")
 
 
-def _layer_of() -> dict[str, int]:
-    return {name: i for i, names in enumerate(LAYERS) for name in names}
+def _sub_packages() -> list[str]:
+    return sorted(p.parent.name for p in PACKAGE.glob("*/__init__.py"))
 
 
-def _imports(path: Path, package: str = "jax_transformer") -> set[str]:
-    """Modules of `package` (a dotted name) that `path` imports, at any depth (inside functions too)."""
+def _allowed(package: str) -> set[str] | None:
+    """The names on the "May import:" line of `package`'s docstring; None for "anything of the package"."""
+    doc = ast.get_docstring(ast.parse((PACKAGE / package / "__init__.py").read_text(encoding="utf-8"))) or ""
+    found = re.search(r"^May import: (.*?)\.?$", doc, re.M)
+    assert found, f"jax_transformer/{package}/__init__.py: its docstring needs a line 'May import: ...'"
+    text = found.group(1)
+    if text.startswith("anything"):
+        return None
+    return {name.strip() for name in text.split(",") if name.strip()}
+
+
+def _imports(path: Path, package: str = "jax_transformer", depth: int = 1) -> set[str]:
+    """The names under `package` (dotted) that `path` imports, `depth` parts deep, at any depth of the code (inside
+    functions too)."""
     found = set()
-    depth = package.count(".") + 1
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
         if isinstance(node, ast.ImportFrom) and node.module:
             if node.module == package:
                 found.update(alias.name for alias in node.names)
             elif node.module.startswith(package + "."):
-                found.add(node.module.split(".")[depth])
+                parts = node.module[len(package) + 1 :].split(".")
+                if len(parts) >= depth:
+                    found.add(".".join(parts[:depth]))
+                else:
+                    found.update(".".join([*parts, alias.name]) for alias in node.names)
         elif isinstance(node, ast.Import):
-            found.update(a.name.split(".")[depth] for a in node.names if a.name.startswith(package + "."))
+            for alias in node.names:
+                if alias.name.startswith(package + "."):
+                    found.add(".".join(alias.name[len(package) + 1 :].split(".")[:depth]))
     return found
 
 
-def test_every_module_has_a_layer():
-    modules = {p.stem for p in PACKAGE.glob("*.py")} - {"__init__"}
-    assert modules == set(_layer_of()), f"place these in LAYERS: {sorted(modules - set(_layer_of()))}"
+def _unit_of(path: Path) -> str:
+    """The sub-package of a module, or the top-level module's own name."""
+    relative = path.relative_to(PACKAGE)
+    return relative.parts[0] if len(relative.parts) > 1 else path.stem
 
 
-def test_imports_go_downwards_only():
-    layer = _layer_of()
-    upward = []
-    for path in sorted(PACKAGE.glob("*.py")):
-        if path.stem == "__init__":
-            continue
-        for imported in _imports(path):
-            if imported in layer and layer[imported] > layer[path.stem]:
-                upward.append(f"{path.stem} (layer {layer[path.stem]}) imports {imported} (layer {layer[imported]})")
-    assert not upward, "imports against the flow:\n" + "\n".join(upward)
+def _uses() -> dict[str, set[str]]:
+    """Each sub-package and top-level module -> the other ones its modules import."""
+    uses: dict[str, set[str]] = {}
+    for path in PACKAGE.rglob("*.py"):
+        unit = _unit_of(path)
+        uses.setdefault(unit, set()).update(_imports(path) - {unit, "__init__"})
+    return uses
 
 
-def test_the_checkpoint_module_knows_neither_loop_nor_optimiser():
-    assert not {"loop", "run", "training"} & _imports(PACKAGE / "checkpoint.py")
+def test_only_a_few_modules_at_the_top():
+    modules = sorted(p.stem for p in PACKAGE.glob("*.py") if p.stem != "__init__")
+    assert modules == sorted(TOP), f"put these in a sub-package: {sorted(set(modules) - set(TOP))}"
+
+
+def test_each_sub_package_imports_only_what_its_init_names():
+    uses, known = _uses(), set(_sub_packages()) | set(TOP)
+    wrong = []
+    for package in _sub_packages():
+        allowed = _allowed(package)
+        assert allowed is None or allowed <= known, f"{package}: 'May import' names {sorted(allowed - known)}"
+        if allowed is not None:
+            wrong += [f"{package} imports {other}" for other in sorted(uses.get(package, set()) - allowed)]
+    assert not wrong, "imports its __init__ does not allow:\n" + "\n".join(wrong)
+
+
+def test_the_top_modules_layer_among_themselves():
+    """errors < files < settings < compilation < checks: a top module imports only those before it."""
+    order = ["errors", "files", "settings", "compilation", "checks"]
+    uses = _uses()
+    for i, name in enumerate(order):
+        assert uses.get(name, set()) <= set(order[:i]), f"{name} imports {sorted(uses[name] - set(order[:i]))}"
+
+
+@pytest.mark.parametrize(
+    "package, never",
+    [
+        ("decoding", {"training", "serving", "interop", "cli"}),
+        ("serving", {"training", "interop", "cli"}),
+        ("model", {"data", "training", "checkpoint", "decoding"}),
+        ("checkpoint", {"training", "decoding"}),
+        ("settings", {"model", "data", "training", "decoding", "checks", "compilation"}),
+    ],
+)
+def test_the_rules_between_concerns(package, never):
+    """What the docs promise, stated apart from the __init__ lines so that widening one is a visible change."""
+    assert not _uses().get(package, set()) & never
+
+
+def test_no_two_sub_packages_import_each_other():
+    uses = _uses()
+    both = sorted({tuple(sorted((a, b))) for a in uses for b in uses[a] if a in uses.get(b, set()) and a != b})
+    assert not both, f"sub-packages importing each other: {both}"
 
 
 def _cycles(folder: Path, package: str) -> list[list[str]]:
@@ -122,10 +143,12 @@ def _cycles(folder: Path, package: str) -> list[list[str]]:
 
 @pytest.mark.parametrize(
     "folder, package",
-    [("jax_transformer", "jax_transformer"), ("benchmarks", "benchmarks"), ("tests/helpers", "tests.helpers")],
+    [("jax_transformer", "jax_transformer")]
+    + [(f"jax_transformer/{p}", f"jax_transformer.{p}") for p in _sub_packages()]
+    + [("benchmarks", "benchmarks"), ("tests/helpers", "tests.helpers")],
 )
 def test_no_import_cycles(folder, package):
-    """Modules of one layer may import each other, but never in a circle; the benchmark's sections share
+    """Modules of one sub-package may import each other, but never in a circle; the benchmark's sections share
     benchmarks/common.py instead of importing their command line back."""
     cycles = _cycles(PACKAGE.parent / folder, package)
     assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
@@ -135,3 +158,17 @@ def test_the_cycle_check_can_fail(tmp_path):
     (tmp_path / "a.py").write_text("from pkg import b\n")
     (tmp_path / "b.py").write_text("def f():\n    from pkg.a import x\n")
     assert _cycles(tmp_path, "pkg") == [["a", "b", "a"]]
+
+
+def test_the_rule_check_can_fail(tmp_path, monkeypatch):
+    """A module of `model` that imports training is caught."""
+    fake = tmp_path / "jax_transformer"
+    (fake / "model").mkdir(parents=True)
+    (fake / "model" / "__init__.py").write_text('"""The model.\n\nMay import: settings.\n"""\n')
+    (fake / "model" / "bad.py").write_text("from jax_transformer.training import run\n")
+    monkeypatch.setattr(__import__(__name__), "PACKAGE", fake, raising=False)
+    globals()["PACKAGE"], saved = fake, PACKAGE
+    try:
+        assert _uses()["model"] == {"training"} and _allowed("model") == {"settings"}
+    finally:
+        globals()["PACKAGE"] = saved

@@ -8,9 +8,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from jax_transformer import checkpoint, finetuning
-from jax_transformer.config import ConfigError, OptimConfig, preset
-from jax_transformer.port import _flatten
+from jax_transformer.checkpoint import manager as checkpoint
+from jax_transformer.errors import ConfigError
+from jax_transformer.interop import peft
+from jax_transformer.model import lora
+from jax_transformer.model.params import flatten
+from jax_transformer.settings.config import OptimConfig, preset
+from jax_transformer.training import finetuning
 from tests.helpers.training import run_main, tiny_train_args
 
 pytestmark = pytest.mark.slow
@@ -34,17 +38,17 @@ def _params(directory, step="latest"):
 
 def _moments(state) -> set[tuple[str, ...]]:
     """The parameter paths Adam holds moments for (its state: (count, mu, nu), mu and nu shaped as what trains)."""
-    return {p[2:] for p in _flatten(state["opt_state"]) if p[1] in ("mu", "nu")}
+    return {p[2:] for p in flatten(state["opt_state"]) if p[1] in ("mu", "nu")}
 
 
 def test_lora_trains_the_adapters_alone_and_exports_merged(tiny_run, tmp_path):
     code, stdout, stderr, out = _fine_tune(tiny_run, tmp_path, "--lora-rank", "2", "--lora-targets", "q,v,ffn")
     assert code == 0, stdout + stderr
     assert "fine-tuning: LoRA rank 2" in stdout and "trained, the rest frozen" in stdout
-    start = _flatten(_params(tiny_run[0], "best").params)
+    start = flatten(_params(tiny_run[0], "best").params)
     tuned = _params(out)
-    flat = _flatten(tuned.params)
-    adapters = {p for p in flat if p[-1] in finetuning.ADAPTER_LEAVES}
+    flat = flatten(tuned.params)
+    adapters = {p for p in flat if p[-1] in lora.ADAPTER_LEAVES}
     # q, v and both feed-forward matrices of the one encoder and one decoder layer (and the cross-attention's q, v)
     assert len(adapters) == 2 * (4 + 6)  # A and B of 4 matrices in the encoder layer, 6 in the decoder layer
     assert all(np.array_equal(flat[p], start[p]) for p in start)  # the base as it was
@@ -76,9 +80,9 @@ def test_freeze_leaves_the_named_parameters(tiny_run, tmp_path):
 
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["lr"] for r in records if r["kind"] == "train"] == pytest.approx([0.0, 1e-3 / 20])
-    start = _flatten(_params(tiny_run[0], "best").params)
+    start = flatten(_params(tiny_run[0], "best").params)
     tuned = _params(out)
-    flat = _flatten(tuned.params)
+    flat = flatten(tuned.params)
     moved = {p[0] for p in start if not np.array_equal(flat[p], start[p])}
     assert moved == {"decoder"}
     assert {p[0] for p in _moments(tuned.state)} == {"decoder"}
@@ -91,7 +95,7 @@ def test_qlora_trains_adapters_on_an_int8_base_and_translates(tiny_run, tmp_path
     tuned = _params(out)
     kernel = tuned.params["encoder"]["layer_0"]["self_attention"]["query"]["kernel"]
     assert np.asarray(kernel["qvalue"]).dtype == np.int8  # saved as int8 values and their scales
-    assert _moments(tuned.state) == {p for p in _flatten(tuned.params) if p[-1] in finetuning.ADAPTER_LEAVES}
+    assert _moments(tuned.state) == {p for p in flatten(tuned.params) if p[-1] in lora.ADAPTER_LEAVES}
     source = tmp_path / "in.txt"
     source.write_text("twelve\nthree hundred\n", encoding="utf-8")
     code, stdout, stderr = run_main(["translate", "--checkpoint", str(out), "--input", str(source)])
@@ -120,8 +124,8 @@ def test_faults_are_named_before_any_step(tiny_run, tmp_path, flags, message):
 def test_the_memory_plan_counts_what_trains():
     """`plan`'s trained count and optimiser state follow the mode: LoRA's state is the parameters plus two moments
     of the adapters alone."""
-    from jax_transformer.sharding import total_bytes
-    from jax_transformer.training import abstract_train_state
+    from jax_transformer.model.sharding import total_bytes
+    from jax_transformer.training.trainer import abstract_train_state
 
     config = preset("tiny", src_vocab_size=64, tgt_vocab_size=64)
     full = total_bytes(abstract_train_state(config, OptimConfig()))
@@ -149,16 +153,16 @@ def test_the_memory_plan_counts_what_trains():
     ],
 )
 def test_peft_settings_without_a_counterpart_are_refused(change, message):
-    from jax_transformer.config import TransformerConfig
+    from jax_transformer.settings.config import TransformerConfig
 
     config = TransformerConfig(lora_rank=4, lora_targets="q, v,,ffn")  # read as its entries q, v, ffn
-    adapter = finetuning.peft_config(config, "facebook/nllb-200-distilled-600M")
+    adapter = peft.peft_config(config, "facebook/nllb-200-distilled-600M")
     assert adapter["target_modules"] == ["fc1", "fc2", "q_proj", "v_proj"]
-    assert finetuning.lora_settings(adapter, "x") == {
+    assert peft.lora_settings(adapter, "x") == {
         "lora_rank": 4,
         "lora_alpha": 8.0,
         "lora_dropout": 0.0,
         "lora_targets": "q,v,ffn",
     }
     with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
-        finetuning.lora_settings({**adapter, **change}, "adapter_config.json")
+        peft.lora_settings({**adapter, **change}, "adapter_config.json")

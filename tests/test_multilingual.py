@@ -14,12 +14,12 @@ import numpy as np
 import pytest
 import torch
 
-from jax_transformer import checkpoint as ckpt_lib
-from jax_transformer import hub
-from jax_transformer.config import ConfigError, DecodeConfig
-from jax_transformer.decoding import generate
-from jax_transformer.default_task import default_pairs
-from jax_transformer.errors import DataError
+from jax_transformer.checkpoint import manager as ckpt_lib
+from jax_transformer.data.default_task import default_pairs
+from jax_transformer.decoding.decoders import generate
+from jax_transformer.errors import ConfigError, DataError
+from jax_transformer.interop import hub
+from jax_transformer.settings.config import DecodeConfig
 from tests.helpers.batches import pad_rows
 from tests.helpers.multilingual import LANGUAGES, saved_model, their_tokenizer
 from tests.helpers.pretrained import assert_same_logits

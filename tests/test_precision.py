@@ -22,10 +22,12 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from jax_transformer import checkpoint as ckpt_lib
-from jax_transformer import decoding, schedule, search, training
-from jax_transformer.config import ConfigError, preset
-from jax_transformer.model import Transformer, attention_maps, init_params
+from jax_transformer.checkpoint import manager as ckpt_lib
+from jax_transformer.decoding import decoders, schedule, search
+from jax_transformer.errors import ConfigError
+from jax_transformer.model.transformer import Transformer, attention_maps, init_params
+from jax_transformer.settings.config import preset
+from jax_transformer.training import trainer
 from tests.helpers.batches import make_batch
 from tests.helpers.configs import PARITY_CONFIGS
 from tests.helpers.training import run_main, tiny_train_args, write_corpus
@@ -59,9 +61,9 @@ def _shapes(tree):
 def _lowered_programs(config) -> dict[str, str]:
     """The training step (dropout on), the decoders' encoder, greedy and beam search of `config`, lowered (traced,
     not compiled)."""
-    opt = training.OptimConfig()
+    opt = trainer.OptimConfig()
     batch = _shapes(make_batch(config))
-    step = training.make_train_step(config, opt).lower(training.abstract_train_state(config, opt), batch)
+    step = trainer.make_train_step(config, opt).lower(trainer.abstract_train_state(config, opt), batch)
     params = jax.eval_shape(lambda: init_params(config))
     src = jax.ShapeDtypeStruct((2, 6), jnp.int32)
     rows = schedule.row_shapes(2, 8)  # the shapes of each row's limit, prefix and draw id
@@ -70,7 +72,7 @@ def _lowered_programs(config) -> dict[str, str]:
     encoder = search.encoder.lower(params, src, config=config, width=6)
     programs = {}
     for name, greedy in (("greedy", True), ("beam", False)):
-        rules = decoding.gnmt_decoder(config, 6, beam_size=2, greedy=greedy, max_len_a=0, max_len_b=8).rules
+        rules = decoders.gnmt_decoder(config, 6, beam_size=2, greedy=greedy, max_len_a=0, max_len_b=8).rules
         options = dict(config=config, length=8, cache_len=8)
         programs[name] = search.start.lower(params, src, memory, rules, rows, scalar, **options)
     greedy, beam = programs["greedy"], programs["beam"]
@@ -102,7 +104,7 @@ def test_a_projection_rounds_once_as_torch_linear():
     import ml_dtypes
     import torch.nn.functional as F
 
-    from jax_transformer.model import Dense
+    from jax_transformer.model.transformer import Dense
 
     rng = np.random.default_rng(0)
     as_bf16 = lambda x: np.asarray(x, np.float32).astype(ml_dtypes.bfloat16).astype(np.float64)
@@ -120,7 +122,8 @@ def test_compiled_bfloat16_programs_round_where_the_model_says():
     the model computes op by op, within the bfloat16 tolerance of the parity tests. With XLA's default, the jitted
     forward of the saved model below keeps float32 values where the model rounds to bfloat16, and its logits land
     farther from the op-by-op ones than that tolerance."""
-    from jax_transformer import compilation, verify
+    from jax_transformer import compilation
+    from jax_transformer.interop import verify
     from tests.helpers.saved import load_saved_model
     from tests.helpers.tolerances import logit_tolerance
 
@@ -295,7 +298,7 @@ def test_attention_maps_need_the_explicit_path_and_get_it():
 def test_bfloat16_run_resumes_and_evaluates_in_float32(tmp_path):
     """train.py --dtype bfloat16: its checkpoints hold float32 parameters and say bfloat16; it resumes in float32
     (the new checkpoints say float32) and back; translate and export choose the dtype too."""
-    from jax_transformer.export import import_weights
+    from jax_transformer.interop.export import import_weights
 
     train = write_corpus(tmp_path)
     run = tmp_path / "run"

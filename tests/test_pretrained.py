@@ -12,13 +12,13 @@ import numpy as np
 import pytest
 import torch
 
-from jax_transformer import checkpoint as ckpt_lib
-from jax_transformer import hub
-from jax_transformer.checks import TokenError, check_batch
-from jax_transformer.config import DecodeConfig
-from jax_transformer.decoding import generate
-from jax_transformer.default_task import default_pairs
-from jax_transformer.errors import DataError, UsageError
+from jax_transformer.checkpoint import manager as ckpt_lib
+from jax_transformer.checks import check_batch
+from jax_transformer.data.default_task import default_pairs
+from jax_transformer.decoding.decoders import generate
+from jax_transformer.errors import DataError, TokenError, UsageError
+from jax_transformer.interop import hub
+from jax_transformer.settings.config import DecodeConfig
 from tests.helpers.pretrained import assert_same_logits, end_at_various_lengths, marian_tokenizer_files, tiny_marian
 from tests.helpers.saved import load_saved_model
 from tests.helpers.training import run_main, write_corpus
@@ -244,7 +244,7 @@ def test_what_cannot_be_imported_or_exported_is_named(tmp_path):
 def test_packed_batches_of_a_decoder_that_starts_from_pad():
     """Marian's decoder starts from the pad id: in packed rows each target segment begins with a pad token, which
     the batch check accepts there and only there."""
-    from jax_transformer.config import TransformerConfig
+    from jax_transformer.settings.config import TransformerConfig
 
     config = TransformerConfig(
         src_vocab_size=20, tgt_vocab_size=20, pad_id=19, eos_id=0, bos_id=None, decoder_start_id=19, max_len=8
@@ -267,7 +267,7 @@ def test_packed_batches_of_a_decoder_that_starts_from_pad():
 def test_the_repetition_controls_are_read_from_a_generation_config_and_written_back():
     """transformers' repetition_penalty and no_repeat_ngram_size: read at import (config.json or
     generation_config.json, the latter winning; unset or None is off), written on export only when on."""
-    from jax_transformer.config import preset
+    from jax_transformer.settings.config import preset
 
     read = hub.generation_settings({"no_repeat_ngram_size": 3, "repetition_penalty": 1.1}, {"repetition_penalty": 1.2})
     assert (read["repetition_penalty"], read["no_repeat_ngram_size"]) == (1.2, 3)

@@ -19,8 +19,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_transformer import compilation, decoding, schedule
-from jax_transformer.model import init_params
+from jax_transformer import compilation
+from jax_transformer.decoding import decoders, schedule
+from jax_transformer.model.transformer import init_params
 from tests.helpers.batches import make_src
 from tests.helpers.configs import DECODING_CONFIGS
 from tests.helpers.tooling import compiled_functions
@@ -50,9 +51,9 @@ def _searches(params, config, src) -> dict[str, tuple]:
     """Searches that store programs: this project's greedy and beam search, and transformers' rules' beam search
     (whose rules are another class), each through the CPU's schedule (programs that start and go on)."""
     return {
-        "greedy": decoding.greedy_search(params, config, src, schedule=SCHEDULE),
-        "beam 3": decoding.beam_search(params, config, src, beam_size=3, alpha=0.6, schedule=SCHEDULE),
-        "generate beam 2": (decoding.generate(params, config, src, max_length=12, num_beams=2, schedule=SCHEDULE),),
+        "greedy": decoders.greedy_search(params, config, src, schedule=SCHEDULE),
+        "beam 3": decoders.beam_search(params, config, src, beam_size=3, alpha=0.6, schedule=SCHEDULE),
+        "generate beam 2": (decoders.generate(params, config, src, max_length=12, num_beams=2, schedule=SCHEDULE),),
     }
 
 

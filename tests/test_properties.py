@@ -12,11 +12,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from jax_transformer import checks
-from jax_transformer.batching import BatchStream, EncodedCorpus
-from jax_transformer.config import DecodeConfig, preset
-from jax_transformer.corpus import read_lines, read_parallel, read_tsv
+from jax_transformer.data.batching import BatchStream, EncodedCorpus
+from jax_transformer.data.corpus import read_lines, read_parallel, read_tsv
+from jax_transformer.data.tokenizer import EOS_ID, PAD_ID, Tokenizer
 from jax_transformer.errors import DataError
-from jax_transformer.tokenizer import EOS_ID, PAD_ID, Tokenizer
+from jax_transformer.settings.config import DecodeConfig, preset
 from tests.helpers.tooling import fuzz
 
 # --- the readers --------------------------------------------------------------------------------------------------
@@ -132,7 +132,7 @@ def test_readers_refuse_directories_empty_files_and_utf16(tmp_path):
 
 
 def test_a_line_of_megabytes_is_read_and_then_skipped_as_too_long(tmp_path):
-    from jax_transformer.batching import encode_corpus
+    from jax_transformer.data.batching import encode_corpus
 
     big = "wort " * 400_000  # 2 MB on one line
     (tmp_path / "a.de").write_text(f"eins zwei\n{big}\ndrei\n")
@@ -257,7 +257,7 @@ def first_fit(src_len: np.ndarray, tgt_len: np.ndarray, order: np.ndarray, rows:
 @given(case=corpora(), block=st.sampled_from([1, 3, 64]))
 def test_packing_is_first_fit_pair_for_pair_and_resumes_at_any_batch(case, block):
     """The block-wise first fit against the one-pair-at-a-time one; a batch's start position resumes it."""
-    from jax_transformer.batching import _Packing
+    from jax_transformer.data.batching import _Packing
 
     encoded, max_tokens, row_multiple, seed = case
     packing = _Packing(encoded, max_tokens, None, row_multiple, seed)
@@ -276,7 +276,7 @@ def test_packing_is_first_fit_pair_for_pair_and_resumes_at_any_batch(case, block
 
 @pytest.fixture(scope="module")
 def translator(tokenizer):
-    from jax_transformer.model import init_params
+    from jax_transformer.model.transformer import init_params
 
     config = preset("tiny", src_vocab_size=tokenizer.vocab_size, tgt_vocab_size=tokenizer.vocab_size, max_len=16)
     config = config.replace(num_encoder_layers=1, num_decoder_layers=1)
@@ -295,7 +295,7 @@ INPUT_LINE = st.one_of(
 @fuzz(25)
 @given(lines=st.lists(INPUT_LINE, max_size=12), chunk=st.integers(1, 5))
 def test_translate_writes_one_line_per_input_line(translator, lines, chunk):
-    from jax_transformer.translation import translate_lines
+    from jax_transformer.decoding.translation import translate_lines
 
     config, params, tokenizer = translator
     out = []

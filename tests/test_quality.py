@@ -15,15 +15,15 @@ import jax
 import numpy as np
 import pytest
 
-from jax_transformer import checkpoint as ckpt_lib
-from jax_transformer import config as config_lib
-from jax_transformer import run as run_lib
-from jax_transformer import training
-from jax_transformer.averaging import average_checkpoints, average_params
-from jax_transformer.default_task import number_pair
-from jax_transformer.evaluation import score_translations
-from jax_transformer.model import init_params
-from jax_transformer.tokenizer import Tokenizer
+from jax_transformer.checkpoint import manager as ckpt_lib
+from jax_transformer.checkpoint.averaging import average_checkpoints, average_params
+from jax_transformer.data.default_task import number_pair
+from jax_transformer.data.tokenizer import Tokenizer
+from jax_transformer.decoding.evaluation import score_translations
+from jax_transformer.model.transformer import init_params
+from jax_transformer.settings import config as config_lib
+from jax_transformer.training import run as run_lib
+from jax_transformer.training import trainer
 from tests.helpers.configs import unit_config, unit_optim
 from tests.helpers.training import N_TRAIN, run_main, tiny_train_args, write_corpus
 from tests.helpers.twins import flat
@@ -201,9 +201,9 @@ def tokenizer():
 def _save_params(directory, steps_params, tokenizer):
     """Checkpoints of the unit config whose parameters are given: {step: params}."""
     manager = ckpt_lib.CheckpointManager(directory, keep=len(steps_params))
-    state = training.create_train_state(unit_config(), unit_optim())
+    state = trainer.create_train_state(unit_config(), unit_optim())
     for step, params in steps_params.items():
-        saved = training.state_for_saving(state.replace(params=params))
+        saved = trainer.state_for_saving(state.replace(params=params))
         manager.save(step, saved, config=unit_config(), optim=unit_optim().to_dict(), tokenizer=tokenizer)
     manager.close()
 
@@ -394,7 +394,7 @@ def test_evaluate_and_verify_with_int8_weights(trained, tmp_path, torch_threads_
 
 def test_plot_runs_against_wall_clock_minutes(tmp_path):
     """Two runs; the second resumed once (its clock restarts), so its minutes continue from 12 minutes on."""
-    from jax_transformer.visualize import run_curve
+    from jax_transformer.training.curves import run_curve
 
     def write(path, records):
         path.mkdir()
@@ -436,14 +436,16 @@ def test_plot_runs_against_wall_clock_minutes(tmp_path):
 
 
 def test_recipes_fill_what_is_not_given(tmp_path):
-    from jax_transformer import run
-    from jax_transformer.config import DataConfig, LoopConfig, OptimConfig
+    from jax_transformer.settings.config import DataConfig, LoopConfig, OptimConfig
+    from jax_transformer.training import run
 
     for name, recipe in config_lib.RECIPES.items():  # every recipe names real fields with valid values
         DataConfig.from_dict(recipe.get("data", {}), source=name)
         OptimConfig.from_dict(recipe.get("optim", {}), source=name)
         LoopConfig.from_dict(recipe.get("loop", {}), source=name)
-    assert config_lib.DEFAULT_RECIPE["files"] is None  # data files keep the dataclass defaults until one is measured
+    from jax_transformer.settings.resolve import DEFAULT_RECIPE
+
+    assert DEFAULT_RECIPE["files"] is None  # data files keep the dataclass defaults until one is measured
 
     train = write_corpus(tmp_path)
     prepared = run.prepare(

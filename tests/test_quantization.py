@@ -1,4 +1,4 @@
-"""int8 decoding (jax_transformer/quantization.py): which arrays are quantized and how exactly, the two products
+"""int8 decoding (jax_transformer/model/quantization.py): which arrays are quantized and how exactly, the two products
 against the arithmetic they stand for, decoding with them, and `--quantize` on the command line."""
 
 from __future__ import annotations
@@ -12,9 +12,14 @@ import pytest
 
 pytest.importorskip("qwix")
 
-from jax_transformer import decoding, quantization, schedule  # noqa: E402
-from jax_transformer.config import ConfigError, preset  # noqa: E402
-from jax_transformer.model import Transformer, init_params  # noqa: E402
+from jax_transformer.decoding import (
+    decoders,
+    schedule,  # noqa: E402
+)
+from jax_transformer.errors import ConfigError
+from jax_transformer.model import quantization
+from jax_transformer.model.transformer import Transformer, init_params  # noqa: E402
+from jax_transformer.settings.config import preset  # noqa: E402
 from tests.helpers.saved import load_saved_model  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("highest_precision")
@@ -141,11 +146,11 @@ def test_decoding_with_int8_weights_is_decoding_the_dequantized_model():
     dequantized = quantization.dequantize_params(qparams)
     for beam in (1, 4):
         if beam == 1:
-            search = lambda p, c: decoding.greedy_search(p, c, src, schedule=whole)[0]  # noqa: E731
+            search = lambda p, c: decoders.greedy_search(p, c, src, schedule=whole)[0]  # noqa: E731
         else:
-            search = lambda p, c: decoding.beam_search(p, c, src, beam_size=4, alpha=0.6, schedule=whole)[0]  # noqa: E731
+            search = lambda p, c: decoders.beam_search(p, c, src, beam_size=4, alpha=0.6, schedule=whole)[0]  # noqa: E731
         np.testing.assert_array_equal(search(qparams, qconfig), search(dequantized, saved.config))
-    greedy = lambda p, c: decoding.greedy_search(p, c, src, schedule=whole)[0]  # noqa: E731
+    greedy = lambda p, c: decoders.greedy_search(p, c, src, schedule=whole)[0]  # noqa: E731
     dynamic = greedy(qparams, qconfig.replace(quantize="int8-dynamic"))
     same = int(np.sum(np.all(dynamic == greedy(saved.params, saved.config), axis=1)))
     assert same >= 48, f"int8-dynamic: {same}/64 sentences as in float32"

@@ -31,8 +31,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from jax_transformer import checkpoint as ckpt_lib
-from jax_transformer.distributed import EXIT_PEER_LOST
+from jax_transformer.checkpoint import manager as ckpt_lib
+from jax_transformer.training.distributed import EXIT_PEER_LOST
 from tests.helpers.training import (
     completed_steps,
     finish,
@@ -50,7 +50,7 @@ from tests.helpers.twins import flat
 
 def _valid_file(directory: Path) -> Path:
     """16 held-out pairs of the numbers task (beyond the training corpus's 0..299)."""
-    from jax_transformer.default_task import number_pair
+    from jax_transformer.data.default_task import number_pair
 
     path = directory / "valid.tsv"
     path.write_text("".join("\t".join(number_pair(n)) + "\n" for n in range(500, 516)), encoding="utf-8")
@@ -157,10 +157,10 @@ def _compare(name: str, got: dict, want: dict, start: dict) -> str:
 
 def _start(run: Path) -> dict[str, np.ndarray]:
     """The initial parameters of a run (its step-0 state is not saved): a fresh state from the same seed."""
-    from jax_transformer import training
+    from jax_transformer.training import trainer
 
     loaded = ckpt_lib.load(run, "latest")
-    state = training.create_train_state(loaded.config, training.OptimConfig.from_dict(loaded.optim), seed=0)
+    state = trainer.create_train_state(loaded.config, trainer.OptimConfig.from_dict(loaded.optim), seed=0)
     return {f"['params']{k}": v for k, v in flat(state.params).items()}
 
 
@@ -260,9 +260,9 @@ def test_resumes_on_other_device_counts_continue_like_the_uninterrupted_run(runs
 
 def _stream_position_after(run, batches: int) -> dict:
     """The BatchStream position a run's settings reach after `batches` batches, computed afresh."""
-    from jax_transformer.batching import BatchStream, encode_corpus
-    from jax_transformer.config import DataConfig
-    from jax_transformer.run import load_corpus
+    from jax_transformer.data.batching import BatchStream, encode_corpus
+    from jax_transformer.data.reading import load_corpus
+    from jax_transformer.settings.config import DataConfig
 
     loaded = ckpt_lib.load(run, "latest")
     data = DataConfig.from_dict(loaded.run["data"])
@@ -407,7 +407,9 @@ def test_bad_parallel_flags_are_clear_errors(tmp_path):
 def test_a_checkpoint_from_before_row_multiple_keeps_its_batch_plan():
     """Checkpoints written before --row-multiple existed rounded rows to their device count: a resume reads that
     count as the row multiple, so it sees the batches the run saw; given explicitly, another value is refused."""
-    from jax_transformer.config import DataConfig, UsageError, resolve
+    from jax_transformer.errors import UsageError
+    from jax_transformer.settings.config import DataConfig
+    from jax_transformer.settings.resolve import resolve
 
     saved = {k: v for k, v in DataConfig(tsv="/data/train.tsv").to_dict().items() if k != "row_multiple"}
 

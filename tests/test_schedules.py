@@ -7,8 +7,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from jax_transformer.config import ConfigError, OptimConfig, resolve
-from jax_transformer.training import learning_rate_schedule, noam_rate
+from jax_transformer.errors import ConfigError
+from jax_transformer.settings.config import OptimConfig
+from jax_transformer.settings.resolve import resolve
+from jax_transformer.training.trainer import learning_rate_schedule, noam_rate
 from tests.helpers.training import run_main
 from torch_reference.training import schedule_lambda
 

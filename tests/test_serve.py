@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from jax_transformer import inference
-from jax_transformer.translation import translations
+from jax_transformer.decoding import loading
+from jax_transformer.decoding.translation import translations
 from tests.helpers.saved import load_saved_model, saved_run
 from tests.helpers.training import REPO, run_main
 
@@ -135,14 +135,14 @@ def test_libretranslate_clients_get_what_translate_gives(server, run):
 
 
 def test_the_native_endpoint_takes_every_option_and_gives_scores(server, run):
-    loaded = inference.load(run, "latest")
+    loaded = loading.load(run, "latest")
     options = {"beam_size": 4, "n_best": 3, "alpha": 0.8}
     expected = translations(
         loaded.params,
         loaded.config,
         loaded.tokenizer,
         SENTENCES[:5],
-        inference.decoding(loaded, options),
+        loading.decoding(loaded, options),
         progress=False,
     )
     status, answer = server.request("/v1/translate", {"text": SENTENCES[:5], "options": options, "api_key": KEY})
@@ -156,7 +156,7 @@ def test_the_native_endpoint_takes_every_option_and_gives_scores(server, run):
             [h.score for h in want.hypotheses], abs=1e-6
         )
     # LibreTranslate's alternatives: the n-best list's other texts, none empty, none twice, none the translation.
-    decode = inference.decoding(loaded, {"beam_size": 3, "n_best": 3})
+    decode = loading.decoding(loaded, {"beam_size": 3, "n_best": 3})
     best = translations(loaded.params, loaded.config, loaded.tokenizer, SENTENCES[:1], decode, progress=False)[0]
     texts = [h.text for h in best.hypotheses]
     status, answer = server.request("/translate", {"q": SENTENCES[0], "source": "en", "target": "fr",
@@ -276,7 +276,7 @@ def _until(server: Server, ready) -> None:
 
 
 def test_language_codes_map_between_the_model_and_libretranslate():
-    from jax_transformer.service import HTTPError, Languages
+    from jax_transformer.serving.service import HTTPError, Languages
 
     codes = ["eng_Latn", "deu_Latn", "zho_Hans", "zho_Hant", "fra_Latn"]
     languages = Languages(codes, codes, multilingual=True)
@@ -297,7 +297,7 @@ def test_a_multilingual_model_translates_into_the_target_asked_for(tmp_path):
     """A tiny random NLLB model: LibreTranslate's ISO codes and NLLB's own give what translate gives with
     --src-lang / --tgt-lang, the target's code forced first."""
     pytest.importorskip("transformers")
-    from jax_transformer import hub
+    from jax_transformer.interop import hub
     from tests.helpers.multilingual import TOKENIZERS, model_vocab_size, tiny_model
 
     folder = tmp_path / "nllb"

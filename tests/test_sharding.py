@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from jax_transformer.config import ConfigError, preset
-from jax_transformer.sharding import MeshShape, check_divisible, spec_for, unsplit
+from jax_transformer.errors import ConfigError
+from jax_transformer.model.sharding import MeshShape, check_divisible, spec_for, unsplit
+from jax_transformer.settings.config import preset
 from tests.helpers.training import report_on_cpu_devices, run_main
 
 
@@ -49,8 +50,8 @@ def test_bad_meshes_name_the_axis_sizes_and_flag():
         MeshShape.parse("pipeline=2", 8)
     with pytest.raises(ConfigError, match=r"the model's 4 attention heads \(num_heads\) do not split over tensor=8"):
         check_divisible(preset("tiny"), MeshShape(1, 1, 8))
-    from jax_transformer import plan
-    from jax_transformer.training import OptimConfig
+    from jax_transformer.training import plan
+    from jax_transformer.training.trainer import OptimConfig
 
     with pytest.raises(ConfigError, match=r"6 rows of a batch do not split over data x fsdp = 1 devices x 4 micro"):
         plan.plan_step(preset("tiny"), OptimConfig(), MeshShape(), rows=6, width=8, accumulate=4)
@@ -90,20 +91,20 @@ def test_remat_policies_take_the_same_step():
     import jax
     import numpy as np
 
-    from jax_transformer import training
+    from jax_transformer.training import trainer
     from tests.helpers.batches import make_batch
     from tests.helpers.configs import unit_config
     from tests.helpers.twins import flat
 
     jax.config.update("jax_default_matmul_precision", "highest")
     config = unit_config().replace(num_encoder_layers=1, num_decoder_layers=1)
-    optim = training.OptimConfig(warmup_steps=5)
+    optim = trainer.OptimConfig(warmup_steps=5)
     batch = make_batch(config, 0, 4, 12, 12, layout="noise", padding_row=False)
-    start = flat(training.create_train_state(config, optim, seed=0).params)
+    start = flat(trainer.create_train_state(config, optim, seed=0).params)
     results = {}
     for remat in ("none", "full"):
-        state = training.create_train_state(config.replace(remat=remat), optim, seed=0)
-        step = training.make_train_step(config.replace(remat=remat), optim)
+        state = trainer.create_train_state(config.replace(remat=remat), optim, seed=0)
+        step = trainer.make_train_step(config.replace(remat=remat), optim)
         for _ in range(2):
             state, sums = step(state, batch)
         results[remat] = float(sums["loss"]), flat(state.params)

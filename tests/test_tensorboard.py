@@ -14,9 +14,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from jax_transformer.config import LoopConfig
-from jax_transformer.loop import MetricsLog, RunOutput, tensorboard_writer
-from jax_transformer.run import UsageError
+from jax_transformer.errors import UsageError
+from jax_transformer.settings.config import LoopConfig
+from jax_transformer.training.loop import MetricsLog, RunOutput, tensorboard_writer
 from tests.helpers.training import run_main
 
 pytest.importorskip("tensorboardX")

@@ -1,5 +1,5 @@
-"""Training files encoded once into memory-mapped token arrays (jax_transformer/token_arrays.py): they hold what the
-in-memory pipeline computes, batches read from them are the same batches, a changed file or a damaged entry is
+"""Training files encoded once into memory-mapped token arrays (jax_transformer/data/token_arrays.py): they hold what
+the in-memory pipeline computes, batches read from them are the same batches, a changed file or a damaged entry is
 never read, and a run trained before them resumes exactly."""
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from jax_transformer import token_arrays
-from jax_transformer.batching import BatchStream, SpecialIds, encode_corpus
-from jax_transformer.corpus import corpus_fingerprint, read_parallel, read_tsv
+from jax_transformer.data import token_arrays
+from jax_transformer.data.batching import BatchStream, SpecialIds, encode_corpus
+from jax_transformer.data.corpus import corpus_fingerprint, read_parallel, read_tsv
+from jax_transformer.data.tokenizer import Tokenizer
 from jax_transformer.errors import WriteError
-from jax_transformer.tokenizer import Tokenizer
 from tests.data.make_run_before_token_arrays import batch_digest  # the digest the old code recorded with
 from tests.helpers.training import run_main, tiny_train_args, write_corpus
 
@@ -199,7 +199,7 @@ def test_the_tokenizer_sample_is_bounded_reproducible_and_in_corpus_order(files)
 def test_a_run_trained_before_token_arrays_resumes_exactly(tmp_path):
     """The run in tests/data/run_before_token_arrays was trained and saved by the code before this module; its
     stream, rebuilt by today's code from its checkpoint, gives the batches that code recorded after it."""
-    from jax_transformer import run as run_lib
+    from jax_transformer.training import run as run_lib
 
     record = json.loads((DATA / "run_before_token_arrays" / "before.json").read_text())
     run_dir = tmp_path / "run"

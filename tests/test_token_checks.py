@@ -14,10 +14,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from jax_transformer import checks, training
-from jax_transformer.checks import TokenError
-from jax_transformer.losses import loss_sums
-from jax_transformer.model import Transformer, init_params
+from jax_transformer import checks
+from jax_transformer.errors import TokenError
+from jax_transformer.model.transformer import Transformer, init_params
+from jax_transformer.training import trainer
+from jax_transformer.training.losses import loss_sums
 from tests.helpers.batches import packed_batch, unit_batch
 from tests.helpers.configs import unit_config, unit_optim
 from tests.helpers.tooling import fuzz
@@ -111,9 +112,9 @@ def test_under_jit_lengths_fail_at_trace_time_and_checkify_names_bad_ids(params)
     # A plain jit cannot look at values: the checks there are checkify debug checks, which do nothing, and the
     # compiled evaluation step (model + loss) returns NaN for an id beyond the vocabulary ...
     bad_src = _with(batch["src"], 2, 4, 77)
-    assert np.isnan(float(training.make_eval_step(CONFIG, 0.1)(params, dict(batch, src=bad_src))["loss"]))
+    assert np.isnan(float(trainer.make_eval_step(CONFIG, 0.1)(params, dict(batch, src=bad_src))["loss"]))
     # ... until the caller checkifies its function: then the bad id is named, under the caller's own jit.
-    loss = jax.jit(checks.checkified(lambda p, b: training.batch_loss_sums(p, b, CONFIG, 0.1)))
+    loss = jax.jit(checks.checkified(lambda p, b: trainer.batch_loss_sums(p, b, CONFIG, 0.1)))
     cases = [
         ("src", (2, 4), 77, r"src\[2, 4\] = 77 is outside the source vocabulary \[0, 50\)"),
         ("tgt_in", (3, 9), -5, r"tgt_in\[3, 9\] = -5 is outside the target vocabulary \[0, 50\)"),
@@ -124,7 +125,7 @@ def test_under_jit_lengths_fail_at_trace_time_and_checkify_names_bad_ids(params)
         assert re.match(message, error.get()), error.get()
     error, sums = loss(params, batch)
     assert error.get() is None
-    plain = training.make_eval_step(CONFIG, 0.1)(params, batch)
+    plain = trainer.make_eval_step(CONFIG, 0.1)(params, batch)
     assert all(np.array_equal(sums[k], plain[k]) for k in plain)  # checkified or not: the same numbers
 
 
@@ -138,11 +139,11 @@ def test_debug_checks_leave_the_compiled_train_step_unchanged(monkeypatch):
     operations with them as with every debug check removed."""
     config = CONFIG.replace(num_encoder_layers=1, num_decoder_layers=1)  # one layer each: half the compile time
     batch = unit_batch(0)
-    tx = training.make_optimizer(config, unit_optim())
-    state = training.create_train_state(config, unit_optim())
+    tx = trainer.make_optimizer(config, unit_optim())
+    state = trainer.create_train_state(config, unit_optim())
 
     def compiled() -> str:
-        step = lambda s, b: training.train_step(s, b, config=config, tx=tx, label_smoothing=0.1)  # noqa: E731
+        step = lambda s, b: trainer.train_step(s, b, config=config, tx=tx, label_smoothing=0.1)  # noqa: E731
         return jax.jit(step).lower(state, batch).compile().as_text()
 
     with_checks = compiled()
@@ -160,15 +161,15 @@ def test_the_lowered_train_step_does_not_depend_on_what_was_traced_before():
     debug checks traced outside `checks.checkified` made two runs miss each other's cache entries."""
     config = CONFIG.replace(num_encoder_layers=1, num_decoder_layers=1)
     batch = unit_batch(0)
-    tx = training.make_optimizer(config, unit_optim())
-    state = training.create_train_state(config, unit_optim())
+    tx = trainer.make_optimizer(config, unit_optim())
+    state = trainer.create_train_state(config, unit_optim())
 
     def lowered() -> str:
-        step = lambda s, b: training.train_step(s, b, config=config, tx=tx, label_smoothing=0.1)  # noqa: E731
+        step = lambda s, b: trainer.train_step(s, b, config=config, tx=tx, label_smoothing=0.1)  # noqa: E731
         return jax.jit(step).lower(state, batch).as_text()
 
     first = lowered()
-    checked = jax.jit(checks.checkified(lambda p, b: training.batch_loss_sums(p, b, config, 0.1)))
+    checked = jax.jit(checks.checkified(lambda p, b: trainer.batch_loss_sums(p, b, config, 0.1)))
     error, _ = checked(state.params, dict(batch, src=_with(batch["src"], 0, 1, 77)))  # the checks still trace here
     assert error.get() is not None
     assert lowered() == first
@@ -190,12 +191,12 @@ def test_loss_checks_targets():
 def test_the_loop_checks_each_batch_before_the_step(tmp_path):
     """A bad batch is a DataError naming the batch, array, position and limit, raised before the compiled step
     sees it (so before the donated state is touched); the steps before it ran normally."""
-    from jax_transformer import checkpoint as ckpt_lib
-    from jax_transformer import loop as loop_lib
-    from jax_transformer.batching import ValidationSet
-    from jax_transformer.config import LoopConfig
+    from jax_transformer.checkpoint import manager as ckpt_lib
+    from jax_transformer.data.batching import ValidationSet
+    from jax_transformer.data.tokenizer import Tokenizer
     from jax_transformer.errors import DataError
-    from jax_transformer.tokenizer import Tokenizer
+    from jax_transformer.settings.config import LoopConfig
+    from jax_transformer.training import loop as loop_lib
 
     class Batches:  # unit batches, the third one with a target id beyond the vocabulary
         index = 0
@@ -214,7 +215,7 @@ def test_the_loop_checks_each_batch_before_the_step(tmp_path):
         optim=unit_optim(),
         tokenizer=tokenizer,
         stream=Batches(),
-        state=training.create_train_state(CONFIG, unit_optim()),
+        state=trainer.create_train_state(CONFIG, unit_optim()),
         loop=LoopConfig(steps=10, save_every=100, progress=False),
         run_dir=tmp_path / "run",
         checkpoints=ckpt_lib.CheckpointManager(tmp_path / "run" / "checkpoints"),
@@ -244,7 +245,7 @@ def test_the_loop_checks_each_batch_before_the_step(tmp_path):
             optim=unit_optim(),
             tokenizer=tokenizer,
             stream=Batches(),
-            state=training.create_train_state(CONFIG, unit_optim()),
+            state=trainer.create_train_state(CONFIG, unit_optim()),
             loop=LoopConfig(steps=1, progress=False),
             run_dir=tmp_path / "run2",
             checkpoints=None,
@@ -278,12 +279,12 @@ def test_packed_batches_are_checked(fault):
 
 
 def test_batch_checks_know_the_packing_keys_and_leave_other_arrays_alone():
-    assert checks.PACKING_KEYS == training.PACKING_KEYS
+    assert checks.PACKING_KEYS == trainer.PACKING_KEYS
     checks.check_batch(dict(PACKED, weights=np.ones((3, 12), np.float32)), CONFIG)
 
 
 def test_model_checks_packed_positions(params):
-    packing = {key: PACKED[key] for key in training.PACKING_KEYS}
+    packing = {key: PACKED[key] for key in trainer.PACKING_KEYS}
     logits = _apply(params, PACKED["src"], PACKED["tgt_in"], **packing)
     assert np.isfinite(logits).all()
     with pytest.raises(TokenError, match=r"tgt_positions\[0, 0\] = 16 is outside the positions \[0, 16\)"):
@@ -296,7 +297,8 @@ def test_model_checks_packed_positions(params):
 
 
 def test_port_names_weights_of_another_vocabulary():
-    from jax_transformer.port import PortError, flax_to_torch, torch_to_flax
+    from jax_transformer.errors import PortError
+    from jax_transformer.interop.port import flax_to_torch, torch_to_flax
 
     state = flax_to_torch(init_params(CONFIG, 0))
     with pytest.raises(PortError, match=r"shape mismatch source_embed.weight: expected \(51, 32\), got \(50, 32\)"):

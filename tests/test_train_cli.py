@@ -10,11 +10,11 @@ import jax
 import numpy as np
 import pytest
 
-from jax_transformer import checkpoint as ckpt_lib
-from jax_transformer import loop as loop_lib
-from jax_transformer import run as run_lib
-from jax_transformer import training
-from jax_transformer.config import LoopConfig
+from jax_transformer.checkpoint import manager as ckpt_lib
+from jax_transformer.settings.config import LoopConfig
+from jax_transformer.training import loop as loop_lib
+from jax_transformer.training import run as run_lib
+from jax_transformer.training import trainer
 from tests.helpers.training import (
     REPO,
     completed_steps,
@@ -133,12 +133,12 @@ def test_bad_input_is_reported_cleanly(tmp_path, case):
 
 def test_help_explains_every_flag():
     sys.path.insert(0, str(REPO))
-    import train
+    from jax_transformer.cli import main as cli
 
     sys.path.remove(str(REPO))
-    parser = train.build_parser()
+    parser = cli.build_parser()
     commands = parser._subparsers._group_actions[0].choices
-    assert set(commands) == set(train.COMMANDS)
+    assert set(commands) == set(cli.COMMANDS)
     for name, sub in commands.items():
         for action in sub._actions:
             if action.option_strings and action.dest != "help":
@@ -185,7 +185,7 @@ def test_nan_loss_stops_without_overwriting_the_last_good_checkpoint(tmp_path):
     the parameters (what a diverged update does). The run must stop with a TrainingError naming step 5, save
     nothing, leave checkpoint 4 as it was, and log steps 1-4 and the error of step 5. The loop dispatches steps
     without waiting for their losses, but checks them before any save, so step 6 may have been dispatched."""
-    from jax_transformer.tokenizer import Tokenizer
+    from jax_transformer.data.tokenizer import Tokenizer
     from tests.helpers.batches import unit_batch
     from tests.helpers.configs import unit_config, unit_optim
 
@@ -207,7 +207,7 @@ def test_nan_loss_stops_without_overwriting_the_last_good_checkpoint(tmp_path):
         optim=optim,
         tokenizer=tokenizer,
         stream=Batches(),
-        state=training.create_train_state(config, optim),
+        state=trainer.create_train_state(config, optim),
         loop=LoopConfig(steps=10, save_every=2, progress=False),
         run_dir=tmp_path / "run",
         checkpoints=manager,
@@ -307,7 +307,7 @@ def _logits_both(params, config, torch_state, batch):
     import torch
 
     import torch_reference
-    from jax_transformer.model import Transformer
+    from jax_transformer.model.transformer import Transformer
 
     jax.config.update("jax_default_matmul_precision", "highest")
     flax_logits = np.asarray(Transformer(config).apply({"params": params}, batch["src"], batch["tgt_in"]))
@@ -330,8 +330,8 @@ def test_export_and_import_round_trip(tmp_path):
     import torch
 
     import torch_reference
-    from jax_transformer.batching import BatchStream, encode_corpus
-    from jax_transformer.corpus import read_tsv
+    from jax_transformer.data.batching import BatchStream, encode_corpus
+    from jax_transformer.data.corpus import read_tsv
 
     train = write_corpus(tmp_path)
     code, out, err = run_main(tiny_train_args(tmp_path / "run", train, steps=3))

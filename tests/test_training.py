@@ -7,7 +7,7 @@ import jax
 import numpy as np
 import pytest
 
-from jax_transformer import training
+from jax_transformer.training import trainer
 from tests.helpers.batches import corpus_batches, unit_batch
 from tests.helpers.configs import unit_config, unit_optim
 from tests.helpers.training import report_on_cpu_devices
@@ -19,30 +19,30 @@ _batch = unit_batch
 
 def test_schedule_is_the_papers():
     d, warmup = 512, 4000
-    assert training.noam_rate(1, d, warmup) == pytest.approx(d**-0.5 * warmup**-1.5)
-    assert training.noam_rate(warmup, d, warmup) == pytest.approx(d**-0.5 * warmup**-0.5)  # the peak
-    assert training.noam_rate(4 * warmup, d, warmup) == pytest.approx(0.5 * training.noam_rate(warmup, d, warmup))
+    assert trainer.noam_rate(1, d, warmup) == pytest.approx(d**-0.5 * warmup**-1.5)
+    assert trainer.noam_rate(warmup, d, warmup) == pytest.approx(d**-0.5 * warmup**-0.5)  # the peak
+    assert trainer.noam_rate(4 * warmup, d, warmup) == pytest.approx(0.5 * trainer.noam_rate(warmup, d, warmup))
     steps = np.arange(1, 3 * warmup)
-    rates = training.noam_rate(steps, d, warmup)
+    rates = trainer.noam_rate(steps, d, warmup)
     assert np.argmax(rates) + 1 == warmup  # rises linearly to the warmup step, then decays as step^-0.5
-    schedule = training.learning_rate_schedule(d, training.OptimConfig(warmup_steps=warmup, lr_scale=2.0))
+    schedule = trainer.learning_rate_schedule(d, trainer.OptimConfig(warmup_steps=warmup, lr_scale=2.0))
     # optax counts updates from 0; the first update must get the paper's step 1
-    assert float(schedule(0)) == pytest.approx(2.0 * training.noam_rate(1, d, warmup), rel=1e-6)
+    assert float(schedule(0)) == pytest.approx(2.0 * trainer.noam_rate(1, d, warmup), rel=1e-6)
 
 
 def test_first_update_is_adam_with_the_step_one_rate():
     """Adam's first step is lr * g / (|g| + eps): exactly lr in size wherever |g| >> eps = 1e-9."""
-    state = training.create_train_state(CONFIG, OPTIM, seed=0)
+    state = trainer.create_train_state(CONFIG, OPTIM, seed=0)
     before = jax.tree_util.tree_map(np.asarray, state.params)
     # (dropout changes the gradient, not the size of Adam's first step)
-    state, _ = training.make_train_step(CONFIG, OPTIM)(state, _batch(0))
+    state, _ = trainer.make_train_step(CONFIG, OPTIM)(state, _batch(0))
     steps = np.concatenate(
         [
             np.abs(np.asarray(a) - b).ravel()
             for a, b in zip(jax.tree_util.tree_leaves(state.params), jax.tree_util.tree_leaves(before))
         ]
     )
-    lr = training.noam_rate(1, CONFIG.d_model, OPTIM.warmup_steps, OPTIM.lr_scale)
+    lr = trainer.noam_rate(1, CONFIG.d_model, OPTIM.warmup_steps, OPTIM.lr_scale)
     assert int(state.step) == 1
     assert steps.max() <= lr * (1 + 1e-5)
     assert np.median(steps) == pytest.approx(lr, rel=1e-3)
@@ -50,19 +50,19 @@ def test_first_update_is_adam_with_the_step_one_rate():
 
 def test_dropout_masks_depend_on_the_step_number_only():
     optim = OPTIM
-    step = training.make_train_step(CONFIG, optim)  # dropout on (the tiny preset's 0.1)
+    step = trainer.make_train_step(CONFIG, optim)  # dropout on (the tiny preset's 0.1)
     batch = _batch(1)
 
     def loss_at(step_number: int) -> float:
-        state = training.create_train_state(CONFIG, optim, seed=0)  # fresh: off the CPU the step donates it
+        state = trainer.create_train_state(CONFIG, optim, seed=0)  # fresh: off the CPU the step donates it
         state = state.replace(step=jax.numpy.array(step_number, jax.numpy.int32))
         _, sums = step(state, batch)
         return float(sums["loss"])
 
     deterministic = float(
-        training.batch_loss_sums(
-            training.create_train_state(CONFIG, optim).params, batch, CONFIG, optim.label_smoothing
-        )["loss"]
+        trainer.batch_loss_sums(trainer.create_train_state(CONFIG, optim).params, batch, CONFIG, optim.label_smoothing)[
+            "loss"
+        ]
     )
     assert loss_at(3) == loss_at(3)  # same step, same masks: reproducible, so a resume replays it
     assert loss_at(3) != loss_at(4)  # another step, other masks
@@ -110,9 +110,9 @@ def test_default_task_learns():
     within BF16_ACCURACY_MARGIN of float32's accuracy. Chance is 1/V = 0.4%; a model that learned only token
     frequencies stays near loss 4. Batches are 128 random pairs padded to 24 tokens (one shape, one compilation
     per dtype). Measured: see the print."""
-    from jax_transformer import default_task
-    from jax_transformer.batching import encode_corpus, eval_batches
-    from jax_transformer.tokenizer import Tokenizer
+    from jax_transformer.data import default_task
+    from jax_transformer.data.batching import encode_corpus, eval_batches
+    from jax_transformer.data.tokenizer import Tokenizer
 
     train, valid = default_task.default_pairs("train", n=3000), default_task.default_pairs("valid", n=100)
     tokenizer = Tokenizer.train(
@@ -121,20 +121,20 @@ def test_default_task_learns():
     config = unit_config().replace(
         src_vocab_size=tokenizer.vocab_size, tgt_vocab_size=tokenizer.vocab_size, max_len=24, share_embeddings=True
     )
-    optim = training.OptimConfig(warmup_steps=400, lr_scale=2.0)  # train.py's defaults for this task
+    optim = trainer.OptimConfig(warmup_steps=400, lr_scale=2.0)  # train.py's defaults for this task
     valid_batches = [b for b, _ in eval_batches(encode_corpus(valid, tokenizer, 24), 4096)]
     encoded = encode_corpus(train, tokenizer, 24)
     results = {}
     for dtype in ("float32", "bfloat16"):
         config = config.replace(dtype=dtype)
         batches = corpus_batches(encoded, config, 128)  # 128 random pairs x 24 tokens, the same for both dtypes
-        eval_step = training.make_eval_step(config, optim.label_smoothing)
-        state = training.create_train_state(config, optim, seed=0)
-        before = training.evaluate_loss(state.params, eval_step, valid_batches)
-        step = training.make_train_step(config, optim)
+        eval_step = trainer.make_eval_step(config, optim.label_smoothing)
+        state = trainer.create_train_state(config, optim, seed=0)
+        before = trainer.evaluate_loss(state.params, eval_step, valid_batches)
+        step = trainer.make_train_step(config, optim)
         for _ in range(200):
             state, _ = step(state, next(batches))
-        results[dtype] = (before, training.evaluate_loss(state.params, eval_step, valid_batches))
+        results[dtype] = (before, trainer.evaluate_loss(state.params, eval_step, valid_batches))
         print(
             f"default task, 200 steps, {dtype}: valid loss {before['loss']:.3f} -> {results[dtype][1]['loss']:.3f}, "
             f"token accuracy {before['accuracy']:.3f} -> {results[dtype][1]['accuracy']:.3f}"

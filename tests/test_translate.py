@@ -9,9 +9,9 @@ import sys
 
 import pytest
 
-from jax_transformer import checkpoint as ckpt_lib
-from jax_transformer.config import DecodeConfig
-from jax_transformer.translation import translate, translate_lines
+from jax_transformer.checkpoint import manager as ckpt_lib
+from jax_transformer.decoding.translation import translate, translate_lines
+from jax_transformer.settings.config import DecodeConfig
 from tests.helpers.training import run_main, tiny_train_args, write_corpus
 
 
@@ -143,7 +143,7 @@ def test_translate_with_int8_weights_quantized_at_load(trained, tmp_path):
     """`--quantize int8`: the weights quantized in memory at load (the checkpoint's files untouched), decoded as the
     Python API decodes the quantized tree; training refuses it."""
     pytest.importorskip("qwix")
-    from jax_transformer import quantization
+    from jax_transformer.model import quantization
 
     run, loaded = trained
     lines = ["one", "two hundred", "three thousand and twelve"]
@@ -218,7 +218,7 @@ def test_decoding_choices_are_checked_before_decoding(trained, tmp_path, flags, 
 
 def test_a_sample_depends_on_the_seed_and_the_sentence_alone(trained):
     """The same seed draws the same translation of a sentence in any batch; another seed draws others."""
-    from jax_transformer.translation import translations
+    from jax_transformer.decoding.translation import translations
 
     _, loaded = trained
     sentences = ["one", "two hundred", "three thousand and five"]
@@ -260,12 +260,12 @@ def test_scores_of_a_decoded_translation_are_the_decoders_log_probs(trained):
     order, a few ulp per layer)."""
     import numpy as np
 
-    from jax_transformer import decoding, scoring
+    from jax_transformer.decoding import decoders, scoring
 
     _, loaded = trained
     config = loaded.config
     src = np.array([[5, 9, 12, config.eos_id, 0, 0], [7, 8, config.eos_id, 0, 0, 0]], np.int32)
-    found = decoding.decoder(config, DecodeConfig(beam_size=1), src.shape[1])(loaded.params, src)
+    found = decoders.decoder(config, DecodeConfig(beam_size=1), src.shape[1])(loaded.params, src)
     tokens, expected = found.tokens[:, 0], found.token_scores[:, 0]  # (B, L)
     tgt_in = np.concatenate([np.full((2, 1), config.start_id, np.int32), tokens[:, :-1]], axis=1)
     tgt_in = np.where(tgt_in == config.eos_id, config.pad_id, tgt_in)  # nothing is fed after EOS

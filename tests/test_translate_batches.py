@@ -22,15 +22,15 @@ import jax
 import numpy as np
 import pytest
 
-from jax_transformer import schedule
-from jax_transformer.config import DecodeConfig
-from jax_transformer.translation import (
+from jax_transformer.decoding import schedule
+from jax_transformer.decoding.translation import (
     batch_buckets,
     decode_widths,
     translate_lines,
     translation_batches,
     translations,
 )
+from jax_transformer.settings.config import DecodeConfig
 from tests.helpers.saved import load_saved_model, saved_run
 from tests.helpers.training import REPO, run_main
 
@@ -232,7 +232,7 @@ def finished(child: subprocess.Popen, folder: Path) -> dict:
 def main(run: str, source: str) -> dict:
     """In the child: each mesh's translations of the sources (`MESHES`), what each batch's sources were placed as,
     and the command line's `--mesh data=2,fsdp=4 --max-tokens` and `--mesh data=3`."""
-    from jax_transformer import inference
+    from jax_transformer.decoding import loading
 
     jax.config.update("jax_default_matmul_precision", "highest")
     placed = []  # (rows, (the sources' spec, rows per device)) of each batch `Whole.decode` got
@@ -247,7 +247,7 @@ def main(run: str, source: str) -> dict:
     texts = Path(source).read_text(encoding="utf-8").splitlines()
     report = {"devices": jax.device_count(), "meshes": {}}
     for mesh, max_tokens in MESHES.items():
-        loaded = inference.load(run, "latest", mesh=mesh)
+        loaded = loading.load(run, "latest", mesh=mesh)
         found = {"split_arrays": sum(not x.sharding.is_fully_replicated for x in jax.tree.leaves(loaded.params))}
         placed.clear()
         for name, decode in SEARCHES.items():

@@ -1,5 +1,5 @@
 """Greedy and beam search for the PyTorch twin: the reference the fast Flax decoder is tested against, written to
-be read, not to be fast. The semantics of `jax_transformer.decoding` exactly, target prefixes and n-best lists
+be read, not to be fast. The semantics of `jax_transformer.decoding.decoders` exactly, target prefixes and n-best lists
 included; each step re-runs the decoder over the prefix by default, or uses a key/value cache (`use_cache=True`).
 docs/internals.md#torch_reference-decoding."""
 
@@ -13,14 +13,15 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from jax_transformer.config import TransformerConfig
+from jax_transformer.settings.config import TransformerConfig
 from torch_reference.model import MultiHeadAttention, Transformer, compute_dtype, embed_positions, padding_mask
 
 DEFAULT_MAX_LEN_A = 1.5
 DEFAULT_MAX_LEN_B = 10
 
 
-# --- lengths and length penalty (the same formulas as jax_transformer.decoding) -------------------------------
+# --- lengths and length penalty (the same formulas as jax_transformer.decoding.decoders)
+# -------------------------------
 
 
 def max_new_tokens(src: torch.Tensor, cfg: TransformerConfig, max_len_a: float, max_len_b: float) -> list[int]:
@@ -151,12 +152,12 @@ def _restrict(log_probs: torch.Tensor, step: int, min_len: int, cfg: Transformer
     return log_probs
 
 
-# --- target prefixes and n-best lists (jax_transformer.decoding's `prefixes` and `Decoded`) ---------------
+# --- target prefixes and n-best lists (jax_transformer.decoding.decoders's `prefixes` and `Decoded`) ---------------
 
 
 class Hypotheses(NamedTuple):
-    """The n best hypotheses of each row, best first, as jax_transformer.decoding.Decoded: tokens (B, n, L) long
-    (a target prefix's tokens first, EOS where emitted, PAD after), scores (B, n) float32 (by the search's rule,
+    """The n best hypotheses of each row, best first, as jax_transformer.decoding.decoders.Decoded: tokens (B, n, L)
+    long (a target prefix's tokens first, EOS where emitted, PAD after), scores (B, n) float32 (by the search's rule,
     a prefix's tokens not counted), token_scores (B, n, L) float32 (each token's log-prob: 0 for a prefix's and
     after the end) and found (B, n) bool (False for a slot no hypothesis reached: its score is -inf)."""
 

@@ -1,4 +1,4 @@
-"""Glue between torch modules and the numpy weight map of `jax_transformer.port`."""
+"""Glue between torch modules and the numpy weight map of `jax_transformer.interop.port`."""
 
 from __future__ import annotations
 
@@ -9,17 +9,18 @@ import numpy as np
 import torch
 from torch import nn
 
-from jax_transformer.config import TransformerConfig
+from jax_transformer.settings.config import TransformerConfig
 
 
 def load_numpy_state_dict(model: nn.Module, state: Mapping[str, np.ndarray]) -> nn.Module:
-    """Loads a state_dict of numpy arrays (from `jax_transformer.port.flax_to_torch`) strictly."""
+    """Loads a state_dict of numpy arrays (from `jax_transformer.interop.port.flax_to_torch`) strictly."""
     model.load_state_dict({k: torch.from_numpy(np.array(v, copy=True)) for k, v in state.items()}, strict=True)
     return model
 
 
 def numpy_state_dict(model: nn.Module) -> dict[str, np.ndarray]:
-    """The model's state_dict as numpy float32 arrays (copies), ready for `jax_transformer.port.torch_to_flax`."""
+    """The model's state_dict as numpy float32 arrays (copies), ready for
+    `jax_transformer.interop.port.torch_to_flax`."""
     return {k: v.detach().cpu().numpy().copy() for k, v in model.state_dict().items()}
 
 

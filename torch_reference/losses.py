@@ -1,4 +1,4 @@
-"""The loss of `jax_transformer.losses`, in PyTorch: label-smoothed cross-entropy over non-padding tokens."""
+"""The loss of `jax_transformer.training.losses`, in PyTorch: label-smoothed cross-entropy over non-padding tokens."""
 
 import torch
 import torch.nn.functional as F

@@ -1,4 +1,4 @@
-"""The PyTorch twin of `jax_transformer.model`: the same architecture, config and parameter names (a Flax
+"""The PyTorch twin of `jax_transformer.model.transformer`: the same architecture, config and parameter names (a Flax
 `encoder/layer_0/self_attention/query/kernel` is `encoder.layers.0.self_attention.query.weight`, transposed), the
 same bfloat16 policy with explicit casts, on whatever device its parameters are. Masks: True = may attend.
 docs/internals.md#torch_reference-model."""
@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from jax_transformer.config import TransformerConfig
-from jax_transformer.positions import position_table
+from jax_transformer.model.positions import position_table
+from jax_transformer.settings.config import TransformerConfig
 
 # --- masks (True = may attend) -----------------------------------------------------------------------
 
@@ -48,7 +48,7 @@ def encoder_mask(src: torch.Tensor, pad_id: int, src_segments=None) -> torch.Ten
 
 
 def decoder_masks(src, tgt_in, pad_id: int, src_segments=None, tgt_segments=None):
-    """(decoder self-attention mask, cross-attention mask), as `jax_transformer.masks.decoder_masks`."""
+    """(decoder self-attention mask, cross-attention mask), as `jax_transformer.model.masks.decoder_masks`."""
     if tgt_segments is None:
         return decoder_self_mask(tgt_in, pad_id), padding_mask(src, pad_id)
     self_mask = segment_mask(tgt_segments, tgt_segments) & causal_mask(tgt_in.shape[1], tgt_in.device)
@@ -72,9 +72,9 @@ def linear(layer: nn.Linear, x: torch.Tensor, dtype: torch.dtype) -> torch.Tenso
 
 class MatmulFloat32Result(torch.autograd.Function):
     """x (..., D) @ w.T for w (V, D), operands in a low-precision dtype, result float32 (not rounded to that dtype):
-    the twin of `jax_transformer.model.matmul_float32_result`, used for the logits. Forward: a float32 matmul of
-    the operands' values, which is exactly low-precision operands with float32 accumulation (the product of two
-    bfloat16 numbers is exact in float32; torch's bfloat16 matmul would round its result). Backward: the float32
+    the twin of `jax_transformer.model.transformer.matmul_float32_result`, used for the logits. Forward: a float32
+    matmul of the operands' values, which is exactly low-precision operands with float32 accumulation (the product of
+    two bfloat16 numbers is exact in float32; torch's bfloat16 matmul would round its result). Backward: the float32
     cotangent cast to the operands' dtype, both matmuls in that dtype, as in the Flax model."""
 
     @staticmethod

@@ -1,8 +1,8 @@
-"""The training step of `jax_transformer.training`, in PyTorch: the same schedule, optimiser and loss, read from
+"""The training step of `jax_transformer.training.trainer`, in PyTorch: the same schedule, optimiser and loss, read from
 the same `OptimConfig`, so that a run can be compared with the Flax one step by step
 (parity_tests/test_training_parity.py).
 
-    optimizer, scheduler = make_optimizer(model, opt)           # opt: jax_transformer.config.OptimConfig
+    optimizer, scheduler = make_optimizer(model, opt)           # opt: jax_transformer.settings.config.OptimConfig
     for batch in batches:
         sums = train_step(model, optimizer, scheduler, batch, opt)
 """
@@ -16,10 +16,11 @@ import numpy as np
 import torch
 from torch import nn
 
-from jax_transformer.config import ConfigError, OptimConfig
+from jax_transformer.errors import ConfigError
+from jax_transformer.settings.config import OptimConfig
 from torch_reference.losses import loss_sums
 
-# Packed batches carry these too (see jax_transformer.training.PACKING_KEYS).
+# Packed batches carry these too (see jax_transformer.training.trainer.PACKING_KEYS).
 PACKING_KEYS = ("src_segments", "tgt_segments", "src_positions", "tgt_positions")
 
 
@@ -83,7 +84,7 @@ def _as_tensor(x, device: torch.device) -> torch.Tensor:
 def keep_start_row(model: nn.Module) -> None:
     """Marian's convention (the decoder starts from the pad token): the pad row of the target embedding, the
     decoder's start vector, gets no gradient through the tied output projection either (as
-    jax_transformer.training.keep_start_row), so that it stays zero as Marian and CTranslate2 take it to be."""
+    jax_transformer.training.trainer.keep_start_row), so that it stays zero as Marian and CTranslate2 take it to be."""
     cfg = model.cfg
     if cfg.decoder_start_id != cfg.pad_id or not cfg.tie_output:
         return

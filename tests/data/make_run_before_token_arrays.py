@@ -44,10 +44,10 @@ def main(old_repo: Path) -> None:
     args = tiny_train_args(run, corpus, steps=STEPS, save_every=STEPS) + MODEL
     subprocess.run([sys.executable, str(old_repo / "train.py"), *args], cwd=old_repo, check=True)
 
-    from jax_transformer import checkpoint
-    from jax_transformer.batching import BatchStream, encode_corpus
-    from jax_transformer.config import DataConfig
-    from jax_transformer.corpus import read_tsv
+    from jax_transformer.checkpoint import manager as checkpoint
+    from jax_transformer.data.batching import BatchStream, encode_corpus
+    from jax_transformer.data.corpus import read_tsv
+    from jax_transformer.settings.config import DataConfig
 
     assert checkpoint.__file__.startswith(str(old_repo)), checkpoint.__file__
     loaded = checkpoint.load(run, STEPS)

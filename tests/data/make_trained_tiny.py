@@ -28,12 +28,15 @@ from flax.traverse_util import flatten_dict
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from jax_transformer import decoding, translation  # noqa: E402
-from jax_transformer.batching import encode_corpus
-from jax_transformer.config import OptimConfig, preset  # noqa: E402
-from jax_transformer.default_task import TOKENIZER_MODEL_TYPE, TOKENIZER_VOCAB_SIZE, default_pairs  # noqa: E402
-from jax_transformer.tokenizer import Tokenizer
-from jax_transformer.training import create_train_state, make_train_step  # noqa: E402
+from jax_transformer.data.batching import encode_corpus
+from jax_transformer.data.default_task import TOKENIZER_MODEL_TYPE, TOKENIZER_VOCAB_SIZE, default_pairs  # noqa: E402
+from jax_transformer.data.tokenizer import Tokenizer
+from jax_transformer.decoding import (
+    decoders,
+    translation,  # noqa: E402
+)
+from jax_transformer.settings.config import OptimConfig, preset  # noqa: E402
+from jax_transformer.training.trainer import create_train_state, make_train_step  # noqa: E402
 from tests.helpers.batches import corpus_batches, pad_rows  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "trained_tiny.npz"
@@ -54,7 +57,7 @@ def main(out: Path = OUT) -> None:
     for i in range(1, STEPS + 1):
         state, sums = step(state, next(batches))
         if i % 500 == 0 or i == STEPS:
-            tokens, _ = decoding.greedy_search(state.params, config, src)
+            tokens, _ = decoders.greedy_search(state.params, config, src)
             right = sum(tokenizer.decode(t) == ref for t, ref in zip(tokens, valid.targets))
             loss = float(sums["loss"]) / float(sums["tokens"])
             print(f"step {i}: loss {loss:.3f}, greedy exact on {right} of {SENTENCES} validation sentences", flush=True)

@@ -6,7 +6,7 @@ from collections.abc import Iterator, Mapping, Sequence
 
 import numpy as np
 
-from jax_transformer.config import TransformerConfig
+from jax_transformer.settings.config import TransformerConfig
 from tests.helpers.configs import unit_config
 
 

@@ -3,7 +3,7 @@ decoding tests' and the in-process unit-test model."""
 
 from __future__ import annotations
 
-from jax_transformer.config import TransformerConfig, preset
+from jax_transformer.settings.config import TransformerConfig, preset
 
 _SMALL = dict(
     d_model=64,
@@ -97,8 +97,8 @@ def unit_config() -> TransformerConfig:
 
 
 def unit_optim():
-    """The paper's Adam and schedule with a 10-step warmup (a jax_transformer.training.OptimConfig)."""
-    from jax_transformer.training import OptimConfig
+    """The paper's Adam and schedule with a 10-step warmup (a jax_transformer.training.trainer.OptimConfig)."""
+    from jax_transformer.training.trainer import OptimConfig
 
     return OptimConfig(warmup_steps=10)
 

@@ -19,8 +19,9 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from jax_transformer import sharding, training
-from jax_transformer.distributed import DataParallel
+from jax_transformer.model import sharding
+from jax_transformer.training import trainer
+from jax_transformer.training.distributed import DataParallel
 from tests.helpers.configs import unit_config
 from tests.helpers.parallel_paths import build_report, check, packed_batch
 from tests.helpers.twins import flat
@@ -38,7 +39,7 @@ MESHES = {  # (8,1,1), plain data parallelism, is parallel_paths.py's "sharded"
 
 def run(mode: str, accumulate: int, mesh: str | None, config, optim, batches) -> dict:
     devices = DataParallel(mode, accumulate, mesh)
-    state = devices.place_state(training.create_train_state(config, optim, seed=0))
+    state = devices.place_state(trainer.create_train_state(config, optim, seed=0))
     arrays = jax.tree.leaves((state.params, state.opt_state))
     matrices = [x for x in arrays if x.ndim == 2]  # what the rules split over fsdp and tensor both
     placed = {
@@ -48,7 +49,7 @@ def run(mode: str, accumulate: int, mesh: str | None, config, optim, batches) ->
         "matrices_total": sharding.total_bytes(matrices),
     }
     if mesh == PLANNED and accumulate == 1:  # the plan's arguments, less its batch, against the placed state's bytes
-        from jax_transformer.plan import plan_step
+        from jax_transformer.training.plan import plan_step
 
         planned = plan_step(config, optim, devices.mesh_shape, ROWS, 16, accumulate)
         batch_bytes = 3 * (ROWS // devices.mesh_shape.batch_devices) * 16 * 4  # src, tgt_in, tgt_out int32
@@ -82,10 +83,10 @@ def checkpoint_across_meshes(state, config, optim, directory: str) -> dict:
     (8,1,1), (1,2,4) and the host: whether each read is the gathered state bit for bit, whether the arrays came
     back in the layout asked for, and whether the checksums computed from the split arrays are those of the
     gathered ones (they verify every read)."""
-    from jax_transformer import checkpoint as ckpt_lib
-    from jax_transformer.tokenizer import Tokenizer
+    from jax_transformer.checkpoint import manager as ckpt_lib
+    from jax_transformer.data.tokenizer import Tokenizer
 
-    saved = training.state_for_saving(state)
+    saved = trainer.state_for_saving(state)
     whole = {key: np.asarray(value) for key, value in flat(jax.device_get(saved)).items()}
     tokenizer = Tokenizer.train([f"w{i} v{i % 7}" for i in range(200)], 30, model_type="bpe")
     manager = ckpt_lib.CheckpointManager(directory, async_save=False)
@@ -117,8 +118,8 @@ DECODE_MESH = "fsdp=2,tensor=4"  # the weights split 8 ways, the way a model too
 def decoding_on_a_mesh() -> dict:
     """The trained tiny model (tests/data, so the claim holds on every CPU) on one device and with its weights split
     over DECODE_MESH: greedy and beam-4 tokens of 32 of its validation sources, one batch, compared whole."""
-    from jax_transformer import decoding
-    from jax_transformer.schedule import Whole
+    from jax_transformer.decoding import decoders
+    from jax_transformer.decoding.schedule import Whole
     from tests.helpers.saved import load_saved_model
 
     saved = load_saved_model("trained_tiny")
@@ -131,11 +132,11 @@ def decoding_on_a_mesh() -> dict:
     for beam in (1, 4):
         one, mesh = (
             np.asarray(
-                decoding.greedy_search(params, saved.config, src, schedule=Whole())[0]
+                decoders.greedy_search(params, saved.config, src, schedule=Whole())[0]
                 if beam == 1
-                else decoding.beam_search(params, saved.config, src, beam_size=beam, schedule=Whole())[0]
+                else decoders.beam_search(params, saved.config, src, beam_size=beam, schedule=Whole())[0]
             )
-            for params in (decoding.on_device(saved.params), split)
+            for params in (decoders.on_device(saved.params), split)
         )
         out[f"beam {beam}"] = {"sentences": len(src), "equal": int((one == mesh).all(axis=1).sum())}
     return out
@@ -160,7 +161,7 @@ def main() -> dict:
     jax.config.update("jax_default_matmul_precision", "highest")
     # the tiny preset, vocabulary and positions divisible by 8: every matrix splits on every mesh
     config = unit_config().replace(num_encoder_layers=1, num_decoder_layers=1, src_vocab_size=64, tgt_vocab_size=64)
-    optim = training.OptimConfig(warmup_steps=5)
+    optim = trainer.OptimConfig(warmup_steps=5)
     batches = [packed_batch(config, 10 + i, ROWS) for i in range(STEPS)]
     results = {"jit": run("jit", 1, None, config, optim, batches)}
     for name, (mesh, accumulate) in MESHES.items():

@@ -20,7 +20,7 @@ LANGUAGES = {"nllb": ("eng_Latn", "fra_Latn"), "m2m100": ("en", "fr"), "mbart50"
 
 
 def _texts(n: int = 2000) -> list[str]:
-    from jax_transformer.default_task import default_pairs
+    from jax_transformer.data.default_task import default_pairs
 
     pairs = default_pairs("train", n=n)
     return list(pairs.sources) + list(pairs.targets)

@@ -4,7 +4,7 @@
     python -m tests.helpers.parallel_paths                                                      # an accelerator
 
 Five steps, dropout on, from the same state and the same global batches of packed rows (two sentence pairs per
-row, `training.PACKING_KEYS`; rows of unequal token counts; tests/test_scale.py runs unpacked batches through
+row, `trainer.PACKING_KEYS`; rows of unequal token counts; tests/test_scale.py runs unpacked batches through
 train.py), of:
 jit on one device (the reference); pmap over all local devices; sharded jit over a mesh of all devices;
 sharded jit and pmap with 2 micro-batches (`accumulate`); jit with 4 micro-batches. With a single device (one GPU) pmap
@@ -22,8 +22,8 @@ import json
 import jax
 import numpy as np
 
-from jax_transformer import training
-from jax_transformer.distributed import DataParallel
+from jax_transformer.training import trainer
+from jax_transformer.training.distributed import DataParallel
 from tests.helpers.batches import make_batch
 from tests.helpers.configs import unit_config
 from tests.helpers.twins import flat
@@ -56,7 +56,7 @@ def packed_batch(config, seed: int, rows: int = ROWS) -> dict[str, np.ndarray]:
 def run_path(mode: str, accumulate: int, config, optim, batches) -> dict:
     """`STEPS` steps of one path from the seed-0 state; the losses, token counts and final parameters."""
     devices = DataParallel(mode, accumulate)
-    state = devices.place_state(training.create_train_state(config, optim, seed=0))
+    state = devices.place_state(trainer.create_train_state(config, optim, seed=0))
     step = devices.make_step(config, optim)
     losses, tokens = [], []
     for batch in batches:
@@ -70,7 +70,7 @@ def run_path(mode: str, accumulate: int, config, optim, batches) -> dict:
 def main() -> dict:
     jax.config.update("jax_default_matmul_precision", "highest")
     config = unit_config().replace(num_encoder_layers=1, num_decoder_layers=1)  # depth changes nothing here
-    optim = training.OptimConfig(warmup_steps=5)
+    optim = trainer.OptimConfig(warmup_steps=5)
     batches = [packed_batch(config, 10 + i) for i in range(STEPS)]
     paths = {"jit": ("jit", 1), "pmap": ("pmap", 1), "sharded": ("sharded", 1), "sharded, accumulate 2": ("sharded", 2)}
     paths.update({"pmap, accumulate 2": ("pmap", 2), "jit, accumulate 4": ("jit", 4)})
@@ -81,10 +81,10 @@ def main() -> dict:
 def build_report(results: dict, config, optim, batches) -> dict:
     """What `check` reads, from each path's `run_path` result ("jit" the reference): per path its losses, token
     counts and parameter differences from jit; the loss with dropout off; the parts' token counts."""
-    start = flat(training.create_train_state(config, optim, seed=0).params)
+    start = flat(trainer.create_train_state(config, optim, seed=0).params)
     # Without dropout the loss differs: dropout really is on in the steps above.
     _, sums = DataParallel("jit", 1).make_step(config, optim, dropout=False)(
-        training.create_train_state(config, optim, seed=0), batches[0]
+        trainer.create_train_state(config, optim, seed=0), batches[0]
     )
     reference = results["jit"]
     report = {

@@ -25,7 +25,7 @@ def _block(marker: Path, where: str) -> None:
 def pause_after_step(marker: Path, step: int) -> None:
     import dataclasses
 
-    from jax_transformer import run
+    from jax_transformer.training import run
 
     original = run.prepare
 
@@ -54,9 +54,9 @@ def main(argv: list[str]) -> int:
     marker, kind, point, *train_args = argv
     {"step": pause_after_step, "save": pause_in_save}[kind](Path(marker), int(point))
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-    import train
+    from jax_transformer.cli import main as cli
 
-    return train.main(train_args)
+    return cli.main(train_args)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from jax_transformer.tokenizer import unigram_model_bytes
+from jax_transformer.data.tokenizer import unigram_model_bytes
 
 # The Marian tokenizer's SentencePiece models, learned once and saved (`python -m tests.helpers.pretrained` writes
 # them): SentencePiece's training gives other pieces from one version to the next (0.2.2 and 0.2.3 do), and with
@@ -20,7 +20,7 @@ SAVED_SPM = Path(__file__).resolve().parent.parent / "data" / "marian_spm.npz"
 
 def save_marian_spm() -> None:
     """SAVED_SPM from the built-in task: unigram models of 120 pieces for its English and French sides."""
-    from jax_transformer.default_task import default_pairs
+    from jax_transformer.data.default_task import default_pairs
 
     pairs = default_pairs("train", n=2000)
     models = {"source.spm": pairs.sources, "target.spm": pairs.targets}
@@ -106,7 +106,7 @@ def learn_bpe(texts: Sequence[str], lang: str, merges: int) -> tuple[list[tuple[
 def fsmt_tokenizer_files(folder: Path) -> dict[str, int]:
     """FSMTTokenizer's files for the built-in task (English -> French): vocab-src.json, vocab-tgt.json (fairseq's
     specials <s> 0, <pad> 1, </s> 2, <unk> 3 first), merges.txt, tokenizer_config.json."""
-    from jax_transformer.default_task import default_pairs
+    from jax_transformer.data.default_task import default_pairs
 
     pairs = default_pairs("train", n=2000)
     source_merges, source_symbols = learn_bpe(pairs.sources, "en", 150)
@@ -259,8 +259,8 @@ def assert_same_logits(model, params, config, tokenizer, what: str, atol: float 
     by `tokenizer`; the difference is printed."""
     import torch
 
-    from jax_transformer.default_task import default_pairs
-    from jax_transformer.model import Transformer
+    from jax_transformer.data.default_task import default_pairs
+    from jax_transformer.model.transformer import Transformer
 
     pairs = default_pairs("valid", n=6)
     src_rows = [tokenizer.encode(s) + [config.eos_id] for s in pairs.sources]

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from jax_transformer.config import TransformerConfig
+from jax_transformer.settings.config import TransformerConfig
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 
@@ -34,7 +34,7 @@ def load_saved_model(name: str) -> SavedModel:
     tests/data/make_trained_tiny.py)."""
     from flax.traverse_util import unflatten_dict
 
-    from jax_transformer.tokenizer import Tokenizer
+    from jax_transformer.data.tokenizer import Tokenizer
 
     with np.load(name if name.endswith(".npz") else DATA / f"{name}.npz") as z:
         params = unflatten_dict({tuple(k.split("/")[1:]): z[k] for k in z.files if k.startswith("params/")})
@@ -51,14 +51,15 @@ def load_saved_model(name: str) -> SavedModel:
 def saved_run(directory: Path, name: str = "trained_tiny") -> Path:
     """A run directory holding the saved model `name` as its checkpoint of step 1 (Adam's state new, the default
     settings: the built-in task's English -> French), for the sub-commands that read a run (translate, serve)."""
-    from jax_transformer import checkpoint, training
-    from jax_transformer.config import OptimConfig
+    from jax_transformer.checkpoint import manager as checkpoint
+    from jax_transformer.settings.config import OptimConfig
+    from jax_transformer.training import trainer
 
     saved = load_saved_model(name)
     optim = OptimConfig()
-    state = training.create_train_state(saved.config, optim, params=saved.params)
+    state = trainer.create_train_state(saved.config, optim, params=saved.params)
     manager = checkpoint.CheckpointManager(directory, async_save=False)
-    manager.save(1, training.state_for_saving(state), config=saved.config, optim=optim.to_dict(),
+    manager.save(1, trainer.state_for_saving(state), config=saved.config, optim=optim.to_dict(),
                  tokenizer=saved.tokenizer)  # fmt: skip
     manager.close()
     return directory

@@ -18,7 +18,7 @@ from pathlib import Path
 
 def main() -> int:
     hold = Path(sys.argv[1])
-    from jax_transformer import translation
+    from jax_transformer.decoding import translation
 
     original = translation.translations
 
@@ -32,9 +32,9 @@ def main() -> int:
         return original(*args, **kwargs)
 
     translation.translations = held
-    import train
+    from jax_transformer.cli import main as cli
 
-    return train.main(sys.argv[2:])
+    return cli.main(sys.argv[2:])
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ import math
 
 import numpy as np
 
-from jax_transformer.config import TransformerConfig
+from jax_transformer.settings.config import TransformerConfig
 
 BF16_ULP_AT_1 = 2.0**-7  # bfloat16: 8 significant bits, so one ulp of a value in [1, 2) is 2^-7
 

@@ -47,6 +47,6 @@ def cpu_schedule(monkeypatch) -> None:
     """The CPU's decoding schedule (`schedule.Scheduled`: parts, shrinking batches, cache phases, encoder groups) as
     the default on any backend, through `monkeypatch` (pytest's fixture, or a pytest.MonkeyPatch context): a test of
     what it runs, and of the programs a run compiles for it, then holds on a GPU too."""
-    from jax_transformer import schedule
+    from jax_transformer.decoding import schedule
 
     monkeypatch.setattr(schedule, "default", lambda: schedule.Scheduled())

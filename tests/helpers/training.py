@@ -24,7 +24,7 @@ N_TRAIN = 300
 def write_corpus(directory: Path, *, empty_line: bool = False, long_line: bool = False) -> Path:
     """train.tsv with the pairs of 0..N_TRAIN-1. Optionally line 5 gets an empty target and line 7 a pair far
     longer than max_len, to exercise --on-empty / --on-too-long."""
-    from jax_transformer.default_task import number_pair
+    from jax_transformer.data.default_task import number_pair
 
     lines = ["\t".join(number_pair(n)) for n in range(N_TRAIN)]
     if empty_line:
@@ -95,18 +95,18 @@ def tiny_train_args(
 
 
 def run_main(argv: list[str]) -> tuple[int, str, str]:
-    """Calls train.main(argv) in this process; returns (exit code, stdout, stderr), argparse's exit included.
+    """Calls cli.main(argv) in this process; returns (exit code, stdout, stderr), argparse's exit included.
     Without --compilation-cache its programs go to the session's cache (conftest.py), never the user's."""
     assert os.environ.get("JAX_COMPILATION_CACHE_DIR"), "conftest.py sets the session's compilation cache"
     sys.path.insert(0, str(REPO))
     try:
-        import train
+        from jax_transformer.cli import main as cli
     finally:
         sys.path.remove(str(REPO))
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try:
-            code = train.main(argv)
+            code = cli.main(argv)
         except SystemExit as stop:  # argparse's exit 2 for a bad flag (or 0 for --help), as the command's
             code = stop.code
     return code, out.getvalue(), err.getvalue()

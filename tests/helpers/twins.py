@@ -7,14 +7,14 @@ from typing import Any
 
 import numpy as np
 
-from jax_transformer.config import TransformerConfig
+from jax_transformer.settings.config import TransformerConfig
 
 
 def ported_params(config: TransformerConfig, seed: int = 0) -> tuple[Any, dict[str, np.ndarray]]:
     """Fresh Flax parameters (init_params(config, seed)) and the same weights as a PyTorch state dict of numpy
-    arrays (jax_transformer.port.flax_to_torch), for torch_reference.load_numpy_state_dict."""
-    from jax_transformer.model import init_params
-    from jax_transformer.port import flax_to_torch
+    arrays (jax_transformer.interop.port.flax_to_torch), for torch_reference.load_numpy_state_dict."""
+    from jax_transformer.interop.port import flax_to_torch
+    from jax_transformer.model.transformer import init_params
 
     params = init_params(config, seed)
     return params, flax_to_torch(params)
@@ -30,7 +30,7 @@ def torch_twin(config: TransformerConfig, params, device: str | None = None):
     """A torch_reference.Transformer in eval mode holding the Flax `params` (ported by flax_to_torch), on `device`
     (default twin_device())."""
     import torch_reference
-    from jax_transformer.port import flax_to_torch
+    from jax_transformer.interop.port import flax_to_torch
 
     model = torch_reference.Transformer(config).to(device or twin_device())
     return torch_reference.load_numpy_state_dict(model, flax_to_torch(params)).eval()
@@ -39,7 +39,7 @@ def torch_twin(config: TransformerConfig, params, device: str | None = None):
 def twin_models(config: TransformerConfig, seed: int = 0):
     """The same model in both frameworks: (Flax module, fresh Flax params, torch module in eval mode holding the
     same weights)."""
-    from jax_transformer.model import Transformer, init_params
+    from jax_transformer.model.transformer import Transformer, init_params
 
     params = init_params(config, seed)
     return Transformer(config), params, torch_twin(config, params)

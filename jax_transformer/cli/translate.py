@@ -1,0 +1,130 @@
+"""Translate lines or a document, streamed (`translate`)."""
+
+from __future__ import annotations
+
+import sys
+
+from jax_transformer.cli import flags, output
+
+
+def add(sub) -> None:
+    tr = sub.add_parser(
+        "translate",
+        help="translate lines of text (stdin or --input) to stdout",
+        description="Translate UTF-8 text, one sentence per line, to stdout: exactly one output line per input "
+        "line (an empty line stays empty; --n-best K gives K lines, or one JSON object with --output-format "
+        "jsonl), read and translated in chunks, so input of any size streams through. Every decoding choice is a "
+        "flag below (default: what the run stored; an imported model's generation_config). Without --progress / "
+        "--no-progress the progress bar shows when stderr is a terminal.",
+    )
+    flags.checkpoint_flags(tr, compute=True, mesh=True)
+    flags.language_flags(tr)
+    tr.add_argument("--input", metavar="FILE", help="UTF-8 file with one sentence per line (default: stdin)")
+    flags.decoding_flags(tr, more=("progress",))
+    flags.compilation_flags(tr)
+    tr.add_argument(
+        "--input-format",
+        choices=("text", "tsv"),
+        default="text",
+        help="text: a sentence per line; tsv: source<TAB>target prefix, the translation beginning with the prefix "
+        "(an empty prefix: none) (default text)",
+    )
+    tr.add_argument(
+        "--output-format",
+        choices=("text", "tsv", "jsonl"),
+        default="text",
+        help="text: each hypothesis on a line (--n-best lines per input line); tsv: line, rank, score, text; "
+        "jsonl: a JSON object per input line with every hypothesis, its score, tokens and per-token "
+        "log-probs (default text)",
+    )
+    tr.add_argument(
+        "--on-too-long",
+        choices=("error", "truncate"),
+        default="error",
+        help="a line longer than the model's max_len tokens: stop with an error naming the line (after writing "
+        "the lines before it), or translate its first max_len - 1 tokens and report the line (default error)",
+    )
+    tr.add_argument(
+        "--max-tokens",
+        type=flags.number(int, 1),
+        metavar="N",
+        help="batch by source tokens: each batch as many sentences (sorted by length) as fit rows x padded width "
+        "<= N, all devices together; a sentence wider than N alone is still translated, in the smallest batch "
+        "(default: 64 sentences a batch). With --mesh, each batch's rows are split over the mesh's data axis",
+    )
+    g = tr.add_argument_group("documents (the documents extra: pip install -e '.[documents]')")
+    g.add_argument(
+        "--document",
+        action="store_true",
+        help="the input is a document, not a sentence per line: each sentence (sentencex's, within each line) is "
+        "replaced by its translation and every space, tab, line break and blank line is kept; a sentence longer "
+        "than the model takes is cut into parts at a clause mark or space (reported); lines of any length stream",
+    )
+    g.add_argument(
+        "--document-language",
+        metavar="CODE",
+        help="the document's language for the sentence splitter, ISO 639-1 (de) or a model's code (deu_Latn, "
+        "de_DE) (default: --src-lang of a multilingual model, else en)",
+    )
+    tr.set_defaults(func=run)
+
+
+def run(args, start_time: float) -> int:
+    from jax_transformer.data.corpus import count_lines, read_lines
+    from jax_transformer.decoding.translation import OutputLines
+
+    if args.document:  # refused before the model loads
+        from jax_transformer.decoding import documents
+        from jax_transformer.errors import UsageError
+
+        for flag, value in {"--output-format": args.output_format, "--input-format": args.input_format}.items():
+            if value != "text":
+                raise UsageError(f"--document writes the document, translated, as text: it takes no {flag} {value}")
+        n_best = flags.given(args, "decode").get("n_best", 1)
+        if n_best > 1:
+            raise UsageError(f"--document writes one translation of each sentence: it takes no --n-best {n_best}")
+        documents.Segmenter()  # a UsageError naming the documents extra where sentencex is missing
+    flags.use_compilation_cache(args)
+    translator = flags.translator(args)
+    progress = flags.given(args, "loop").get("progress")  # None: when stderr is a terminal
+    sys.stdout.flush()  # what was printed before goes first; the translations bypass Python's buffer
+    fd = output.fileno(sys.stdout)
+    if args.document:
+        from jax_transformer.decoding.documents import OutputText
+
+        try:
+            report = translator.translate_stream(
+                args.input or sys.stdin.buffer,
+                sys.stdout.write if fd is None else OutputText(fd),
+                language=args.document_language,
+                origin=args.input or "stdin",
+                progress=progress,
+                max_tokens=args.max_tokens,  # None: TRANSLATE_BATCH_SIZE sentences a batch
+                decode=translator.decode,
+            )
+        finally:
+            sys.stdout.flush()
+        print(report.describe(), file=sys.stderr)
+        return 0
+    # Read, translated and written a chunk of lines at a time: memory does not grow with the input.
+    if args.input:
+        origin, lines, total = args.input, read_lines(args.input), count_lines(args.input)
+    else:
+        origin, lines, total = "stdin", read_lines(sys.stdin.buffer, origin="stdin"), None
+    write = print if fd is None else OutputLines(fd)  # UTF-8 whatever the locale says
+    try:
+        report = translator.translate_lines(
+            (text for _, text in lines),
+            write,
+            origin=origin,
+            on_too_long=args.on_too_long,
+            total=total,
+            progress=progress,
+            output_format=args.output_format,
+            prefix_column=args.input_format == "tsv",
+            max_tokens=args.max_tokens,  # None: TRANSLATE_BATCH_SIZE sentences a batch
+        )
+    finally:
+        sys.stdout.flush()
+    print(report.describe(), file=sys.stderr)
+    return 0

@@ -1,0 +1,198 @@
+"""The front door for Python users: a model loaded once, then asked to translate, score and translate documents, as
+CTranslate2's `Translator` and transformers' `pipeline` are used.
+
+    from jax_transformer import Translator
+
+    translator = Translator("runs/nllb", src_lang="eng_Latn", tgt_lang="deu_Latn")
+    results = translator.translate(["The cat sleeps.", "Hello!"], beam_size=4, n_best=2)
+    results[0].hypotheses[1].text, results[0].hypotheses[1].score, results[0].hypotheses[1].tokens
+    translator.score(["The cat sleeps."], ["Die Katze schläft."])[0].score   # log P, EOS included
+    translator.translate_document("First sentence. Second one.\n\nA new paragraph.")
+
+The command line's `translate`, `score` and `translate --document`, and `serve`, go through the same methods (or,
+for the service's batches, `translation.translations` beneath them), so a notebook gets what the command line
+writes. Decoding options are `DecodeConfig`'s fields: given to the constructor they replace the run's stored
+choice for every call, given to a call they apply to that call alone (`settings.resolve` decides either way).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+from jax_transformer.checkpoint.manager import Checkpoint
+from jax_transformer.decoding import documents, loading, scoring, translation
+from jax_transformer.errors import UsageError
+from jax_transformer.settings.config import DecodeConfig
+from jax_transformer.settings.resolve import request_decoding
+
+
+class Translator:
+    """A run directory's model (trained here, or `train.py import`ed) loaded to decode.
+
+    path, step: the run directory (or its checkpoints folder) and which checkpoint: "best", "latest" or a number.
+    src_lang, tgt_lang: a multilingual model's languages (NLLB's eng_Latn, mBART's en_XX; default: the tokenizer's).
+    dtype, attention_kernel, quantize: how to compute ("bfloat16", "xla", "int8", ...), the model unchanged.
+    mesh: the weights read straight onto a mesh of the devices ("data=8", "fsdp=4"), for a model one device cannot
+        hold or for batches split over devices.
+    print_fn: where the one line saying what was loaded goes (default: nowhere).
+    **decoding: DecodeConfig fields (beam_size, n_best, do_sample, ...) over the run's stored decoding.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        step: str | int = "best",
+        *,
+        src_lang: str | None = None,
+        tgt_lang: str | None = None,
+        dtype: str | None = None,
+        attention_kernel: str | None = None,
+        quantize: str | None = None,
+        mesh: str | None = None,
+        print_fn: Callable[[str], None] | None = None,
+        **decoding: Any,
+    ) -> None:
+        compute = {"dtype": dtype, "attention_kernel": attention_kernel, "quantize": quantize}
+        languages = {"src_lang": src_lang, "tgt_lang": tgt_lang}
+        loaded = loading.load(
+            path,
+            step,
+            compute={k: v for k, v in compute.items() if v is not None},
+            mesh=mesh,
+            languages={k: v for k, v in languages.items() if v is not None},
+            print_fn=print_fn,
+        )
+        self._set(loaded, loading.decoding(loaded, decoding))
+
+    @classmethod
+    def of(cls, loaded: Checkpoint, decode: DecodeConfig) -> Translator:
+        """A Translator of a checkpoint loaded already (`loading.load`), decoding as `decode` says (the command
+        line loads with its flags, then hands the model here)."""
+        translator = cls.__new__(cls)
+        translator._set(loaded, decode)
+        return translator
+
+    def _set(self, loaded: Checkpoint, decode: DecodeConfig) -> None:
+        self.loaded, self.decode = loaded, decode
+
+    # --- what was loaded ------------------------------------------------------------------------------------
+
+    @property
+    def config(self):
+        """The model's TransformerConfig, as it computes."""
+        return self.loaded.config
+
+    @property
+    def tokenizer(self):
+        return self.loaded.tokenizer
+
+    @property
+    def params(self):
+        return self.loaded.params
+
+    def decoding(self, **options: Any) -> DecodeConfig:
+        """The decoding of one call: `options` (DecodeConfig's fields) over this translator's, checked against the
+        model (a ConfigError naming the option otherwise)."""
+        return request_decoding(self.config, self.decode, options, field="options")
+
+    def __repr__(self) -> str:
+        return f"Translator({str(self.loaded.directory)!r}, step={self.loaded.step}, {self.decode.describe()})"
+
+    # --- sentences ------------------------------------------------------------------------------------------
+
+    def translate(
+        self,
+        sentences: Sequence[str],
+        *,
+        prefixes: Sequence[str | None] | None = None,
+        batch_size: int | None = None,
+        max_tokens: int | None = None,
+        progress: bool = False,
+        **options: Any,
+    ) -> list[translation.Translation]:
+        """A `Translation` per sentence, in order: its hypotheses best first (`n_best` of them), each with its text,
+        tokens, score and per-token log-probs. `prefixes`: text each translation must begin with (None: none).
+        Batches of `batch_size` sentences or `max_tokens` token slots (default 64 sentences)."""
+        return translation.translations(
+            self.params,
+            self.config,
+            self.tokenizer,
+            list(sentences),
+            self.decoding(**options),
+            prefixes=prefixes,
+            batch_size=batch_size,
+            max_tokens=max_tokens,
+            progress=progress,
+        )
+
+    def translate_lines(
+        self, lines: Iterable[str], write: Callable[[str], None], *, decode: DecodeConfig | None = None, **kwargs
+    ) -> translation.TranslationReport:
+        """`translation.translate_lines` with this model: lines of any count, streamed, one output record per input
+        line (`output_format` text, tsv or jsonl), `on_too_long` error or truncate. `decode`: this translator's
+        decoding unless given."""
+        return translation.translate_lines(
+            self.params, self.config, self.tokenizer, lines, write, decode or self.decode, **kwargs
+        )
+
+    # --- scores ---------------------------------------------------------------------------------------------
+
+    def score(self, sources: Sequence[str], targets: Sequence[str], **kwargs) -> list[scoring.Score]:
+        """The `Score` of each (source, target) pair: the sum of the target tokens' log-probs (EOS included), the
+        tokens and each one's log-prob, as CTranslate2's score_batch gives them."""
+        return scoring.score_pairs(self.params, self.config, self.tokenizer, list(sources), list(targets), **kwargs)
+
+    def score_lines(self, pairs: Iterable[tuple[int, str, str]], write: Callable[[str], None], **kwargs) -> int:
+        """`scoring.score_lines` with this model: (line, source, target) pairs streamed, a record per line."""
+        return scoring.score_lines(self.params, self.config, self.tokenizer, pairs, write, **kwargs)
+
+    # --- documents ------------------------------------------------------------------------------------------
+
+    def segmenter(self, language: str | None = None) -> documents.Segmenter:
+        """The sentence splitter of a document in `language` (ISO 639-1 or a model's code; default: the source
+        language of a multilingual model, else English), which cuts sentences longer than the model takes."""
+        language = language or getattr(self.tokenizer, "src_lang", None)
+        return documents.Segmenter(language, documents.model_fits(self.tokenizer, self.config))
+
+    def translate_document(self, text: str, *, language: str | None = None, **options: Any) -> str:
+        """`text` translated as a document: each sentence replaced by its best translation, every space, tab, line
+        break and blank line kept."""
+        written: list[str] = []
+        self.translate_stream(io.BytesIO(text.encode("utf-8")), written.append, language=language, **options)
+        return "".join(written)
+
+    def translate_stream(
+        self,
+        source,
+        write: Callable[[str], None],
+        *,
+        language: str | None = None,
+        origin: str = "input",
+        progress: bool | None = False,
+        max_tokens: int | None = None,
+        decode: DecodeConfig | None = None,
+        **options: Any,
+    ) -> documents.DocumentReport:
+        """A document of any size (a path or a binary stream, UTF-8) translated and written as it goes, in bounded
+        memory (`documents.translate_document`). One translation of each sentence: an n-best decoding is refused."""
+        decode = decode or self.decoding(**options)
+        if decode.n_best > 1:
+            raise UsageError(
+                f"a document takes one translation of each sentence: this decoding's n_best is {decode.n_best} "
+                f"(give n_best=1, --n-best 1)"
+            )
+        return documents.translate_document(
+            self.params,
+            self.config,
+            self.tokenizer,
+            documents.read_blocks(source, origin=origin),
+            write,
+            decode,
+            segmenter=self.segmenter(language),
+            origin=origin,
+            progress=progress,
+            max_tokens=max_tokens,
+        )
