@@ -56,6 +56,12 @@ import tempfile
 import time
 from pathlib import Path
 
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:  # `python benchmarks/decoding_identity.py` puts benchmarks/ first, not the repo
+    sys.path.insert(0, str(REPO))
+
+from benchmarks.machine import core_count, cpu_model  # noqa: E402 (stdlib only: no jax_transformer)
+
 # The built-in task's first 12 validation pairs (default_pairs("valid", n=12)): the sentences the tests raise EOS
 # on (tests/test_pretrained.py the 12, parity_tests and tests/test_multilingual.py the first 8), written out so
 # that this script needs no module of either checkout to know them.
@@ -358,26 +364,6 @@ def short(line: str | None, width: int = 240) -> str:
 # =============================================================================================================
 # The machine
 # =============================================================================================================
-
-
-def cpu_model() -> str:
-    """The 'model name' line of /proc/cpuinfo (as benchmarks/machine.py reads it); platform.processor() elsewhere."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
-def core_count() -> int:
-    """Logical CPUs this process may run on (the affinity mask, which containers restrict)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
 
 
 def describe(python: str, checkout: Path) -> str:

@@ -249,3 +249,33 @@ def test_a_peft_adapter_imports_and_goes_on_training(base, tmp_path):
     code, stdout, stderr = run_main(["import", str(tmp_path / "adapter"), "--output", str(tmp_path / "y")])
     assert code == 1 and "does not fit this base model" in stderr and "lora_A.weight: shape (4, 32)" in stderr
     assert not (tmp_path / "y").exists()
+
+
+def test_an_adapter_imports_onto_the_run_import_wrote(base, tmp_path):
+    """`import ADAPTER --base RUN`, RUN the run directory `import` wrote from the adapter's base model (the thing a
+    user has at hand), gives the run `--base` of the base's own folder gives, read from disk alone; a run trained
+    here from scratch is refused, naming why."""
+    from jax_transformer.checkpoint import manager as checkpoint
+    from tests.helpers.saved import saved_run
+    from tests.helpers.training import run_main
+
+    folder = base[0]
+    peft_model(folder, seed=3).save_pretrained(tmp_path / "adapter")
+    code, stdout, stderr = run_main(["import", str(folder), "--output", str(tmp_path / "base-run")])
+    assert code == 0, stdout + stderr
+    for name, given in (("by-run", tmp_path / "base-run"), ("by-folder", folder)):
+        code, stdout, stderr = run_main(
+            ["import", str(tmp_path / "adapter"), "--base", str(given), "--output", str(tmp_path / name)]
+        )
+        assert code == 0, stdout + stderr
+    by_run, by_folder = (checkpoint.load(tmp_path / name, "best") for name in ("by-run", "by-folder"))
+    assert by_run.config == by_folder.config and by_run.config.lora_rank == 4
+    a, b = flatten(by_run.params), flatten(by_folder.params)
+    assert a.keys() == b.keys() and all(np.array_equal(a[p], b[p]) for p in a)
+    assert by_run.run == by_folder.run  # the same base name, family, adapter and decoding
+
+    scratch = saved_run(tmp_path / "scratch")
+    code, stdout, stderr = run_main(
+        ["import", str(tmp_path / "adapter"), "--base", str(scratch), "--output", str(tmp_path / "z")]
+    )
+    assert code == 1 and "a run trained here from scratch" in stderr and not (tmp_path / "z").exists()

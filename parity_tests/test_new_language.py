@@ -80,6 +80,11 @@ def test_a_new_code_exports_and_decodes_as_transformers_does(imported, tmp_path)
     [
         (["--add-language", "fra_Latn"], "--add-language 'fra_Latn': the tokenizer has it already"),
         (["--add-language", CODE, "--init-from-language", "fra_Lat"], "--init-from-language 'fra_Lat' is not a"),
+        # A code of another form would be a special token found inside ordinary text ("a b Hallo", "en", "the").
+        (["--add-language", "a b"], "--add-language 'a b': not of the form of this model's language codes, aaa_Aaaa"),
+        (["--add-language", "en"], "--add-language 'en': not of the form of this model's language codes"),
+        (["--add-language", "xyz-latn"], "the closest valid form: xyz_Latn"),
+        (["--add-language", ""], "--add-language: an empty language code"),
     ],
 )
 def test_faults_are_named_before_any_step(imported, tmp_path, flags, message):

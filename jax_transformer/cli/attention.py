@@ -12,7 +12,7 @@ def add(sub) -> None:
         description="Translate one sentence greedily and draw every head's attention as heatmaps.",
     )
     flags.checkpoint_flags(a)
-    a.add_argument("--sentence", required=True, help="the source sentence")
+    a.add_argument("--sentence", required=True, metavar="TEXT", help="the source sentence")
     a.add_argument("--output", default="attention.png", metavar="FILE", help="the PNG to write (default attention.png)")
     a.add_argument(
         "--kinds",

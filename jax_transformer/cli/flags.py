@@ -41,8 +41,7 @@ def add_settings(
             section.add_argument(flag, action=argparse.BooleanOptionalAction, **options)
             continue
         choices = field.metadata.get("choices")
-        text = "CODE" if field.name.endswith("_lang") else "FILE" if group == "data" else "S"
-        metavar = None if choices else {int: "N", float: "X"}.get(types[0], text)
+        metavar = None if choices else field.metadata.get("metavar") or {int: "N", float: "X"}.get(types[0], "TEXT")
         nargs = "+" if field.name in several else None
         kind = types[0] if choices else setting_type(cls, field, types[0])
         section.add_argument(

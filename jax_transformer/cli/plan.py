@@ -19,17 +19,31 @@ def add(sub) -> None:
     model = pl.add_mutually_exclusive_group()
     model.add_argument("--preset", choices=sorted(PRESETS), help="a preset's shape (default: base)")
     model.add_argument("--init-from", metavar="DIR", help="the model of a run directory (an imported one too)")
-    pl.add_argument("--mesh", help="data=D,fsdp=F,tensor=T (as train's --mesh; default: all devices on data)")
     pl.add_argument(
-        "--devices", type=flags.number(int, 1), help="simulated CPU devices of the mesh (default: the devices JAX sees)"
+        "--mesh", metavar="AXES", help="data=D,fsdp=F,tensor=T (as train's --mesh; default: all devices on data)"
     )
     pl.add_argument(
-        "--max-tokens", type=flags.number(int, 1), default=4096, help="target tokens per batch (default: 4096)"
+        "--devices",
+        type=flags.number(int, 1),
+        metavar="N",
+        help="simulated CPU devices of the mesh (default: the devices JAX sees)",
     )
     pl.add_argument(
-        "--width", type=flags.number(int, 2), help="tokens per row (default: the model's positions, at most 128)"
+        "--max-tokens",
+        type=flags.number(int, 1),
+        metavar="N",
+        default=4096,
+        help="target tokens per batch (default: 4096)",
     )
-    pl.add_argument("--accumulate", type=flags.number(int, 1), default=1, help="micro-batches per step (default: 1)")
+    pl.add_argument(
+        "--width",
+        type=flags.number(int, 2),
+        metavar="N",
+        help="tokens per row (default: the model's positions, at most 128)",
+    )
+    pl.add_argument(
+        "--accumulate", type=flags.number(int, 1), metavar="N", default=1, help="micro-batches per step (default: 1)"
+    )
     pl.add_argument("--dtype", choices=("float32", "bfloat16"), help="compute dtype (default: the model's)")
     pl.add_argument("--remat", choices=REMAT_POLICIES, help="recompute layers in the backward pass (as train's)")
     from jax_transformer.settings.config import LORA_FIELDS, OptimConfig, TransformerConfig

@@ -28,6 +28,14 @@ def add(sub) -> None:
         help="text: the score; tsv: line, score, token ids, per-token log-probs; jsonl: the same as JSON "
         "(default text)",
     )
+    sc.add_argument(
+        "--on-too-long",
+        choices=("error", "skip"),
+        default="error",
+        help="a pair with a side longer than the model's max_len tokens: stop with an error naming the line (after "
+        "writing the lines before it), or write an empty record in its place, as for a pair with an empty side, and "
+        "name the line in the report (default error)",
+    )
     from jax_transformer.settings.config import LoopConfig
 
     flags.add_settings(sc, LoopConfig, "loop", "output", only=("progress",))
@@ -42,6 +50,9 @@ def run(args, start_time: float) -> int:
     from jax_transformer.errors import UsageError
     from jax_transformer.settings.config import DecodeConfig
 
+    if args.tsv and (args.src or args.tgt):
+        given = " and ".join(flag for flag, value in (("--src", args.src), ("--tgt", args.tgt)) if value)
+        raise UsageError(f"score: --tsv {args.tsv} holds the pairs; it takes no {given} (give one or the other)")
     if not args.tsv and not (args.src and args.tgt):
         raise UsageError("score: give --tsv FILE (source<TAB>target lines), or --src FILE and --tgt FILE")
     flags.use_compilation_cache(args)
@@ -51,14 +62,15 @@ def run(args, start_time: float) -> int:
     fd = output.fileno(sys.stdout)
     write = print if fd is None else OutputLines(fd)
     try:
-        count = translator.score_lines(
+        report = translator.score_lines(
             reader,
             write,
             origin=args.tsv or args.src,
             output_format=args.output_format,
             progress=flags.given(args, "loop").get("progress"),
+            on_too_long=args.on_too_long,
         )
     finally:
         sys.stdout.flush()
-    print(f"scored {count} pairs; {reader.describe()}", file=sys.stderr)
+    print(f"{report.describe()}; {reader.describe()}", file=sys.stderr)
     return 0

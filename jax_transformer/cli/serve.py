@@ -31,6 +31,7 @@ def run(args, start_time: float) -> int:
     from jax_transformer.settings.config import ServeConfig
 
     settings = ServeConfig.from_dict(flags.given(args, "serve"), source="serve flags")
+    service.read_api_key(settings)  # a missing or empty key file is said before the model loads
     flags.use_compilation_cache(args)
     found = service.build(flags.translator(args), settings)
     service.serve(found, print_fn=lambda line: print(line, file=sys.stderr, flush=True))

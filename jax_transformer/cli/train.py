@@ -71,6 +71,7 @@ def add(sub) -> None:
     g.add_argument(
         "--seed",
         type=flags.number(int, 0, 2**32),
+        metavar="N",
         help="seed of initialisation, dropout and data order, a 32-bit number (default 0)",
     )
     g.add_argument(

@@ -27,15 +27,15 @@ def add(sub) -> None:
         choices=("text", "tsv"),
         default="text",
         help="text: a sentence per line; tsv: source<TAB>target prefix, the translation beginning with the prefix "
-        "(an empty prefix: none) (default text)",
+        "(an empty prefix, or a line without a tab: none) (default text)",
     )
     tr.add_argument(
         "--output-format",
         choices=("text", "tsv", "jsonl"),
         default="text",
-        help="text: each hypothesis on a line (--n-best lines per input line); tsv: line, rank, score, text; "
-        "jsonl: a JSON object per input line with every hypothesis, its score, tokens and per-token "
-        "log-probs (default text)",
+        help="text: each hypothesis on a line (--n-best lines per input line); tsv: line, rank, score, text, a row "
+        "per hypothesis (an empty line: one row of its line number); jsonl: a JSON object per input line with every "
+        "hypothesis, its score, tokens and per-token log-probs (default text)",
     )
     tr.add_argument(
         "--on-too-long",

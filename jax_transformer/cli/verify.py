@@ -32,6 +32,7 @@ def add(sub) -> None:
     v.add_argument(
         "--device",
         default="cpu",
+        metavar="DEVICE",
         help="torch device of the PyTorch twin, e.g. cpu or cuda (default cpu); JAX uses its default backend",
     )
     v.add_argument(

@@ -294,10 +294,11 @@ class PairReader:
             if src_item is None or tgt_item is None:
                 n_src, n_tgt = count_lines(src), count_lines(tgt)
                 longer, shorter = (src, tgt) if n_src > n_tgt else (tgt, src)
+                missing = "translation" if longer == src else "source sentence"  # what the shorter file lacks
                 raise DataError(
                     f"{src} has {n_src} lines but {tgt} has {n_tgt}: {shorter} ends after line "
-                    f"{min(n_src, n_tgt)}, so line {min(n_src, n_tgt) + 1} of {longer} has no translation; the files "
-                    f"must be line-aligned"
+                    f"{min(n_src, n_tgt)}, so line {min(n_src, n_tgt) + 1} of {longer} has no {missing} in {shorter}; "
+                    f"the files must be line-aligned"
                 )
             (line, source), (_, target) = src_item, tgt_item
             if not source.strip():

@@ -17,6 +17,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from jax_transformer.compilation import jit_by_config
+from jax_transformer.data.corpus import MAX_REPORTED_LINES
 from jax_transformer.decoding.decoders import on_device
 from jax_transformer.decoding.translation import TRANSLATE_CHUNK_LINES, batch_buckets, decode_widths
 from jax_transformer.errors import DataError
@@ -54,26 +55,31 @@ def score_pairs(
     *,
     batch_size: int = SCORE_BATCH_SIZE,
     names: Sequence[str] | None = None,
-) -> list[Score]:
+    on_too_long: str = "error",
+) -> list[Score | None]:
     """The Score of each (source, target) pair, in order. Pairs are sorted by length and scored `batch_size` at a
     time, padded to a few shapes (rows: `translation.batch_buckets`, widths: `translation.decode_widths`) so that
     compilations are few. A side longer than the model's max_len is a DataError naming the pair (`names`, default
-    "pair i")."""
+    "pair i"), or with on_too_long="skip" a None in its place (`too_long` says why)."""
     if len(sources) != len(targets):
         raise ValueError(f"{len(sources)} sources and {len(targets)} targets: give one target per source")
+    if on_too_long not in ON_TOO_LONG:
+        raise ValueError(f"on_too_long must be one of {ON_TOO_LONG}, got {on_too_long!r}")
     names = names or [f"pair {i}" for i in range(len(sources))]
     src_ids = [list(ids) + [config.eos_id] for ids in tokenizer.encode_batch(list(sources))]
     tgt_ids = [list(ids) for ids in tokenizer.encode_batch(list(targets), side="target")]
-    for name, s, t in zip(names, src_ids, tgt_ids):
+    out: list[Score | None] = [None] * len(src_ids)
+    kept = []
+    for i, (name, s, t) in enumerate(zip(names, src_ids, tgt_ids)):
         if len(s) > config.max_len or len(t) + 1 > config.max_len:
-            raise DataError(
-                f"{name}: {len(s) - 1} source and {len(t)} target tokens, more than the model's max_len="
-                f"{config.max_len} positions take (one more on each side for EOS, or the start token)"
-            )
+            if on_too_long == "error":
+                raise DataError(too_long(name, len(s) - 1, len(t), config))
+        else:
+            kept.append(i)
     params = on_device(params)
     widths, rows_of = decode_widths(config.max_len), batch_buckets(batch_size)
-    order = np.argsort([max(len(s), len(t) + 1) for s, t in zip(src_ids, tgt_ids)], kind="stable")
-    out: list[Score | None] = [None] * len(src_ids)
+    kept = np.asarray(kept, np.int64)
+    order = kept[np.argsort([max(len(src_ids[i]), len(tgt_ids[i]) + 1) for i in kept], kind="stable")]
     for start in range(0, len(order), batch_size):
         chunk = order[start : start + batch_size]
         rows = next(r for r in rows_of if r >= len(chunk))
@@ -96,6 +102,17 @@ def score_pairs(
 SCORE_FORMATS = ("text", "tsv", "jsonl")
 
 
+ON_TOO_LONG = ("error", "skip")
+
+
+def too_long(name: str, source_tokens: int, target_tokens: int, config: TransformerConfig) -> str:
+    """Why a pair cannot be scored: a side longer than the model's positions."""
+    return (
+        f"{name}: {source_tokens} source and {target_tokens} target tokens, more than the model's max_len="
+        f"{config.max_len} positions take (one more on each side for EOS, or the start token)"
+    )
+
+
 def format_score(score: Score | None, line: int, output_format: str) -> str:
     """One output line for input line `line` (None: a pair that was not scored, an empty side). text: the score;
     tsv: line, score, tokens and per-token log-probs (space-separated); jsonl: a JSON object of the same."""
@@ -109,6 +126,24 @@ def format_score(score: Score | None, line: int, output_format: str) -> str:
     return f"{line}\t{score.score:.6g}\t{' '.join(map(str, score.tokens))}\t{per_token}"
 
 
+@dataclasses.dataclass
+class ScoreReport:
+    """What `score_lines` did: pairs scored, and the lines skipped as longer than the model takes (the first
+    MAX_REPORTED_LINES of them named)."""
+
+    scored: int = 0
+    too_long: int = 0
+    too_long_lines: list[int] = dataclasses.field(default_factory=list)
+
+    def describe(self) -> str:
+        text = f"scored {self.scored} pairs"
+        if self.too_long:
+            more = ", ..." if self.too_long > len(self.too_long_lines) else ""
+            lines = ", ".join(map(str, self.too_long_lines)) + more
+            text += f"; skipped {self.too_long} longer than the model takes (an empty record each: lines {lines})"
+        return text
+
+
 def score_lines(
     params,
     config: TransformerConfig,
@@ -120,25 +155,49 @@ def score_lines(
     output_format: str = "text",
     chunk_size: int = TRANSLATE_CHUNK_LINES,
     progress: bool | None = True,
-) -> int:
+    on_too_long: str = "error",
+) -> ScoreReport:
     """Scores (line, source, target) pairs (e.g. a `corpus.PairReader`, which skips pairs with an empty side) and
-    calls `write` once per line from the first pair's line on, in order: a line the pairs skip gets an empty
-    record, so that output line i stays input line i. Memory is bounded by `chunk_size` pairs. Returns the count
-    of pairs scored."""
+    calls `write` once per line, in order: a line the pairs skip gets an empty record, so that output line i stays
+    input line i (to the reader's last line, `pairs.lines`, where it has one). Memory is bounded by `chunk_size` pairs.
+
+    A pair with a side longer than the model takes: with on_too_long="error", a DataError naming `origin` and the
+    line, after the records of the lines before it are written; with "skip", an empty record in its place, counted
+    and named in the report."""
     if output_format not in SCORE_FORMATS:
         raise ValueError(f"output_format must be one of {SCORE_FORMATS}, got {output_format!r}")
-    scored, last = 0, 0
+    if on_too_long not in ON_TOO_LONG:
+        raise ValueError(f"on_too_long must be one of {ON_TOO_LONG}, got {on_too_long!r}")
+    report, last = ScoreReport(), 0
     iterator = iter(pairs)
     with tqdm(desc="score", unit="pair", disable=None if progress is None else not progress) as bar:
         while chunk := list(itertools.islice(iterator, chunk_size)):
             lines, sources, targets = zip(*chunk)
             names = [f"{origin}, line {line}" for line in lines]
-            found = score_pairs(params, config, tokenizer, sources, targets, names=names)
-            for line, score in zip(lines, found):
+            found = score_pairs(params, config, tokenizer, sources, targets, names=names, on_too_long="skip")
+            for line, source, target, score in zip(lines, sources, targets, found):
+                if score is None and on_too_long == "error":  # what comes before it is written, then it stops
+                    n_source, n_target = (len(ids) for ids in _token_counts(tokenizer, source, target))
+                    raise DataError(
+                        too_long(f"{origin}, line {line}", n_source, n_target, config)
+                        + "; the lines before it are scored; pass --on-too-long skip to write an empty record "
+                        "for such lines"
+                    )
                 for gap in range(last + 1, line):  # lines the reader skipped
                     write(format_score(None, gap, output_format))
                 write(format_score(score, line, output_format))
                 last = line
-            scored += len(chunk)
+                if score is None:
+                    report.too_long += 1
+                    if len(report.too_long_lines) < MAX_REPORTED_LINES:
+                        report.too_long_lines.append(line)
+                else:
+                    report.scored += 1
             bar.update(len(chunk))
-    return scored
+    for gap in range(last + 1, getattr(pairs, "lines", last) + 1):  # lines after the last pair, skipped too
+        write(format_score(None, gap, output_format))
+    return report
+
+
+def _token_counts(tokenizer, source: str, target: str) -> tuple[list[int], list[int]]:
+    return tokenizer.encode_batch([source])[0], tokenizer.encode_batch([target], side="target")[0]

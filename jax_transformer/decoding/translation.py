@@ -505,16 +505,17 @@ OUTPUT_FORMATS = ("text", "tsv", "jsonl")
 def format_translation(found: Translation | None, line: int, output_format: str, n_best: int = 1) -> list[str]:
     """The output lines of input line `line` (None: an empty line). text: each hypothesis's text on a line of its
     own (n_best lines per input line, "" where there is none); tsv: line, rank, score and text, tab-separated, a
-    row per hypothesis; jsonl: one JSON object with the source, the prefix and every hypothesis with its score,
-    tokens and per-token log-probs."""
+    row per hypothesis (an empty line: one row with its line number and empty fields); jsonl: one JSON object
+    with the source, the prefix and every hypothesis with its score, tokens and per-token log-probs."""
     hypotheses = found.hypotheses if found is not None else []
     if output_format == "jsonl":
         record = {"line": line, "source": found.source if found else "", "prefix": found.prefix if found else None}
         record["hypotheses"] = [dataclasses.asdict(h) for h in hypotheses]
         return [json.dumps(record, ensure_ascii=False)]
     texts = [h.text.replace("\r", " ").replace("\n", " ") for h in hypotheses]  # one line per hypothesis
-    if output_format == "tsv":
-        return [f"{line}\t{rank}\t{h.score:.6g}\t{text}" for rank, (h, text) in enumerate(zip(hypotheses, texts), 1)]
+    if output_format == "tsv":  # an empty line (no hypothesis): one row of its line number alone
+        rows = [f"{line}\t{rank}\t{h.score:.6g}\t{text}" for rank, (h, text) in enumerate(zip(hypotheses, texts), 1)]
+        return rows or [f"{line}\t\t\t"]
     return (texts + [""] * n_best)[:n_best]
 
 

@@ -140,13 +140,17 @@ class Translator:
 
     # --- scores ---------------------------------------------------------------------------------------------
 
-    def score(self, sources: Sequence[str], targets: Sequence[str], **kwargs) -> list[scoring.Score]:
+    def score(self, sources: Sequence[str], targets: Sequence[str], **kwargs) -> list[scoring.Score | None]:
         """The `Score` of each (source, target) pair: the sum of the target tokens' log-probs (EOS included), the
-        tokens and each one's log-prob, as CTranslate2's score_batch gives them."""
+        tokens and each one's log-prob, as CTranslate2's score_batch gives them (on_too_long="skip": None for a
+        pair longer than the model takes, else a DataError naming it)."""
         return scoring.score_pairs(self.params, self.config, self.tokenizer, list(sources), list(targets), **kwargs)
 
-    def score_lines(self, pairs: Iterable[tuple[int, str, str]], write: Callable[[str], None], **kwargs) -> int:
-        """`scoring.score_lines` with this model: (line, source, target) pairs streamed, a record per line."""
+    def score_lines(
+        self, pairs: Iterable[tuple[int, str, str]], write: Callable[[str], None], **kwargs
+    ) -> scoring.ScoreReport:
+        """`scoring.score_lines` with this model: (line, source, target) pairs streamed, a record per line
+        (`on_too_long` error or skip)."""
         return scoring.score_lines(self.params, self.config, self.tokenizer, pairs, write, **kwargs)
 
     # --- documents ------------------------------------------------------------------------------------------

@@ -455,10 +455,15 @@ def import_model(
         named = _json(folder / "adapter_config.json").get("base_model_name_or_path")
         if base is None and not named:
             raise UsageError(f"{source}: its adapter_config.json names no base model; give --base")
-        if base is not None:
-            check_adapter_base(folder, named, str(base))
-        base_folder, base_hub = resolve_source(base if base is not None else named)
-        model = read_peft_adapter(folder, _named_source(read_pretrained(base_folder), base_hub))
+        if base is not None and is_run_directory(base):  # what `import` wrote: its weights, read offline
+            base_model = read_run(base)
+            check_adapter_base(folder, named, base_model.source)
+        else:
+            if base is not None:
+                check_adapter_base(folder, named, str(base))
+            base_folder, base_hub = resolve_source(base if base is not None else named)
+            base_model = _named_source(read_pretrained(base_folder), base_hub)
+        model = read_peft_adapter(folder, base_model)
         if hub:  # the adapter too by its hub name and commit, not by the cache's folder
             adapter = {**model.original["adapter"], "source": hub["name"], "revision": hub["revision"]}
             model = dataclasses.replace(model, original={**model.original, "adapter": adapter})
@@ -754,6 +759,50 @@ def export_peft(params, config: TransformerConfig, run: dict, output: str | Path
         text = json.dumps(peft.peft_config(config, base), indent=2, sort_keys=True) + "\n"
         (folder / "adapter_config.json").write_text(text, encoding="utf-8")
     return output
+
+
+def is_run_directory(source: str | Path) -> bool:
+    """A run directory of this project's (its checkpoints/ folder), or that folder itself (step folders named by
+    their numbers), not a transformers one."""
+    path = Path(source)
+    if (path / "checkpoints").is_dir():
+        return True
+    return path.is_dir() and any(child.name.isdigit() and child.is_dir() for child in path.iterdir())
+
+
+def read_run(directory: str | Path) -> Pretrained:
+    """The pretrained model a run directory holds (`train.py import` wrote it, or a run started from one): its
+    best checkpoint's weights, config and tokenizer, known by the name it was imported from (what a peft adapter
+    names as its base) and decoding as the run stored it. Read from disk alone: nothing is downloaded."""
+    from jax_transformer.checkpoint.manager import load
+    from jax_transformer.checkpoint.settings import stored_settings
+
+    loaded = load(directory, "best", weights_only=True)
+    settings = stored_settings(loaded)
+    origin = dict(settings.get("imported_from") or {})
+    if origin.get("family") not in ("marian", "fsmt", "fairseq", "m2m_100", "mbart"):
+        raise UsageError(
+            f"--base {directory}: a run trained here from scratch; a peft adapter adapts a transformers model: give "
+            f"the run `import` wrote from that model, its directory, or its hub name"
+        )
+    if loaded.config.lora_rank:
+        raise UsageError(f"--base {directory}: its model has LoRA adapters already; give the run they adapt")
+    decode = dict(settings.get("decode", {}))
+    generation = {k: v for k, v in decode.items() if k not in ("rules", "banned", "beam_size", "alpha")}
+    generation.update(
+        num_beams=decode.get("beam_size", 1),
+        length_penalty=decode.get("alpha", 1.0),
+        banned=[int(i) for i in str(decode.get("banned", "")).split(",") if i.strip()],
+    )
+    return Pretrained(
+        family=origin.pop("family"),
+        config=loaded.config,
+        params=loaded.params,
+        tokenizer=loaded.tokenizer,
+        generation=generation,
+        source=str(origin.pop("source", directory)),
+        original=origin,
+    )
 
 
 def is_peft_adapter(source: str | Path) -> bool:

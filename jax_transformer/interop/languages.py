@@ -3,13 +3,48 @@ embedding row (and logits bias) that code gets, as transformers' resize_token_em
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+from collections.abc import Iterable
 
 import numpy as np
 
 from jax_transformer.data.tokenizer import LanguageCodeTokenizer, TokenizersJsonTokenizer
 from jax_transformer.errors import ConfigError
 from jax_transformer.model.params import flatten, unflatten
+
+
+def code_form(code: str) -> str:
+    """The form of a language code: each lower-case letter a, upper-case letter A, digit 9, the rest as it is
+    (NLLB-200's eng_Latn is aaa_Aaaa, mBART-50's en_XX is aa_AA)."""
+    return "".join("a" if c.islower() else "A" if c.isupper() else "9" if c.isdigit() else c for c in code)
+
+
+def _in_form(code: str, form: str) -> str | None:
+    """`code`'s letters and digits laid into `form` (case as the form says, its separators), or None when their
+    count differs: the closest code of that form."""
+    chars = [c for c in code if c.isalnum()]
+    slots = [i for i, f in enumerate(form) if f in "aA9"]
+    if len(chars) != len(slots) or any((form[i] == "9") != c.isdigit() for i, c in zip(slots, chars)):
+        return None
+    out = list(form)
+    for i, c in zip(slots, chars):
+        out[i] = c.lower() if form[i] == "a" else c.upper() if form[i] == "A" else c
+    return "".join(out)
+
+
+def check_new_code(code: str, codes: Iterable[str], flag: str = "--add-language") -> None:
+    """A code to add must have a form of the model's own codes (`code_form`): any other string would become a
+    special token that the tokenizer then finds inside ordinary text ("en", "the", "a b"). ConfigError naming the
+    forms, an example of each and the closest valid code otherwise."""
+    forms = collections.Counter(code_form(c) for c in codes)
+    if code_form(code) in forms:
+        return
+    examples = {form: next(c for c in codes if code_form(c) == form) for form, _ in forms.most_common(3)}
+    shown = ", ".join(f"{form} (e.g. {example})" for form, example in examples.items())
+    closest = next((found for form, _ in forms.most_common() if (found := _in_form(code, form))), None)
+    hint = f"; the closest valid form: {closest}" if closest and closest not in codes else ""
+    raise ConfigError(f"{flag} {code!r}: not of the form of this model's language codes, {shown}{hint}")
 
 
 def with_language(checkpoint, code: str, like: str | None = None):
@@ -27,6 +62,7 @@ def with_language(checkpoint, code: str, like: str | None = None):
             f"--add-language: the tokenizer of the model in {checkpoint.directory} has {kind}; new codes are added "
             f"to NLLB-200's and mBART-50's (a tokenizer.json)"
         )
+    check_new_code(code, tokenizer.codes)
     if code in tokenizer.codes or code in tokenizer.backend.get_vocab(with_added_tokens=True):
         raise ConfigError(f"--add-language {code!r}: the tokenizer has it already (id {tokenizer.codes.get(code)})")
     if like is not None and like not in tokenizer.codes:

@@ -606,12 +606,29 @@ def app(service: Service):
 # =============================================================================================================
 
 
+def read_api_key(settings: ServeConfig) -> str | None:
+    """The key of --api-key-file (None without one); a file that is missing, unreadable or empty is a ConfigError,
+    said before the model loads."""
+    if not settings.api_key_file:
+        return None
+    try:
+        api_key = open(settings.api_key_file, encoding="utf-8").read().strip()
+    except OSError as e:
+        raise ConfigError(f"--api-key-file {settings.api_key_file}: cannot read it: {e.strerror or e}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"--api-key-file {settings.api_key_file}: not UTF-8 text") from None
+    if not api_key:
+        raise ConfigError(f"--api-key-file {settings.api_key_file}: the file is empty")
+    return api_key
+
+
 def build(translator, settings: ServeConfig, *, detect: bool = True) -> Service:
     """The service of a model loaded to translate (`decoding.translator.Translator`: its weights and its decoding):
     its languages, detector (where py3langid is installed), key and batcher (not started)."""
-    loaded, decode = translator.loaded, translator.decode
     from jax_transformer.data.tokenizer import with_languages
     from jax_transformer.decoding.documents import Segmenter, model_fits
+
+    loaded, decode = translator.loaded, translator.decode
 
     languages = Languages.of(loaded, settings.languages)
     segmenters: dict[str, Any] = {}
@@ -628,14 +645,7 @@ def build(translator, settings: ServeConfig, *, detect: bool = True) -> Service:
             detector = Detector(languages)
         except ConfigError:
             detector = None
-    api_key = None
-    if settings.api_key_file:
-        try:
-            api_key = open(settings.api_key_file, encoding="utf-8").read().strip()
-        except OSError as e:
-            raise ConfigError(f"--api-key-file {settings.api_key_file}: cannot read it: {e.strerror or e}") from None
-        if not api_key:
-            raise ConfigError(f"--api-key-file {settings.api_key_file}: the file is empty")
+    api_key = read_api_key(settings)
     window = settings.batch_window_ms / 1000
     batcher = Batcher(loaded, max_tokens=settings.max_tokens, window_s=window, max_queue=settings.max_queue)
     return Service(loaded, decode, languages, batcher, settings, segmenter, detector, api_key)

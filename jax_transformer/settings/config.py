@@ -65,12 +65,14 @@ def setting(
     above: float | None = None,
     below: float | None = None,
     why: str = "",
+    metavar: str | None = None,
 ) -> Any:
     """A dataclass field with its help text (`train.py --help` shows it for the flag of the same name) and what
     `Settings` checks on construction: one of `choices`, or a number >= `at_least`, > `above`, < `below`; `why` is
-    added to the message when the range is violated."""
+    added to the message when the range is violated. `metavar`: what the flag's value is in its help (FILE, DIR,
+    CODE, ...); a number's follows from its type (N, X), and a text field without one is TEXT."""
     limits = dict(choices=choices, at_least=at_least, above=above, below=below, why=why)
-    return dataclasses.field(default=default, metadata={"help": help, **limits})
+    return dataclasses.field(default=default, metadata={"help": help, "metavar": metavar, **limits})
 
 
 class Settings:
@@ -258,6 +260,7 @@ class TransformerConfig(Settings):
         "q,v",
         "the matrices that get adapters, comma-separated: q, k, v, out (every attention's projections, self and "
         "cross), ffn (both feed-forward matrices) (peft's target_modules q_proj, v_proj by default)",
+        metavar="TARGETS",
     )
     # --- how to compute (COMPUTE_FIELDS: run settings, not architecture) -------------------------------
     dtype: str = setting(
@@ -441,6 +444,7 @@ class OptimConfig(Settings):
         "parameters left as they are (no gradient, no optimiser state), comma-separated: embeddings (token tables "
         "and learned positions), encoder, decoder, or a glob over parameter paths such as 'decoder/layer_[01]/*' "
         "(default: all trained; with LoRA adapters, only they are)",
+        metavar="PATTERNS",
     )
 
     def check(self) -> None:
@@ -474,20 +478,26 @@ class DataConfig(Settings):
 
     kind = "data"
     error = DataError
-    src: str | None = setting(None, "training source sentences, one per line (line-aligned with --tgt)")
-    tgt: str | None = setting(None, "training target sentences, one per line")
-    tsv: str | None = setting(None, "training pairs as source<TAB>target lines (instead of --src/--tgt)")
-    valid_src: str | None = setting(None, "validation source sentences (for loss, BLEU, chrF)")
-    valid_tgt: str | None = setting(None, "validation target sentences")
-    valid_tsv: str | None = setting(None, "validation pairs as source<TAB>target lines")
+    src: str | None = setting(None, "training source sentences, one per line (line-aligned with --tgt)", metavar="FILE")
+    tgt: str | None = setting(None, "training target sentences, one per line", metavar="FILE")
+    tsv: str | None = setting(
+        None, "training pairs as source<TAB>target lines (instead of --src/--tgt)", metavar="FILE"
+    )
+    valid_src: str | None = setting(None, "validation source sentences (for loss, BLEU, chrF)", metavar="FILE")
+    valid_tgt: str | None = setting(None, "validation target sentences", metavar="FILE")
+    valid_tsv: str | None = setting(None, "validation pairs as source<TAB>target lines", metavar="FILE")
     vocab_size: int = setting(
         8000, "joint SentencePiece vocabulary size, an upper bound", at_least=4, why="(pad, bos, eos, unk)"
     )
     tokenizer_type: str = setting("unigram", "SentencePiece model type", choices=("unigram", "bpe"))
     src_lang: str | None = setting(
-        None, "a multilingual model's source language code (NLLB's eng_Latn, M2M-100's en, mBART-50's en_XX)"
+        None,
+        "a multilingual model's source language code (NLLB's eng_Latn, M2M-100's en, mBART-50's en_XX)",
+        metavar="CODE",
     )
-    tgt_lang: str | None = setting(None, "a multilingual model's target language code, forced as its first token")
+    tgt_lang: str | None = setting(
+        None, "a multilingual model's target language code, forced as its first token", metavar="CODE"
+    )
     language_columns: bool = setting(
         False,
         "TSV lines are src_lang<TAB>tgt_lang<TAB>source<TAB>target: a multilingual model trained and evaluated on "
@@ -497,9 +507,12 @@ class DataConfig(Settings):
         None,
         "with --init-from: a new language code for a multilingual model (NLLB-200, mBART-50), added to its "
         "tokenizer as a special token with the next id and to its embedding table as a new row",
+        metavar="CODE",
     )
     init_from_language: str | None = setting(
-        None, "the existing code whose embedding row the new one starts as (default: the mean of every code's row)"
+        None,
+        "the existing code whose embedding row the new one starts as (default: the mean of every code's row)",
+        metavar="CODE",
     )
     max_tokens: int = setting(
         4096,
@@ -545,9 +558,13 @@ class DataConfig(Settings):
         None,
         "folder where training files are encoded once into memory-mapped token arrays, read by every later start "
         "(default $JAX_TRANSFORMER_CACHE, else ~/.cache/jax_transformer/corpora)",
+        metavar="DIR",
     )
 
     def check(self) -> None:
+        for name in ("add_language", "init_from_language", "src_lang", "tgt_lang"):
+            if getattr(self, name) is not None and not getattr(self, name).strip():
+                raise ConfigError(f"--{name.replace('_', '-')}: an empty language code")
         for split, (src, tgt, tsv) in (
             ("training", (self.src, self.tgt, self.tsv)),
             ("validation", (self.valid_src, self.valid_tgt, self.valid_tsv)),
@@ -641,12 +658,15 @@ class LoopConfig(Settings):
         "folder of JAX's persistent compilation cache (compiled programs and GPU autotuning reused by later "
         "runs; decoders are also kept as traced, in its programs/ subfolder), or "
         f"'{OFF}' (default: $JAX_COMPILATION_CACHE_DIR, else ~/.cache/jax_transformer/xla)",
+        metavar="DIR",
     )
     compile_ahead: bool = setting(
         True, "compile the train step, eval step and decoders ahead in parallel threads, each waited for when needed"
     )
     profile: str | None = setting(
-        None, "write a jax.profiler trace of steps START:STOP (e.g. 20:25) into <run>/profile (TensorBoard, Perfetto)"
+        None,
+        "write a jax.profiler trace of steps START:STOP (e.g. 20:25) into <run>/profile (TensorBoard, Perfetto)",
+        metavar="START:STOP",
     )
 
     def check(self) -> None:
@@ -735,7 +755,9 @@ class DecodeConfig(Settings):
         "transformers rules: the longest output, the decoder's start token included (default: max_len)",
         at_least=2,
     )
-    banned: str = setting("", "transformers rules: ids never produced, comma-separated (its one-token bad_words_ids)")
+    banned: str = setting(
+        "", "transformers rules: ids never produced, comma-separated (its one-token bad_words_ids)", metavar="IDS"
+    )
     forced_eos: bool = setting(
         False, "transformers rules: only EOS may come at the last position (forced_eos_token_id)"
     )
@@ -883,7 +905,9 @@ class ServeConfig(Settings):
     """How `train.py serve` listens, batches and refuses (`jax_transformer.serving.service`)."""
 
     kind = "serve"
-    host: str = setting("127.0.0.1", "address to listen on (0.0.0.0: every interface, reachable from other hosts)")
+    host: str = setting(
+        "127.0.0.1", "address to listen on (0.0.0.0: every interface, reachable from other hosts)", metavar="HOST"
+    )
     port: int = setting(5000, "TCP port (LibreTranslate's default; 0: any free port, printed at start)", at_least=0,
                         below=65536)  # fmt: skip
     max_tokens: int = setting(
@@ -903,12 +927,15 @@ class ServeConfig(Settings):
         256, "connections served at once; more are answered 503 (uvicorn's limit_concurrency)", at_least=1
     )
     api_key_file: str | None = setting(
-        None, "a file holding the API key every request must carry (LibreTranslate's api_key); none: no key"
+        None,
+        "a file holding the API key every request must carry (LibreTranslate's api_key); none: no key",
+        metavar="FILE",
     )
     languages: str | None = setting(
         None,
         "SRC-TGT codes of a model without language codes, as LibreTranslate names them (e.g. de-en); default: "
         "the built-in task's en-fr, or an OPUS-MT name's pair",
+        metavar="PAIRS",
     )
     shutdown_timeout_s: float = setting(
         60.0, "on SIGTERM, how long requests in flight may take to finish before the process exits", above=0.0
@@ -939,9 +966,12 @@ class ParallelConfig(Settings):
         "the sharded step's mesh, e.g. data=2,fsdp=2,tensor=2: batch rows over data and fsdp, the state split over "
         "fsdp (each large array) and tensor (heads, feed-forward units); an axis left out is 1, data takes the "
         "devices the others leave; default: all devices on data (docs/scaling.md)",
+        metavar="AXES",
     )
     coordinator: str | None = setting(
-        None, "HOST:PORT where process 0 runs JAX's coordination service (multi-process runs; same on every process)"
+        None,
+        "HOST:PORT where process 0 runs JAX's coordination service (multi-process runs; same on every process)",
+        metavar="HOST:PORT",
     )
     num_processes: int | None = setting(None, "how many processes take part (with --coordinator)", at_least=1)
     process_id: int | None = setting(
