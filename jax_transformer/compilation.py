@@ -204,11 +204,13 @@ def exportable(cls):
 
 
 @functools.cache
-def _package_digest() -> str:
-    """sha256 of this package's Python source: an edit to the model or the decoders changes what they trace to."""
+def _package_digest(root: Path | None = None) -> str:
+    """sha256 of this package's Python source, every sub-package's too: an edit to the model or the decoders changes
+    what they trace to."""
+    root = root or Path(__file__).parent
     digest = hashlib.sha256()
-    for path in sorted(Path(__file__).parent.glob("*.py")):
-        digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    for path in sorted(root.rglob("*.py")):
+        digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
     return digest.hexdigest()
 
 

@@ -310,3 +310,16 @@ def test_use_cache_turns_the_store_on_only_when_asked_and_able(tmp_path, monkeyp
         assert compilation.use_cache(str(tmp_path / "a"), programs=True) and compilation._programs is None
     finally:
         compilation.use_cache("off")
+
+
+def test_the_source_digest_covers_every_sub_package(tmp_path):
+    """A stored decoder's key holds the package's source: an edit in a sub-package (the model, the search) is
+    another key, not a decoder traced from the old code."""
+    (tmp_path / "decoding").mkdir()
+    (tmp_path / "top.py").write_text("a = 1\n")
+    (tmp_path / "decoding" / "search.py").write_text("b = 1\n")
+    before = compilation._package_digest(tmp_path)
+    compilation._package_digest.cache_clear()
+    (tmp_path / "decoding" / "search.py").write_text("b = 2\n")
+    assert compilation._package_digest(tmp_path) != before
+    compilation._package_digest.cache_clear()

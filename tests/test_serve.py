@@ -182,6 +182,8 @@ def test_the_native_endpoint_takes_every_option_and_gives_scores(server, run):
         ({"text": "one", "options": {"beam_size": 0}}, 400, "beam_size"),
         ({"text": "one", "options": {"beams": 2}}, 400, "unknown DecodeConfig field(s) ['beams']"),
         ({"text": "one", "options": {"beam_size": [2, 4]}}, 400, "options.beam_size: expected one value"),
+        # One rule with the flags': a beam does not apply to sampling (the service's own beam stays, unused).
+        ({"text": "one", "options": {"do_sample": True, "beam_size": 3}}, 400, "options.beam_size does not apply"),
         ({"text": "one", "options": {"beam_size": 9}}, 400, "options.beam_size 9: more than this service allows (8)"),
         ({"q": "one \ud800", "source": "en", "target": "fr"}, 400, "q: not Unicode text"),
         ({"q": "x" * 5000, "source": "en", "target": "fr"}, 413, "more than this service takes (4,000)"),

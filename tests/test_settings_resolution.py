@@ -109,14 +109,14 @@ CONFIG = TransformerConfig(src_vocab_size=64, tgt_vocab_size=64)
 
 def test_sampling_against_beams_is_one_rule_for_flags_and_requests():
     """A beam given with sampling is refused, by the flags' resolution and a request's alike (each naming its
-    own spelling); a stored beam does not carry into sampling."""
+    own spelling); a stored beam stays, unused: sampling keeps one hypothesis per sample."""
     with pytest.raises(ConfigError, match=r"--beam-size does not apply to sampling \(--do-sample"):
         resolve.decoding(CONFIG, {}, {"do_sample": True, "beam_size": 3})
     with pytest.raises(ConfigError, match=r"options\.beam_size does not apply to sampling \(options\.do_sample"):
         resolve.request_decoding(CONFIG, DecodeConfig(beam_size=5), {"do_sample": True, "beam_size": 3})
     from_flags = resolve.decoding(CONFIG, {"beam_size": 5}, {"do_sample": True})
     from_request = resolve.request_decoding(CONFIG, DecodeConfig(beam_size=5), {"do_sample": True})
-    assert from_flags == from_request and from_flags.beams == 1 and from_flags.beam_size == DecodeConfig().beam_size
+    assert from_flags == from_request and from_flags.beams == 1 and from_flags.beam_size == 5
 
 
 def test_flags_over_stored_over_defaults():

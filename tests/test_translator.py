@@ -54,19 +54,19 @@ def test_translate_gives_what_translations_gives(translator, sentences):
 
 def test_options_of_a_call_apply_to_it_alone(translator, sentences):
     before = translator.decode
-    greedy = translator.translate(sentences[:4], beam_size=1)
-    assert translator.decode == before
-    again = translator.translate(sentences[:4])
-    assert all(len(t.hypotheses) == 1 for t in greedy + again)
+    wide = translator.translate(sentences, beam_size=3, n_best=2)  # the decoders of the test above: no new ones
+    assert translator.decode == before and all(len(t.hypotheses) == 2 for t in wide)
+    again = translator.translate(sentences)
+    assert all(len(t.hypotheses) == 1 for t in again)
     assert translator.decoding(beam_size=1).beam_size == 1 and translator.decoding() == before
 
 
 def test_constructor_options_are_every_calls_decoding(run_dir, translator, sentences):
     from jax_transformer import Translator
 
-    wide = Translator(run_dir, "latest", beam_size=3, n_best=3)
-    assert (wide.decode.beam_size, wide.decode.n_best) == (3, 3)
-    _same(wide.translate(sentences[:5]), translator.translate(sentences[:5], beam_size=3, n_best=3))
+    wide = Translator(run_dir, "latest", beam_size=3, n_best=2)
+    assert (wide.decode.beam_size, wide.decode.n_best) == (3, 2)
+    _same(wide.translate(sentences), translator.translate(sentences, beam_size=3, n_best=2))
 
 
 def test_prefixes_begin_the_translations(translator, sentences):

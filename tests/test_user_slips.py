@@ -33,10 +33,11 @@ def _score(run_dir, *flags):
 
 def test_score_stops_at_a_long_line_after_writing_the_lines_before_it(run_dir, tmp_path):
     pairs = tmp_path / "pairs.tsv"
-    pairs.write_text(f"un\tone\n{LONG}\tsept\ndeux\ttwo\n", encoding="utf-8")
+    pairs.write_text(f"un\tone\n\tvide\n{LONG}\tsept\ndeux\ttwo\n", encoding="utf-8")
     code, out, err = _score(run_dir, "--tsv", str(pairs))
-    assert code == 1 and f"{pairs}, line 2:" in err and "--on-too-long skip" in err, err
-    assert len(out.splitlines()) == 1 and float(out) < 0  # line 1's score, written before the stop
+    assert code == 1 and f"{pairs}, line 3:" in err and "--on-too-long skip" in err, err
+    records = out.split("\n")
+    assert len(records) == 3 and float(records[0]) < 0 and records[1:] == ["", ""]  # lines 1 and 2, then the stop
 
 
 def test_score_skips_long_lines_with_an_empty_record_in_place(run_dir, tmp_path):

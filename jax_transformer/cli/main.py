@@ -113,7 +113,7 @@ def _prog() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from jax_transformer.checkpoint.manager import quiet_closed_loop_callbacks
+    from jax_transformer.checkpoint.hooks import quiet_closed_loop_callbacks
 
     start_time = time.time()
     quiet_closed_loop_callbacks()

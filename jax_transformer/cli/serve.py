@@ -31,8 +31,8 @@ def run(args, start_time: float) -> int:
     from jax_transformer.settings.config import ServeConfig
 
     settings = ServeConfig.from_dict(flags.given(args, "serve"), source="serve flags")
-    service.read_api_key(settings)  # a missing or empty key file is said before the model loads
+    api_key = service.read_api_key(settings)  # a missing or empty key file is said before the model loads
     flags.use_compilation_cache(args)
-    found = service.build(flags.translator(args), settings)
+    found = service.build(flags.translator(args), settings, api_key=api_key)
     service.serve(found, print_fn=lambda line: print(line, file=sys.stderr, flush=True))
     return 0

@@ -92,6 +92,11 @@ def run(args, start_time: float) -> int:
     if args.document:
         from jax_transformer.decoding.documents import OutputText
 
+        if translator.decode.n_best > 1:  # the run's stored choice
+            raise UsageError(
+                f"--document writes one translation of each sentence: the run's --n-best {translator.decode.n_best} "
+                f"needs --n-best 1"
+            )
         try:
             report = translator.translate_stream(
                 args.input or sys.stdin.buffer,

@@ -17,7 +17,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from jax_transformer.compilation import jit_by_config
-from jax_transformer.data.corpus import MAX_REPORTED_LINES
+from jax_transformer.data.corpus import MAX_REPORTED_LINES, PairReader
 from jax_transformer.decoding.decoders import on_device
 from jax_transformer.decoding.translation import TRANSLATE_CHUNK_LINES, batch_buckets, decode_widths
 from jax_transformer.errors import DataError
@@ -159,7 +159,7 @@ def score_lines(
 ) -> ScoreReport:
     """Scores (line, source, target) pairs (e.g. a `corpus.PairReader`, which skips pairs with an empty side) and
     calls `write` once per line, in order: a line the pairs skip gets an empty record, so that output line i stays
-    input line i (to the reader's last line, `pairs.lines`, where it has one). Memory is bounded by `chunk_size` pairs.
+    input line i (to the last line a `PairReader` read). Memory is bounded by `chunk_size` pairs.
 
     A pair with a side longer than the model takes: with on_too_long="error", a DataError naming `origin` and the
     line, after the records of the lines before it are written; with "skip", an empty record in its place, counted
@@ -176,6 +176,8 @@ def score_lines(
             names = [f"{origin}, line {line}" for line in lines]
             found = score_pairs(params, config, tokenizer, sources, targets, names=names, on_too_long="skip")
             for line, source, target, score in zip(lines, sources, targets, found):
+                for gap in range(last + 1, line):  # lines the reader skipped
+                    write(format_score(None, gap, output_format))
                 if score is None and on_too_long == "error":  # what comes before it is written, then it stops
                     n_source, n_target = (len(ids) for ids in _token_counts(tokenizer, source, target))
                     raise DataError(
@@ -183,8 +185,6 @@ def score_lines(
                         + "; the lines before it are scored; pass --on-too-long skip to write an empty record "
                         "for such lines"
                     )
-                for gap in range(last + 1, line):  # lines the reader skipped
-                    write(format_score(None, gap, output_format))
                 write(format_score(score, line, output_format))
                 last = line
                 if score is None:
@@ -194,7 +194,8 @@ def score_lines(
                 else:
                     report.scored += 1
             bar.update(len(chunk))
-    for gap in range(last + 1, getattr(pairs, "lines", last) + 1):  # lines after the last pair, skipped too
+    end = pairs.lines if isinstance(pairs, PairReader) else last  # a reader's last line; a list's: its last pair
+    for gap in range(last + 1, end + 1):  # lines after the last pair, skipped too
         write(format_score(None, gap, output_format))
     return report
 

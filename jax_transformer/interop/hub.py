@@ -457,7 +457,7 @@ def import_model(
             raise UsageError(f"{source}: its adapter_config.json names no base model; give --base")
         if base is not None and is_run_directory(base):  # what `import` wrote: its weights, read offline
             base_model = read_run(base)
-            check_adapter_base(folder, named, base_model.source)
+            check_adapter_base(folder, named, base_model.source, f"{base} (imported from {base_model.source})")
         else:
             if base is not None:
                 check_adapter_base(folder, named, str(base))
@@ -842,11 +842,12 @@ def read_peft_adapter(folder: str | Path, base: Pretrained) -> Pretrained:
     return dataclasses.replace(base, config=config, params=params, original=original)
 
 
-def check_adapter_base(adapter_folder: str | Path, named: str | None, base: str) -> None:
+def check_adapter_base(adapter_folder: str | Path, named: str | None, base: str, shown: str | None = None) -> None:
     """An adapter names the model it was trained on (`named`: its base_model_name_or_path); `base`, given instead,
-    must be that model: the same name, or a local folder of that name (a download of it)."""
+    must be that model: the same name, or a local folder of that name (a download of it). `shown`: how the
+    message names what was given (a run directory and the model it was imported from)."""
     if named and Path(str(named).rstrip("/")).name != Path(str(base).rstrip("/")).name:
         raise UsageError(
-            f"{adapter_folder}: the adapter was trained on {named}, not on --base {base}; an adapter of another base "
-            f"does not fit (give --base {named}, or a local copy of it)"
+            f"{adapter_folder}: the adapter was trained on {named}, not on --base {shown or base}; an adapter of "
+            f"another base does not fit (give --base {named}, or a local copy of it)"
         )

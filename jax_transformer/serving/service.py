@@ -373,9 +373,9 @@ class Service:
         except (ConfigError, TypeError, ValueError) as e:
             raise HTTPError(400, f"{field}: {e}") from None
         most = self.settings.max_beam
-        for name in ("beam_size", "n_best"):
-            if getattr(decode, name) > most:
-                raise HTTPError(400, f"{field}.{name} {getattr(decode, name)}: more than this service allows ({most})")
+        for name, value in (("beam_size", decode.beams), ("n_best", decode.n_best)):  # sampling keeps one beam
+            if value > most:
+                raise HTTPError(400, f"{field}.{name} {value}: more than this service allows ({most})")
         return decode
 
     def pair(self, source: Any, target: Any) -> tuple[str | None, str | None]:
@@ -612,7 +612,8 @@ def read_api_key(settings: ServeConfig) -> str | None:
     if not settings.api_key_file:
         return None
     try:
-        api_key = open(settings.api_key_file, encoding="utf-8").read().strip()
+        with open(settings.api_key_file, encoding="utf-8") as f:
+            api_key = f.read().strip()
     except OSError as e:
         raise ConfigError(f"--api-key-file {settings.api_key_file}: cannot read it: {e.strerror or e}") from None
     except UnicodeDecodeError:
@@ -622,9 +623,10 @@ def read_api_key(settings: ServeConfig) -> str | None:
     return api_key
 
 
-def build(translator, settings: ServeConfig, *, detect: bool = True) -> Service:
+def build(translator, settings: ServeConfig, *, detect: bool = True, api_key: str | None = None) -> Service:
     """The service of a model loaded to translate (`decoding.translator.Translator`: its weights and its decoding):
-    its languages, detector (where py3langid is installed), key and batcher (not started)."""
+    its languages, detector (where py3langid is installed), key and batcher (not started). `api_key`: read already
+    (`read_api_key`: a pipe is read once); else --api-key-file's, read here."""
     from jax_transformer.data.tokenizer import with_languages
     from jax_transformer.decoding.documents import Segmenter, model_fits
 
@@ -645,7 +647,7 @@ def build(translator, settings: ServeConfig, *, detect: bool = True) -> Service:
             detector = Detector(languages)
         except ConfigError:
             detector = None
-    api_key = read_api_key(settings)
+    api_key = api_key if api_key is not None else read_api_key(settings)
     window = settings.batch_window_ms / 1000
     batcher = Batcher(loaded, max_tokens=settings.max_tokens, window_s=window, max_queue=settings.max_queue)
     return Service(loaded, decode, languages, batcher, settings, segmenter, detector, api_key)

@@ -264,14 +264,12 @@ def request_decoding(
 
 def _over(below: Mapping[str, Any], choice: Mapping[str, Any], source: str, flag) -> DecodeConfig:
     """`choice` over `below`, with the one rule between sampling and beams: sampling draws one hypothesis per
-    sample, so a beam width given with it is an error, and one below it (a run's stored beam) does not apply."""
-    below = dict(below)
-    if choice.get("do_sample"):
-        if "beam_size" in choice:
-            raise ConfigError(
-                f"{flag('beam_size')} does not apply to sampling ({flag('do_sample')} draws one hypothesis per sample)"
-            )
-        below.pop("beam_size", None)
+    sample, so a beam width given with it is an error; one below it (a run's stored beam) stays, unused
+    (`DecodeConfig.beams` is 1)."""
+    if choice.get("do_sample") and "beam_size" in choice:
+        raise ConfigError(
+            f"{flag('beam_size')} does not apply to sampling ({flag('do_sample')} draws one hypothesis per sample)"
+        )
     return DecodeConfig.from_dict({**below, **choice}, source=source)
 
 
