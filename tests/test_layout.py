@@ -166,9 +166,5 @@ def test_the_rule_check_can_fail(tmp_path, monkeypatch):
     (fake / "model").mkdir(parents=True)
     (fake / "model" / "__init__.py").write_text('"""The model.\n\nMay import: settings.\n"""\n')
     (fake / "model" / "bad.py").write_text("from jax_transformer.training import run\n")
-    monkeypatch.setattr(__import__(__name__), "PACKAGE", fake, raising=False)
-    globals()["PACKAGE"], saved = fake, PACKAGE
-    try:
-        assert _uses()["model"] == {"training"} and _allowed("model") == {"settings"}
-    finally:
-        globals()["PACKAGE"] = saved
+    monkeypatch.setitem(globals(), "PACKAGE", fake)  # the module global the readers above use
+    assert _uses()["model"] == {"training"} and _allowed("model") == {"settings"}

@@ -18,7 +18,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "jax_transformer"
 NOT_MERGES = {("model/transformer.py", "init_params")}
 
 
-def _merges(path: Path) -> list[str]:
+def _merges(path: Path, root: Path = PACKAGE) -> list[str]:
     """Places in `path` that build a settings object from two sources: `X.from_dict({**a, ...})` (a dict display
     with an unpacking in it) or `x.replace(**y)` (the fields of one over another), each with its function."""
     found = []
@@ -33,7 +33,7 @@ def _merges(path: Path) -> list[str]:
             )
             unpacked = name == "replace" and any(k.arg is None for k in node.keywords)
             if merged_dict or unpacked:
-                where = (str(path.relative_to(PACKAGE)), function.name)
+                where = (str(path.relative_to(root)), function.name)
                 if where not in NOT_MERGES:
                     found.append(f"{where[0]}:{node.lineno} in {function.name}: {ast.unparse(node)[:80]}")
     return found
@@ -47,26 +47,12 @@ def test_no_module_outside_settings_merges_settings():
 def test_the_merge_check_can_fail(tmp_path):
     bad = tmp_path / "bad.py"
     bad.write_text("def f(stored, given):\n    return DecodeConfig.from_dict({**stored, **given})\n")
-    global PACKAGE
-    saved, PACKAGE = PACKAGE, tmp_path
-    try:
-        assert len(_merges(bad)) == 1
-    finally:
-        PACKAGE = saved
+    assert len(_merges(bad, tmp_path)) == 1
 
 
 def test_the_resolution_module_has_the_merges():
     """What the test above forbids elsewhere does happen, here: the check looks at the right things."""
-    assert _merges_in(PACKAGE / "settings" / "resolve.py")
-
-
-def _merges_in(path: Path) -> list[str]:
-    global PACKAGE
-    saved, PACKAGE = PACKAGE, path.parent
-    try:
-        return _merges(path)
-    finally:
-        PACKAGE = saved
+    assert _merges(PACKAGE / "settings" / "resolve.py")
 
 
 # --- the rules, each written once --------------------------------------------------------------------------
