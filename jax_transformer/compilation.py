@@ -444,13 +444,14 @@ def cache_entries(folder: str | os.PathLike) -> int:
 
 class CompileLog:
     """Running totals of compilation in this process, from jax.monitoring: `compiles` (XLA compiles or cache
-    loads), `seconds` (tracing + lowering + compiling, all threads), `thread_seconds` (those of the calling thread
-    only: what it spent compiling rather than waiting for another thread), persistent cache `hits` and `misses`.
+    loads), `traces` (Python functions traced to programs), `seconds` (tracing + lowering + compiling, all
+    threads), `thread_seconds` (those of the calling thread only: what it spent compiling rather than waiting for
+    another thread), persistent cache `hits` and `misses`.
     One listener is registered per process (jax offers no way to scope one); differences of snapshots give what
     happened in between."""
 
     _lock = threading.Lock()
-    _totals = {"compiles": 0, "seconds": 0.0, "hits": 0, "misses": 0}
+    _totals = {"compiles": 0, "traces": 0, "seconds": 0.0, "hits": 0, "misses": 0}
     _by_thread: dict[int, float] = {}
     _registered = False
 
@@ -470,6 +471,7 @@ class CompileLog:
             with cls._lock:
                 cls._totals["seconds"] += seconds
                 cls._totals["compiles"] += event == _BACKEND_EVENT
+                cls._totals["traces"] += event == _COMPILE_EVENTS[0]
                 cls._by_thread[thread] = cls._by_thread.get(thread, 0.0) + seconds
 
     @classmethod

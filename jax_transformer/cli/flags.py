@@ -90,13 +90,17 @@ def given(args, group: str) -> dict:
     return {dest[len(prefix) :]: v for dest, v in vars(args).items() if dest.startswith(prefix) and v is not None}
 
 
-def checkpoint_flags(p, *, compute: bool = False, mesh: bool = False) -> None:
+def checkpoint_flags(p, *, compute: bool = False, mesh: bool = False, required: bool = True) -> None:
     """--checkpoint and --step; with `compute`, how to compute (--dtype, --attention-kernel: TransformerConfig's);
-    with `mesh`, --mesh: the weights read straight onto a mesh of the devices, split as training splits them."""
+    with `mesh`, --mesh: the weights read straight onto a mesh of the devices, split as training splits them.
+    `required`: False where the sub-command can name its checkpoints otherwise (serve --models)."""
     from jax_transformer.settings.config import COMPUTE_FIELDS, ParallelConfig, TransformerConfig
 
     p.add_argument(
-        "--checkpoint", required=True, metavar="DIR", help="run directory (or its checkpoints/ folder) of a training"
+        "--checkpoint",
+        required=required,
+        metavar="DIR",
+        help="run directory (or its checkpoints/ folder) of a training",
     )
     p.add_argument(
         "--step",

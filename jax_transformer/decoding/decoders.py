@@ -345,7 +345,8 @@ def transformers_decoder(
         banned=tuple(int(i) for i in banned),
         forced_eos=bool(forced_eos),
         early_stopping=early_stopping,
-        repetition_penalty=float(repetition_penalty),
+        penalize=repetition_penalty != 1.0,
+        repetition_penalty=np.float32(repetition_penalty),
         no_repeat_ngram=int(no_repeat_ngram_size),
         sampler=sampler,
     )

@@ -40,6 +40,13 @@ def default() -> Schedule:
     return Scheduled() if jax.default_backend() == "cpu" else Whole()
 
 
+def serving() -> Schedule:
+    """A service's schedule: `default()`, its batches one at a time (a service's batch is what arrived together),
+    so that each batch shape runs one set of programs, all compiled before the service takes a request."""
+    schedule = default()
+    return dataclasses.replace(schedule, batches_side_by_side=False) if isinstance(schedule, Scheduled) else schedule
+
+
 def _shape(shape, dtype=jnp.int32) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(shape, dtype)
 
@@ -112,6 +119,16 @@ class Whole(Schedule):
             f"{level}x{width} cache {end}" + " resumed" * resumed: functools.partial(compile_one, level, end, resumed)
             for level, end, resumed in plan.programs
         }
+
+    def every_program(
+        self, params, config: TransformerConfig, rules: Rules, rows: int, width: int, length: int
+    ) -> dict[str, Callable[[], None]]:
+        """Compile jobs for every program a batch of (rows, width) sources may run, whatever its sources' lengths
+        and however its sentences finish (a service compiles them before it takes a request), by name."""
+        jobs = dict(self.programs(params, config, rules, rows, width, length))
+        for shape, job in self.encoder_programs(params, config, [(rows, width, width)]).items():
+            jobs[f"encoder {shape[0]}x{shape[1]} of width {width}"] = job
+        return jobs
 
     def encoder_programs(self, params, config: TransformerConfig, shapes: Iterable[tuple[int, int, int]]) -> dict:
         """Compile jobs for encoder programs of these (rows, cut width, batch width) shapes, by shape."""
@@ -302,13 +319,14 @@ class Scheduled(Whole):
     parts (False where whole batches are decoded side by side: `for_batches`)."""
 
     split: bool = True
+    batches_side_by_side: bool = True  # False: a batch at a time, always cut in parts (one set of programs)
 
     def for_batches(self, n_batches: int) -> tuple[int, Schedule]:
         """`side_by_side()` whole batches at once where there are that many, none cut in parts: each core
         multiplies matrices of twice the rows of a half batch, and one that finishes goes on with the next batch
         instead of waiting for the other half. Else 1, a batch at a time, which `decode` may cut in parts."""
         threads = side_by_side()
-        if n_batches >= threads > 1:
+        if self.batches_side_by_side and n_batches >= threads > 1:
             return threads, dataclasses.replace(self, split=False)
         return 1, self
 
@@ -385,3 +403,48 @@ class Scheduled(Whole):
     def programs(self, params, config, rules, rows, width, length):
         rows //= parallel_parts(rows, self.split)  # each part runs the programs of its own rows
         return super().programs(params, config, rules, rows, width, length)
+
+    def every_program(self, params, config, rules, rows, width, length):
+        """`Whole.every_program` for this schedule: besides `programs`, the encoder at every width a group of a
+        part's rows may be cut to, the program that puts the groups back in order, and the steps between two
+        programs (rows leaving the batch: `select_rows`; the cache growing: `grow`) at every level and cache length
+        the part's plan goes through."""
+        jobs = dict(self.programs(params, config, rules, rows, width, length))
+        part = rows // parallel_parts(rows, self.split)
+        cuts = sorted({encoder_shape(1, n, width)[1] for n in range(1, width + 1)})
+        groups = [part] if part <= ENCODER_ROWS else [ENCODER_ROWS] * (part // ENCODER_ROWS) + [part % ENCODER_ROWS]
+        groups = [g for g in groups if g]
+        shapes = {(g, cut, width) for g in set(groups) for cut in cuts}
+        for shape, job in self.encoder_programs(params, config, sorted(shapes)).items():
+            jobs[f"encoder {shape[0]}x{shape[1]} of width {width}"] = job
+        if len(groups) > 1:
+            pieces = tuple(_memory(config, g, width) for g in groups)
+            jobs[f"encoder order {part}x{width}"] = lambda: _in_row_order.lower(pieces, _shape((part,))).compile()
+        plan = self.plan(part, rules.beams, length)
+        options = dict(config=config, length=length, cache_len=plan.ends[0])
+        src, memory = _shape((part, width)), _memory(config, part, width)
+        args = (params, src, memory, rules, row_shapes(part, length), _shape(()))
+        first = jax.eval_shape(functools.partial(search.start.__wrapped__, **options), *args)
+
+        def state(level: int, end: int):  # the shape of the state of a program of `level` rows, a cache of `end`
+            def shaped(first, memory, src):
+                return grow(select_rows(first, memory, src, jnp.zeros(level, jnp.int32))[0], end)
+
+            return jax.eval_shape(shaped, first, memory, src)
+
+        def select_job(a: int, end: int, b: int):
+            at = state(a, end)
+            _select_rows_jit.lower(at, _memory(config, a, width), _shape((a, width)), _shape((b,))).compile()
+
+        def grow_job(level: int, end: int, to: int):
+            _grow_jit.lower(state(level, end), length=to).compile()
+
+        for a in plan.levels:
+            for i, end in enumerate(plan.ends):
+                for b in (b for b in plan.levels if b < a):
+                    jobs[f"{a}x{width} cache {end} to {b} rows"] = functools.partial(select_job, a, end, b)
+                if i + 1 < len(plan.ends):
+                    jobs[f"{a}x{width} cache {end} to {plan.ends[i + 1]}"] = functools.partial(
+                        grow_job, a, end, plan.ends[i + 1]
+                    )
+        return jobs

@@ -220,8 +220,11 @@ class Transformers(Rules):
     banned: tuple[int, ...] = flax.struct.field(pytree_node=False)
     forced_eos: bool = flax.struct.field(pytree_node=False)
     early_stopping: str = flax.struct.field(pytree_node=False)  # "false", "true" or "never"
-    repetition_penalty: float = flax.struct.field(pytree_node=False, default=1.0)  # 1: off
     no_repeat_ngram: int = flax.struct.field(pytree_node=False, default=0)  # 0: off
+    # Whether a repetition penalty applies is part of the program; its value is an argument, so that a service
+    # runs every value with one program.
+    penalize: bool = flax.struct.field(pytree_node=False, default=False)
+    repetition_penalty: jnp.ndarray = 1.0  # () float32, > 0
     sampler: Sampler | None = None
     impossible = NEG
 
@@ -229,10 +232,10 @@ class Transformers(Rules):
         scores = logits if self.greedy else jax.nn.log_softmax(logits, axis=-1)
         # In transformers' order of its logits processors: repetition penalty, n-gram bans, bad words, min length,
         # forced BOS, forced EOS. Its input_ids begin with the decoder's start token.
-        if self.repetition_penalty != 1.0 or self.no_repeat_ngram:
+        if self.penalize or self.no_repeat_ngram:
             seen = jnp.concatenate([jnp.full_like(past[:, :1], self.start_id), past], axis=1)  # (N, L + 1)
             known = jnp.arange(seen.shape[1]) <= step  # (L + 1,) the start token and the `step` tokens so far
-        if self.repetition_penalty != 1.0:
+        if self.penalize:
             scores = _penalize_repeats(scores, seen, known, self.repetition_penalty)
         if self.no_repeat_ngram:
             scores = _ban_repeated_ngrams(scores, seen, step, self.no_repeat_ngram)
@@ -278,7 +281,7 @@ class Transformers(Rules):
         return improvable & ~full & (s.step + 1 < s.rows.limit) & ~jnp.all(ends)
 
 
-def _penalize_repeats(scores, seen, known, penalty: float):
+def _penalize_repeats(scores, seen, known, penalty):
     """transformers' RepetitionPenaltyLogitsProcessor: every token in `seen` (where `known`) has its score divided
     by `penalty` if positive, multiplied by it if negative. scores (N, V), seen (N, S)."""
     rows = jnp.arange(scores.shape[0])[:, None]

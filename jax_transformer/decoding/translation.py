@@ -256,6 +256,41 @@ def compile_translation(
     return jobs
 
 
+def budget_shapes(max_tokens: int, max_len: int, row_multiple: int = 1) -> list[tuple[int, int]]:
+    """Every (rows, width) that `translation_batches` may give under a budget of `max_tokens` (rows x width), for
+    sources of any lengths: each row bucket at each width whose shape fits the budget, and the smallest bucket at
+    every width (a long sentence is decoded whatever the budget)."""
+    widths = decode_widths(max_len)
+    most = row_multiple  # as translation_batches finds it
+    while 2 * most * widths[0] <= max_tokens:
+        most *= 2
+    sizes = batch_buckets(most, row_multiple)
+    return [(rows, width) for width in widths for rows in sizes if rows == sizes[0] or rows * width <= max_tokens]
+
+
+def compile_every_shape(
+    params,
+    config: TransformerConfig,
+    decode: DecodeConfig,
+    shapes: Sequence[tuple[int, int]],
+    schedule: schedules.Schedule,
+) -> dict[str, Callable[[], Any]]:
+    """Compile jobs for every program `decode` may run on batches of these (rows, width) shapes on `schedule`,
+    whatever the sources' lengths (`Schedule.every_program`), by name: after them, decoding such batches compiles
+    nothing. Names are unique over decodings that share programs, so that jobs of several decodings can be merged
+    and each program compiled once."""
+    params = on_device(params)
+    jobs = {}
+    for rows, width in shapes:
+        found = decoder(config, decode, width)
+        key = f"{jax.tree.structure(found.rules)} {found.length} x{found.samples}"
+        for name, job in schedule.every_program(
+            params, config, found.rules, rows * found.samples, width, found.length
+        ).items():
+            jobs[f"{key}: {name}" if not name.startswith("encoder") else name] = job
+    return jobs
+
+
 def forced_language(decode: DecodeConfig | None, tokenizer) -> DecodeConfig:
     """`decode` (None: the default) with the target language's code as the first output token, for a tokenizer
     that marks languages (`tokenizer.LanguageCodeTokenizer`, whose model decodes by transformers' rules)."""
@@ -342,6 +377,8 @@ def translations(
     batch_size: int | None = None,
     max_tokens: int | None = None,
     progress: bool = True,
+    schedule: schedules.Schedule | None = None,
+    encoded: Sequence[np.ndarray] | None = None,
 ) -> list[Translation]:
     """Translates sentences (strings) as `decode` says (default: `DecodeConfig()`, this project's beam search of 4;
     the n-best list, sampling and the rules are its fields), each from its target prefix if `prefixes` gives one
@@ -353,9 +390,11 @@ def translations(
     more), several batches at once in threads of their own, which take the caller's matmul precision and default
     device. Weights on a mesh (`inference.load(mesh=...)`) decode each batch over it, its rows split over the
     'data' axis (`OverData`). For a file or stream of any size, `translate_lines` does this chunk by chunk.
+    `schedule`: how each batch runs (default: `schedule.default()`); `encoded`: the sentences' ids as
+    `encode_sources` gives them, where the caller has them already (a service counts tokens before it queues).
     """
     decode = forced_language(decode, tokenizer)
-    sources = encode_sources(tokenizer, sentences, config)
+    sources = list(encoded) if encoded is not None else encode_sources(tokenizer, sentences, config)
     if prefixes is not None and len(prefixes) != len(sources):
         raise ValueError(f"{len(prefixes)} prefixes for {len(sources)} sentences: give one (or None) per sentence")
     ids = None
@@ -363,7 +402,15 @@ def translations(
         ids = encode_prefixes(tokenizer, prefixes)
         check_prefixes(config, decode, sources, ids, [f"sentence {i}" for i in range(len(sources))])
     decoded = _decode_sources(
-        params, config, sources, ids, decode, batch_size=batch_size, max_tokens=max_tokens, progress=progress
+        params,
+        config,
+        sources,
+        ids,
+        decode,
+        batch_size=batch_size,
+        max_tokens=max_tokens,
+        progress=progress,
+        schedule=schedule,
     )
     prefixes = prefixes or [None] * len(sources)
     return [
@@ -394,10 +441,11 @@ def _decode_sources(
     batch_size: int | None,
     max_tokens: int | None,
     progress: bool,
+    schedule: schedules.Schedule | None = None,
 ) -> list[Decoded]:
     """The hypotheses of encoded sources (ids + EOS), each a Decoded of one row, in their order; see `translate`."""
     mesh = weights_mesh(params)  # on a mesh: every batch whole over it, its rows split over 'data'
-    schedule, row_multiple = (None, 1) if mesh is None else (OverData(mesh), mesh.shape["data"])
+    schedule, row_multiple = (schedule, 1) if mesh is None else (OverData(mesh), mesh.shape["data"])
     lengths = [len(s) for s in sources]
     plan = plan_translation(
         lengths, batch_size, config.max_len, schedule, max_tokens=max_tokens, row_multiple=row_multiple

@@ -1,17 +1,14 @@
-"""`train.py serve`: one process keeps a model and its compiled decoders and answers translations over HTTP.
+"""`train.py serve`: one process keeps one or several models and their compiled programs, and answers translations
+over HTTP (the application: `serving.http`).
 
-- `Batcher`: a thread that owns the model. Requests that arrive within `batch_window_ms` of each other share a
-  batch, up to `max_tokens` source tokens; each group of equal decoding options and languages decodes together
-  (`translation.translations`, sorted by length as `translate` sorts). A full queue is refused, not grown.
-- `Languages`: the model's codes (NLLB's eng_Latn, mBART-50's en_XX, M2M-100's en) and the ISO 639-1 codes
-  LibreTranslate's clients send ("en"), mapped by `langcodes`; `Detector` guesses a text's language with
-  py3langid, whose model ships inside its package.
-- `app`: a Starlette application with LibreTranslate's `POST /translate`, `GET /languages` and `POST /detect`
-  (so its clients work unchanged), a native `POST /v1/translate` with every decoding option and the scores, and
-  `GET /health`. Every error is a JSON body {"error": ...} with its status: 400 for a bad field (named), 403 for a
-  wrong API key, 413 for a body over the limit, 503 when the queue is full.
-- `serve`: uvicorn on 127.0.0.1 unless told otherwise. SIGTERM stops accepting connections, lets the requests in
-  flight finish (uvicorn's graceful shutdown, then the batcher drains), and exits.
+- `Model`: a model loaded to translate, its languages, the decodings it allows (`programs.Allowed`) and its
+  `Batcher`, the thread that owns it.
+- `Service`: what the handlers share: the models and the pair each serves (`route`), the detector, the key, the
+  per-client limits, the metrics and the access log.
+- `build`: a Service of models loaded already; `serve`: compiles every program each model may run (every allowed
+  decoding at every batch shape), then listens (uvicorn on 127.0.0.1 unless told otherwise, its protocol held
+  against slow clients: `serving.protocol`) until SIGTERM, which drops requests whose body has not arrived,
+  answers the accepted ones, and exits.
 
 Why Starlette and uvicorn (the `serve` extra): a small, maintained ASGI stack (FastAPI is built on it) with
 graceful shutdown and request streaming, so the body limit holds before a body is read. A text is split into
@@ -21,380 +18,111 @@ sentences with the layout kept (`documents.Segmenter`) as LibreTranslate splits 
 from __future__ import annotations
 
 import asyncio
-import collections
-import concurrent.futures
-import contextlib
 import dataclasses
-import hmac
-import json
 import logging
-import signal
-import threading
+import sys
 import time
-import urllib.parse
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from jax_transformer.errors import ConfigError, DataError, TokenError
+from jax_transformer.errors import ConfigError
+from jax_transformer.serving.batcher import Batcher, QueueFull, TooMany
+from jax_transformer.serving.errors import EXTRA, HTTPError
+from jax_transformer.serving.languages import Languages, detector_for
+from jax_transformer.serving.limits import ClientLimits
+from jax_transformer.serving.metrics import AccessLog, Metrics
+from jax_transformer.serving.programs import Allowed, CompileWatch, parse_allow, warm_up
 from jax_transformer.settings.config import DecodeConfig, ServeConfig
 
-log = logging.getLogger(__name__)
-
-EXTRA = "pip install -e '.[serve]'"
-
-
-class HTTPError(Exception):
-    """An answer other than 200: its status and the message of its JSON body."""
-
-    def __init__(self, status: int, message: str, headers: dict[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.headers = status, message, headers or {}
+log = logging.getLogger("jax_transformer.serving")
 
 
 # =============================================================================================================
-# Languages
+# A served model
 # =============================================================================================================
 
 
-def iso_code(code: str) -> str | None:
-    """The ISO 639-1 code (or 639-3 where there is none) of a model's language code: eng_Latn -> en, en_XX -> en,
-    de -> de; None where langcodes reads none."""
-    import langcodes
+def joined(pieces, translations, rank: int = 0) -> str:
+    """The text with each sentence replaced by its `rank`-th translation ("" where it has fewer), joined as
+    `translate --document` joins a document (`documents.joined`)."""
+    from jax_transformer.decoding import documents
 
-    try:
-        return langcodes.Language.get(code.replace("_", "-").split("-")[0]).language
-    except (ValueError, LookupError):
-        return None
-
-
-class Languages:
-    """The languages a model translates between: its own codes (a multilingual tokenizer's, or the one pair of a
-    model without codes), each also reachable by its ISO 639-1 code (the first model code of a language wins, e.g.
-    zho_Hans for "zh"; the model's own codes are always accepted)."""
-
-    def __init__(self, sources: Sequence[str], targets: Sequence[str], multilingual: bool) -> None:
-        self.sources, self.targets, self.multilingual = list(sources), list(targets), multilingual
-        self.alias: dict[str, str] = {}
-        for code in dict.fromkeys([*sources, *targets]):
-            short = iso_code(code)
-            if short and short not in self.alias:
-                self.alias[short] = code
-
-    @classmethod
-    def of(cls, loaded, pair: str | None) -> Languages:
-        tokenizer = loaded.tokenizer
-        if hasattr(tokenizer, "codes"):
-            codes = list(tokenizer.codes)
-            return cls(codes, codes, True)
-        src, tgt = _pair(loaded, pair)
-        return cls([src], [tgt], False)
-
-    def code(self, given: Any, field: str, side: str) -> str:
-        """The model's code for `given` (its own, or an ISO code), else HTTPError 400 naming the field."""
-        known = self.sources if side == "source" else self.targets
-        if not isinstance(given, str) or not given:
-            raise HTTPError(400, f"Invalid request: missing {field} parameter")
-        code = given if given in known else self.alias.get(given.lower())
-        if code not in known:
-            import difflib
-
-            candidates = [*(iso for iso, code in self.alias.items() if code in known), *known]
-            close = difflib.get_close_matches(given, candidates, n=5, cutoff=0.4)
-            hint = f" (closest: {', '.join(close)})" if close else f" (this model: {', '.join(self.short(known))})"
-            raise HTTPError(400, f"{field} {given!r} is not a {side} language of this model{hint}")
-        return code
-
-    def short(self, codes: Sequence[str]) -> list[str]:
-        """The codes as clients see them: ISO where one maps back to the code, else the model's own."""
-        out = []
-        for code in codes:
-            iso = iso_code(code)
-            out.append(iso if iso and self.alias.get(iso) == code else code)
-        return out
-
-    def listing(self) -> list[dict[str, Any]]:
-        """LibreTranslate's /languages: [{"code", "name", "targets"}] per source language."""
-        import langcodes
-
-        targets = self.short(self.targets)
-        out = []
-        for code, short in zip(self.sources, self.short(self.sources)):
-            try:
-                name = langcodes.Language.get(code.replace("_", "-")).display_name()
-            except (ValueError, LookupError, ImportError):  # (names need the language_data package)
-                name = code
-            out.append({"code": short, "name": name, "targets": [t for t in targets if t != short]})
-        return out
-
-
-def _pair(loaded, given: str | None) -> tuple[str, str]:
-    """The (source, target) codes of a model without language codes: --languages, else what its run says."""
-    if given:
-        src, _, tgt = given.partition("-")
-        if not src or not tgt:
-            raise ConfigError(f"--languages {given!r}: expected SRC-TGT, e.g. de-en")
-        return src, tgt
-    from jax_transformer.checkpoint.settings import stored_settings
-    from jax_transformer.settings.config import DataConfig
-
-    settings = stored_settings(loaded)
-    if DataConfig.from_dict(settings.get("data", {})).uses_default_task and not settings.get("imported_from"):
-        return "en", "fr"  # the built-in task: English number words to French
-    name = str((loaded.run or {}).get("imported_from", {}).get("source", ""))
-    if "opus-mt-" in name:  # Helsinki-NLP/opus-mt-de-en
-        parts = name.rsplit("opus-mt-", 1)[1].split("-")
-        if len(parts) == 2:
-            return parts[0], parts[1]
-    raise ConfigError(
-        "serve: this model has no language codes and its languages are not known from its run; give them, e.g. "
-        "--languages de-en"
-    )
-
-
-class Detector:
-    """A text's language among the model's source languages: py3langid (its model ships inside the package) with
-    normalized probabilities; [(model code, confidence 0-100)], most likely first."""
-
-    def __init__(self, languages: Languages) -> None:
-        try:
-            from py3langid.langid import MODEL_FILE, LanguageIdentifier
-        except ImportError:
-            raise ConfigError(f"language detection needs py3langid: {EXTRA}") from None
-        self.identifier = LanguageIdentifier.from_model_file(MODEL_FILE, norm_probs=True)
-        self.codes = {iso: code for iso, code in languages.alias.items() if code in languages.sources}
-        known = [iso for iso in self.codes if iso in self.identifier.nb_classes]
-        if not known:
-            raise ConfigError("language detection: none of this model's source languages is one py3langid knows")
-        self.identifier.set_languages(known)
-
-    def detect(self, text: str, n: int = 3) -> list[tuple[str, float]]:
-        ranked = self.identifier.rank(text)[:n]
-        return [(self.codes[iso], round(100.0 * float(p), 2)) for iso, p in ranked]
-
-
-# =============================================================================================================
-# Batching requests
-# =============================================================================================================
-
-
-class QueueFull(Exception):
-    pass
-
-
-class TooMany(Exception):
-    """A request of more sentences than the whole queue holds: it could never be taken (413, not 503)."""
+    return documents.joined(pieces, (t.hypotheses[rank].text if rank < len(t.hypotheses) else "" for t in translations))
 
 
 @dataclasses.dataclass
-class Job:
-    """Sentences of one request, decoded alike: their translations go to `future`."""
+class Model:
+    """A model the service translates with: its weights and decoding (`loaded`, `decode`), languages, the decodings
+    a request may ask for (`allowed`), its batcher and its sentence splitters."""
 
-    sentences: list[str]
-    decode: DecodeConfig
-    languages: tuple[str | None, str | None]
-    future: concurrent.futures.Future = dataclasses.field(default_factory=concurrent.futures.Future)
-    tokens: int | None = None  # source tokens, EOS included: counted when the batcher first looks at the job
-
-    @property
-    def key(self):
-        return self.decode, self.languages
-
-
-class Batcher:
-    """The thread that owns the model. `submit` queues a request's sentences (QueueFull past `max_queue`); the
-    thread takes the first waiting request, waits `window_s` for others (or until `max_tokens` source tokens
-    wait), and decodes each group of equal options and languages in one `translations` call."""
-
-    def __init__(self, loaded, *, max_tokens: int, window_s: float, max_queue: int) -> None:
-        self.loaded, self.max_tokens, self.window_s, self.max_queue = loaded, max_tokens, window_s, max_queue
-        self.jobs: collections.deque[Job] = collections.deque()
-        self.waiting = 0  # sentences queued, not yet taken
-        self.busy = 0  # sentences being decoded
-        self.served = self.batches = 0
-        self.closing = False
-        self.lock = threading.Condition()
-        self.tokenizers: dict[tuple, Any] = {}
-        self.thread = threading.Thread(target=self._run, name="decoder", daemon=True)
-
-    def start(self) -> Batcher:
-        self.thread.start()
-        return self
-
-    def submit(
-        self, sentences: list[str], decode: DecodeConfig, languages=(None, None), tokens: int | None = None
-    ) -> concurrent.futures.Future:
-        """Queues a request's sentences (`tokens`: their source tokens, counted by the caller off the lock)."""
-        job = Job(list(sentences), decode, tuple(languages), tokens=tokens)
-        if len(job.sentences) > self.max_queue:
-            raise TooMany(
-                f"the request holds {len(job.sentences)} sentences, more than this service queues ({self.max_queue}, "
-                f"--max-queue): send them in several requests"
-            )
-        with self.lock:
-            if self.closing or not self.thread.is_alive() and self.thread.ident is not None:
-                raise QueueFull("the service is shutting down")
-            if self.waiting + len(job.sentences) > self.max_queue:
-                raise QueueFull(
-                    f"the queue is full ({self.waiting} sentences waiting, at most {self.max_queue}); retry later"
-                )
-            self.jobs.append(job)
-            self.waiting += len(job.sentences)
-            self.lock.notify()
-        return job.future
-
-    def close(self, timeout: float | None = None) -> None:
-        """Refuses new requests, decodes the queued ones, then ends the thread."""
-        with self.lock:
-            self.closing = True
-            self.lock.notify()
-        self.thread.join(timeout)
-
-    def tokenizer(self, languages: tuple[str | None, str | None]):
-        """The tokenizer for a language pair (a view of the model's: the same files, its languages set)."""
-        if languages not in self.tokenizers:
-            from jax_transformer.data.tokenizer import with_languages
-
-            self.tokenizers[languages] = with_languages(self.loaded.tokenizer, *languages)
-        return self.tokenizers[languages]
-
-    def tokens(self, sentences: Sequence[str], languages) -> int:
-        """Source tokens of `sentences`, EOS included."""
-        return sum(len(ids) + 1 for ids in self.tokenizer(tuple(languages)).encode_batch(list(sentences)))
-
-    def _take(self) -> list[Job] | None:
-        """The next batch: the first waiting job and those that join it within the window, up to the budget."""
-        with self.lock:
-            while not self.jobs:
-                if self.closing:
-                    return None
-                self.lock.wait()
-            taken = [self.jobs.popleft()]
-            tokens = self._tokens(taken[0])
-            deadline = time.monotonic() + self.window_s
-            while tokens < self.max_tokens and not self.closing:
-                if not self.jobs:
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        break
-                    self.lock.wait(left)
-                    continue
-                tokens += self._tokens(self.jobs[0])
-                taken.append(self.jobs.popleft())
-            moved = sum(len(job.sentences) for job in taken)
-            self.waiting -= moved
-            self.busy += moved
-            return taken
-
-    def _tokens(self, job: Job) -> int:
-        if job.tokens is None:  # (callers count them before they submit, off the lock)
-            job.tokens = self.tokens(job.sentences, job.languages)
-        return job.tokens
-
-    def _run(self) -> None:
-        try:
-            self._serve()
-        except BaseException as e:  # the thread must not end quietly with requests waiting: fail them, refuse more
-            with self.lock:
-                self.closing = True
-                waiting, self.jobs = list(self.jobs), collections.deque()
-            for job in waiting:
-                if job.future.set_running_or_notify_cancel():
-                    job.future.set_exception(RuntimeError(f"the decoder stopped: {type(e).__name__}: {e}"))
-            raise
-
-    def _serve(self) -> None:
-        from jax_transformer.decoding.translation import translations
-
-        while (taken := self._take()) is not None:
-            groups: dict[Any, list[Job]] = {}
-            for job in taken:
-                if job.future.set_running_or_notify_cancel():  # False: its client is gone (a cancelled request)
-                    groups.setdefault(job.key, []).append(job)
-            for (decode, languages), jobs in groups.items():
-                sentences = [s for job in jobs for s in job.sentences]
-                try:
-                    found = translations(
-                        self.loaded.params,
-                        self.loaded.config,
-                        self.tokenizer(languages),
-                        sentences,
-                        decode,
-                        max_tokens=self.max_tokens,  # batches by the same budget (rows x padded width)
-                        progress=False,
-                    )
-                except Exception as e:  # noqa: BLE001 (the request gets the error; the service goes on)
-                    for job in jobs:
-                        job.future.set_exception(e)
-                else:
-                    start = 0
-                    for job in jobs:
-                        job.future.set_result(found[start : start + len(job.sentences)])
-                        start += len(job.sentences)
-                self.batches += 1
-            with self.lock:
-                done = sum(len(job.sentences) for job in taken)
-                self.busy -= done
-                self.served += done
-
-
-# =============================================================================================================
-# The HTTP application
-# =============================================================================================================
-
-
-@dataclasses.dataclass
-class Service:
-    """What the handlers share: the model, its decoding defaults, languages, the batcher and the limits."""
-
+    name: str
     loaded: Any
     decode: DecodeConfig
     languages: Languages
+    allowed: Allowed
     batcher: Batcher
     settings: ServeConfig
-    segmenter: Callable[[str], Any]  # language code -> documents.Segmenter
-    detector: Detector | None = None
-    api_key: str | None = None
+    segmenters: dict[str, Any] = dataclasses.field(default_factory=dict)
+    joined = staticmethod(joined)
 
     def decoding(self, options: Any, field: str = "options") -> DecodeConfig:
-        """The request's decoding: the fields given (DecodeConfig's names) over the service's, by the rules the
-        flags follow (`settings.resolve.request_decoding`), checked against --max-beam (each new width compiles
-        programs on the decoder thread)."""
+        """The request's decoding: the fields given (DecodeConfig's names) over the model's, by the rules the
+        flags follow (`settings.resolve.request_decoding`), if it is among the decodings this service compiled."""
         from jax_transformer.settings.resolve import request_decoding
 
-        if not options:
+        if options is None:
             return self.decode
         if not isinstance(options, dict):
-            raise HTTPError(400, f"{field}: expected an object of decoding settings, got {type(options).__name__}")
+            raise HTTPError(400, f"{field}: expected an object of decoding settings, got {_json_type(options)}")
+        options = dict(options)
         for name, value in options.items():
-            if isinstance(value, (list, dict)):
-                raise HTTPError(400, f"{field}.{name}: expected one value, got {type(value).__name__}")
+            if name == "banned" and isinstance(value, list):  # ids as a JSON list, as a client would send them
+                if not all(isinstance(i, int) and not isinstance(i, bool) for i in value):
+                    raise HTTPError(400, f"{field}.banned: expected token ids (whole numbers), got {value!r}"[:200])
+                options[name] = ",".join(str(i) for i in value)
+            elif isinstance(value, (list, dict)):
+                raise HTTPError(400, f"{field}.{name}: expected one value, got {_json_type(value)}")
+        if not options:
+            return self.decode
         try:
             decode = request_decoding(self.loaded.config, self.decode, options, field)
         except (ConfigError, TypeError, ValueError) as e:
-            raise HTTPError(400, f"{field}: {e}") from None
+            raise HTTPError(400, _request_message(str(e), field)) from None
         most = self.settings.max_beam
         for name, value in (("beam_size", decode.beams), ("n_best", decode.n_best)):  # sampling keeps one beam
             if value > most:
                 raise HTTPError(400, f"{field}.{name} {value}: more than this service allows ({most})")
+        fault = self.allowed.fault(decode, options, field)
+        if fault is not None:
+            raise HTTPError(400, fault)
         return decode
 
-    def pair(self, source: Any, target: Any) -> tuple[str | None, str | None]:
-        src = self.languages.code(source, "source", "source")
-        tgt = self.languages.code(target, "target", "target")
-        return (src, tgt) if self.languages.multilingual else (None, None)
+    def pair(self, source: str, target: str) -> tuple[str | None, str | None]:
+        """The tokenizer's languages for a pair of the model's codes ((None, None) for a model without codes)."""
+        return (source, target) if self.languages.multilingual else (None, None)
 
-    async def translate(self, texts: list[str], decode: DecodeConfig, pair) -> list[list[Any]]:
+    def segmenter(self, code: str):
+        """A source language's splitter; a sentence must fit with its code (if any)."""
+        if code not in self.segmenters:
+            from jax_transformer.data.tokenizer import with_languages
+            from jax_transformer.decoding.documents import Segmenter, model_fits
+
+            tokenizer = with_languages(self.loaded.tokenizer, code if self.languages.multilingual else None)
+            self.segmenters[code] = Segmenter(code, model_fits(tokenizer, self.loaded.config))
+        return self.segmenters[code]
+
+    async def translate(self, texts: list[str], decode: DecodeConfig, pair) -> list[tuple[Any, list]]:
         """Each text's sentences (their pieces, layout kept) with their `Translation`s: [(pieces, translations)]."""
 
         def prepare():  # splitting and tokenizing: in a worker thread, off the event loop and the batcher's lock
             segmenter = self.segmenter(pair[0] or self.languages.sources[0])
             pieces = [segmenter.split(text) for text in texts]
             sentences = [piece.text for each in pieces for piece in each if piece.sentence]
-            return pieces, sentences, self.batcher.tokens(sentences, pair)
+            return pieces, sentences, self.batcher.encode(sentences, pair)
 
-        pieces, sentences, tokens = await asyncio.to_thread(prepare)
+        pieces, sentences, encoded = await asyncio.to_thread(prepare)
         try:
-            future = self.batcher.submit(sentences, decode, pair, tokens) if sentences else None
+            future = self.batcher.submit(sentences, decode, pair, encoded) if sentences else None
         except TooMany as e:
             raise HTTPError(413, str(e)) from None
         except QueueFull as e:
@@ -407,203 +135,188 @@ class Service:
             start += n
         return out
 
+    def memory_bytes(self) -> int:
+        import jax
 
-def joined(pieces, translations, rank: int = 0) -> str:
-    """The text with each sentence replaced by its `rank`-th translation ("" where it has fewer), joined as
-    `translate --document` joins a document (`documents.joined`)."""
-    from jax_transformer.decoding import documents
-
-    return documents.joined(pieces, (t.hypotheses[rank].text if rank < len(t.hypotheses) else "" for t in translations))
+        return sum(getattr(leaf, "nbytes", 0) for leaf in jax.tree.leaves(self.loaded.params))
 
 
-async def read_body(request, limit: int) -> dict[str, Any]:
-    """The request's fields (JSON, or a form as libretranslatepy and HTML forms send), refused with 413 past
-    `limit` bytes before more is read."""
-    length = request.headers.get("content-length")
-    if length is not None and length.isdigit() and int(length) > limit:
-        raise HTTPError(413, f"the request body is {int(length):,} bytes, more than this service takes ({limit:,})")
-    body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise HTTPError(413, f"the request body is more than this service takes ({limit:,} bytes)")
-    kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
-    fields: dict[str, Any] = {}
-    if body and kind == "application/json":
-        try:
-            fields = json.loads(body)
-        except ValueError as e:
-            raise HTTPError(400, f"the body is not valid JSON: {e}") from None
-        if not isinstance(fields, dict):
-            raise HTTPError(400, "the body must be a JSON object")
-    elif body:
-        if kind not in ("", "application/x-www-form-urlencoded"):
-            raise HTTPError(415, f"content type {kind!r}: send application/json or application/x-www-form-urlencoded")
-        try:
-            fields = {k: v[-1] for k, v in urllib.parse.parse_qs(body.decode("utf-8"), keep_blank_values=True).items()}
-        except UnicodeDecodeError:
-            raise HTTPError(400, "the form is not UTF-8") from None
-    for key, values in urllib.parse.parse_qs(request.url.query).items():
-        fields.setdefault(key, values[-1])
-    return fields
+def _json_type(value: Any) -> str:
+    return {list: "a list", dict: "an object", str: "a string", bool: "true/false", type(None): "null"}.get(
+        type(value), type(value).__name__
+    )
 
 
-def _unique(texts: list[str], translation: str) -> list[str]:
-    out: list[str] = []
-    for text in texts:
-        if text and text != translation and text not in out:
-            out.append(text)
-    return out
+def _request_message(message: str, field: str) -> str:
+    """A settings error said to an HTTP client: once prefixed by the field, in its names, not the flags'."""
+    import re
+
+    message = re.sub(r"\s*\(decode field '[a-z_]+'\)", "", message)
+    message = re.sub(r"decode field '([a-z_]+)'", rf"{field}.\1", message)
+    message = re.sub(r"--([a-z][a-z0-9-]*)", lambda m: f"{field}.{m.group(1).replace('-', '_')}", message)
+    for named in set(re.findall(rf"\(({re.escape(field)}\.[a-z_]+)\)", message)):  # "x.alpha ... (x.alpha)": once
+        if message.find(named) < message.find(f"({named})"):
+            message = message.replace(f" ({named})", "")
+    return message if message.startswith(field) else f"{field}: {message}"
 
 
-def _int_field(fields: dict[str, Any], name: str, default: int) -> int:
-    value = fields.get(name, default)
-    try:
-        number = int(value)
-    except (TypeError, ValueError, OverflowError):
-        raise HTTPError(400, f"{name}: expected a whole number, got {value!r}") from None
-    if number < 0:
-        raise HTTPError(400, f"{name}: expected 0 or more, got {number}")
-    return number
+# =============================================================================================================
+# The service: models by pair
+# =============================================================================================================
 
 
-def _texts(fields: dict[str, Any], name: str) -> tuple[list[str], bool]:
-    """(texts, whether one string was sent) of field `name`: a string or a list of strings."""
-    value = fields.get(name)
-    if value is None:
-        raise HTTPError(400, f"Invalid request: missing {name} parameter")
-    texts, one = ([value], True) if isinstance(value, str) else (value, False)
-    if not isinstance(texts, list) or not all(isinstance(v, str) for v in texts):
-        raise HTTPError(400, f"{name}: expected a string or a list of strings")
-    for i, text in enumerate(texts):
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError as e:  # JSON can carry a lone surrogate ("\ud800"), which is no text
-            where = name if one else f"{name}[{i}]"
-            raise HTTPError(400, f"{where}: not Unicode text: {e.reason} at character {e.start}") from None
-    return texts, one
+@dataclasses.dataclass
+class Entry:
+    """A model to serve: its name, its loaded form (`decoding.translator.Translator`) and the pairs it serves
+    ("src-tgt" in any codes the model takes; None: every pair of its languages)."""
+
+    name: str
+    translator: Any
+    pairs: list[str] | None = None
+    origin: str = "--checkpoint"  # where it was named (models.json's entry), for messages
 
 
-def app(service: Service):
-    """The Starlette application of `service`."""
-    from starlette.applications import Starlette
-    from starlette.exceptions import HTTPException
-    from starlette.responses import JSONResponse
-    from starlette.routing import Route
+@dataclasses.dataclass
+class Service:
+    """What the handlers share (see the module's docstring)."""
 
-    def checked(handler, keyed: bool = True):
-        async def endpoint(request):
+    models: list[Model]
+    settings: ServeConfig
+    routes: dict[tuple[str, str], Model]  # (source, target) as clients see the codes -> the model serving it
+    limits: ClientLimits
+    metrics: Metrics
+    access: AccessLog
+    watch: CompileWatch
+    detector: Any = None
+    detection_off: str = ""  # why there is no detector
+    api_key: str | None = None
+    detected: Languages | None = None  # every model's source languages, which the detector tells apart
+    stopping: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
+    programs: int = 0  # compiled at start
+
+    def model(self, name: Any) -> Model:
+        for model in self.models:
+            if model.name == name:
+                return model
+        raise HTTPError(400, f"model {name!r} is not served here (models: {', '.join(m.name for m in self.models)})")
+
+    def route(self, source: Any, target: Any, model: Any = None, native: bool = False) -> tuple[Model, tuple]:
+        """The model of the pair a request asks for, and the tokenizer's languages: by the request's `model`
+        (native API) or by the pair, each code a model's own or a BCP 47 tag."""
+        candidates = [self.model(model)] if model is not None else self.models
+        if len(candidates) == 1:
+            found = candidates[0]
+            if native and not found.languages.multilingual:  # a model of one pair: its own unless given
+                source = found.languages.sources[0] if source is None else source
+                target = found.languages.targets[0] if target is None else target
+            src, tgt = (
+                found.languages.code(source, "source", "source"),
+                found.languages.code(target, "target", "target"),
+            )
+            if self.routes.get(_short(found, src, tgt)) is found:
+                return found, found.pair(src, tgt)
+            raise HTTPError(400, f"model {found.name!r} does not serve {source}-{target} here")
+        known = 0
+        for found in self.models:
             try:
-                fields = await read_body(request, service.settings.max_request_bytes)
-                if keyed and service.api_key is not None:
-                    bearer = request.headers.get("authorization", "")
-                    given = str(fields.get("api_key", bearer[7:] if bearer[:7].lower() == "bearer " else ""))
-                    key = given.encode("utf-8", "surrogatepass")
-                    if not hmac.compare_digest(key, service.api_key.encode()):
-                        raise HTTPError(403, "Invalid API key")
-                return JSONResponse(await handler(fields))
-            except HTTPError as e:
-                return JSONResponse({"error": e.message}, status_code=e.status, headers=e.headers)
-            except (DataError, ConfigError, TokenError) as e:  # a sentence or option the model refuses
-                return JSONResponse({"error": str(e)}, status_code=400)
-            except Exception as e:  # noqa: BLE001 (answered as JSON, logged; the service goes on)
-                log.exception("%s %s failed", request.method, request.url.path)
-                return JSONResponse({"error": f"internal error: {type(e).__name__}: {e}"}, status_code=500)
+                src = found.languages.code(source, "source", "source")
+                tgt = found.languages.code(target, "target", "target")
+            except HTTPError:
+                continue
+            known += 1
+            key = _short(found, src, tgt)
+            owner = self.routes.get(key)
+            if owner is found:
+                return found, found.pair(src, tgt)
+            if owner is not None:
+                codes = (
+                    owner.languages.code(key[0], "source", "source"),
+                    owner.languages.code(key[1], "target", "target"),
+                )
+                return owner, owner.pair(*codes)
+        if not known:
+            raise HTTPError(
+                400, f"{source!r} to {target!r}: no model here has these languages (pairs: {self.pairs_text()})"
+            )
+        raise HTTPError(400, f"no model here translates {source} to {target} (pairs: {self.pairs_text()})")
 
-        return endpoint
+    def pairs_text(self, most: int = 20) -> str:
+        pairs = [f"{a}-{b}" for a, b in self.routes]
+        return ", ".join(pairs[:most]) + (f", ... ({len(pairs)} in all)" if len(pairs) > most else "")
 
-    async def translate(fields):
-        texts, one = _texts(fields, "q")
-        if (fields.get("format") or "text") != "text":  # (LibreTranslate reads "" and null as text too)
-            raise HTTPError(400, f"format {fields.get('format')!r}: this service translates plain text ('text')")
-        alternatives = _int_field(fields, "alternatives", 0)
-        detected = None
-        source = fields.get("source")
-        if source == "auto":
-            if service.detector is None:
-                raise HTTPError(400, f"source 'auto': language detection is off (install py3langid: {EXTRA})")
-            code, confidence = (await asyncio.to_thread(service.detector.detect, " ".join(texts), 1))[0]
-            detected, source = {"confidence": confidence, "language": service.languages.short([code])[0]}, code
-        decode = service.decode
-        if alternatives:
-            n = alternatives + 1
-            decode = service.decoding({"n_best": n, "beam_size": max(n, decode.beam_size)}, "alternatives")
-        results = await service.translate(texts, decode, service.pair(source, fields.get("target")))
-        translated = [joined(pieces, found) for pieces, found in results]
-        answer: dict[str, Any] = {"translatedText": translated[0] if one else translated}
-        if alternatives:  # as LibreTranslate: the other texts, none empty, none twice, none the translation itself
-            others = [
-                _unique([joined(pieces, found, rank) for rank in range(1, alternatives + 1)], text)
-                for (pieces, found), text in zip(results, translated)
-            ]
-            answer["alternatives"] = others[0] if one else others
-        if detected is not None:
-            answer["detectedLanguage"] = detected if one else [detected] * len(texts)
-        return answer
+    def listing(self) -> list[dict[str, Any]]:
+        """LibreTranslate's /languages: [{"code", "name", "targets"}] per source language of any model."""
+        import langcodes
 
-    async def native(fields):
-        texts, _ = _texts(fields, "text")
-        decode = service.decoding(fields.get("options"))
-        if service.languages.multilingual:  # source and target: required (a model of one pair has its own)
-            pair = service.pair(fields.get("source"), fields.get("target"))
-        else:
-            pair = service.pair(fields.get("source", service.languages.sources[0]),
-                                fields.get("target", service.languages.targets[0]))  # fmt: skip
-        began = time.monotonic()
-        results = await service.translate(texts, decode, pair)
+        targets: dict[str, list[str]] = {}
+        for src, tgt in self.routes:
+            targets.setdefault(src, []).append(tgt)
+        out = []
+        for code, reachable in targets.items():
+            try:
+                name = langcodes.Language.get(code.replace("_", "-")).display_name()
+            except (ValueError, LookupError, ImportError):  # (names need the language_data package)
+                name = code
+            out.append({"code": code, "name": name, "targets": reachable})
+        return out
+
+    async def detect(self, texts: list[str], n: int = 1) -> list[tuple[str, float]] | tuple[str, float]:
+        """The most likely source languages of the texts as clients name them: [(code, confidence)] (n > 1), or
+        the best one alone (n = 1)."""
+        if self.detector is None:
+            raise HTTPError(400, f"language detection is off: {self.detection_off}")
+        ranked = await asyncio.to_thread(self.detector.detect, " ".join(texts), n)
+        ranked = [(self.detected.short([code])[0], confidence) for code, confidence in ranked]
+        return ranked if n > 1 else ranked[0]
+
+    def health(self) -> dict[str, Any]:
+        alive = all(m.batcher.thread.is_alive() and not m.batcher.closing for m in self.models)
+        since = self.watch.since_ready()
+        status = "stopping" if self.stopping.is_set() else "ok" if alive else "stopped"
+        total = lambda attr: sum(getattr(m.batcher, attr) for m in self.models)  # noqa: E731
         return {
-            "translations": [
-                {
-                    "text": joined(pieces, found),
-                    "sentences": [
-                        {"source": t.source, "hypotheses": [dataclasses.asdict(h) for h in t.hypotheses]} for t in found
-                    ],
+            "status": status,
+            "models": {
+                m.name: {
+                    "checkpoint": str(m.loaded.directory),
+                    "step": m.loaded.step,
+                    "waiting": m.batcher.waiting,
+                    "decoding": m.batcher.busy,
+                    "served": m.batcher.served,
+                    "batches": m.batcher.batches,
                 }
-                for pieces, found in results
-            ],
-            "decoding": decode.describe(),
-            "seconds": round(time.monotonic() - began, 4),
+                for m in self.models
+            },
+            "model": str(self.models[0].loaded.directory),
+            "step": self.models[0].loaded.step,
+            "waiting": total("waiting"),
+            "decoding": total("busy"),
+            "served": total("served"),
+            "batches": total("batches"),
+            "programs_compiled_at_start": self.programs,
+            "compilations_after_ready": since["compiles"],
+            "traces_after_ready": since["traces"],
         }
 
-    async def languages(fields):
-        return service.languages.listing()
 
-    async def detect(fields):
-        texts, _ = _texts(fields, "q")
-        if service.detector is None:
-            raise HTTPError(400, f"language detection is off (install py3langid: {EXTRA})")
-        ranked = await asyncio.to_thread(service.detector.detect, " ".join(texts))
-        return [{"confidence": c, "language": service.languages.short([code])[0]} for code, c in ranked]
-
-    async def health(fields):
-        b = service.batcher
-        return {
-            "status": "ok" if b.thread.is_alive() and not b.closing else "stopped",
-            "model": str(service.loaded.directory),
-            "step": service.loaded.step,
-            "waiting": b.waiting,
-            "decoding": b.busy,
-            "served": b.served,
-            "batches": b.batches,
-        }
-
-    routes = [
-        Route("/translate", checked(translate), methods=["POST"]),
-        Route("/languages", checked(languages, keyed=False), methods=["GET", "POST"]),  # as LibreTranslate's
-        Route("/detect", checked(detect), methods=["POST"]),
-        Route("/v1/translate", checked(native), methods=["POST"]),
-        Route("/health", checked(health, keyed=False), methods=["GET"]),
-    ]
-
-    async def not_here(request, error):  # 404, 405 and the like: JSON as every other answer
-        return JSONResponse({"error": error.detail}, status_code=error.status_code, headers=error.headers)
-
-    return Starlette(routes=routes, exception_handlers={HTTPException: not_here})
+def _split_pair(languages: Languages, text: str) -> tuple[str, str] | None:
+    """A "SRC-TGT" text as the model's codes: the first cut at a "-" where both sides are its languages (a side may
+    hold a "-" itself: pt-BR-en)."""
+    parts = text.split("-")
+    for cut in range(1, len(parts)):
+        try:
+            src = languages.code("-".join(parts[:cut]), "source", "source")
+            tgt = languages.code("-".join(parts[cut:]), "target", "target")
+        except HTTPError:
+            continue
+        return src, tgt
+    return None
 
 
-# =============================================================================================================
-# Running it
-# =============================================================================================================
+def _short(model: Model, src: str, tgt: str) -> tuple[str, str]:
+    """A pair of the model's codes as clients see them (the key of `Service.routes`)."""
+    a, b = model.languages.short([src, tgt])
+    return a, b
 
 
 def read_api_key(settings: ServeConfig) -> str | None:
@@ -623,50 +336,222 @@ def read_api_key(settings: ServeConfig) -> str | None:
     return api_key
 
 
-def build(translator, settings: ServeConfig, *, detect: bool = True, api_key: str | None = None) -> Service:
-    """The service of a model loaded to translate (`decoding.translator.Translator`: its weights and its decoding):
-    its languages, detector (where py3langid is installed), key and batcher (not started). `api_key`: read already
-    (`read_api_key`: a pipe is read once); else --api-key-file's, read here."""
-    from jax_transformer.data.tokenizer import with_languages
-    from jax_transformer.decoding.documents import Segmenter, model_fits
+def _routes(models: Sequence[Model], entries: Sequence[Entry], prefer: Mapping[str, str]) -> dict:
+    """(source, target) -> model, as clients see the codes: each model's pairs; a pair two models claim is an error
+    naming both, unless `prefer` ("src-tgt": model name) says which serves it."""
+    routes: dict[tuple[str, str], Model] = {}
+    for model, entry in zip(models, entries):
+        langs = model.languages
+        if entry.pairs is None:
+            pairs = [(s, t) for s in langs.sources for t in langs.targets if s != t or not langs.multilingual]
+        else:
+            pairs = []
+            for i, text in enumerate(entry.pairs):
+                pair = _split_pair(langs, str(text))
+                if pair is None:
+                    raise ConfigError(
+                        f"{entry.origin}: pairs[{i}] {text!r}: not SRC-TGT of this model's languages (e.g. "
+                        f"{langs.short(langs.sources[:1])[0]}-{langs.short(langs.targets[-1:])[0]})"
+                    )
+                pairs.append(pair)
+        shorts = dict(zip(langs.sources + langs.targets, langs.short(langs.sources + langs.targets)))
+        for src, tgt in pairs:
+            key = (shorts[src], shorts[tgt])
+            other = routes.get(key)
+            if other is not None and other is not model:
+                chosen = prefer.get(f"{key[0]}-{key[1]}")
+                if chosen not in (model.name, other.name):
+                    raise ConfigError(
+                        f"{key[0]}-{key[1]} is served by two models, {other.name!r} and {model.name!r}: list only one "
+                        f'of them for it, or say which in the file\'s "prefer": {{"{key[0]}-{key[1]}": NAME}}'
+                    )
+                routes[key] = model if chosen == model.name else other
+            else:
+                routes[key] = model
+    return routes
 
-    loaded, decode = translator.loaded, translator.decode
 
-    languages = Languages.of(loaded, settings.languages)
-    segmenters: dict[str, Any] = {}
+def build(
+    entries: Entry | Sequence[Entry] | Any,
+    settings: ServeConfig,
+    *,
+    prefer: Mapping[str, str] | None = None,
+    detect: bool = True,
+    api_key: str | None = None,
+) -> Service:
+    """The service of models loaded to translate (`Entry`s, or one `decoding.translator.Translator`): each one's
+    languages, allowed decodings and batcher (not started), the routes by pair, the detector (where py3langid is
+    installed), key, limits and metrics. `api_key`: read already (`read_api_key`: a pipe is read once); else
+    --api-key-file's, read here."""
+    from jax_transformer.decoding import schedule as schedules
 
-    def segmenter(code: str):  # a source language's splitter; a sentence must fit with its code (if any)
-        if code not in segmenters:
-            tokenizer = with_languages(loaded.tokenizer, code if languages.multilingual else None)
-            segmenters[code] = Segmenter(code, model_fits(tokenizer, loaded.config))
-        return segmenters[code]
-
-    detector = None
+    if isinstance(entries, Entry):
+        entries = [entries]
+    elif not isinstance(entries, Sequence):  # one Translator
+        entries = [Entry("default", entries)]
+    allow = parse_allow(settings.allow)
+    metrics = Metrics()
+    models = []
+    for entry in entries:
+        loaded, decode = entry.translator.loaded, entry.translator.decode
+        given = settings.languages if len(entries) == 1 else None
+        if not hasattr(loaded.tokenizer, "codes") and entry.pairs:  # a model of one pair: the pair its entry names
+            if len(entry.pairs) != 1:
+                raise ConfigError(
+                    f"{entry.origin}: pairs: a model without language codes serves one pair, got {entry.pairs}"
+                )
+            given = entry.pairs[0]
+        languages = Languages.of(loaded, given)
+        on_batch = lambda *args, name=entry.name: metrics.batch(name, *args)  # noqa: E731
+        batcher = Batcher(
+            loaded,
+            max_tokens=settings.max_tokens,
+            window_s=settings.batch_window_ms / 1000,
+            max_queue=settings.max_queue,
+            schedule=schedules.serving(),
+            name=f"decoder {entry.name}",
+            on_batch=on_batch,
+        )
+        allowed = Allowed(loaded.config, decode, allow)
+        model = Model(entry.name, loaded, decode, languages, allowed, batcher, settings)
+        metrics.watch(entry.name, lambda b=batcher: b.waiting, lambda b=batcher: b.busy)
+        models.append(model)
+    routes = _routes(models, entries, prefer or {})
+    detector, off = None, "detection is not asked for"
+    detected = _all_sources(models)
     if detect:
-        try:
-            detector = Detector(languages)
-        except ConfigError:
-            detector = None
-    api_key = api_key if api_key is not None else read_api_key(settings)
-    window = settings.batch_window_ms / 1000
-    batcher = Batcher(loaded, max_tokens=settings.max_tokens, window_s=window, max_queue=settings.max_queue)
-    return Service(loaded, decode, languages, batcher, settings, segmenter, detector, api_key)
+        detector, off = detector_for(detected)
+    watch = CompileWatch()
+    metrics.compiles.set_function(lambda: watch.since_ready()["compiles"])
+    metrics.traces.set_function(lambda: watch.since_ready()["traces"])
+    service = Service(
+        models,
+        settings,
+        routes,
+        ClientLimits(settings.req_limit, settings.char_limit),
+        metrics,
+        AccessLog(settings.log_requests),
+        watch,
+        detector,
+        off,
+        api_key if api_key is not None else read_api_key(settings),
+        detected,
+    )
+    return service
+
+
+def _all_sources(models: Sequence[Model]) -> Languages:
+    """The source languages of every model, each language once, as one model's would be (for detection)."""
+    codes = []
+    seen = set()
+    for model in models:
+        for code, short in zip(model.languages.sources, model.languages.short(model.languages.sources)):
+            if short not in seen:
+                seen.add(short)
+                codes.append(code)
+    return Languages(codes, codes, True)
+
+
+# =============================================================================================================
+# Running it
+# =============================================================================================================
+
+
+def compile_jobs(service: Service) -> tuple[dict[str, Callable[[], Any]], list[str]]:
+    """Every program the service's models may run after it says ready, as compile jobs (merged: a program two
+    decodings share compiles once), and a line per model saying what they are."""
+    from jax_transformer.decoding import translation
+    from jax_transformer.decoding.translation import weights_mesh
+
+    jobs: dict[str, Callable[[], Any]] = {}
+    lines = []
+    for model in service.models:
+        config = model.loaded.config
+        mesh = weights_mesh(model.loaded.params)
+        shapes = translation.budget_shapes(
+            service.settings.max_tokens, config.max_len, 1 if mesh is None else mesh.shape["data"]
+        )
+        before = len(jobs)
+        for decode in model.allowed.decodes:
+            if mesh is not None:  # a mesh's programs compile at their first call: make it, on filler sources
+                for rows, width in shapes:
+                    jobs[f"{model.name} {decode} {rows}x{width}"] = _decode_once(model, decode, rows, width)
+                continue
+            for name, job in translation.compile_every_shape(
+                model.loaded.params, config, decode, shapes, model.batcher.schedule
+            ).items():
+                jobs[f"{model.name}: {name}"] = job
+        lines.append(
+            f"model {model.name}: {len(model.allowed.decodes)} decoding(s) x {len(shapes)} batch shapes "
+            f"(rows x width: {', '.join(f'{r}x{w}' for r, w in shapes)}): {len(jobs) - before} programs"
+        )
+    return jobs, lines
+
+
+def _decode_once(model: Model, decode: DecodeConfig, rows: int, width: int) -> Callable[[], Any]:
+    import numpy as np
+
+    from jax_transformer.decoding.decoders import decoder
+    from jax_transformer.decoding.translation import OverData, weights_mesh
+
+    def job():
+        config = model.loaded.config
+        src = np.full((rows, width), config.pad_id, np.int32)
+        src[:, 0] = config.eos_id
+        decoder(config, decode, width)(model.loaded.params, src, OverData(weights_mesh(model.loaded.params)))
+
+    return job
+
+
+def describe(model: Model) -> str:
+    mib = model.memory_bytes() / 2**20
+    return f"model {model.name}: {model.loaded.directory} step {model.loaded.step}, {mib:,.1f} MiB of weights"
 
 
 def serve(service: Service, print_fn: Callable[[str], None] = print) -> None:
-    """Warms the decoders up, listens, and serves until SIGTERM or SIGINT (then drains, as the module says)."""
+    """Compiles every program, listens, and serves until SIGTERM or SIGINT (then drains, as the module says)."""
     import socket
+
+    from jax_transformer.compilation import CompileLog
+    from jax_transformer.serving.http import app
+    from jax_transformer.serving.protocol import guarded_protocol, server_class
 
     try:
         import uvicorn
     except ImportError:
         raise ConfigError(f"serve needs uvicorn and starlette: {EXTRA}") from None
+    _log_to_stderr()
     settings = service.settings
     began = time.monotonic()
-    service.batcher.start()
-    warm = service.batcher.submit(["hello"], service.decode, service.pair(*_first_pair(service.languages)))
-    warm.result()  # the first decoding compiles its programs: before the first client waits for it
-    print_fn(f"decoders ready in {time.monotonic() - began:.1f} s")
+    for model in service.models:
+        served = [f"{a}-{b}" for (a, b), m in service.routes.items() if m is model]
+        shown = ", ".join(served[:8]) + (f", ... ({len(served)} pairs)" if len(served) > 8 else "")
+        print_fn(f"{describe(model)}; serves {shown}; decodings: {model.allowed.describe()}")
+    jobs, lines = compile_jobs(service)
+    for line in lines:
+        print_fn(line)
+    before = CompileLog.snapshot()
+    count, seconds, errors = warm_up(jobs)
+    for name, error in list(errors.items())[:5]:
+        print_fn(f"warning: compiling {name} failed ({error}); it compiles when first used")
+    after = CompileLog.snapshot()
+    service.programs = count
+    service.metrics.programs.set(count)
+    print_fn(
+        f"compiled {count} programs in {seconds:.1f} s ({after['hits'] - before['hits']} read from the persistent "
+        f"compilation cache)"
+    )
+    for model in service.models:
+        model.batcher.start()
+    first = CompileLog.snapshot()
+    for model in service.models:  # one real request's path, end to end, as a check of the list above
+        src, tgt = next((a, b) for (a, b), m in service.routes.items() if m is model)
+        pair = model.pair(model.languages.code(src, "source", "source"), model.languages.code(tgt, "target", "target"))
+        model.batcher.submit(["hello"], model.decode, pair).result()
+    missed = CompileLog.snapshot()["compiles"] - first["compiles"]
+    if missed:
+        print_fn(f"warning: a first decoding compiled {missed} programs the list above did not hold")
+    print_fn(f"ready in {time.monotonic() - began:.1f} s")
     family = socket.AF_INET6 if ":" in settings.host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -675,43 +560,42 @@ def serve(service: Service, print_fn: Callable[[str], None] = print) -> None:
     except OSError as e:
         raise ConfigError(f"cannot listen on {settings.host}:{settings.port}: {e.strerror or e}") from None
     host, port = sock.getsockname()[:2]
+    per_client = settings.max_client_connections or max(1, settings.max_connections // 4)
     config = uvicorn.Config(
         app(service),
         log_level="warning",
         timeout_graceful_shutdown=settings.shutdown_timeout_s,
         limit_concurrency=settings.max_connections,
+        http=guarded_protocol(settings.header_timeout_s, per_client),
+        lifespan="off",
     )
     listening = f"serving http://{host}:{port} (LibreTranslate's /translate, /languages, /detect; /v1/translate; "
-    listening += "/health)"
-    server = _server_class(uvicorn, lambda: print_fn(listening))(config)
+    listening += "/health, /metrics)"
+
+    def on_listening():
+        service.watch.ready()  # from here on, a compilation is one a request waits for
+        print_fn(listening)
+
+    server = server_class(on_listening, service.stopping.set)(config)
     try:
         server.run(sockets=[sock])
     finally:
-        service.batcher.close(settings.shutdown_timeout_s)
-        print_fn(f"stopped: {service.batcher.served} sentences served in {service.batcher.batches} batches")
+        for model in service.models:
+            model.batcher.close(settings.shutdown_timeout_s)
+        served = sum(m.batcher.served for m in service.models)
+        batches = sum(m.batcher.batches for m in service.models)
+        after = service.watch.since_ready()
+        print_fn(
+            f"stopped: {served} sentences served in {batches} batches; {after['compiles']} compilations after ready"
+        )
 
 
-def _server_class(uvicorn, on_listening: Callable[[], None]):
-    class Server(uvicorn.Server):
-        async def startup(self, sockets=None) -> None:
-            await super().startup(sockets=sockets)
-            if not self.should_exit:  # listening now: a client may connect once this is printed
-                on_listening()
-
-        @contextlib.contextmanager
-        def capture_signals(self):
-            # As uvicorn's, without raising the signal again once the requests in flight are answered: the batcher
-            # still drains, and a graceful stop exits 0 (uvicorn would end the process by the signal itself).
-            original = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
-            try:
-                yield
-            finally:
-                for sig, handler in original.items():
-                    signal.signal(sig, handler)
-
-    return Server
-
-
-def _first_pair(languages: Languages) -> tuple[str, str]:
-    source = languages.sources[0]
-    return source, next((t for t in languages.targets if t != source), languages.targets[0])
+def _log_to_stderr() -> None:
+    """The service's log (its access log included) as lines on stderr, once."""
+    logger = logging.getLogger("jax_transformer.serving")
+    if not logger.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        logger.propagate = False

@@ -694,6 +694,9 @@ DECODE_RULES = ("gnmt", "transformers")
 EARLY_STOPPING = ("false", "true", "never")
 
 
+MAX_ALPHA = 10.0  # ((5 + 1024) / 6) ** 10 ~ 2e22: the scores of 1,024-token outputs stay apart in float32
+
+
 @dataclasses.dataclass(frozen=True)
 class DecodeConfig(Settings):
     """Every decoding choice, in one place: the rules, the search (beams or sampling), lengths, bans, what comes
@@ -787,6 +790,11 @@ class DecodeConfig(Settings):
 
     def check(self) -> None:
         self.banned_ids()  # checks the form
+        if self.alpha > MAX_ALPHA:
+            raise ConfigError(
+                f"decode field 'alpha' must be at most {MAX_ALPHA:g}, got {self.alpha} (--alpha): a length penalty to "
+                f"a larger power overflows float32 for long outputs, and every score becomes -0"
+            )
         if self.top_p > 1:
             raise ConfigError(f"decode field 'top_p' must be in (0, 1], got {self.top_p} (--top-p)")
         if self.n_best > self.beams and not self.do_sample:
@@ -939,6 +947,41 @@ class ServeConfig(Settings):
     )
     shutdown_timeout_s: float = setting(
         60.0, "on SIGTERM, how long requests in flight may take to finish before the process exits", above=0.0
+    )
+    allow: str = setting(
+        "",
+        "decoding options a request may choose besides the service's own, as FIELD=V1,V2 (e.g. rules=transformers "
+        "no_repeat_ngram_size=0,3 beam_size=1,4): every program they make is compiled at start; other values of "
+        "such options are refused (alpha, temperature, top_p, sample_seed, min_length and repetition_penalty's value "
+        "are arguments of a program: any is taken)",
+        metavar="FIELD=VALUES",
+    )
+    header_timeout_s: float = setting(
+        10.0, "a connection that sends no whole request head within this (after connecting or an answer) is closed",
+        above=0.0,
+    )  # fmt: skip
+    body_timeout_s: float = setting(
+        30.0, "a request whose body has not arrived within this after its head is answered 408", above=0.0
+    )
+    max_client_connections: int | None = setting(
+        None, "connections one client address may hold at once; more are closed (default: a quarter of "
+        "--max-connections)", at_least=1,
+    )  # fmt: skip
+    req_limit: int = setting(
+        0, "requests per minute a client (its API key, else its address) may send; more are answered 429 (0: none)",
+        at_least=0,
+    )  # fmt: skip
+    char_limit: int = setting(
+        0, "characters a request may ask to translate; more are answered 400 (LibreTranslate's; 0: none)", at_least=0
+    )
+    models: str | None = setting(
+        None,
+        "a JSON file of the models to serve behind this one address, each with its name, checkpoint and pairs "
+        "(docs/serving.md); instead of --checkpoint",
+        metavar="FILE",
+    )
+    log_requests: bool = setting(
+        False, "the access log (one JSON line per request on stderr) carries each request's text and translation"
     )
 
 

@@ -262,6 +262,25 @@ def request_decoding(
     return decode
 
 
+def allowed_decodings(base: DecodeConfig, values: Mapping[str, Sequence[Any]]) -> tuple[list[DecodeConfig], list[str]]:
+    """A service's allowed set (`serve --allow`): every combination of `values` (field -> values) over `base` that is
+    a valid decoding, and, for the others, why not (n_best above the beam, a sampling option without sampling)."""
+    names = list(values)
+    found, refused = [], []
+    for combo in itertools.product(*(values[name] for name in names)):
+        chosen = dict(zip(names, combo))
+        try:
+            found.append(DecodeConfig.from_dict({**base.to_dict(), **chosen}, source="--allow"))
+        except ConfigError as e:
+            refused.append(f"{chosen}: {e}")
+    return found, refused
+
+
+def with_field_of(decode: DecodeConfig, other: DecodeConfig, name: str) -> DecodeConfig:
+    """`decode` with field `name` as `other` has it (a ConfigError where that is no valid decoding)."""
+    return decode.replace(**{name: getattr(other, name)})
+
+
 def _over(below: Mapping[str, Any], choice: Mapping[str, Any], source: str, flag) -> DecodeConfig:
     """`choice` over `below`, with the one rule between sampling and beams: sampling draws one hypothesis per
     sample, so a beam width given with it is an error; one below it (a run's stored beam) stays, unused
