@@ -19,7 +19,7 @@ Rows:
 1. distinct option values: 40 sequential requests to /v1/translate, each with another `alpha` (0.5 + i/100), then 40
    with `rules: transformers` and another `repetition_penalty` (1 + (i+1)/100): latency p50/max and the statuses
    of each kind; the server's resident memory (psutil) before and after; the latency of a short plain request sent
-   from another thread every 0.2 s meanwhile (p50/max).
+   from another thread every 0.2 s meanwhile (p50/max, during each kind).
 2. slow sockets: 64 sockets from 127.0.0.2, each sending part of a request header and then nothing, against
    `--max-connections 16` (and `--header-timeout-s 2` where known); a normal request from 127.0.0.1 0.5 s later
    (its status: 200, 503, or timeout after 4 s), how many of the 64 the server has closed 5 s after they sent,

@@ -33,7 +33,8 @@ closed it: checked before each request, as urllib3 does): requests, errors, p50/
 memory (psutil) after the warm-up and at the end. Then SIGTERM while they still send: a request whose bytes were
 all sent must be answered (a 503 counts as an answer); one refused or reset before it was sent was not accepted.
 The script says "every accepted request answered", or how many were not (told apart: sent before SIGTERM or after
-it, on a new connection or a kept-alive one, EOF or reset) and exits 1.
+it, on a new connection or a kept-alive one, and whether that connection's last answer came after SIGTERM without
+`Connection: close`, so that the client could not know the server would close it; EOF or reset) and exits 1.
 
 `--repo PATH`: `serve` of that checkout (its train.py, cwd and PYTHONPATH), e.g. one from `git worktree add`; the
 model, `translate` and CTranslate2 are this checkout's. The machine is shared with nothing else only if you make it
@@ -193,6 +194,7 @@ def soak(service: Service, texts: list[str], clients: int, minutes: float) -> di
 
     def client(c: int) -> None:
         connection, i = None, c
+        kept_after = False  # this connection's last answer came after SIGTERM, without "Connection: close"
         while not stop.is_set():
             if connection is not None and dropped(connection):
                 connection.close()
@@ -224,10 +226,15 @@ def soak(service: Service, texts: list[str], clients: int, minutes: float) -> di
                 connection = None
                 when = "after" if sent_after else "before"
                 how = "a kept-alive" if reused else "a new"
+                if reused and kept_after:
+                    how += " connection whose last answer, after SIGTERM, had no Connection: close"
+                else:
+                    how += " connection"
                 with lock:
-                    late[f"unanswered (sent {when} SIGTERM on {how} connection: {type(e).__name__})"] += 1
+                    late[f"unanswered (sent {when} SIGTERM on {how}: {type(e).__name__})"] += 1
                 continue
             seconds = time.perf_counter() - began
+            kept_after = terminated.is_set() and not response.will_close
             if response.will_close:
                 connection.close()
                 connection = None

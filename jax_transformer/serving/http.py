@@ -219,7 +219,11 @@ def app(service):
             service.metrics.latency.labels(route).observe(time.monotonic() - began)
             if route != "/metrics":
                 service.access.line(record)
-            return response if response is not None else Response(status_code=400)
+            if response is None:
+                return Response(status_code=400)
+            if service.stopping.is_set():  # a keep-alive client must not send its next request here
+                response.headers["connection"] = "close"
+            return response
 
         return endpoint
 
