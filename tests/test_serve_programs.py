@@ -40,12 +40,14 @@ def test_after_every_program_is_compiled_no_request_compiles(small_thresholds):
         DecodeConfig(beam_size=2),
         DecodeConfig(rules="transformers", beam_size=1, do_sample=True, n_best=2, repetition_penalty=1.3),
     ]
-    budget, schedule = 64, schedules.serving()
+    budget = 64
+    schedules_served = [schedules.serving(threads)[0] for threads in (1, 2)]  # halves of a batch; whole batches
     shapes = translation.budget_shapes(budget, MODEL.config.max_len)
     assert shapes == [(1, 16), (2, 16), (4, 16), (1, 32), (2, 32)]  # rows x width <= 64, and one row at any width
     jobs = {}
     for decode in decodes:
-        jobs.update(translation.compile_every_shape(MODEL.params, MODEL.config, decode, shapes, schedule))
+        for schedule in schedules_served:
+            jobs.update(translation.compile_every_shape(MODEL.params, MODEL.config, decode, shapes, schedule))
     compiled = CompileJobs(jobs)
     compiled.wait()
     assert not compiled.errors
@@ -63,7 +65,7 @@ def test_after_every_program_is_compiled_no_request_compiles(small_thresholds):
             decode = decode.replace(repetition_penalty=rng.uniform(1.05, 2.0))
         translation.translations(
             MODEL.params, MODEL.config, MODEL.tokenizer, sentences, decode, max_tokens=budget, progress=False,
-            schedule=schedule,
+            schedule=rng.choice(schedules_served),
         )  # fmt: skip
     # (A first call may trace its function again where jax's trace cache dropped it; what it compiles is found.)
     assert CompileLog.snapshot()["compiles"] == before["compiles"]
@@ -71,7 +73,7 @@ def test_after_every_program_is_compiled_no_request_compiles(small_thresholds):
 
 def test_a_program_left_out_is_seen_compiling(small_thresholds):
     """The check above can fail: a shape not compiled ahead is a compile event."""
-    schedule = schedules.serving()
+    schedule = schedules.serving(2)[0]
     # (an unusual decoding, so that no other test of the process has compiled its programs)
     decode = DecodeConfig(rules="transformers", beam_size=3, no_repeat_ngram_size=4, banned="7")
     jobs = translation.compile_every_shape(MODEL.params, MODEL.config, decode, [(1, 16)], schedule)

@@ -76,7 +76,10 @@ class Translator:
         return translator
 
     def _set(self, loaded: Checkpoint, decode: DecodeConfig) -> None:
-        self.loaded, self.decode = loaded, decode
+        from jax_transformer.decoding.decoders import on_device
+
+        # The weights on the device once: a call on a checkpoint's numpy arrays copies them all in each time.
+        self.loaded, self.decode = loaded.with_params(on_device(loaded.params)), decode
 
     # --- what was loaded ------------------------------------------------------------------------------------
 

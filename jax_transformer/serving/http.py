@@ -8,7 +8,6 @@ UTF-8), and each is named in its error."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import hmac
 import itertools
@@ -36,48 +35,57 @@ class Gone(Exception):
     """The client left before its request had arrived: nothing to answer."""
 
 
-async def _next(chunks, deadline: float, stopping: asyncio.Event, timeout_s: float) -> bytes | None:
-    """The next chunk of the body (None at its end), waiting until `deadline` at most; HTTPError 408 past it, 503
-    once `stopping` is set (the service shuts down: a request whose body has not arrived is dropped)."""
+async def _receive(request, limit: int, timeout_s: float, stopping: asyncio.Event, readers: set) -> bytearray:
+    """The request's body, refused with 413 past `limit` bytes before more is read, 408 if it has not arrived
+    within `timeout_s`, 503 if the service starts shutting down first (its shutdown cancels the tasks in `readers`:
+    a request whose body has not arrived is dropped)."""
     from starlette.requests import ClientDisconnect
 
-    chunk = asyncio.ensure_future(chunks.__anext__())
-    stop = asyncio.ensure_future(stopping.wait())
-    try:
-        done, _ = await asyncio.wait({chunk, stop}, timeout=max(0.0, deadline - time.monotonic()),
-                                     return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
-    finally:
-        stop.cancel()
-    if chunk in done:
-        try:
-            return chunk.result()
-        except StopAsyncIteration:
-            return None
-        except ClientDisconnect:
-            raise Gone() from None
-    chunk.cancel()
-    with contextlib.suppress(asyncio.CancelledError, Exception):
-        await chunk
     if stopping.is_set():
+        raise HTTPError(503, SHUTTING_DOWN, {"Connection": "close"})
+    body = bytearray()
+
+    async def read_all() -> None:
+        async for chunk in request.stream():
+            body.extend(chunk)
+            if len(body) > limit:
+                raise HTTPError(413, f"the request body is more than this service takes ({limit:,} bytes)")
+
+    task = asyncio.current_task()
+    readers.add(task)
+    try:
+        if hasattr(asyncio, "timeout"):  # (3.11: no task of its own)
+            async with asyncio.timeout(timeout_s):
+                await read_all()
+        else:
+            await asyncio.wait_for(read_all(), timeout_s)
+    except asyncio.TimeoutError:
         raise HTTPError(
-            503, "the service is shutting down: this request's body had not arrived", {"Connection": "close"}
-        )
-    raise HTTPError(408, f"the request body did not arrive within {timeout_s:g} s", {"Connection": "close"})
+            408, f"the request body did not arrive within {timeout_s:g} s", {"Connection": "close"}
+        ) from None
+    except asyncio.CancelledError:
+        if not stopping.is_set():
+            raise
+        if hasattr(task, "uncancel"):
+            task.uncancel()
+        raise HTTPError(503, SHUTTING_DOWN, {"Connection": "close"}) from None
+    except ClientDisconnect:
+        raise Gone() from None
+    finally:
+        readers.discard(task)
+    return body
 
 
-async def read_body(request, limit: int, timeout_s: float, stopping: asyncio.Event) -> Fields:
-    """The request's fields (JSON, or a form as libretranslatepy and HTML forms send, and the query string),
-    refused with 413 past `limit` bytes before more is read, 408 if the body takes longer than `timeout_s`."""
+SHUTTING_DOWN = "the service is shutting down: this request's body had not arrived"
+
+
+async def read_body(request, limit: int, timeout_s: float, stopping: asyncio.Event, readers: set) -> Fields:
+    """The request's fields (JSON, or a form as libretranslatepy and HTML forms send, and the query string), the
+    body read by `_receive`'s rules."""
     length = request.headers.get("content-length")
     if length is not None and length.isdigit() and int(length) > limit:
         raise HTTPError(413, f"the request body is {int(length):,} bytes, more than this service takes ({limit:,})")
-    body = bytearray()
-    deadline = time.monotonic() + timeout_s
-    chunks = request.stream()
-    while (chunk := await _next(chunks, deadline, stopping, timeout_s)) is not None:
-        body += chunk
-        if len(body) > limit:
-            raise HTTPError(413, f"the request body is more than this service takes ({limit:,} bytes)")
+    body = await _receive(request, limit, timeout_s, stopping, readers)
     kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
     fields = Fields()
     texts = set()
@@ -191,7 +199,9 @@ def app(service):
             record["client"] = request.client.host if request.client else None
             status, response = 500, None
             try:
-                fields = await read_body(request, settings.max_request_bytes, settings.body_timeout_s, service.stopping)
+                fields = await read_body(
+                    request, settings.max_request_bytes, settings.body_timeout_s, service.stopping, service.readers
+                )
                 if keyed and service.api_key is not None:
                     bearer = request.headers.get("authorization", "")
                     given = str(fields.get("api_key", bearer[7:] if bearer[:7].lower() == "bearer " else ""))

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import sys
 import time
@@ -35,6 +36,11 @@ from jax_transformer.serving.programs import Allowed, CompileWatch, parse_allow,
 from jax_transformer.settings.config import DecodeConfig, ServeConfig
 
 log = logging.getLogger("jax_transformer.serving")
+# Texts up to this many characters are split and tokenized on the event loop (tens of microseconds a sentence);
+# longer ones in a worker thread, so that a long document does not hold the other requests up. A hop to a worker
+# and back costs two handovers of the GIL, each of which can wait for a decoding thread's Python work.
+INLINE_CHARS = 2000
+SWITCH_INTERVAL_S = 0.0005
 
 
 # =============================================================================================================
@@ -101,26 +107,50 @@ class Model:
         """The tokenizer's languages for a pair of the model's codes ((None, None) for a model without codes)."""
         return (source, target) if self.languages.multilingual else (None, None)
 
-    def segmenter(self, code: str):
-        """A source language's splitter; a sentence must fit with its code (if any)."""
-        if code not in self.segmenters:
-            from jax_transformer.data.tokenizer import with_languages
-            from jax_transformer.decoding.documents import Segmenter, model_fits
+    def __post_init__(self) -> None:
+        # A sentence's ids are wanted twice, by the splitter (does it fit?) and by the decoding: tokenized once.
+        self.source_ids = functools.lru_cache(maxsize=8192)(self._source_ids)
 
-            tokenizer = with_languages(self.loaded.tokenizer, code if self.languages.multilingual else None)
-            self.segmenters[code] = Segmenter(code, model_fits(tokenizer, self.loaded.config))
-        return self.segmenters[code]
+    def _source_ids(self, pair: tuple, sentence: str) -> tuple[int, ...]:
+        return tuple(self.batcher.tokenizer(pair).encode(sentence))
+
+    def segmenter(self, pair: tuple):
+        """A source language's splitter; a sentence must fit with its code (if any)."""
+        if pair not in self.segmenters:
+            from jax_transformer.decoding.documents import Segmenter
+
+            most = self.loaded.config.max_len
+            fits = lambda sentence: len(self.source_ids(pair, sentence)) + 1 <= most  # noqa: E731 (EOS too)
+            self.segmenters[pair] = Segmenter(pair[0] or self.languages.sources[0], fits)
+        return self.segmenters[pair]
+
+    def encode(self, sentences: list[str], pair: tuple) -> list:
+        """Each sentence's ids + EOS, as the decoding takes them (`translation.encode_sources`'s convention)."""
+        import numpy as np
+
+        from jax_transformer.errors import TokenError
+
+        config, out = self.loaded.config, []
+        for sentence in sentences:
+            ids = self.source_ids(pair, sentence)
+            if len(ids) + 1 > config.max_len:  # (the splitter cut what it could; a piece it could not cut)
+                raise TokenError(f"a sentence has {len(ids)} tokens + EOS, more than the model's {config.max_len}")
+            out.append(np.array([*ids, config.eos_id], dtype=np.int32))
+        return out
 
     async def translate(self, texts: list[str], decode: DecodeConfig, pair) -> list[tuple[Any, list]]:
         """Each text's sentences (their pieces, layout kept) with their `Translation`s: [(pieces, translations)]."""
 
-        def prepare():  # splitting and tokenizing: in a worker thread, off the event loop and the batcher's lock
-            segmenter = self.segmenter(pair[0] or self.languages.sources[0])
+        def prepare():  # splitting and tokenizing, off the batcher's lock
+            segmenter = self.segmenter(pair)
             pieces = [segmenter.split(text) for text in texts]
             sentences = [piece.text for each in pieces for piece in each if piece.sentence]
-            return pieces, sentences, self.batcher.encode(sentences, pair)
+            return pieces, sentences, self.encode(sentences, pair)
 
-        pieces, sentences, encoded = await asyncio.to_thread(prepare)
+        if sum(map(len, texts)) <= INLINE_CHARS:  # a thread hop costs more than tokenizing a few sentences
+            pieces, sentences, encoded = prepare()
+        else:
+            pieces, sentences, encoded = await asyncio.to_thread(prepare)
         try:
             future = self.batcher.submit(sentences, decode, pair, encoded) if sentences else None
         except TooMany as e:
@@ -192,6 +222,7 @@ class Service:
     api_key: str | None = None
     detected: Languages | None = None  # every model's source languages, which the detector tells apart
     stopping: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
+    readers: set = dataclasses.field(default_factory=set)  # the tasks reading a request's body
     programs: int = 0  # compiled at start
 
     def model(self, name: Any) -> Model:
@@ -270,7 +301,7 @@ class Service:
         return ranked if n > 1 else ranked[0]
 
     def health(self) -> dict[str, Any]:
-        alive = all(m.batcher.thread.is_alive() and not m.batcher.closing for m in self.models)
+        alive = all(m.batcher.alive() for m in self.models)
         since = self.watch.since_ready()
         status = "stopping" if self.stopping.is_set() else "ok" if alive else "stopped"
         total = lambda attr: sum(getattr(m.batcher, attr) for m in self.models)  # noqa: E731
@@ -403,12 +434,14 @@ def build(
             given = entry.pairs[0]
         languages = Languages.of(loaded, given)
         on_batch = lambda *args, name=entry.name: metrics.batch(name, *args)  # noqa: E731
+        schedule, threads = schedules.serving(settings.decoders)
         batcher = Batcher(
             loaded,
             max_tokens=settings.max_tokens,
             window_s=settings.batch_window_ms / 1000,
             max_queue=settings.max_queue,
-            schedule=schedules.serving(),
+            schedule=schedule,
+            threads=threads,
             name=f"decoder {entry.name}",
             on_batch=on_batch,
         )
@@ -521,6 +554,9 @@ def serve(service: Service, print_fn: Callable[[str], None] = print) -> None:
     except ImportError:
         raise ConfigError(f"serve needs uvicorn and starlette: {EXTRA}") from None
     _log_to_stderr()
+    # The event loop takes the GIL back within this of asking (Python's default: 5 ms) while decoding threads run
+    # their Python between programs: each request hands it over several times.
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     settings = service.settings
     began = time.monotonic()
     for model in service.models:
@@ -576,7 +612,12 @@ def serve(service: Service, print_fn: Callable[[str], None] = print) -> None:
         service.watch.ready()  # from here on, a compilation is one a request waits for
         print_fn(listening)
 
-    server = server_class(on_listening, service.stopping.set)(config)
+    def on_shutdown():  # requests whose body has not arrived are dropped (503), the rest answered
+        service.stopping.set()
+        for task in list(service.readers):
+            task.cancel()
+
+    server = server_class(on_listening, on_shutdown)(config)
     try:
         server.run(sockets=[sock])
     finally:
