@@ -10,9 +10,9 @@ Rows:
   what `train.py translate` does; N: the largest batch N clients can make, one sentence each; N / 2: what each of
   two decoding threads holds when N clients split into two groups), two batches side by side on a CPU of two
   cores: the engine's rate with as many sentences in flight as the service has at N clients.
-- `serve, window W ms, D decoders`: N clients against `serve --batch-window-ms W --decoders D`: sentences/s, and
+- `serve, window W ms`: N clients against `serve --batch-window-ms W`: sentences/s, and
   from /metrics the mean sentences per decoded batch and the share of the wall time the decoders spent decoding
-  (jt_batch_seconds, summed over the decoding threads: 200% is two threads always busy); the CPU the server used
+  (jt_batch_seconds); the CPU the server used
   (all its threads), its event loop's thread alone, and the clients' (this process: on a 2-core machine the load
   competes with the service for the same cores).
 - `serve, empty requests`: N clients sending `q: ""` (no sentence: the HTTP, JSON, limits and event-loop path
@@ -102,7 +102,6 @@ def main(argv=None) -> int:
     parser.add_argument("--clients", type=int, nargs="+", default=[16])
     parser.add_argument("--requests", type=int, default=192)
     parser.add_argument("--windows", type=float, nargs="+", default=[0.0, 2.0, 5.0, 10.0])
-    parser.add_argument("--decoders", type=int, nargs="+", default=[1, 2], help="serve --decoders values to compare")
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--quick", action="store_true")
@@ -135,10 +134,8 @@ def main(argv=None) -> int:
         services = {}
         try:
             for window in args.windows:
-                for decoders in args.decoders:
-                    services[window, decoders] = Service(tmp / "run", [
-                        *flags, "--languages", "de-en", "--max-queue", "100000", "--batch-window-ms", str(window),
-                        "--decoders", str(decoders)])  # fmt: skip
+                services[window] = Service(tmp / "run", [*flags, "--languages", "de-en", "--max-queue", "100000",
+                                                         "--batch-window-ms", str(window)])  # fmt: skip
             for service in services.values():
                 for clients in args.clients:
                     load(service, texts, clients)  # untimed
@@ -151,14 +148,14 @@ def main(argv=None) -> int:
                         len(texts) / (time.perf_counter() - began)
                     )
                 for clients in args.clients:
-                    for (window, decoders), service in services.items():
+                    for window, service in services.items():
                         before, cpu_before = metrics(service), cpu_seconds(service)
                         found = load(service, texts, clients)
                         after, cpu_after = metrics(service), cpu_seconds(service)
                         cpu = [(b - a) / found["seconds"] for a, b in zip(cpu_before, cpu_after)]
                         batches = after["jt_batch_sentences_count"] - before["jt_batch_sentences_count"]
                         decoding = after["jt_batch_seconds_sum"] - before["jt_batch_seconds_sum"]
-                        name = f"serve, {clients} clients, window {window:g} ms, {decoders} decoder(s)"
+                        name = f"serve, {clients} clients, window {window:g} ms"
                         rows.setdefault(name, []).append(len(texts) / found["seconds"])
                         details.setdefault(name, []).append({
                             "per_batch": len(texts) / max(batches, 1),

@@ -251,7 +251,7 @@ def test_a_full_queue_and_a_sigterm_lose_no_accepted_request(run, tmp_path):
     exits 0."""
     hold = tmp_path / "hold"
     server = Server(["--checkpoint", str(run), "--step", "latest", "--max-queue", "4", "--max-tokens", "64",
-                     "--beam-size", "2", "--decoders", "1"], hold=hold)  # fmt: skip
+                     "--beam-size", "2"], hold=hold)  # fmt: skip
     expected = dict(zip(SENTENCES[:5], translated(run, SENTENCES[:5], beam_size=2)))
     try:
         hold.touch()

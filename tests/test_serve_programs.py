@@ -41,7 +41,7 @@ def test_after_every_program_is_compiled_no_request_compiles(small_thresholds):
         DecodeConfig(rules="transformers", beam_size=1, do_sample=True, n_best=2, repetition_penalty=1.3),
     ]
     budget = 64
-    schedules_served = [schedules.serving(threads)[0] for threads in (1, 2)]  # halves of a batch; whole batches
+    schedules_served = [schedules.serving()]
     shapes = translation.budget_shapes(budget, MODEL.config.max_len)
     assert shapes == [(1, 16), (2, 16), (4, 16), (1, 32), (2, 32)]  # rows x width <= 64, and one row at any width
     jobs = {}
@@ -73,7 +73,7 @@ def test_after_every_program_is_compiled_no_request_compiles(small_thresholds):
 
 def test_a_program_left_out_is_seen_compiling(small_thresholds):
     """The check above can fail: a shape not compiled ahead is a compile event."""
-    schedule = schedules.serving(2)[0]
+    schedule = schedules.serving()
     # (an unusual decoding, so that no other test of the process has compiled its programs)
     decode = DecodeConfig(rules="transformers", beam_size=3, no_repeat_ngram_size=4, banned="7")
     jobs = translation.compile_every_shape(MODEL.params, MODEL.config, decode, [(1, 16)], schedule)

@@ -40,18 +40,12 @@ def default() -> Schedule:
     return Scheduled() if jax.default_backend() == "cpu" else Whole()
 
 
-def serving(threads: int | None = None) -> tuple[Schedule, int]:
-    """A service's schedule and how many decoding threads it runs: on a CPU of two cores or more, `side_by_side()`
-    threads each decoding a whole batch (`Scheduled(split=False)`: while one thread's clients are being answered
-    and send their next requests, the other core decodes, as `translate` decodes batches side by side), else one
-    thread whose batches may be cut in parts; elsewhere `Whole()`, one thread. Batches are never decoded side by side
-    within a call (`for_batches`), so that each batch shape runs one set of programs, all compiled before the service
-    takes a request. `threads`: that many instead (a whole batch each where more than one)."""
+def serving() -> Schedule:
+    """A service's schedule: `default()`, its batches one at a time (a service's batch is what arrived together; on
+    a CPU each may be cut in halves decoded side by side), so that each batch shape runs one set of programs, all
+    compiled before the service takes a request."""
     schedule = default()
-    if not isinstance(schedule, Scheduled):
-        return schedule, threads or 1
-    threads = threads or side_by_side()
-    return dataclasses.replace(schedule, split=threads == 1, batches_side_by_side=False), threads
+    return dataclasses.replace(schedule, batches_side_by_side=False) if isinstance(schedule, Scheduled) else schedule
 
 
 def _shape(shape, dtype=jnp.int32) -> jax.ShapeDtypeStruct:

@@ -18,43 +18,9 @@ import numpy as np
 
 from jax_transformer.settings.config import DecodeConfig
 
-SPLIT_FROM = 8  # sentences from which a request is cut into one job per decoding thread
-
 
 class QueueFull(Exception):
     pass
-
-
-def _joined(parts: list[concurrent.futures.Future]) -> concurrent.futures.Future:
-    """A future of the parts' results, interleaved back into the request's order (part i holds sentences i, i + n,
-    ...); cancelling it cancels the parts not started; the first part's error is its error."""
-    whole: concurrent.futures.Future = concurrent.futures.Future()
-    left = [len(parts)]
-    lock = threading.Lock()
-
-    def one_done(_):
-        with lock:
-            left[0] -= 1
-            if left[0]:
-                return
-        if whole.done():
-            return
-        failed = next((p.exception() for p in parts if not p.cancelled() and p.exception() is not None), None)
-        if failed is not None:
-            whole.set_exception(failed)
-        elif any(p.cancelled() for p in parts):
-            whole.cancel()
-        else:
-            results = [p.result() for p in parts]
-            order = [None] * sum(map(len, results))
-            for i, found in enumerate(results):
-                order[i :: len(parts)] = found
-            whole.set_result(order)
-
-    for part in parts:
-        part.add_done_callback(one_done)
-    whole.add_done_callback(lambda f: [p.cancel() for p in parts] if f.cancelled() else None)
-    return whole
 
 
 class TooMany(Exception):
@@ -94,7 +60,6 @@ class Batcher:
         window_s: float,
         max_queue: int,
         schedule=None,
-        threads: int = 1,
         name: str = "decoder",
         on_batch: Callable[[int, int, int, float], None] | None = None,
     ) -> None:
@@ -108,16 +73,14 @@ class Batcher:
         self.lock = threading.Condition()
         self.tokenizers: dict[tuple, Any] = {}
         self._tokenizers_lock = threading.Lock()
-        self.threads = [threading.Thread(target=self._run, name=f"{name} {i}", daemon=True) for i in range(threads)]
-        self.thread = self.threads[0]
+        self.thread = threading.Thread(target=self._run, name=name, daemon=True)
 
     def start(self) -> Batcher:
-        for thread in self.threads:
-            thread.start()
+        self.thread.start()
         return self
 
     def alive(self) -> bool:
-        return all(thread.is_alive() for thread in self.threads) and not self.closing
+        return self.thread.is_alive() and not self.closing
 
     def encode(self, sentences: Sequence[str], languages) -> list[np.ndarray]:
         """Each sentence's ids + EOS, as the decoding takes them (call it off the lock: it tokenizes)."""
@@ -139,33 +102,26 @@ class Batcher:
                 f"the request holds {len(sentences)} sentences, more than this service queues ({self.max_queue}): "
                 f"send them in several requests"
             )
-        encoded = encoded if encoded is not None else self.encode(sentences, languages)
-        n = self._parts(len(sentences))
-        jobs = [Job(list(sentences[i::n]), encoded[i::n], decode, languages) for i in range(n)]
+        job = Job(list(sentences), encoded if encoded is not None else self.encode(sentences, languages), decode,
+                  languages)  # fmt: skip
         with self.lock:
             if self.closing or not self.thread.is_alive() and self.thread.ident is not None:
                 raise QueueFull("the service is shutting down")
-            if self.waiting + len(sentences) > self.max_queue:
+            if self.waiting + len(job.sentences) > self.max_queue:
                 raise QueueFull(
                     f"the queue is full ({self.waiting} sentences waiting, at most {self.max_queue}); retry later"
                 )
-            self.jobs.extend(jobs)
-            self.waiting += len(sentences)
-            self.lock.notify_all()
-        return jobs[0].future if n == 1 else _joined([job.future for job in jobs])
-
-    def _parts(self, sentences: int) -> int:
-        """How many jobs a request's sentences are cut into: one per thread for a request of SPLIT_FROM sentences
-        or more (each thread decodes a part of it as a batch of its own), else one."""
-        return len(self.threads) if len(self.threads) > 1 and sentences >= SPLIT_FROM else 1
+            self.jobs.append(job)
+            self.waiting += len(job.sentences)
+            self.lock.notify()
+        return job.future
 
     def close(self, timeout: float | None = None) -> None:
         """Refuses new requests, decodes the queued ones, then ends the thread."""
         with self.lock:
             self.closing = True
-            self.lock.notify_all()
-        for thread in self.threads:
-            thread.join(timeout)
+            self.lock.notify()
+        self.thread.join(timeout)
 
     def tokenizer(self, languages: tuple[str | None, str | None]):
         """The tokenizer for a language pair (a view of the model's: the same files, its languages set)."""
@@ -176,17 +132,8 @@ class Batcher:
                 self.tokenizers[languages] = with_languages(self.loaded.tokenizer, *languages)
             return self.tokenizers[languages]
 
-    def _share(self) -> int:
-        """The sentences one thread's batch may hold: all of them with one thread; with several, its share of those
-        waiting and being decoded, so that the clients split into groups that take turns (one group's batch
-        decodes while the other's clients are answered and ask again) instead of all waiting for one batch."""
-        if len(self.threads) == 1:
-            return self.max_queue
-        return max(1, -(-(self.waiting + self.busy) // len(self.threads)))
-
     def _take(self) -> list[Job] | None:
-        """The next batch: the first waiting job and those that join it within the window, up to the budget (and
-        the thread's share)."""
+        """The next batch: the first waiting job and those that join it within the window, up to the budget."""
         with self.lock:
             while not self.jobs:
                 if self.closing:
@@ -197,7 +144,7 @@ class Batcher:
             self.waiting -= sentences
             self.busy += sentences
             deadline = time.monotonic() + self.window_s
-            while tokens < self.max_tokens and not self.closing and sentences < self._share():
+            while tokens < self.max_tokens and not self.closing:
                 if not self.jobs:
                     left = deadline - time.monotonic()
                     if left <= 0:

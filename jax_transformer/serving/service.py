@@ -434,14 +434,12 @@ def build(
             given = entry.pairs[0]
         languages = Languages.of(loaded, given)
         on_batch = lambda *args, name=entry.name: metrics.batch(name, *args)  # noqa: E731
-        schedule, threads = schedules.serving(settings.decoders)
         batcher = Batcher(
             loaded,
             max_tokens=settings.max_tokens,
             window_s=settings.batch_window_ms / 1000,
             max_queue=settings.max_queue,
-            schedule=schedule,
-            threads=threads,
+            schedule=schedules.serving(),
             name=f"decoder {entry.name}",
             on_batch=on_batch,
         )

@@ -980,12 +980,6 @@ class ServeConfig(Settings):
         "(docs/serving.md); instead of --checkpoint",
         metavar="FILE",
     )
-    decoders: int | None = setting(
-        None,
-        "decoding threads per model, each decoding a whole batch while the others' clients are answered (default: 2 "
-        "on a CPU of two cores or more, else 1)",
-        at_least=1,
-    )
     log_requests: bool = setting(
         False, "the access log (one JSON line per request on stderr) carries each request's text and translation"
     )
