@@ -169,6 +169,21 @@ def found(state: SearchState) -> tuple[np.ndarray, ...]:
     )
 
 
+def _both(jitted, placed: tuple, host: tuple = (), **static) -> None:
+    """Compiles `jitted` for arguments of these shapes twice: with `placed` as arrays committed to the default
+    device, and as arrays placed nowhere (`host`: host arrays either way). A program is compiled for where its
+    arguments lie: a call on another program's outputs (committed) and one on arrays not yet committed find
+    different ones, and which a step between two programs gets depends on the path that led there."""
+    device = jax.config.values["jax_default_device"] or jax.local_devices()[0]
+    sharding = jax.sharding.SingleDeviceSharding(device)
+
+    def committed(x):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, weak_type=x.weak_type, sharding=sharding)
+
+    for args in (jax.tree.map(committed, placed), placed):
+        jitted.lower(*args, *host, **static).compile()
+
+
 def row_shapes(rows: int, length: int) -> Rows:
     """The shapes of `search.Rows` for `rows` sentences and outputs of `length` tokens."""
     return Rows(_shape((rows,)), _shape((rows, length)), _shape((rows,)), _shape((rows,), jnp.uint32))
@@ -418,9 +433,11 @@ class Scheduled(Whole):
         shapes = {(g, cut, width) for g in set(groups) for cut in cuts}
         for shape, job in self.encoder_programs(params, config, sorted(shapes)).items():
             jobs[f"encoder {shape[0]}x{shape[1]} of width {width}"] = job
-        if len(groups) > 1:
+        if (
+            len(groups) > 1
+        ):  # (the groups' outputs are on the device, the order a host array: as `encode_batch` calls it)
             pieces = tuple(_memory(config, g, width) for g in groups)
-            jobs[f"encoder order {part}x{width}"] = lambda: _in_row_order.lower(pieces, _shape((part,))).compile()
+            jobs[f"encoder order {part}x{width}"] = lambda: _both(_in_row_order, (pieces,), (_shape((part,)),))
         plan = self.plan(part, rules.beams, length)
         options = dict(config=config, length=length, cache_len=plan.ends[0])
         src, memory = _shape((part, width)), _memory(config, part, width)
@@ -434,11 +451,10 @@ class Scheduled(Whole):
             return jax.eval_shape(shaped, first, memory, src)
 
         def select_job(a: int, end: int, b: int):
-            at = state(a, end)
-            _select_rows_jit.lower(at, _memory(config, a, width), _shape((a, width)), _shape((b,))).compile()
+            _both(_select_rows_jit, (state(a, end), _memory(config, a, width)), (_shape((a, width)), _shape((b,))))
 
         def grow_job(level: int, end: int, to: int):
-            _grow_jit.lower(state(level, end), length=to).compile()
+            _both(_grow_jit, (state(level, end),), length=to)
 
         for a in plan.levels:
             for i, end in enumerate(plan.ends):

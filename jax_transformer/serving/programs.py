@@ -157,7 +157,21 @@ class CompileWatch:
         self._at: dict[str, float] | None = None
 
     def ready(self) -> None:
+        import jax
+
         self._at = self._log.snapshot()
+        if not getattr(CompileWatch, "_listening", False):  # (jax offers no way to remove a listener: one a process)
+            CompileWatch._listening = True
+            jax.monitoring.register_event_duration_secs_listener(self._said)
+
+    def _said(self, event: str, seconds: float, **kwargs) -> None:
+        """Says which program compiled after ready (one line each: an operator sees what the list missed)."""
+        import logging
+
+        if self._at is not None and event == "/jax/core/compile/backend_compile_duration":
+            logging.getLogger("jax_transformer.serving").warning(
+                "compiled after ready: %s (%.2f s)", kwargs.get("fun_name", "a program"), seconds
+            )
 
     def since_ready(self) -> dict[str, float]:
         now = self._log.snapshot()
