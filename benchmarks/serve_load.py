@@ -82,6 +82,20 @@ def sentences(path: Path | None, n: int) -> list[str]:
     return (lines * (n // len(lines) + 1))[:n]
 
 
+def imported_model(texts: list[str], folder: Path):
+    """The benchmark's model (the module's docstring) written as a MarianMTModel directory and imported into
+    folder/run with `train.py import`: (its run info, the run loaded)."""
+    from jax_transformer.decoding import loading
+    from jax_transformer.interop import hub
+
+    config, params, tokenizer = marian_shaped_model("small", 8000, 128, texts=texts)
+    run_info = {"imported_from": {"family": "marian"}, "decode": {"beam_size": 1, "alpha": 1.0}}
+    hub.export_transformers(params, config, tokenizer, run_info, folder / "hf")
+    subprocess.run([sys.executable, str(REPO / "train.py"), "import", str(folder / "hf"), "--output",
+                    str(folder / "run")], check=True, capture_output=True)  # fmt: skip
+    return run_info, loading.load(folder / "run", "latest")
+
+
 class Service:
     """`train.py serve` of the checkout `repo` in a child process, on a free port of 127.0.0.1."""
 
@@ -304,7 +318,6 @@ def main(argv=None) -> int:
 
     from jax_transformer.decoding import loading
     from jax_transformer.decoding.translation import translate
-    from jax_transformer.interop import hub
 
     texts = sentences(args.input, args.requests)
     # Imported models decode by transformers' rules: max_length counts the start token; no forced EOS, so that each
@@ -314,12 +327,7 @@ def main(argv=None) -> int:
     rows: dict[str, list[dict]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        config, params, tokenizer = marian_shaped_model("small", 8000, 128, texts=texts)
-        run_info = {"imported_from": {"family": "marian"}, "decode": {"beam_size": 1, "alpha": 1.0}}
-        hub.export_transformers(params, config, tokenizer, run_info, tmp / "hf")
-        subprocess.run([sys.executable, str(REPO / "train.py"), "import", str(tmp / "hf"), "--output",
-                        str(tmp / "run")], check=True, capture_output=True)  # fmt: skip
-        loaded = loading.load(tmp / "run", "latest")
+        run_info, loaded = imported_model(texts, tmp)
         decode = loading.decoding(loaded, limits)
         ct2 = None
         try:

@@ -28,7 +28,6 @@ import argparse
 import http.client
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -39,9 +38,8 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from benchmarks.ctranslate2_decoding import marian_shaped_model  # noqa: E402
 from benchmarks.machine import machine_info  # noqa: E402
-from benchmarks.serve_load import Service, load, sentences  # noqa: E402
+from benchmarks.serve_load import Service, imported_model, load, sentences  # noqa: E402
 
 
 def metrics(service: Service) -> dict[str, float]:
@@ -112,7 +110,6 @@ def main(argv=None) -> int:
     from jax_transformer.decoding import loading
     from jax_transformer.decoding.documents import Segmenter, model_fits
     from jax_transformer.decoding.translation import encode_sources, translate
-    from jax_transformer.interop import hub
 
     texts = sentences(None, args.requests)
     flags = ["--beam-size", "1", "--max-length", str(args.new_tokens + 1), "--no-forced-eos"]
@@ -120,12 +117,7 @@ def main(argv=None) -> int:
     details: dict[str, list[dict]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        config, params, tokenizer = marian_shaped_model("small", 8000, 128, texts=texts)
-        run_info = {"imported_from": {"family": "marian"}, "decode": {"beam_size": 1, "alpha": 1.0}}
-        hub.export_transformers(params, config, tokenizer, run_info, tmp / "hf")
-        subprocess.run([sys.executable, str(REPO / "train.py"), "import", str(tmp / "hf"), "--output",
-                        str(tmp / "run")], check=True, capture_output=True)  # fmt: skip
-        loaded = loading.load(tmp / "run", "latest")
+        _, loaded = imported_model(texts, tmp)
         decode = loading.decoding(loaded, {"beam_size": 1, "max_length": args.new_tokens + 1, "forced_eos": False})
         sizes = sorted({64, *args.clients, *(max(1, c // 2) for c in args.clients)})
         for size in sizes:  # untimed: compiles its programs

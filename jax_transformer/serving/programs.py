@@ -179,9 +179,6 @@ class CompileWatch:
             return {"compiles": 0, "traces": 0}
         return {key: now[key] - self._at[key] for key in ("compiles", "traces")}
 
-    def totals(self) -> dict[str, float]:
-        return self._log.snapshot()
-
 
 def warm_up(jobs: Mapping[str, Callable[[], Any]], *, threads: int | None = None) -> tuple[int, float, dict[str, str]]:
     """Runs the compile jobs with a progress bar: (programs compiled, seconds, errors by name)."""
