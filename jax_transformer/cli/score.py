@@ -36,9 +36,10 @@ def add(sub) -> None:
         "writing the lines before it), or write an empty record in its place, as for a pair with an empty side, and "
         "name the line in the report (default error)",
     )
-    from jax_transformer.settings.config import LoopConfig
+    from jax_transformer.settings.config import DecodeConfig, LoopConfig
 
     flags.add_settings(sc, LoopConfig, "loop", "output", only=("progress",))
+    flags.add_settings(sc, DecodeConfig, "decode", "word alignments", only=("alignments", "alignment_layer"))
     flags.compilation_flags(sc)
     sc.set_defaults(func=run)
 
@@ -56,7 +57,11 @@ def run(args, start_time: float) -> int:
     if not args.tsv and not (args.src and args.tgt):
         raise UsageError("score: give --tsv FILE (source<TAB>target lines), or --src FILE and --tgt FILE")
     flags.use_compilation_cache(args)
-    translator = Translator.of(flags.load(args), DecodeConfig())  # scoring decodes nothing
+    # Scoring decodes nothing: of the decoding choices, only the word alignments apply.
+    decode = DecodeConfig(**flags.given(args, "decode"))
+    if decode.alignments and args.output_format == "text":
+        raise UsageError("score: --alignments needs --output-format tsv or jsonl (text output is the score alone)")
+    translator = Translator.of(flags.load(args), decode)
     reader = PairReader([args.tsv] if args.tsv else [args.src, args.tgt])
     sys.stdout.flush()  # what was printed before goes first; the scores bypass Python's buffer
     fd = output.fileno(sys.stdout)
@@ -69,6 +74,7 @@ def run(args, start_time: float) -> int:
             output_format=args.output_format,
             progress=flags.given(args, "loop").get("progress"),
             on_too_long=args.on_too_long,
+            alignment_layer=decode.aligned_layer(translator.config),
         )
     finally:
         sys.stdout.flush()

@@ -34,8 +34,9 @@ def add(sub) -> None:
         choices=("text", "tsv", "jsonl"),
         default="text",
         help="text: each hypothesis on a line (--n-best lines per input line); tsv: line, rank, score, text, a row "
-        "per hypothesis (an empty line: one row of its line number); jsonl: a JSON object per input line with every "
-        "hypothesis, its score, tokens and per-token log-probs (default text)",
+        "per hypothesis (an empty line: one row of its line number), and with --alignments its word alignment; "
+        "jsonl: a JSON object per input line with every hypothesis, its score, tokens and per-token log-probs (and "
+        'its "alignment") (default text)',
     )
     tr.add_argument(
         "--on-too-long",
@@ -81,9 +82,18 @@ def run(args, start_time: float) -> int:
             if value != "text":
                 raise UsageError(f"--document writes the document, translated, as text: it takes no {flag} {value}")
         n_best = flags.given(args, "decode").get("n_best", 1)
+        if flags.given(args, "decode").get("alignments"):
+            raise UsageError("--document writes the document, translated, as text: it takes no --alignments")
         if n_best > 1:
             raise UsageError(f"--document writes one translation of each sentence: it takes no --n-best {n_best}")
         documents.Segmenter()  # a UsageError naming the documents extra where sentencex is missing
+    if flags.given(args, "decode").get("alignments") and args.output_format == "text":  # refused before loading
+        from jax_transformer.errors import UsageError
+
+        raise UsageError(
+            "--alignments writes each hypothesis's word pairs beside it: give --output-format tsv (a fifth column) "
+            'or jsonl (an "alignment" field)'
+        )
     flags.use_compilation_cache(args)
     translator = flags.translator(args)
     progress = flags.given(args, "loop").get("progress")  # None: when stderr is a terminal

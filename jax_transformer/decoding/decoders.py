@@ -126,12 +126,15 @@ class Decoded:
     a target prefix's tokens first; EOS where emitted; PAD after), scores (B, n) (by the rules: log P over the
     length penalty of beam search, the sum of the log-probs of greedy search and sampling; a prefix's tokens not
     counted), token_scores (B, n, L) (each token's log-prob, 0 for a prefix's; 0 after the end) and found (B, n)
-    (False for a slot no hypothesis reached: its score is the rules' `impossible`)."""
+    (False for a slot no hypothesis reached: its score is the rules' `impossible`); with the rules'
+    `alignment_layer`, alignments (B, n, L) (the source position each token attends to most, -1 after the end;
+    `decoding.alignment` makes word pairs of them), else None."""
 
     tokens: np.ndarray
     scores: np.ndarray
     token_scores: np.ndarray
     found: np.ndarray
+    alignments: np.ndarray | None = None
 
     def best(self) -> tuple[np.ndarray, np.ndarray]:
         """The best hypothesis of each sentence: tokens (B, L) and score (B,)."""
@@ -139,8 +142,9 @@ class Decoded:
 
     def row(self, i: int) -> Decoded:
         """Sentence i's hypotheses, a Decoded of one row."""
+        aligned = None if self.alignments is None else self.alignments[i : i + 1]
         return Decoded(
-            self.tokens[i : i + 1], self.scores[i : i + 1], self.token_scores[i : i + 1], self.found[i : i + 1]
+            self.tokens[i : i + 1], self.scores[i : i + 1], self.token_scores[i : i + 1], self.found[i : i + 1], aligned
         )
 
 
@@ -257,6 +261,7 @@ def decoder(config: TransformerConfig, decode: DecodeConfig, width: int) -> Deco
             greedy=decode.beams == 1,
             n_best=decode.n_best,
             sampler=sampler,
+            alignment_layer=decode.aligned_layer(config),
         )
     return transformers_decoder(
         config,
@@ -272,6 +277,7 @@ def decoder(config: TransformerConfig, decode: DecodeConfig, width: int) -> Deco
         no_repeat_ngram_size=decode.no_repeat_ngram_size,
         n_best=decode.n_best,
         sampler=sampler,
+        alignment_layer=decode.aligned_layer(config),
     )
 
 
@@ -287,9 +293,11 @@ def gnmt_decoder(
     greedy: bool = False,
     n_best: int = 1,
     sampler: Sampler | None = None,
+    alignment_layer: int | None = None,
 ) -> Decoder:
     """This project's search on sources `width` wide (`search.Gnmt`): greedy, or beam search of `beam_size` with the
-    GNMT length penalty of exponent `alpha`; with a `sampler`, sampling (greedy's loop, a drawn token)."""
+    GNMT length penalty of exponent `alpha`; with a `sampler`, sampling (greedy's loop, a drawn token);
+    `alignment_layer`: the decoder layer whose cross-attention aligns the output (None: no alignments)."""
     _check_options(config, max_len_a, max_len_b, min_len, beam_size, alpha)
     length = output_length(width, config, max_len_a, max_len_b)
     rules = Gnmt(
@@ -302,6 +310,7 @@ def gnmt_decoder(
         pad_id=config.pad_id,
         bos_id=config.bos_id,
         sampler=sampler,
+        alignment_layer=alignment_layer,
     )
     return Decoder(config, rules, length, max_len_a, max_len_b, _n_best(n_best, rules))
 
@@ -321,9 +330,10 @@ def transformers_decoder(
     no_repeat_ngram_size: int = 0,
     n_best: int = 1,
     sampler: Sampler | None = None,
+    alignment_layer: int | None = None,
 ) -> Decoder:
     """transformers' `generate(num_beams=..., do_sample=...)` (`search.Transformers`): outputs of max_length - 1
-    tokens (the start token not counted)."""
+    tokens (the start token not counted); `alignment_layer` as for `gnmt_decoder`."""
     if not repetition_penalty > 0 or no_repeat_ngram_size < 0:
         raise ValueError(
             f"repetition_penalty must be > 0 and no_repeat_ngram_size >= 0, got {repetition_penalty} and "
@@ -349,6 +359,7 @@ def transformers_decoder(
         repetition_penalty=np.float32(repetition_penalty),
         no_repeat_ngram=int(no_repeat_ngram_size),
         sampler=sampler,
+        alignment_layer=alignment_layer,
     )
     return Decoder(config, rules, int(max_length) - 1, n_best=_n_best(n_best, rules))
 

@@ -162,10 +162,11 @@ class Plan:
 def found(state: SearchState) -> tuple[np.ndarray, ...]:
     """Each sentence's finished hypotheses, best first, on the host: tokens (B, K, L), scores (B, K), per-token
     log-probs (B, K, L) and which slots hold one (B, K) (sliced there: an eager jax op would compile a small program
-    for each new shape)."""
+    for each new shape); and their alignments (B, K, L) where the search makes them."""
+    aligned = () if state.finished_alignment is None else (state.finished_alignment,)
     return tuple(
         np.asarray(x)
-        for x in (state.finished_tokens, state.finished_scores, state.finished_token_scores, state.finished)
+        for x in (state.finished_tokens, state.finished_scores, state.finished_token_scores, state.finished, *aligned)
     )
 
 

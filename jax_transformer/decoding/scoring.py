@@ -18,9 +18,10 @@ from tqdm.auto import tqdm
 
 from jax_transformer.compilation import jit_by_config
 from jax_transformer.data.corpus import MAX_REPORTED_LINES, PairReader
+from jax_transformer.decoding import alignment
 from jax_transformer.decoding.decoders import on_device
 from jax_transformer.decoding.translation import TRANSLATE_CHUNK_LINES, batch_buckets, decode_widths
-from jax_transformer.errors import DataError
+from jax_transformer.errors import DataError, UsageError
 from jax_transformer.model.transformer import Transformer
 from jax_transformer.settings.config import TransformerConfig
 
@@ -30,11 +31,12 @@ SCORE_BATCH_SIZE = 64  # pairs scored together
 @dataclasses.dataclass(frozen=True)
 class Score:
     """A pair's score: the sum of its target tokens' log-probs (EOS included), the tokens (ids, EOS last) and each
-    one's log-prob."""
+    one's log-prob; asked for, its word alignment ("0-0 1-2 ...": `alignment.sentence_alignment`), else None."""
 
     score: float
     tokens: list[int]
     token_scores: list[float]
+    alignment: str | None = None
 
 
 @functools.partial(jit_by_config, static_argnames=("config",))
@@ -56,11 +58,14 @@ def score_pairs(
     batch_size: int = SCORE_BATCH_SIZE,
     names: Sequence[str] | None = None,
     on_too_long: str = "error",
+    alignment_layer: int | None = None,
 ) -> list[Score | None]:
     """The Score of each (source, target) pair, in order. Pairs are sorted by length and scored `batch_size` at a
     time, padded to a few shapes (rows: `translation.batch_buckets`, widths: `translation.decode_widths`) so that
     compilations are few. A side longer than the model's max_len is a DataError naming the pair (`names`, default
-    "pair i"), or with on_too_long="skip" a None in its place (`too_long` says why)."""
+    "pair i"), or with on_too_long="skip" a None in its place (`too_long` says why). `alignment_layer`: the decoder
+    layer whose cross-attention aligns each pair's words (`DecodeConfig.aligned_layer`; None: no alignments), in a
+    pass of its own, so that the scores are those of a scoring without."""
     if len(sources) != len(targets):
         raise ValueError(f"{len(sources)} sources and {len(targets)} targets: give one target per source")
     if on_too_long not in ON_TOO_LONG:
@@ -92,10 +97,17 @@ def score_pairs(
             tgt_in[row, : len(t) + 1] = [config.start_id] + t
             tgt_out[row, : len(t) + 1] = t + [config.eos_id]
         found = np.asarray(token_log_probs(params, src, tgt_in, tgt_out, config=config))  # (rows, T)
+        aligned = None
+        if alignment_layer is not None:
+            aligned = alignment.teacher_forced_alignments(params, config, alignment_layer, src, tgt_in)  # (rows, T)
         for row, i in enumerate(chunk):
             n = len(tgt_ids[i]) + 1
             values = found[row, :n].astype(np.float64)
-            out[i] = Score(float(values.sum()), tgt_ids[i] + [config.eos_id], [float(v) for v in values])
+            tokens = tgt_ids[i] + [config.eos_id]
+            pairs = None
+            if aligned is not None:
+                pairs = alignment.sentence_alignment(tokenizer, config, src_ids[i], tokens, aligned[row, :n])
+            out[i] = Score(float(values.sum()), tokens, [float(v) for v in values], pairs)
     return out
 
 
@@ -113,17 +125,22 @@ def too_long(name: str, source_tokens: int, target_tokens: int, config: Transfor
     )
 
 
-def format_score(score: Score | None, line: int, output_format: str) -> str:
+def format_score(score: Score | None, line: int, output_format: str, alignments: bool = False) -> str:
     """One output line for input line `line` (None: a pair that was not scored, an empty side). text: the score;
-    tsv: line, score, tokens and per-token log-probs (space-separated); jsonl: a JSON object of the same."""
+    tsv: line, score, tokens and per-token log-probs (space-separated); jsonl: a JSON object of the same. With
+    `alignments`, the word alignment too: a fifth tsv column, a jsonl "alignment" field."""
     if output_format == "jsonl":
-        return json.dumps({"line": line, **(dataclasses.asdict(score) if score else {"score": None})})
+        record = dataclasses.asdict(score) if score else {"score": None}
+        if not alignments:  # a scoring without alignments writes the records it did
+            record.pop("alignment", None)
+        return json.dumps({"line": line, **record})
     if score is None:
-        return "" if output_format == "text" else f"{line}\t\t\t"
+        return "" if output_format == "text" else f"{line}\t\t\t" + "\t" * alignments
     if output_format == "text":
         return f"{score.score:.6g}"
     per_token = " ".join(f"{v:.6g}" for v in score.token_scores)
-    return f"{line}\t{score.score:.6g}\t{' '.join(map(str, score.tokens))}\t{per_token}"
+    row = f"{line}\t{score.score:.6g}\t{' '.join(map(str, score.tokens))}\t{per_token}"
+    return f"{row}\t{score.alignment}" if alignments else row
 
 
 @dataclasses.dataclass
@@ -156,6 +173,7 @@ def score_lines(
     chunk_size: int = TRANSLATE_CHUNK_LINES,
     progress: bool | None = True,
     on_too_long: str = "error",
+    alignment_layer: int | None = None,
 ) -> ScoreReport:
     """Scores (line, source, target) pairs (e.g. a `corpus.PairReader`, which skips pairs with an empty side) and
     calls `write` once per line, in order: a line the pairs skip gets an empty record, so that output line i stays
@@ -163,9 +181,16 @@ def score_lines(
 
     A pair with a side longer than the model takes: with on_too_long="error", a DataError naming `origin` and the
     line, after the records of the lines before it are written; with "skip", an empty record in its place, counted
-    and named in the report."""
+    and named in the report. `alignment_layer`: as for `score_pairs`, each record with its pair's word alignment
+    (tsv or jsonl)."""
     if output_format not in SCORE_FORMATS:
         raise ValueError(f"output_format must be one of {SCORE_FORMATS}, got {output_format!r}")
+    aligns = alignment_layer is not None
+    if aligns and output_format == "text":
+        raise UsageError(
+            "--alignments writes each pair's word alignment beside its score: give --output-format tsv (a fifth "
+            'column) or jsonl (an "alignment" field)'
+        )
     if on_too_long not in ON_TOO_LONG:
         raise ValueError(f"on_too_long must be one of {ON_TOO_LONG}, got {on_too_long!r}")
     report, last = ScoreReport(), 0
@@ -174,10 +199,11 @@ def score_lines(
         while chunk := list(itertools.islice(iterator, chunk_size)):
             lines, sources, targets = zip(*chunk)
             names = [f"{origin}, line {line}" for line in lines]
-            found = score_pairs(params, config, tokenizer, sources, targets, names=names, on_too_long="skip")
+            found = score_pairs(params, config, tokenizer, sources, targets, names=names, on_too_long="skip",
+                                alignment_layer=alignment_layer)  # fmt: skip
             for line, source, target, score in zip(lines, sources, targets, found):
                 for gap in range(last + 1, line):  # lines the reader skipped
-                    write(format_score(None, gap, output_format))
+                    write(format_score(None, gap, output_format, aligns))
                 if score is None and on_too_long == "error":  # what comes before it is written, then it stops
                     n_source, n_target = (len(ids) for ids in _token_counts(tokenizer, source, target))
                     raise DataError(
@@ -185,7 +211,7 @@ def score_lines(
                         + "; the lines before it are scored; pass --on-too-long skip to write an empty record "
                         "for such lines"
                     )
-                write(format_score(score, line, output_format))
+                write(format_score(score, line, output_format, aligns))
                 last = line
                 if score is None:
                     report.too_long += 1
@@ -196,7 +222,7 @@ def score_lines(
             bar.update(len(chunk))
     end = pairs.lines if isinstance(pairs, PairReader) else last  # a reader's last line; a list's: its last pair
     for gap in range(last + 1, end + 1):  # lines after the last pair, skipped too
-        write(format_score(None, gap, output_format))
+        write(format_score(None, gap, output_format, aligns))
     return report
 
 

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jax_transformer.compilation import exportable, jit_by_config
-from jax_transformer.model.transformer import Transformer
+from jax_transformer.model.transformer import Transformer, cross_attention_rows
 from jax_transformer.settings.config import TransformerConfig
 
 # Shapes: B sentences, K hypotheses per sentence (beams), C candidates per sentence and step (2K; 1 for greedy),
@@ -63,6 +63,10 @@ class SearchState:
     finished_token_scores: jnp.ndarray  # (B, K, L) float32: those of the finished hypotheses
     history: jnp.ndarray  # (B, K, T) int32: the cache slot that holds position t of each live hypothesis's past
     cache: Any  # the model's decoding cache, its self-attention with K slots per sentence
+    # With `Rules.alignment_layer` set, (B, K, L) int32: the source position each token attends to most (-1 beyond
+    # `step`); else None, the state of a search without alignments.
+    live_alignment: Any = None
+    finished_alignment: Any = None
 
 
 # =============================================================================================================
@@ -81,6 +85,9 @@ class Rules:
     eos_id: int = flax.struct.field(pytree_node=False)
     impossible = -jnp.inf  # the score of an empty slot and of what may not be chosen
     sampler = None  # a `Sampler` (a field of each subclass): sampling instead of search
+    # The decoder layer whose cross-attention aligns each token to a source position (a field of each subclass;
+    # `decoding.alignment`); None: no alignments, the loop as without them.
+    alignment_layer = None
 
     def token_scores(self, logits, step, past):
         """(N, V) scores of the next token for ranking (log-probs, with banned tokens made impossible); `past`:
@@ -178,6 +185,7 @@ class Gnmt(Rules):
     pad_id: int = flax.struct.field(pytree_node=False)
     bos_id: int | None = flax.struct.field(pytree_node=False)
     sampler: Sampler | None = None
+    alignment_layer: int | None = flax.struct.field(pytree_node=False, default=None)
 
     def token_scores(self, logits, step, past):
         # No renormalisation after the bans, as fairseq does.
@@ -226,6 +234,7 @@ class Transformers(Rules):
     penalize: bool = flax.struct.field(pytree_node=False, default=False)
     repetition_penalty: jnp.ndarray = 1.0  # () float32, > 0
     sampler: Sampler | None = None
+    alignment_layer: int | None = flax.struct.field(pytree_node=False, default=None)
     impossible = NEG
 
     def token_scores(self, logits, step, past):
@@ -314,6 +323,7 @@ def initial_state(rules: Rules, src, rows: Rows, length: int, cache_len: int, ca
     """The state before the first step: K copies of an empty hypothesis of which only the first may extend."""
     B, K = src.shape[0], rules.beams
     first_only = jnp.where(jnp.arange(K) == 0, 0.0, rules.impossible).astype(jnp.float32)
+    aligned = None if rules.alignment_layer is None else jnp.full((B, K, length), -1, jnp.int32)
     return SearchState(
         step=jnp.array(0, jnp.int32),
         live_tokens=jnp.full((B, K, length), pad_id, jnp.int32),
@@ -327,6 +337,8 @@ def initial_state(rules: Rules, src, rows: Rows, length: int, cache_len: int, ca
         finished_token_scores=jnp.zeros((B, K, length), jnp.float32),
         history=jnp.zeros((B, K, cache_len), jnp.int32),
         cache=cache,
+        live_alignment=aligned,
+        finished_alignment=aligned,
     )
 
 
@@ -336,7 +348,8 @@ def advance(s: SearchState, rules: Rules, step_fn) -> SearchState:
     t = s.step
     last = jnp.where(t == 0, rules.start_id, s.live_tokens[:, :, jnp.maximum(t - 1, 0)])  # (B, K)
     history = s.history.at[:, :, t].set(jnp.arange(K))  # hypothesis k's new position goes to cache slot k
-    logits, cache = step_fn(last.reshape(-1), s.cache, history.reshape(B * K, -1), t)  # (B * K, V)
+    out = step_fn(last.reshape(-1), s.cache, history.reshape(B * K, -1), t)  # (B * K, V), ...
+    logits, cache = out[:2]  # and with alignments, the step's (B * K, S) cross-attention: `advance_alignment`
     scores = rules.token_scores(logits, t, s.live_tokens.reshape(B * K, -1)).reshape(B, K, -1)  # (B, K, V)
     scores = _forced_prefix(scores, s.rows, t)
 
@@ -350,10 +363,10 @@ def advance(s: SearchState, rules: Rules, step_fn) -> SearchState:
     ends = (tokens == rules.eos_id) | (t + 1 >= s.rows.limit)[:, None]  # (B, C)
 
     # Live: the K best candidates that did not end; each takes its parent's past in the cache.
-    live_scores, pick = _best(rules.exclude(log_p, ends), K)  # (B, K)
-    live_tokens = _gather(candidates, pick)
-    live_token_scores = _gather(token_scores, pick)
-    history = _gather(history, jnp.take_along_axis(parents, pick, axis=1))
+    live_scores, live_pick = _best(rules.exclude(log_p, ends), K)  # (B, K)
+    live_tokens = _gather(candidates, live_pick)
+    live_token_scores = _gather(token_scores, live_pick)
+    history = _gather(history, jnp.take_along_axis(parents, live_pick, axis=1))
 
     # Finished: the K best of the old and of the candidates that end among the first K (fairseq's rule: an ending
     # candidate ranked below them is dropped), in open sentences only.
@@ -364,6 +377,7 @@ def advance(s: SearchState, rules: Rules, step_fn) -> SearchState:
     finished_tokens = _gather(jnp.concatenate([s.finished_tokens, candidates], axis=1), pick)
     finished_token_scores = _gather(jnp.concatenate([s.finished_token_scores, token_scores], axis=1), pick)
     finished = _gather(jnp.concatenate([s.finished, finishing], axis=1), pick)
+    aligned = {} if rules.alignment_layer is None else advance_alignment(s, out[2], parents, live_pick, pick, t)
 
     return s.replace(
         step=t + 1,
@@ -377,7 +391,20 @@ def advance(s: SearchState, rules: Rules, step_fn) -> SearchState:
         finished_token_scores=finished_token_scores,
         history=history,
         cache=cache,
+        **aligned,
     )
+
+
+def advance_alignment(s: SearchState, attention, parents, live_pick, finished_pick, t) -> dict:
+    """The alignments of `advance`'s step, gathered as its tokens are: the candidate of parent p at step t aligns to
+    the source position p's step attends to most (`attention` (B * K, S), the layer's cross-attention over heads,
+    -1 where no word is), its past to p's; live and finished take their picks of the candidates. Returns the
+    state's new alignment fields."""
+    B, K, _ = s.live_tokens.shape
+    source = first_argmax(attention).reshape(B, K)  # (B, K)
+    aligned = _gather(s.live_alignment, parents).at[:, :, t].set(jnp.take_along_axis(source, parents, axis=1))
+    finished = _gather(jnp.concatenate([s.finished_alignment, aligned], axis=1), finished_pick)  # (B, K, L)
+    return dict(live_alignment=_gather(aligned, live_pick), finished_alignment=finished)
 
 
 def run(s: SearchState, rules: Rules, step_fn, until) -> SearchState:
@@ -500,12 +527,35 @@ def decode_step(model: Transformer, params, cache, memory, src, tokens, step, hi
     return logits[:, 0], variables["cache"]  # (N, V)
 
 
-def _step_function(config: TransformerConfig, params, memory, src):
+def aligned_decode_step(model: Transformer, params, cache, memory, src, tokens, step, history, kernel, layer: int):
+    """`decode_step`, and decoder layer `layer`'s cross-attention of the step averaged over heads (N, S), -1 at the
+    source positions no word is at (PAD, EOS: fairseq's `extract_hard_alignment` leaves them out)."""
+    logits, variables = model.apply(
+        {"params": params, "cache": cache},
+        memory,
+        src,
+        tokens[:, None],
+        decode=True,
+        kernel=kernel,
+        step=step,
+        history=history,
+        mutable=["cache", "intermediates"],
+        method=Transformer.decode,
+    )
+    N = tokens.shape[0]
+    attention = cross_attention_rows(variables["intermediates"], layer, N)[:, 0]  # (N, S)
+    words = jnp.repeat((src != model.config.pad_id) & (src != model.config.eos_id), N // src.shape[0], axis=0)
+    return logits[:, 0], variables["cache"], jnp.where(words, attention, -1.0)
+
+
+def _step_function(config: TransformerConfig, params, memory, src, alignment_layer: int | None = None):
     model = Transformer(config)
     kernel = output_kernel(model, params)  # before the loop: a transpose in its body would be redone every step
 
     def step_fn(tokens, cache, history, step):
-        return decode_step(model, params, cache, memory, src, tokens, step, history, kernel)
+        if alignment_layer is None:
+            return decode_step(model, params, cache, memory, src, tokens, step, history, kernel)
+        return aligned_decode_step(model, params, cache, memory, src, tokens, step, history, kernel, alignment_layer)
 
     return step_fn
 
@@ -519,10 +569,10 @@ def start(
     open."""
     cache = create_cache(Transformer(config), params, memory, src, cache_len, rules.beams)
     state = initial_state(rules, src, rows, length, cache_len, cache, config.pad_id)
-    return run(state, rules, _step_function(config, params, memory, src), until)
+    return run(state, rules, _step_function(config, params, memory, src, rules.alignment_layer), until)
 
 
 @functools.partial(jit_by_config, static_argnames=("config",), cpu_options=LOOP_CPU_OPTIONS)
 def resume(params, src, memory, rules: Rules, state: SearchState, until, *, config: TransformerConfig):
     """`start`'s search going on from `state` (the sources and memory of its rows)."""
-    return run(state, rules, _step_function(config, params, memory, src), until)
+    return run(state, rules, _step_function(config, params, memory, src, rules.alignment_layer), until)

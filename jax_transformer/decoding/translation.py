@@ -24,9 +24,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from tqdm.auto import tqdm
 
 from jax_transformer.data.tokenizer import LanguageCodeTokenizer
+from jax_transformer.decoding import alignment
 from jax_transformer.decoding import schedule as schedules
 from jax_transformer.decoding.decoders import Decoded, decoder, on_device
-from jax_transformer.errors import DataError, TokenError, WriteError
+from jax_transformer.errors import DataError, TokenError, UsageError, WriteError
 from jax_transformer.settings.config import DecodeConfig, TransformerConfig
 
 TRANSLATE_BATCH_SIZE = 64  # sentences decoded together by `translate`
@@ -326,12 +327,14 @@ def encode_prefixes(tokenizer, prefixes: Sequence[str | None]) -> list[list[int]
 @dataclasses.dataclass(frozen=True)
 class Hypothesis:
     """One translation of a sentence: its text, its token ids (the prefix's first, EOS and padding left out), its
-    score by the decoding's rules, and each token's log-prob (0 for a prefix's)."""
+    score by the decoding's rules, and each token's log-prob (0 for a prefix's); with --alignments, its word
+    alignment to the source ("0-0 1-2 ...": `alignment.sentence_alignment`), else None."""
 
     text: str
     tokens: list[int]
     score: float
     token_scores: list[float]
+    alignment: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -394,6 +397,7 @@ def translations(
     `encode_sources` gives them, where the caller has them already (a service counts tokens before it queues).
     """
     decode = forced_language(decode, tokenizer)
+    decode.aligned_layer(config)  # a layer the model lacks: a ConfigError before anything is encoded
     sources = list(encoded) if encoded is not None else encode_sources(tokenizer, sentences, config)
     if prefixes is not None and len(prefixes) != len(sources):
         raise ValueError(f"{len(prefixes)} prefixes for {len(sources)} sentences: give one (or None) per sentence")
@@ -414,20 +418,27 @@ def translations(
     )
     prefixes = prefixes or [None] * len(sources)
     return [
-        Translation(sentence, _hypotheses(tokenizer, found, config), prefix or None)
-        for sentence, found, prefix in zip(sentences, decoded, prefixes)
+        Translation(sentence, _hypotheses(tokenizer, found, config, source), prefix or None)
+        for sentence, found, prefix, source in zip(sentences, decoded, prefixes, sources)
     ]
 
 
-def _hypotheses(tokenizer, found: Decoded, config: TransformerConfig) -> list[Hypothesis]:
-    """The hypotheses of one sentence (`found`: a Decoded of one row) as text, ids and scores."""
+def _hypotheses(tokenizer, found: Decoded, config: TransformerConfig, source=None) -> list[Hypothesis]:
+    """The hypotheses of one sentence (`found`: a Decoded of one row) as text, ids and scores; with alignments,
+    their word alignments to `source` (the ids the model read)."""
     out = []
-    for tokens, score, token_scores, ok in zip(found.tokens[0], found.scores[0], found.token_scores[0], found.found[0]):
+    for k, (tokens, score, token_scores, ok) in enumerate(
+        zip(found.tokens[0], found.scores[0], found.token_scores[0], found.found[0])
+    ):
         ends = np.flatnonzero(tokens == config.eos_id)
         n = int(ends[0]) + 1 if len(ends) else int(np.count_nonzero(tokens != config.pad_id))  # EOS included
         if ok:
             ids = [i for i in tokens[:n].tolist() if i != config.eos_id]
-            out.append(Hypothesis(tokenizer.decode(tokens), ids, float(score), token_scores[:n].tolist()))
+            aligned = None
+            if found.alignments is not None:
+                positions = found.alignments[0, k, :n]  # (n,) the source position of each token
+                aligned = alignment.sentence_alignment(tokenizer, config, source, tokens[:n], positions)
+            out.append(Hypothesis(tokenizer.decode(tokens), ids, float(score), token_scores[:n].tolist(), aligned))
     return out
 
 
@@ -550,19 +561,26 @@ class OutputLines:
 OUTPUT_FORMATS = ("text", "tsv", "jsonl")
 
 
-def format_translation(found: Translation | None, line: int, output_format: str, n_best: int = 1) -> list[str]:
+def format_translation(
+    found: Translation | None, line: int, output_format: str, n_best: int = 1, alignments: bool = False
+) -> list[str]:
     """The output lines of input line `line` (None: an empty line). text: each hypothesis's text on a line of its
     own (n_best lines per input line, "" where there is none); tsv: line, rank, score and text, tab-separated, a
     row per hypothesis (an empty line: one row with its line number and empty fields); jsonl: one JSON object
-    with the source, the prefix and every hypothesis with its score, tokens and per-token log-probs."""
+    with the source, the prefix and every hypothesis with its score, tokens and per-token log-probs. With
+    `alignments`: each jsonl hypothesis has its "alignment" ("0-0 1-2 ..."), each tsv row a fifth column of it."""
     hypotheses = found.hypotheses if found is not None else []
     if output_format == "jsonl":
         record = {"line": line, "source": found.source if found else "", "prefix": found.prefix if found else None}
-        record["hypotheses"] = [dataclasses.asdict(h) for h in hypotheses]
+        drop = () if alignments else ("alignment",)  # a decoding without alignments writes the records it did
+        record["hypotheses"] = [{k: v for k, v in dataclasses.asdict(h).items() if k not in drop} for h in hypotheses]
         return [json.dumps(record, ensure_ascii=False)]
     texts = [h.text.replace("\r", " ").replace("\n", " ") for h in hypotheses]  # one line per hypothesis
     if output_format == "tsv":  # an empty line (no hypothesis): one row of its line number alone
         rows = [f"{line}\t{rank}\t{h.score:.6g}\t{text}" for rank, (h, text) in enumerate(zip(hypotheses, texts), 1)]
+        if alignments:
+            rows = [f"{row}\t{h.alignment}" for row, h in zip(rows, hypotheses)]
+            return rows or [f"{line}\t\t\t\t"]
         return rows or [f"{line}\t\t\t"]
     return (texts + [""] * n_best)[:n_best]
 
@@ -605,6 +623,12 @@ def translate_lines(
         raise ValueError(f"chunk_size must be an int >= 1, got {chunk_size!r}")
     check_batching(batch_size, max_tokens)  # before a line is read
     decode = forced_language(decode, tokenizer)
+    decode.aligned_layer(config)  # a layer the model lacks: a ConfigError before a line is read
+    if decode.alignments and output_format == "text":
+        raise UsageError(
+            "--alignments writes each hypothesis's word pairs beside it: give --output-format tsv (a fifth column) "
+            'or jsonl (an "alignment" field); text output has no place for them'
+        )
     report = TranslationReport()
     bar = tqdm(
         total=total,
@@ -646,10 +670,12 @@ def translate_lines(
                 max_tokens=max_tokens,
                 progress=False,
             )
-            found = dict(zip(done, (Translation(chunk[i], _hypotheses(tokenizer, d, config), prefixes[i] or None)
-                                    for i, d in zip(done, decoded))))  # fmt: skip
+            found = dict(zip(done, (Translation(chunk[i], _hypotheses(tokenizer, d, config, source),
+                                                prefixes[i] or None)
+                                    for i, d, source in zip(done, decoded, sources))))  # fmt: skip
             for i in range(len(chunk)):
-                for text in format_translation(found.get(i), first + i, output_format, decode.n_best):
+                formatted = format_translation(found.get(i), first + i, output_format, decode.n_best, decode.alignments)
+                for text in formatted:
                     write(text)
             report.lines += len(chunk)
             report.empty += len(chunk) - len(ids)

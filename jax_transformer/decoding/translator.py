@@ -143,17 +143,30 @@ class Translator:
 
     # --- scores ---------------------------------------------------------------------------------------------
 
-    def score(self, sources: Sequence[str], targets: Sequence[str], **kwargs) -> list[scoring.Score | None]:
+    def score(
+        self,
+        sources: Sequence[str],
+        targets: Sequence[str],
+        *,
+        alignments: bool | None = None,
+        alignment_layer: int | None = None,
+        **kwargs,
+    ) -> list[scoring.Score | None]:
         """The `Score` of each (source, target) pair: the sum of the target tokens' log-probs (EOS included), the
         tokens and each one's log-prob, as CTranslate2's score_batch gives them (on_too_long="skip": None for a
-        pair longer than the model takes, else a DataError naming it)."""
-        return scoring.score_pairs(self.params, self.config, self.tokenizer, list(sources), list(targets), **kwargs)
+        pair longer than the model takes, else a DataError naming it); with `alignments`, each pair's word
+        alignment by `alignment_layer`'s cross-attention (None: this translator's, by default the last layer)."""
+        given = {"alignments": alignments, "alignment_layer": alignment_layer}
+        layer = self.decoding(**{k: v for k, v in given.items() if v is not None}).aligned_layer(self.config)
+        return scoring.score_pairs(
+            self.params, self.config, self.tokenizer, list(sources), list(targets), alignment_layer=layer, **kwargs
+        )
 
     def score_lines(
         self, pairs: Iterable[tuple[int, str, str]], write: Callable[[str], None], **kwargs
     ) -> scoring.ScoreReport:
         """`scoring.score_lines` with this model: (line, source, target) pairs streamed, a record per line
-        (`on_too_long` error or skip)."""
+        (`on_too_long` error or skip; `alignment_layer`: word alignments by that layer's cross-attention)."""
         return scoring.score_lines(self.params, self.config, self.tokenizer, pairs, write, **kwargs)
 
     # --- documents ------------------------------------------------------------------------------------------

@@ -701,6 +701,16 @@ def attention_maps(intermediates) -> dict[str, jnp.ndarray]:
     return maps
 
 
+def cross_attention_rows(intermediates, layer: int, rows: int):
+    """Decoder layer `layer`'s cross-attention probabilities, sown by a call with "intermediates" mutable, averaged
+    over heads: (rows, Tq, S), a row per query row. A decoding call lays the G = rows / sentences query rows of a
+    sentence side by side (`MultiHeadAttention`): its sown array is (rows / G, H, G * Tq, S), G-major."""
+    probs = intermediates["decoder"][f"layer_{layer}"]["cross_attention"]["attention"][-1]  # the last call's
+    n, _, GT, S = probs.shape
+    G = rows // n
+    return jnp.mean(probs, axis=1).reshape(rows, GT // G, S)
+
+
 def init_params(config: TransformerConfig, seed: int = 0):
     """Fresh float32 parameters for `config` (Xavier-uniform matrices, zero biases, unit LayerNorm scales). How the
     model computes (dtype, attention kernel) does not change them, so the dummy forward pass of `init` runs in

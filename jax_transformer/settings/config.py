@@ -787,6 +787,16 @@ class DecodeConfig(Settings):
         "(no_repeat_ngram_size; 0: off)",
         at_least=0,
     )
+    alignments: bool = setting(
+        False,
+        "word alignments of each hypothesis, source-target pairs i-j (Pharaoh format, 0-based, as fast_align and "
+        "fairseq print): each target subword aligned to the source subword its --alignment-layer's cross-attention, "
+        "averaged over heads, weighs most (translate's tsv and jsonl outputs, score, the service)",
+    )
+    alignment_layer: int = setting(
+        -1,
+        "the decoder layer whose cross-attention gives --alignments: 0 is the first, -1 the last (fairseq's default)",
+    )
 
     def check(self) -> None:
         self.banned_ids()  # checks the form
@@ -841,6 +851,19 @@ class DecodeConfig(Settings):
                  "min_length", "forced_bos", "repetition_penalty", "no_repeat_ngram_size")  # fmt: skip
         rest = ", ".join(f"{k} {v}" for k, v in self.to_dict().items() if k in shown and v != default[k])
         return f"{self.rules} rules, {how}" + (f", {rest}" if rest else "")
+
+    def aligned_layer(self, config: TransformerConfig) -> int | None:
+        """The decoder layer (0-based) whose cross-attention gives `config`'s model's --alignments (None: none asked
+        for); a ConfigError naming the field where the model has no such layer."""
+        if not self.alignments:
+            return None
+        n, layer = config.num_decoder_layers, self.alignment_layer
+        if not -n <= layer < n:
+            raise ConfigError(
+                f"decode field 'alignment_layer' is {layer} (--alignment-layer), but this model has {n} decoder "
+                f"layers: give one of 0..{n - 1}, or -1..-{n} counted from the top"
+            )
+        return layer % n
 
     def output_limit(self, config: TransformerConfig) -> int:
         """transformers rules: the longest output of `config`'s model, its start token included: max_length, at
@@ -897,6 +920,7 @@ def check_decoding(
         for i in ids:
             if not 0 <= i < vocab:
                 raise ConfigError(f"{flag} {i}: not an id of this model's target vocabulary [0, {vocab})")
+    decode.aligned_layer(config)  # a ConfigError where the model has no such layer
 
 
 # =============================================================================================================
