@@ -192,3 +192,16 @@ def test_unknown_language_code_names_the_closest(folders):
     without_defaults = type(tokenizer)(tokenizer.files, {})  # a tokenizer_config.json naming no languages
     with pytest.raises(DataError, match=r"--src-lang is needed"):
         without_defaults.encode("one")
+
+
+@pytest.mark.parametrize("family", ["nllb", "mbart50"])
+def test_alignments_are_the_argmax_of_transformers_cross_attentions(family, folders):
+    """Word alignments (`translate --alignments`): each token's source position, the forced code's included, is the
+    argmax of transformers' cross-attention of the layer, heads averaged (tests/helpers/alignments.py); NLLB by the
+    last layer (the default), mBART by the first."""
+    from tests.helpers.alignments import check_against_transformers
+
+    model, tokenizer = _imported(folders[family], family)
+    layer = -1 if family == "nllb" else 0
+    check_against_transformers(folders[family], model, tokenizer, SOURCES, max_length=MAX_LENGTH, beams=1,
+                               layer=layer, forced_bos=tokenizer.forced_bos_id)  # fmt: skip

@@ -317,3 +317,13 @@ def test_tokenizers_match_transformers(family, marian_dirs, fsmt_dir):
     rows = [ids for ids in target_ids if ids.count(ours.eos_id) == 1]
     assert len(rows) >= len(target_ids) - 1  # all but the text holding "</s>"
     assert [ours.decode(ids) for ids in rows] == theirs.batch_decode(rows, skip_special_tokens=True)
+
+
+def test_marian_alignments_are_the_argmax_of_transformers_cross_attentions(marian_dirs):
+    """Word alignments (`translate --alignments`) of a beam search of 2, both hypotheses: each token's source
+    position is the argmax of transformers' last-layer cross-attention, heads averaged (tests/helpers/alignments.py)."""
+    from tests.helpers.alignments import check_against_transformers
+
+    model = hub.read_pretrained(marian_dirs[True])
+    check_against_transformers(marian_dirs[True], model, model.tokenizer, SOURCES, max_length=MAX_LENGTH, beams=2,
+                               layer=-1)  # fmt: skip

@@ -2,7 +2,8 @@
 search keeps are the argmax of the PyTorch twin's cross-attention of the same layer, averaged over heads and
 teacher-forced on the decoded tokens; turning them on changes no token; the word mapping on hand-made sentences;
 the command line's outputs; a layer the model lacks named before anything is decoded. The same against
-transformers' own cross-attentions on imported models: parity_tests/test_alignment_transformers.py."""
+transformers' own cross-attentions on imported models: tests/helpers/alignments.py, called by
+parity_tests/test_pretrained.py (Marian) and parity_tests/test_multilingual.py (NLLB, mBART)."""
 
 from __future__ import annotations
 
@@ -84,7 +85,8 @@ def test_beam_search_alignments_are_the_twins_cross_attention_argmax(twins):
     assert len(schedule.plan(8, 2, decoders.output_length(10, CONFIG)).programs) > 1  # shrinks and grows
     with jax.default_matmul_precision("highest"):
         off = decoders.gnmt_decoder(CONFIG, 10, beam_size=2, n_best=2)(params, src, schedule, prefixes)
-        on = decoders.gnmt_decoder(CONFIG, 10, beam_size=2, n_best=2, alignment_layer=0)(params, src, schedule, prefixes)
+        aligned = decoders.gnmt_decoder(CONFIG, 10, beam_size=2, n_best=2, alignment_layer=0)
+        on = aligned(params, src, schedule, prefixes)
     assert off.alignments is None
     for name in ("tokens", "scores", "token_scores", "found"):
         assert np.array_equal(getattr(off, name), getattr(on, name)), name

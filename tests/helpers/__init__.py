@@ -7,6 +7,7 @@
 - tolerances: bfloat16 tolerances derived from the format;
 - tooling: hypothesis settings, counting compilations;
 - pretrained: tiny random transformers Marian/FSMT models with real tokenizer files;
+- alignments: word alignments checked against transformers' cross-attentions;
 - training: train.py runs that take seconds, in this process or a child;
 - parallel_paths and pause_at: programs the tests start.
 
