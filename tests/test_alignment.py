@@ -95,24 +95,9 @@ def test_beam_search_alignments_are_the_twins_cross_attention_argmax(twins):
     _check_against_twin(on, twin, src, 0)
 
 
-def test_greedy_alignments_are_the_twins_and_change_no_token(twins):
-    """Greedy search, the last layer by default (-1): the twin's argmax, and bit for bit the tokens, scores and
-    per-token log-probs of the same search without alignments."""
-    params, twin = twins
-    src = _sources(CONFIG, 4, 10, seed=1)
-    greedy = DecodeConfig(beam_size=1, alignments=True)
-    with jax.default_matmul_precision("highest"):
-        on = decoders.decoder(CONFIG, greedy, 10)(params, src, schedules.Whole())
-        off = decoders.decoder(CONFIG, greedy.replace(alignments=False), 10)(params, src, schedules.Whole())
-    assert off.alignments is None
-    for name in ("tokens", "scores", "token_scores", "found"):
-        assert np.array_equal(getattr(off, name), getattr(on, name)), name
-    _check_against_twin(on, twin, src, CONFIG.num_decoder_layers - 1)
-
-
-@pytest.mark.slow
 def test_sampled_alignments_are_the_twins(twins):
-    """Sampling, two samples a sentence (each a row of its own): the twin's argmax for each."""
+    """Sampling (greedy search's loop, a drawn token), two samples a sentence, each a row of its own: the twin's
+    argmax for each."""
     params, twin = twins
     src = _sources(CONFIG, 4, 10, seed=2)
     sample = DecodeConfig(do_sample=True, temperature=2.0, n_best=2, alignments=True, alignment_layer=0)
@@ -162,11 +147,13 @@ def test_a_layer_the_model_lacks_is_named_before_decoding():
     assert DecodeConfig(alignment_layer=7).aligned_layer(CONFIG) is None  # no alignments asked for: no check
 
 
+@pytest.mark.slow
 def test_translate_and_score_write_alignments(tiny_run, tmp_path):
     """translate --alignments: a jsonl "alignment" per hypothesis and a fifth tsv column, the same pairs; score
-    --alignments of the best translation gives its pairs again (teacher forcing, the same layer); text output
-    and a layer the model lacks are refused before anything is written."""
+    --alignments of the best translation gives its pairs again (teacher forcing, the same layer); `Translator`'s
+    translate and score the same; text output and a layer the model lacks refused before anything is written."""
     from jax_transformer.checkpoint import manager as ckpt_lib
+    from jax_transformer.decoding.translator import Translator
 
     run, _ = tiny_run
     path = tmp_path / "input.txt"
@@ -187,8 +174,11 @@ def test_translate_and_score_write_alignments(tiny_run, tmp_path):
     assert code == 0, out + err
     rows = [line.split("\t") for line in out.splitlines()]
     assert [r[4] for r in rows if r[0] != "2"] == pairs[0] + pairs[2] and rows[2] == ["2", "", "", "", ""]
-    code, plain, err = run_main([*args, "--output-format", "jsonl"])
-    assert code == 0 and "alignment" not in plain  # without the flag, the records as before
+    from jax_transformer.decoding.translation import Hypothesis, Translation, format_translation
+
+    plain = Translation("one", [Hypothesis("un", [5], -1.0, [-1.0], None)])  # without the flag, records as before
+    assert "alignment" not in format_translation(plain, 1, "jsonl")[0]
+    assert format_translation(plain, 1, "tsv") == ["1\t1\t-1\tun"]
 
     pairs_path = tmp_path / "pairs.tsv"
     best = [r["hypotheses"][0]["text"] for r in (records[0], records[2])]
@@ -202,6 +192,18 @@ def test_translate_and_score_write_alignments(tiny_run, tmp_path):
     code, out, err = run_main([*score, "--output-format", "tsv"])
     assert code == 0 and [line.split("\t")[4] for line in out.splitlines()] == [s["alignment"] for s in scored]
 
+    # The Python front door, on the same sentences (the same programs): the same pairs.
+    translator = Translator(run, "latest")
+    sentences = ["one hundred", "two thousand and five"]
+    found = translator.translate(sentences, beam_size=2, n_best=2, alignments=True)
+    assert [[h.alignment for h in t.hypotheses] for t in found] == [pairs[0], pairs[2]]
+    assert [s.alignment for s in translator.score(sentences, best, alignments=True)] == [s["alignment"] for s in scored]
+    assert translator.score(sentences, best)[0].alignment is None
+    with pytest.raises(ConfigError, match="alignment_layer"):
+        translator.translate(["one"], alignments=True, alignment_layer=-9)
+    with pytest.raises(UsageError, match="--output-format tsv"):
+        translator.translate_lines(["one"], print, decode=DecodeConfig(alignments=True))
+
     for argv, message in (
         ([*args, "--alignments"], "--alignments writes each hypothesis's word pairs beside it"),
         ([*args, "--alignments", "--alignment-layer", "5", "--output-format", "tsv"], "'alignment_layer' is 5"),
@@ -211,18 +213,17 @@ def test_translate_and_score_write_alignments(tiny_run, tmp_path):
         assert code in (1, 2) and message in err and out == "", err
 
 
-def test_translator_returns_alignments(tiny_run):
-    """`Translator.translate(..., alignments=True)` and `Translator.score(..., alignments=True)`."""
-    from jax_transformer.decoding.translator import Translator
+def test_a_service_compiles_alignments_when_allowed():
+    """Alignments on or off is part of a program: a service runs them only where --allow lists them (its set is
+    compiled at start); the layer counted from either end is one program."""
+    from jax_transformer.serving.programs import Allowed, parse_allow, signature
 
-    run, _ = tiny_run
-    translator = Translator(run, "latest")
-    found = translator.translate(["one hundred"], beam_size=1, alignments=True)
-    assert found[0].hypotheses[0].alignment is not None
-    assert translator.translate(["one hundred"], beam_size=1)[0].hypotheses[0].alignment is None
-    scored = translator.score(["one hundred"], [found[0].text], alignments=True)
-    assert scored[0].alignment is not None and translator.score(["one"], ["un"])[0].alignment is None
-    with pytest.raises(ConfigError, match="alignment_layer"):
-        translator.translate(["one"], alignments=True, alignment_layer=-9)
-    with pytest.raises(UsageError, match="--output-format tsv"):
-        translator.translate_lines(["one"], print, decode=DecodeConfig(alignments=True))
+    base = DecodeConfig(beam_size=2)
+    widths = (16,)
+    assert signature(CONFIG, base.replace(alignments=True), widths) != signature(CONFIG, base, widths)
+    last, top = (base.replace(alignments=True, alignment_layer=i) for i in (-1, CONFIG.num_decoder_layers - 1))
+    assert signature(CONFIG, last, widths) == signature(CONFIG, top, widths)
+    allowed = Allowed(CONFIG, base, parse_allow("alignments=true"))
+    assert len(allowed.decodes) == 2 and allowed.fault(last, {"alignments": True}, "options") is None
+    refused = Allowed(CONFIG, base, {}).fault(last, {"alignments": True}, "options")
+    assert refused.startswith("options.alignments True: this service does not run it")

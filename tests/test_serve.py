@@ -184,6 +184,7 @@ def test_the_native_endpoint_takes_every_option_and_gives_scores(server, run):
         # The decodings a service runs are compiled at start: its own and what --allow adds.
         ({"text": "one", "options": {"beam_size": 4}}, 400, "options.beam_size 4: this service does not run it"),
         ({"text": "one", "options": {"beam_size": 4}}, 400, "allowed: 2"),
+        ({"text": "one", "alignments": True}, 400, "options.alignments True: this service does not run it"),
         ({"text": "one", "options": {"do_sample": True, "top_k": 5}}, 400, "options.do_sample True: this service does"),
         ({"q": "one", "source": "en", "target": "fr", "alternatives": 3}, 400, "alternatives 3: a beam search of 4"),
         ({"text": "one", "options": {"rules": "transformers"}}, 400, "options.rules 'transformers': this service"),

@@ -278,17 +278,24 @@ def app(service):
         texts, _ = texts_field(fields, "text")
         model, pair = service.route(fields.get("source"), fields.get("target"), fields.get("model"), native=True)
         options = fields.get("options")
+        if fields.get("alignments") is not None and (options is None or isinstance(options, dict)):
+            options = {**(options or {}), "alignments": fields.get("alignments")}  # one of the options, given beside
         decode = model.decoding(options)
         began = time.monotonic()
         results = await model.translate(texts, decode, pair)
         record.update(model=model.name, sentences=sum(len(found) for _, found in results), text=texts)
+        unasked = () if decode.alignments else ("alignment",)  # without alignments, the answer as it was
+
+        def hypothesis(h) -> dict:
+            return {k: v for k, v in dataclasses.asdict(h).items() if k not in unasked}
+
         return {
             "model": model.name,
             "translations": [
                 {
                     "text": model.joined(pieces, found),
                     "sentences": [
-                        {"source": t.source, "hypotheses": [dataclasses.asdict(h) for h in t.hypotheses]} for t in found
+                        {"source": t.source, "hypotheses": [hypothesis(h) for h in t.hypotheses]} for t in found
                     ],
                 }
                 for pieces, found in results
