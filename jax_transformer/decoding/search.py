@@ -377,7 +377,9 @@ def advance(s: SearchState, rules: Rules, step_fn) -> SearchState:
     finished_tokens = _gather(jnp.concatenate([s.finished_tokens, candidates], axis=1), pick)
     finished_token_scores = _gather(jnp.concatenate([s.finished_token_scores, token_scores], axis=1), pick)
     finished = _gather(jnp.concatenate([s.finished, finishing], axis=1), pick)
-    aligned = {} if rules.alignment_layer is None else advance_alignment(s, out[2], parents, live_pick, pick, t)
+    live_alignment, finished_alignment = s.live_alignment, s.finished_alignment  # None: no alignments
+    if rules.alignment_layer is not None:
+        live_alignment, finished_alignment = advance_alignment(s, out[2], parents, live_pick, pick, t)
 
     return s.replace(
         step=t + 1,
@@ -391,20 +393,21 @@ def advance(s: SearchState, rules: Rules, step_fn) -> SearchState:
         finished_token_scores=finished_token_scores,
         history=history,
         cache=cache,
-        **aligned,
+        live_alignment=live_alignment,
+        finished_alignment=finished_alignment,
     )
 
 
-def advance_alignment(s: SearchState, attention, parents, live_pick, finished_pick, t) -> dict:
+def advance_alignment(s: SearchState, attention, parents, live_pick, finished_pick, t):
     """The alignments of `advance`'s step, gathered as its tokens are: the candidate of parent p at step t aligns to
     the source position p's step attends to most (`attention` (B * K, S), the layer's cross-attention over heads,
-    -1 where no word is), its past to p's; live and finished take their picks of the candidates. Returns the
-    state's new alignment fields."""
+    -1 where no word is), its past to p's; live and finished take their picks of the candidates. Returns the new
+    (live_alignment, finished_alignment), (B, K, L) each."""
     B, K, _ = s.live_tokens.shape
     source = first_argmax(attention).reshape(B, K)  # (B, K)
     aligned = _gather(s.live_alignment, parents).at[:, :, t].set(jnp.take_along_axis(source, parents, axis=1))
     finished = _gather(jnp.concatenate([s.finished_alignment, aligned], axis=1), finished_pick)  # (B, K, L)
-    return dict(live_alignment=_gather(aligned, live_pick), finished_alignment=finished)
+    return _gather(aligned, live_pick), finished
 
 
 def run(s: SearchState, rules: Rules, step_fn, until) -> SearchState:
