@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jax_transformer.compilation import exportable, jit_by_config
+from jax_transformer.decoding import constraints
 from jax_transformer.model.transformer import Transformer
 from jax_transformer.settings.config import TransformerConfig
 
@@ -44,6 +45,12 @@ class Rows:
     prefix: jnp.ndarray  # (B, L) int32: the prefix's tokens first, PAD after
     prefix_len: jnp.ndarray  # (B,) int32
     draw: jnp.ndarray  # (B,) uint32
+    # Lexical constraints (`decoding.constraints`); None: none, and the program is the one without them.
+    phrases: jnp.ndarray | None = None  # (B, P, M) int32: phrases that must appear, PAD-padded
+    phrase_len: jnp.ndarray | None = None  # (B, P) int32: their lengths, 0 for an unused slot
+    ordered: jnp.ndarray | None = None  # (B,) bool: the phrases must appear in their order
+    banned: jnp.ndarray | None = None  # (B, Q, M) int32: phrases that must not appear, PAD-padded
+    banned_len: jnp.ndarray | None = None  # (B, Q) int32
 
 
 @exportable  # a program that carries it can be stored (compilation.ProgramStore)
@@ -63,6 +70,8 @@ class SearchState:
     finished_token_scores: jnp.ndarray  # (B, K, L) float32: those of the finished hypotheses
     history: jnp.ndarray  # (B, K, T) int32: the cache slot that holds position t of each live hypothesis's past
     cache: Any  # the model's decoding cache, its self-attention with K slots per sentence
+    met_at: jnp.ndarray | None = None  # (B, K, P) int32: where each phrase was met (`constraints`); -1: unmet
+    progress: jnp.ndarray | None = None  # (B, K, P) int32: each phrase's first tokens that end the hypothesis
 
 
 # =============================================================================================================
@@ -314,6 +323,7 @@ def initial_state(rules: Rules, src, rows: Rows, length: int, cache_len: int, ca
     """The state before the first step: K copies of an empty hypothesis of which only the first may extend."""
     B, K = src.shape[0], rules.beams
     first_only = jnp.where(jnp.arange(K) == 0, 0.0, rules.impossible).astype(jnp.float32)
+    more = {} if rows.phrases is None else constraints.initial_state(B, K, rows.phrases.shape[1])
     return SearchState(
         step=jnp.array(0, jnp.int32),
         live_tokens=jnp.full((B, K, length), pad_id, jnp.int32),
@@ -327,6 +337,7 @@ def initial_state(rules: Rules, src, rows: Rows, length: int, cache_len: int, ca
         finished_token_scores=jnp.zeros((B, K, length), jnp.float32),
         history=jnp.zeros((B, K, cache_len), jnp.int32),
         cache=cache,
+        **more,
     )
 
 
@@ -338,11 +349,24 @@ def advance(s: SearchState, rules: Rules, step_fn) -> SearchState:
     history = s.history.at[:, :, t].set(jnp.arange(K))  # hypothesis k's new position goes to cache slot k
     logits, cache = step_fn(last.reshape(-1), s.cache, history.reshape(B * K, -1), t)  # (B * K, V)
     scores = rules.token_scores(logits, t, s.live_tokens.reshape(B * K, -1)).reshape(B, K, -1)  # (B, K, V)
+    rows, constrained = s.rows, s.rows.phrases is not None
+    if rows.banned is not None:  # a token that would complete a banned phrase is impossible
+        banned, banned_len = (jnp.repeat(x, K, axis=0) for x in (rows.banned, rows.banned_len))
+        past = s.live_tokens.reshape(B * K, -1)
+        scores = constraints.ban_phrases(scores.reshape(B * K, -1), past, t, banned, banned_len).reshape(B, K, -1)
+    if constrained:  # no EOS before every phrase is met
+        scores = constraints.ban_unmet_eos(scores, s.met_at, rows.phrase_len, rules.eos_id, -jnp.inf)
     scores = _forced_prefix(scores, s.rows, t)
 
     keys = None if rules.sampler is None else rules.sampler.keys(s.rows.draw, t)  # (B, 2)
     log_probs = rules.token_log_probs(scores)  # (B, K, V)
     log_p, parents, tokens = rules.candidates(s.live_scores, scores, log_probs, keys)  # (B, C)
+    C = log_p.shape[1]
+    if constrained:  # and each hypothesis's best extension and the next token of each phrase it may go on with
+        more = constraints.best_extensions(s.live_scores, scores), constraints.phrase_candidates(
+            s.live_scores, scores, rows.phrases, rows.phrase_len, rows.ordered, s.met_at, s.progress, rules.impossible
+        )
+        log_p, parents, tokens = (jnp.concatenate([x, *ys], axis=1) for x, *ys in zip((log_p, parents, tokens), *more))
     candidates = _gather(s.live_tokens, parents).at[:, :, t].set(tokens)  # (B, C, L)
     gained = _take_pairs(log_probs, parents, tokens)  # (B, C) the log-prob of each candidate's last token
     token_scores = _gather(s.live_token_scores, parents).at[:, :, t].set(gained)  # (B, C, L)
@@ -350,14 +374,30 @@ def advance(s: SearchState, rules: Rules, step_fn) -> SearchState:
     ends = (tokens == rules.eos_id) | (t + 1 >= s.rows.limit)[:, None]  # (B, C)
 
     # Live: the K best candidates that did not end; each takes its parent's past in the cache.
-    live_scores, pick = _best(rules.exclude(log_p, ends), K)  # (B, K)
+    live_scores, pick = _best(rules.exclude(log_p[:, :C], ends[:, :C]), K)  # (B, K)
+    # Finished: of the candidates that end among the first K (fairseq's rule: an ending candidate ranked below
+    # them is dropped).
+    first = jnp.arange(ends.shape[1]) < K
+    if constrained:  # rows with phrases: the live set by dynamic beam allocation; the others as above
+        met_at, progress, bank = constraints.advance_state(
+            candidates, t, rows.phrases, rows.phrase_len, rows.ordered, _gather(s.met_at, parents)
+        )
+        met = constraints.all_met(met_at, rows.phrase_len)  # (B, C)
+        banks = rows.phrases.shape[1] * rows.phrases.shape[2] + 1
+        allotted = constraints.allot(log_p, parents, tokens, ends, met, bank, banks, K, rules.impossible)
+        has = jnp.any(rows.phrase_len > 0, axis=1)  # (B,)
+        live_scores = jnp.where(has[:, None], allotted[0], live_scores)
+        pick = jnp.where(has[:, None], allotted[1], pick)
+        first = jnp.where(has[:, None], allotted[2], first[None, :])
+        more = dict(met_at=_gather(met_at, pick), progress=_gather(progress, pick))
+    else:
+        more = {}
     live_tokens = _gather(candidates, pick)
     live_token_scores = _gather(token_scores, pick)
     history = _gather(history, jnp.take_along_axis(parents, pick, axis=1))
 
-    # Finished: the K best of the old and of the candidates that end among the first K (fairseq's rule: an ending
-    # candidate ranked below them is dropped), in open sentences only.
-    finishing = ends & (jnp.arange(ends.shape[1]) < K) & s.open[:, None]  # (B, C)
+    # Finished: the K best of the old and of the finishing candidates, in open sentences only.
+    finishing = ends & first & s.open[:, None]  # (B, C)
     generated = (t + 1 - s.rows.prefix_len)[:, None]  # (B, 1) tokens after the prefix
     new_scores = jnp.where(finishing, rules.finished_score(log_p, generated), rules.impossible)
     finished_scores, pick = lax.top_k(jnp.concatenate([s.finished_scores, new_scores], axis=1), K)
@@ -372,11 +412,12 @@ def advance(s: SearchState, rules: Rules, step_fn) -> SearchState:
         finished_tokens=finished_tokens,
         finished_scores=finished_scores,
         finished=finished,
-        open=rules.still_open(s, live_scores, finished_scores, finished, ends),
+        open=rules.still_open(s, live_scores, finished_scores, finished, ends[:, :C]),
         live_token_scores=live_token_scores,
         finished_token_scores=finished_token_scores,
         history=history,
         cache=cache,
+        **more,
     )
 
 

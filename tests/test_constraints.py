@@ -1,0 +1,207 @@
+"""Lexical constraints (`decoding.constraints`, in the one search loop): every finished hypothesis holds every
+phrase; exactness on tiny models whose outputs can be enumerated; rows without phrases decode as without
+constraints; banned phrases never appear; the decoder's checks of bad phrases."""
+
+from __future__ import annotations
+
+import functools
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from jax_transformer.decoding import constraints, search
+from jax_transformer.decoding.decoders import length_penalties
+from tests.helpers.tooling import fuzz
+
+PAD, START, EOS = 0, 1, 2  # the toy models' special ids; START (BOS) is the decoder's first input, never produced
+
+
+# --- a toy model: logits a random function of the whole past, so that the search cannot be right by luck ---------
+
+
+def toy_model(seed: int, vocab: int, words: int, length: int, width: int = 16):
+    """A random model over `vocab` ids of which only 3 .. 3 + words - 1 (and EOS) are ever likely: logits (N, V) of
+    the next token from the inputs (N, T) at positions 0 .. step (START first), each position its own embedding."""
+    key = jax.random.PRNGKey(seed)
+    embed = jax.random.normal(key, (length + 1, vocab, width))
+    out = jax.random.normal(jax.random.fold_in(key, 1), (width, vocab)) * 2.0
+    reachable = (jnp.arange(vocab) == EOS) | ((jnp.arange(vocab) >= 3) & (jnp.arange(vocab) < 3 + words))
+    bias = jnp.where(reachable, 0.0, -jnp.inf)  # the others impossible: the beam can be wider than the candidates
+
+    def logits(inputs, step):  # inputs (N, T): positions after `step` are ignored
+        known = jnp.arange(inputs.shape[1]) <= step
+        h = jnp.sum(jnp.where(known[None, :, None], embed[jnp.arange(inputs.shape[1]), inputs], 0.0), axis=1)
+        return jnp.tanh(h) @ out + bias
+
+    return logits
+
+
+def toy_step_fn(logits, K: int):
+    """The loop's step function for `logits`: the cache holds each slot's input at each position, and a
+    hypothesis's past is read through `history` as a model's cache is."""
+
+    def step_fn(tokens, cache, history, step):
+        N, T = history.shape
+        cache = cache.at[:, step].set(tokens)  # slot n's input at position `step`
+        base = (jnp.arange(N) // K * K)[:, None]  # the sentence's first slot
+        past = cache[base + history, jnp.arange(T)[None, :]]  # (N, T)
+        return logits(past, step), cache
+
+    return step_fn
+
+
+@functools.partial(jax.jit, static_argnames=("seed", "vocab", "words", "K", "length"))
+def toy_search(rows: search.Rows, penalties, *, seed, vocab, words, K, length):
+    """A search over the toy model with this project's rules (alpha as `penalties` says)."""
+    rules = search.Gnmt(
+        beams=K, greedy=False, start_id=START, eos_id=EOS, penalties=penalties, min_len=jnp.int32(0), pad_id=PAD,
+        bos_id=START,
+    )  # fmt: skip
+    B = rows.limit.shape[0]
+    cache = jnp.zeros((B * K, length), jnp.int32)
+    src = jnp.ones((B, 1), jnp.int32)
+    state = search.initial_state(rules, src, rows, length, length, cache, PAD)
+    return search.run(state, rules, toy_step_fn(toy_model(seed, vocab, words, length), K), 0)
+
+
+def make_rows(B: int, length: int, limit, phrases=None, ordered=False, banned=None) -> search.Rows:
+    rows = search.Rows(
+        limit=np.asarray(limit, np.int32) * np.ones(B, np.int32),
+        prefix=np.full((B, length), PAD, np.int32),
+        prefix_len=np.zeros(B, np.int32),
+        draw=np.zeros(B, np.uint32),
+    )
+    if phrases is not None:
+        tokens, lengths = constraints.phrase_arrays(phrases, PAD)
+        rows = rows.replace(phrases=tokens, phrase_len=lengths, ordered=np.asarray(ordered) * np.ones(B, bool))
+    if banned is not None:
+        tokens, lengths = constraints.phrase_arrays(banned, PAD)
+        rows = rows.replace(banned=tokens, banned_len=lengths)
+    return rows
+
+
+def occurs(seq, phrase, start: int = 0) -> int:
+    """The end of the first occurrence of `phrase` in `seq` at or after `start`, or -1."""
+    for i in range(start, len(seq) - len(phrase) + 1):
+        if list(seq[i : i + len(phrase)]) == list(phrase):
+            return i + len(phrase)
+    return -1
+
+
+def holds(seq, phrases, ordered: bool) -> bool:
+    if not ordered:
+        return all(occurs(seq, p) >= 0 for p in phrases)
+    end = 0
+    for p in phrases:
+        end = occurs(seq, p, end)
+        if end < 0:
+            return False
+    return True
+
+
+def output(tokens) -> list[int]:
+    """An output row's tokens up to its EOS (EOS left out) or its padding."""
+    out = []
+    for tok in tokens:
+        if tok in (EOS, PAD):
+            break
+        out.append(int(tok))
+    return out
+
+
+# --- exactness ----------------------------------------------------------------------------------------------------
+
+
+def test_the_constrained_search_is_exact_on_enumerable_models():
+    """20 random toy models, 3 words, outputs of at most 5 tokens (EOS included): every output is enumerated and
+    scored with the model's own log-probs and the rules' length penalty; with a beam wider than every step's
+    candidates (324: 81 hypotheses of 4 tokens x 4 extensions) the search's best is the best output that holds the
+    phrases, ordered or not, for two rows of a batch at once."""
+    words, limit, K, vocab = 3, 5, 324, 6
+    rng = np.random.default_rng(0)
+    word_ids = list(range(3, 3 + words))
+    outputs = [list(w) + [EOS] for n in range(limit) for w in itertools.product(word_ids, repeat=n)]
+    outputs += [list(w) for w in itertools.product(word_ids, repeat=limit)]  # reaching the limit, no EOS
+    prefixes = sorted({tuple(o[:i]) for o in outputs for i in range(len(o))})
+    for case in range(20):
+        alpha = float(rng.choice([0.0, 0.6, 1.5]))
+        ordered = bool(rng.integers(2))
+        phrases = [
+            [list(rng.choice(word_ids, size=rng.integers(1, 3))) for _ in range(rng.integers(1, 3))] for _ in range(2)
+        ]
+        penalties = jnp.asarray(length_penalties(limit, alpha))
+        rows = make_rows(2, limit, limit, phrases, ordered)
+        state = toy_search(rows, penalties, seed=case, vocab=vocab, words=words, K=K, length=limit)
+        # Every output's log P: the model's log-probs at each of its prefixes (PAD and BOS banned, no renormalising).
+        logits = toy_model(case, vocab, words, limit)
+        inputs = np.full((len(prefixes), limit), PAD, np.int32)
+        for i, p in enumerate(prefixes):
+            inputs[i, : len(p) + 1] = [START, *p]
+        steps = np.array([len(p) for p in prefixes])
+        with jax.default_matmul_precision("highest"):
+            table = np.stack([np.asarray(jax.nn.log_softmax(logits(jnp.asarray(inputs), t))) for t in range(limit)])
+        log_probs = {p: table[steps[i], i] for i, p in enumerate(prefixes)}
+        for b in range(2):
+            scored = []
+            for o in outputs:
+                if holds(output(o), phrases[b], ordered):
+                    log_p = sum(float(log_probs[tuple(o[:i])][tok]) for i, tok in enumerate(o))
+                    scored.append((log_p / float(penalties[len(o)]), o))
+            best_score, best = max(scored)
+            got = np.asarray(state.finished_tokens[b, 0])
+            assert bool(state.finished[b, 0]), (case, b)
+            assert list(got[: len(best)]) == best and all(got[len(best) :] == PAD), (case, b, phrases[b], ordered)
+            # float32 sums of up to 5 log-probs in another order than the loop's: a few ulps of their size.
+            assert float(state.finished_scores[b, 0]) == pytest.approx(best_score, rel=1e-5, abs=1e-5)
+            assert holds(output(got), phrases[b], ordered)
+
+
+# --- every finished hypothesis holds every phrase; rows without phrases decode as without constraints -------------
+
+
+PHRASE = st.lists(st.integers(3, 8), min_size=1, max_size=3)
+
+
+@fuzz(25)
+@given(
+    K=st.sampled_from([2, 4]),
+    phrases=st.lists(st.one_of(st.none(), st.lists(PHRASE, min_size=1, max_size=2)), min_size=3, max_size=3),
+    ordered=st.booleans(),
+    seed=st.integers(0, 3),
+    limit=st.integers(6, 9),
+)
+def test_every_finished_hypothesis_holds_every_phrase(K, phrases, ordered, seed, limit):
+    """Random toy models (6 words), beams, phrases per batch position (some rows none): every hypothesis found
+    holds its row's phrases (in order where asked), and a row without phrases has exactly the tokens and scores of
+    a search without constraints."""
+    options = dict(seed=seed, vocab=12, words=6, K=K, length=10)
+    penalties = jnp.asarray(length_penalties(10, 0.6))
+    state = toy_search(make_rows(3, 10, limit, phrases, ordered), penalties, **options)
+    plain = toy_search(make_rows(3, 10, limit), penalties, **options)
+    for b in range(3):
+        if phrases[b] is None:
+            np.testing.assert_array_equal(state.finished_tokens[b], plain.finished_tokens[b])
+            np.testing.assert_array_equal(state.finished_scores[b], plain.finished_scores[b])
+            continue
+        assert bool(state.finished[b, 0])  # the limit leaves room for every phrase (at most 6 tokens in all)
+        for k in range(K):
+            if state.finished[b, k]:
+                tokens = np.asarray(state.finished_tokens[b, k])
+                assert holds(output(tokens), phrases[b], ordered), (b, k, tokens, phrases[b])
+
+
+@fuzz(15)
+@given(banned=st.lists(st.lists(st.integers(3, 8), min_size=1, max_size=2), min_size=1, max_size=3))
+def test_banned_phrases_never_appear(banned):
+    """No hypothesis found (live or finished) holds a banned phrase; greedy search too."""
+    options = dict(seed=1, vocab=12, words=6, K=4, length=8)
+    state = toy_search(make_rows(2, 8, 8, banned=[banned, banned]), jnp.asarray(length_penalties(8, 0.6)), **options)
+    for b, k in itertools.product(range(2), range(4)):
+        if state.finished[b, k]:
+            found = output(np.asarray(state.finished_tokens[b, k]))
+            assert all(occurs(found, p) < 0 for p in banned), (found, banned)
