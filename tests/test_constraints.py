@@ -25,24 +25,27 @@ PAD, START, EOS = 0, 1, 2  # the toy models' special ids; START (BOS) is the dec
 
 
 def toy_model(seed: int, vocab: int, words: int, length: int, width: int = 16):
-    """A random model over `vocab` ids of which only 3 .. 3 + words - 1 (and EOS) are ever likely: logits (N, V) of
-    the next token from the inputs (N, T) at positions 0 .. step (START first), each position its own embedding."""
+    """A random model over `vocab` ids of which only 3 .. 3 + words - 1 (and EOS) are ever likely: its weights,
+    for `toy_logits`."""
     key = jax.random.PRNGKey(seed)
     embed = jax.random.normal(key, (length + 1, vocab, width))
     out = jax.random.normal(jax.random.fold_in(key, 1), (width, vocab)) * 2.0
     reachable = (jnp.arange(vocab) == EOS) | ((jnp.arange(vocab) >= 3) & (jnp.arange(vocab) < 3 + words))
     bias = jnp.where(reachable, 0.0, -jnp.inf)  # the others impossible: the beam can be wider than the candidates
-
-    def logits(inputs, step):  # inputs (N, T): positions after `step` are ignored
-        known = jnp.arange(inputs.shape[1]) <= step
-        h = jnp.sum(jnp.where(known[None, :, None], embed[jnp.arange(inputs.shape[1]), inputs], 0.0), axis=1)
-        return jnp.tanh(h) @ out + bias
-
-    return logits
+    return embed, out, bias
 
 
-def toy_step_fn(logits, K: int):
-    """The loop's step function for `logits`: the cache holds each slot's input at each position, and a
+def toy_logits(model, inputs, step):
+    """logits (N, V) of the next token from the inputs (N, T) at positions 0 .. step (START first; later positions
+    ignored), each position with its own embedding."""
+    embed, out, bias = model
+    known = jnp.arange(inputs.shape[1]) <= step
+    h = jnp.sum(jnp.where(known[None, :, None], embed[jnp.arange(inputs.shape[1]), inputs], 0.0), axis=1)
+    return jnp.tanh(h) @ out + bias
+
+
+def toy_step_fn(model, K: int):
+    """The loop's step function for the toy model: the cache holds each slot's input at each position, and a
     hypothesis's past is read through `history` as a model's cache is."""
 
     def step_fn(tokens, cache, history, step):
@@ -50,13 +53,13 @@ def toy_step_fn(logits, K: int):
         cache = cache.at[:, step].set(tokens)  # slot n's input at position `step`
         base = (jnp.arange(N) // K * K)[:, None]  # the sentence's first slot
         past = cache[base + history, jnp.arange(T)[None, :]]  # (N, T)
-        return logits(past, step), cache
+        return toy_logits(model, past, step), cache
 
     return step_fn
 
 
-@functools.partial(jax.jit, static_argnames=("seed", "vocab", "words", "K", "length"))
-def toy_search(rows: search.Rows, penalties, *, seed, vocab, words, K, length):
+@functools.partial(jax.jit, static_argnames=("K", "length"))
+def toy_search(model, rows: search.Rows, penalties, *, K, length):
     """A search over the toy model with this project's rules (alpha as `penalties` says)."""
     rules = search.Gnmt(
         beams=K, greedy=False, start_id=START, eos_id=EOS, penalties=penalties, min_len=jnp.int32(0), pad_id=PAD,
@@ -66,7 +69,14 @@ def toy_search(rows: search.Rows, penalties, *, seed, vocab, words, K, length):
     cache = jnp.zeros((B * K, length), jnp.int32)
     src = jnp.ones((B, 1), jnp.int32)
     state = search.initial_state(rules, src, rows, length, length, cache, PAD)
-    return search.run(state, rules, toy_step_fn(toy_model(seed, vocab, words, length), K), 0)
+    return search.run(state, rules, toy_step_fn(model, K), 0)
+
+
+def padded(arrays, P: int = 2, M: int = 4):
+    """phrase_arrays' (tokens, lengths) padded to P phrases of M tokens: one program for every example."""
+    tokens, lengths = arrays
+    B, p, m = tokens.shape
+    return np.pad(tokens, ((0, 0), (0, P - p), (0, M - m))), np.pad(lengths, ((0, 0), (0, P - p)))
 
 
 def make_rows(B: int, length: int, limit, phrases=None, ordered=False, banned=None) -> search.Rows:
@@ -77,10 +87,10 @@ def make_rows(B: int, length: int, limit, phrases=None, ordered=False, banned=No
         draw=np.zeros(B, np.uint32),
     )
     if phrases is not None:
-        tokens, lengths = constraints.phrase_arrays(phrases, PAD)
+        tokens, lengths = padded(constraints.phrase_arrays(phrases, PAD))
         rows = rows.replace(phrases=tokens, phrase_len=lengths, ordered=np.asarray(ordered) * np.ones(B, bool))
     if banned is not None:
-        tokens, lengths = constraints.phrase_arrays(banned, PAD)
+        tokens, lengths = padded(constraints.phrase_arrays(banned, PAD), P=4)
         rows = rows.replace(banned=tokens, banned_len=lengths)
     return rows
 
@@ -136,15 +146,17 @@ def test_the_constrained_search_is_exact_on_enumerable_models():
         ]
         penalties = jnp.asarray(length_penalties(limit, alpha))
         rows = make_rows(2, limit, limit, phrases, ordered)
-        state = toy_search(rows, penalties, seed=case, vocab=vocab, words=words, K=K, length=limit)
+        model = toy_model(case, vocab, words, limit)
+        state = toy_search(model, rows, penalties, K=K, length=limit)
         # Every output's log P: the model's log-probs at each of its prefixes (PAD and BOS banned, no renormalising).
-        logits = toy_model(case, vocab, words, limit)
         inputs = np.full((len(prefixes), limit), PAD, np.int32)
         for i, p in enumerate(prefixes):
             inputs[i, : len(p) + 1] = [START, *p]
         steps = np.array([len(p) for p in prefixes])
         with jax.default_matmul_precision("highest"):
-            table = np.stack([np.asarray(jax.nn.log_softmax(logits(jnp.asarray(inputs), t))) for t in range(limit)])
+            table = np.stack(
+                [np.asarray(jax.nn.log_softmax(toy_logits(model, jnp.asarray(inputs), t))) for t in range(limit)]
+            )
         log_probs = {p: table[steps[i], i] for i, p in enumerate(prefixes)}
         for b in range(2):
             scored = []
@@ -179,10 +191,9 @@ def test_every_finished_hypothesis_holds_every_phrase(K, phrases, ordered, seed,
     """Random toy models (6 words), beams, phrases per batch position (some rows none): every hypothesis found
     holds its row's phrases (in order where asked), and a row without phrases has exactly the tokens and scores of
     a search without constraints."""
-    options = dict(seed=seed, vocab=12, words=6, K=K, length=10)
-    penalties = jnp.asarray(length_penalties(10, 0.6))
-    state = toy_search(make_rows(3, 10, limit, phrases, ordered), penalties, **options)
-    plain = toy_search(make_rows(3, 10, limit), penalties, **options)
+    model, penalties = toy_model(seed, 12, 6, 10), jnp.asarray(length_penalties(10, 0.6))
+    state = toy_search(model, make_rows(3, 10, limit, phrases, ordered), penalties, K=K, length=10)
+    plain = toy_search(model, make_rows(3, 10, limit), penalties, K=K, length=10)
     for b in range(3):
         if phrases[b] is None:
             np.testing.assert_array_equal(state.finished_tokens[b], plain.finished_tokens[b])
@@ -199,8 +210,8 @@ def test_every_finished_hypothesis_holds_every_phrase(K, phrases, ordered, seed,
 @given(banned=st.lists(st.lists(st.integers(3, 8), min_size=1, max_size=2), min_size=1, max_size=3))
 def test_banned_phrases_never_appear(banned):
     """No hypothesis found (live or finished) holds a banned phrase; greedy search too."""
-    options = dict(seed=1, vocab=12, words=6, K=4, length=8)
-    state = toy_search(make_rows(2, 8, 8, banned=[banned, banned]), jnp.asarray(length_penalties(8, 0.6)), **options)
+    model, penalties = toy_model(1, 12, 6, 8), jnp.asarray(length_penalties(8, 0.6))
+    state = toy_search(model, make_rows(2, 8, 8, banned=[banned, banned]), penalties, K=4, length=8)
     for b, k in itertools.product(range(2), range(4)):
         if state.finished[b, k]:
             found = output(np.asarray(state.finished_tokens[b, k]))

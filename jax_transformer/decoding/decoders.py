@@ -212,6 +212,10 @@ class Decoder:
             rows = rows.replace(**dict(zip(("banned", "banned_len"), phrase_arrays(banned, self.config.pad_id))))
         return rows
 
+    def with_order(self, order: str) -> Decoder:
+        """This decoder with its rows' phrases "ordered" or "unordered" (DecodeConfig.constraint_order)."""
+        return dataclasses.replace(self, ordered_constraints=order == "ordered")
+
     def check_phrases(
         self, phrases: Sequence, room: Sequence[int] | None, names: Sequence[str], must_appear: bool = True
     ) -> None:
@@ -226,11 +230,12 @@ class Decoder:
             name = names[row]
             if must_appear and (self.rules.greedy or self.rules.sampler is not None):
                 raise TokenError(f"{name}: {what} need beam search (beam size 2 or more, no sampling)")
-            most = min(self.rules.beams, PHRASE_SIZES[-1])
+            most = min(self.rules.beams, PHRASE_SIZES[-1]) if must_appear else PHRASE_SIZES[-1]
             if len(given) > most:
+                per_beam = f"at most one per beam, of {self.rules.beams}, and " if must_appear else ""
                 raise TokenError(
-                    f"{name}: {len(given)} {what}, more than this search takes ({most}: at most one per beam, of "
-                    f"{self.rules.beams}, and at most {PHRASE_SIZES[-1]})"
+                    f"{name}: {len(given)} {what}, more than this search takes ({most}: {per_beam}at most "
+                    f"{PHRASE_SIZES[-1]})"
                 )
             for i, ids in enumerate(given):
                 if len(ids) == 0:
@@ -312,7 +317,7 @@ def decoder(config: TransformerConfig, decode: DecodeConfig, width: int) -> Deco
             greedy=decode.beams == 1,
             n_best=decode.n_best,
             sampler=sampler,
-        )
+        ).with_order(decode.constraint_order)
     return transformers_decoder(
         config,
         max_length=decode.output_limit(config),
@@ -327,7 +332,7 @@ def decoder(config: TransformerConfig, decode: DecodeConfig, width: int) -> Deco
         no_repeat_ngram_size=decode.no_repeat_ngram_size,
         n_best=decode.n_best,
         sampler=sampler,
-    )
+    ).with_order(decode.constraint_order)
 
 
 def gnmt_decoder(

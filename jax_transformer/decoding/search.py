@@ -363,10 +363,10 @@ def advance(s: SearchState, rules: Rules, step_fn) -> SearchState:
     log_p, parents, tokens = rules.candidates(s.live_scores, scores, log_probs, keys)  # (B, C)
     C = log_p.shape[1]
     if constrained:  # and each hypothesis's best extension and the next token of each phrase it may go on with
-        more = constraints.best_extensions(s.live_scores, scores), constraints.phrase_candidates(
-            s.live_scores, scores, rows.phrases, rows.phrase_len, rows.ordered, s.met_at, s.progress, rules.impossible
-        )
-        log_p, parents, tokens = (jnp.concatenate([x, *ys], axis=1) for x, *ys in zip((log_p, parents, tokens), *more))
+        state = (rows.phrases, rows.phrase_len, rows.ordered, s.met_at, s.progress)
+        best = constraints.best_extensions(s.live_scores, scores)
+        nexts = constraints.phrase_candidates(s.live_scores, scores, *state, rules.impossible)
+        log_p, parents, tokens = (jnp.concatenate(x, axis=1) for x in zip((log_p, parents, tokens), best, nexts))
     candidates = _gather(s.live_tokens, parents).at[:, :, t].set(tokens)  # (B, C, L)
     gained = _take_pairs(log_probs, parents, tokens)  # (B, C) the log-prob of each candidate's last token
     token_scores = _gather(s.live_token_scores, parents).at[:, :, t].set(gained)  # (B, C, L)

@@ -787,6 +787,18 @@ class DecodeConfig(Settings):
         "(no_repeat_ngram_size; 0: off)",
         at_least=0,
     )
+    constraint_order: str = setting(
+        "unordered",
+        "lexical constraints (translate --constraints, a jsonl line's 'constraints'): unordered, each phrase "
+        "anywhere in the output; ordered, in the order given, one after another (fairseq's --constraints ordered)",
+        choices=("unordered", "ordered"),
+    )
+    suppress: str = setting(
+        "",
+        "phrases that never appear in an output, separated by |, each tokenized as target text is (CTranslate2's "
+        "suppress_sequences)",
+        metavar="PHRASES",
+    )
 
     def check(self) -> None:
         self.banned_ids()  # checks the form
