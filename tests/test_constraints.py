@@ -216,3 +216,91 @@ def test_banned_phrases_never_appear(banned):
         if state.finished[b, k]:
             found = output(np.asarray(state.finished_tokens[b, k]))
             assert all(occurs(found, p) < 0 for p in banned), (found, banned)
+
+
+# --- through translate: Translator.translate(constraints=...), translate --constraints / --input-format jsonl -----
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    from jax_transformer import Translator
+    from tests.helpers.saved import load_saved_model, saved_run
+
+    run = saved_run(tmp_path_factory.mktemp("constraints") / "run")
+    return run, Translator(run, "latest"), load_saved_model("trained_tiny").source_texts[:6]
+
+
+def contains(tokens, phrase) -> bool:
+    return occurs(list(tokens), phrase) >= 0
+
+
+def test_translator_constraints_hold_and_rows_without_them_are_unchanged(saved):
+    """Each hypothesis of a sentence with constraints holds its phrases (tokenized as target text in a sentence);
+    a sentence without, in the same batch, has exactly the hypotheses of a decoding without constraints; ordered
+    phrases come in their order."""
+    from jax_transformer.decoding.translation import encode_phrase
+
+    _, translator, sentences = saved
+    wanted = [["trois"], None, ["onze", "cent"], None, ["vingt", "deux"], None]
+    got = translator.translate(sentences, constraints=wanted, beam_size=4, n_best=2)
+    plain = translator.translate(sentences, beam_size=4, n_best=2)
+    ordered = translator.translate(sentences, constraints=wanted, beam_size=4, constraint_order="ordered")
+    for phrases, ours, theirs, in_order in zip(wanted, got, plain, ordered):
+        if phrases is None:
+            assert [h.tokens for h in ours.hypotheses] == [h.tokens for h in theirs.hypotheses]
+            assert [h.score for h in ours.hypotheses] == [h.score for h in theirs.hypotheses]
+            continue
+        ids = [encode_phrase(translator.tokenizer, p) for p in phrases]
+        assert ours.hypotheses and in_order.hypotheses
+        for h in ours.hypotheses:
+            assert all(contains(h.tokens, p) for p in ids), (h.text, phrases)
+        assert holds(in_order.hypotheses[0].tokens, ids, ordered=True), (in_order.text, phrases)
+
+
+def test_translate_constraints_and_jsonl_on_the_command_line(saved, tmp_path):
+    """--constraints reads fairseq's source<TAB>phrase... lines, --input-format jsonl a prefix and constraints
+    together; each translation holds its phrases (and begins with its prefix)."""
+    import json
+
+    from tests.helpers.training import run_main
+
+    run, translator, _ = saved
+    path = tmp_path / "input.txt"
+    path.write_text("one hundred and two\ttrois\none hundred and three\n\none hundred and eleven\tvingt\tcent\n")
+    args = ["translate", "--checkpoint", str(run), "--input", str(path), "--beam-size", "4"]
+    code, out, err = run_main([*args, "--constraints"])
+    assert code == 0, out + err
+    lines = out.splitlines()
+    assert len(lines) == 4 and lines[2] == ""
+    assert "trois" in lines[0].split() and {"vingt", "cent"} <= set(lines[3].split())
+    records = [
+        {"source": "one hundred and two", "prefix": "cent", "constraints": ["trois"]},
+        {"source": "one hundred and three"},
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    code, out, err = run_main([*args, "--input-format", "jsonl", "--output-format", "jsonl"])
+    assert code == 0, out + err
+    first = json.loads(out.splitlines()[0])
+    assert first["hypotheses"][0]["text"].split()[0] == "cent" and "trois" in first["hypotheses"][0]["text"].split()
+
+
+@pytest.mark.parametrize(
+    "line, options, message",
+    [
+        ("one\t", [], "constraint 1 is empty"),
+        ("one\tcent\t  ", [], "constraint 2 is empty"),
+        ("one\t\u4e2d\u6587", [], "characters the target vocabulary does not know"),
+        ("one\tcent\tdeux\ttrois", ["--beam-size", "2"], "more than this search takes"),
+        ("one\tcent", ["--beam-size", "1"], "need beam search"),
+        ("one\t" + "\t".join(["cent deux trois"] * 4), ["--max-len-b", "2"], "more than the"),
+    ],
+)
+def test_bad_constraints_are_errors_naming_the_line_and_nothing_is_written(saved, tmp_path, line, options, message):
+    from tests.helpers.training import run_main
+
+    run, _, _ = saved
+    path = tmp_path / "input.txt"
+    path.write_text(f"one hundred\n{line}\n")
+    code, out, err = run_main(["translate", "--checkpoint", str(run), "--input", str(path), "--constraints", *options])
+    assert code != 0 and out == ""
+    assert f"{path}, line 2" in err and message in err, err

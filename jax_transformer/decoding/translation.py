@@ -23,7 +23,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from tqdm.auto import tqdm
 
-from jax_transformer.data.tokenizer import LanguageCodeTokenizer
+from jax_transformer.data.tokenizer import UNK_ID, LanguageCodeTokenizer, Tokenizer
 from jax_transformer.decoding import schedule as schedules
 from jax_transformer.decoding.decoders import Decoded, decoder, on_device
 from jax_transformer.errors import DataError, TokenError, WriteError
@@ -346,7 +346,7 @@ def encode_constraints(
     sentence's length limit after its prefix). None where no sentence has any."""
     if constraints is None or not any(constraints):
         return None
-    unk = getattr(tokenizer, "unk_id", None)
+    unk = getattr(tokenizer, "unk_id", UNK_ID if isinstance(tokenizer, Tokenizer) else None)
     found = decoder(config, decode, config.max_len)  # a row's limit depends on its source alone
     out = []
     for i, (texts, name) in enumerate(zip(constraints, names)):
