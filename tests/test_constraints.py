@@ -127,6 +127,7 @@ def output(tokens) -> list[int]:
 # --- exactness ----------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_the_constrained_search_is_exact_on_enumerable_models():
     """20 random toy models, 3 words, outputs of at most 5 tokens (EOS included): every output is enumerated and
     scored with the model's own log-probs and the rules' length penalty; with a beam wider than every step's
@@ -179,6 +180,7 @@ def test_the_constrained_search_is_exact_on_enumerable_models():
 PHRASE = st.lists(st.integers(3, 8), min_size=1, max_size=3)
 
 
+@pytest.mark.slow
 @fuzz(25)
 @given(
     K=st.sampled_from([2, 4]),
