@@ -306,3 +306,42 @@ def test_bad_constraints_are_errors_naming_the_line_and_nothing_is_written(saved
     code, out, err = run_main(["translate", "--checkpoint", str(run), "--input", str(path), "--constraints", *options])
     assert code != 0 and out == ""
     assert f"{path}, line 2" in err and message in err, err
+
+
+# --- the glossary ---------------------------------------------------------------------------------------------------
+
+
+def test_glossary_terms_match_whole_words_in_any_case_and_bad_lines_name_file_and_line(tmp_path):
+    from jax_transformer.decoding.glossary import Glossary
+    from jax_transformer.errors import DataError
+
+    path = tmp_path / "terms.tsv"
+    path.write_text("hundred\tcent\n\nNew York\tNew York\nyork\tYork\n", encoding="utf-8")
+    glossary = Glossary.read(path)
+    assert glossary.terms("One HUNDRED and two") == ["cent"]
+    assert glossary.terms("hundreds") == []  # whole words only
+    assert glossary.terms("in new york") == ["New York", "York"]  # a term inside a longer one counts too
+    assert glossary.constraints("one hundred", ["cent", "deux"]) == ["cent", "deux"]
+    assert glossary.constraints("nothing") is None
+    for bad in ("hundred\n", "hundred\tcent\textra\n", "\tcent\n"):
+        path.write_text("one\tun\n" + bad, encoding="utf-8")
+        with pytest.raises(DataError, match=f"{path}, line 2: expected"):
+            Glossary.read(path)
+
+
+def test_translate_glossary_on_the_command_line(saved, tmp_path):
+    """Each line whose source holds a glossary term gets its target term; a bad glossary line is an error naming
+    the file and line, before anything is written."""
+    from tests.helpers.training import run_main
+
+    run, _, _ = saved
+    terms, path = tmp_path / "terms.tsv", tmp_path / "input.txt"
+    terms.write_text("two\ttrois\n", encoding="utf-8")
+    path.write_text("one hundred and two\none hundred and three\n", encoding="utf-8")
+    args = ["translate", "--checkpoint", str(run), "--input", str(path), "--glossary", str(terms)]
+    code, out, err = run_main(args)
+    assert code == 0, out + err
+    assert "trois" in out.splitlines()[0].split()
+    terms.write_text("two\ttrois\nthree\n", encoding="utf-8")
+    code, out, err = run_main(args)
+    assert code != 0 and out == "" and f"{terms}, line 2" in err

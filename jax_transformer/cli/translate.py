@@ -38,6 +38,13 @@ def add(sub) -> None:
         "per beam; a bad phrase is an error naming the line before anything is translated",
     )
     tr.add_argument(
+        "--glossary",
+        metavar="FILE",
+        help="a glossary, lines of 'source term<TAB>target term': where a source term occurs in a sentence (whole "
+        "words, any case), the translation holds its target term (a constraint, as --constraints; with --document "
+        "too)",
+    )
+    tr.add_argument(
         "--output-format",
         choices=("text", "tsv", "jsonl"),
         default="text",
@@ -88,6 +95,11 @@ def run(args, start_time: float) -> int:
             f"--constraints reads source<TAB>phrase... lines: it takes no --input-format {args.input_format} (a "
             f"prefix and constraints together: --input-format jsonl)"
         )
+    glossary = None
+    if args.glossary:  # read before the model loads: a bad line is an error naming it
+        from jax_transformer.decoding.glossary import Glossary
+
+        glossary = Glossary.read(args.glossary)
     if args.document and args.constraints:
         from jax_transformer.errors import UsageError
 
@@ -125,6 +137,7 @@ def run(args, start_time: float) -> int:
                 progress=progress,
                 max_tokens=args.max_tokens,  # None: TRANSLATE_BATCH_SIZE sentences a batch
                 decode=translator.decode,
+                glossary=glossary,
             )
         finally:
             sys.stdout.flush()
@@ -136,11 +149,11 @@ def run(args, start_time: float) -> int:
     else:
         origin, lines, total = "stdin", read_lines(sys.stdin.buffer, origin="stdin"), None
     input_format = "constraints" if args.constraints else args.input_format
-    if args.input and input_format in ("constraints", "jsonl"):  # every line checked before any is translated
+    if args.input and (input_format in ("constraints", "jsonl") or glossary):  # every line checked first
         from jax_transformer.decoding.translation import check_lines
 
         check_lines(translator.config, translator.tokenizer, (text for _, text in read_lines(args.input)),
-                    translator.decode, origin=origin, input_format=input_format)  # fmt: skip
+                    translator.decode, origin=origin, input_format=input_format, glossary=glossary)  # fmt: skip
     write = print if fd is None else OutputLines(fd)  # UTF-8 whatever the locale says
     try:
         report = translator.translate_lines(
@@ -152,6 +165,7 @@ def run(args, start_time: float) -> int:
             progress=progress,
             output_format=args.output_format,
             input_format=input_format,
+            glossary=glossary,
             max_tokens=args.max_tokens,  # None: TRANSLATE_BATCH_SIZE sentences a batch
         )
     finally:

@@ -26,6 +26,7 @@ from tqdm.auto import tqdm
 from jax_transformer.data.tokenizer import UNK_ID, LanguageCodeTokenizer, Tokenizer
 from jax_transformer.decoding import schedule as schedules
 from jax_transformer.decoding.decoders import Decoded, decoder, on_device
+from jax_transformer.decoding.glossary import Glossary
 from jax_transformer.errors import DataError, TokenError, WriteError
 from jax_transformer.settings.config import DecodeConfig, TransformerConfig
 
@@ -428,11 +429,12 @@ def translate(
     batch_size: int | None = None,
     max_tokens: int | None = None,
     progress: bool = True,
+    constraints: Sequence[Sequence[str] | None] | None = None,
 ) -> list[str]:
     """The best translation of each sentence (strings), in the same order; `translations` has every hypothesis
     with its tokens and scores, and the arguments."""
     found = translations(params, config, tokenizer, sentences, decode, prefixes=prefixes, batch_size=batch_size,
-                         max_tokens=max_tokens, progress=progress)  # fmt: skip
+                         max_tokens=max_tokens, progress=progress, constraints=constraints)  # fmt: skip
     return [t.text for t in found]
 
 
@@ -678,6 +680,7 @@ def translate_lines(
     output_format: str = "text",
     prefix_column: bool = False,
     input_format: str | None = None,
+    glossary: Glossary | None = None,
 ) -> TranslationReport:
     """Translates `lines` (any iterable of strings, e.g. a file read lazily) as `decode` says and calls
     `write(line)` for each output line, in order (`format_translation`: with n-best 1 and text, exactly one output
@@ -686,7 +689,8 @@ def translate_lines(
     (INPUT_FORMATS) says the same as "tsv", or "constraints": "source<TAB>phrase<TAB>phrase..." (fairseq's format),
     or "jsonl": a JSON object a line with "source" and optionally "prefix" and "constraints" (a list of phrases).
     A chunk's bad lines (a bad phrase, a bad object) are a DataError naming `origin` and the line before the chunk
-    is decoded (`check_lines` checks a whole file first). Memory is
+    is decoded (`check_lines` checks a whole file first). A `glossary` adds the target terms of the source terms a
+    line holds to its constraints. Memory is
     bounded by `chunk_size` lines: each chunk is read, decoded (sorted by length into batches of `batch_size`
     sentences or of `max_tokens` token slots, as `translate` does) and written before the next is read.
 
@@ -719,7 +723,7 @@ def translate_lines(
         iterator = iter(lines)
         while chunk := list(itertools.islice(iterator, chunk_size)):
             first = report.lines + 1  # the 1-based number of the chunk's first line
-            chunk, prefixes, wanted = _parse_lines(chunk, input_format, origin, first)
+            chunk, prefixes, wanted = _parse_lines(chunk, input_format, origin, first, glossary)
             # Token ids of the non-empty lines, by index in the chunk; empty (or blank) lines stay empty.
             todo = [i for i, line in enumerate(chunk) if line.strip()]
             ids = dict(zip(todo, tokenizer.encode_batch([chunk[i] for i in todo])))
@@ -801,10 +805,10 @@ INPUT_FORMATS = ("text", "tsv", "constraints", "jsonl")
 
 
 def _parse_lines(
-    chunk: list[str], input_format: str, origin: str, first: int
+    chunk: list[str], input_format: str, origin: str, first: int, glossary: Glossary | None = None
 ) -> tuple[list[str], list[str | None], list[list[str] | None]]:
-    """The sources, target prefixes and constraints (phrases) of lines numbered from `first` in `input_format`; a
-    DataError naming `origin` and the line for one that is not of the format."""
+    """The sources, target prefixes and constraints (phrases; and the `glossary`'s terms) of lines numbered from
+    `first` in `input_format`; a DataError naming `origin` and the line for one that is not of the format."""
     sources, prefixes, wanted = [], [], []
     for number, line in enumerate(chunk, first):
         prefix, phrases = None, None
@@ -816,7 +820,7 @@ def _parse_lines(
             line, prefix, phrases = _json_line(line, origin, number)
         sources.append(line)
         prefixes.append(prefix or None)
-        wanted.append(phrases or None)
+        wanted.append(glossary.constraints(line, phrases) if glossary is not None else phrases or None)
     return sources, prefixes, wanted
 
 
@@ -850,6 +854,7 @@ def check_lines(
     origin: str = "input",
     input_format: str = "text",
     chunk_size: int = TRANSLATE_CHUNK_LINES,
+    glossary: Glossary | None = None,
 ) -> None:
     """What `translate_lines` checks of each chunk before decoding it (the lines' format, prefixes, constraints,
     `decode.suppress`), over every line first: a DataError naming `origin` and the line, before anything is
@@ -858,7 +863,7 @@ def check_lines(
     encode_suppressed(tokenizer, config, decode)
     iterator, first = iter(lines), 1
     while chunk := list(itertools.islice(iterator, chunk_size)):
-        texts, prefixes, wanted = _parse_lines(chunk, input_format, origin, first)
+        texts, prefixes, wanted = _parse_lines(chunk, input_format, origin, first, glossary)
         todo = [i for i, line in enumerate(texts) if line.strip()]
         ids = tokenizer.encode_batch([texts[i] for i in todo])
         sources = [np.array(list(x[: config.max_len - 1]) + [config.eos_id], np.int32) for x in ids]

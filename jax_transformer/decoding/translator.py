@@ -184,10 +184,12 @@ class Translator:
         progress: bool | None = False,
         max_tokens: int | None = None,
         decode: DecodeConfig | None = None,
+        glossary=None,
         **options: Any,
     ) -> documents.DocumentReport:
         """A document of any size (a path or a binary stream, UTF-8) translated and written as it goes, in bounded
-        memory (`documents.translate_document`). One translation of each sentence: an n-best decoding is refused."""
+        memory (`documents.translate_document`). One translation of each sentence: an n-best decoding is refused.
+        `glossary` (a `glossary.Glossary`): each sentence's translation holds the target terms of its source terms."""
         decode = decode or self.decoding(**options)
         if decode.n_best > 1:
             raise UsageError(
@@ -205,4 +207,5 @@ class Translator:
             origin=origin,
             progress=progress,
             max_tokens=max_tokens,
+            glossary=glossary,
         )
