@@ -58,14 +58,22 @@ def toy_step_fn(model, K: int):
     return step_fn
 
 
-@functools.partial(jax.jit, static_argnames=("K", "length"))
-def toy_search(model, rows: search.Rows, penalties, *, K, length):
-    """A search over the toy model with this project's rules (alpha as `penalties` says)."""
-    rules = search.Gnmt(
+def gnmt(K: int, penalties) -> search.Gnmt:
+    """This project's rules (alpha as `penalties` says) for the toy models."""
+    return search.Gnmt(
         beams=K, greedy=False, start_id=START, eos_id=EOS, penalties=penalties, min_len=jnp.int32(0), pad_id=PAD,
         bos_id=START,
     )  # fmt: skip
-    B = rows.limit.shape[0]
+
+
+def toy_search(model, rows: search.Rows, penalties, *, K, length, rules=None):
+    """A search over the toy model with `rules` (default: this project's, alpha as `penalties` says)."""
+    return _toy_search(model, rows, rules or gnmt(K, penalties), length=length)
+
+
+@functools.partial(jax.jit, static_argnames=("length",))
+def _toy_search(model, rows: search.Rows, rules: search.Rules, *, length):
+    B, K = rows.limit.shape[0], rules.beams
     cache = jnp.zeros((B * K, length), jnp.int32)
     src = jnp.ones((B, 1), jnp.int32)
     state = search.initial_state(rules, src, rows, length, length, cache, PAD)
@@ -172,6 +180,27 @@ def test_the_constrained_search_is_exact_on_enumerable_models():
             # float32 sums of up to 5 log-probs in another order than the loop's: a few ulps of their size.
             assert float(state.finished_scores[b, 0]) == pytest.approx(best_score, rel=1e-5, abs=1e-5)
             assert holds(output(got), phrases[b], ordered)
+
+
+@pytest.mark.parametrize("forced_bos", [-1, 7])
+def test_transformers_rules_with_forced_codes_and_repetition_controls_hold_every_phrase(forced_bos):
+    """transformers' rules (a forced first token as a multilingual model's language code, a repetition penalty,
+    no repeated 3-grams, 3 best kept): every hypothesis found holds its row's phrases, unordered and ordered."""
+    model = toy_model(2, 12, 6, 10)
+    rules = search.Transformers(
+        beams=4, greedy=False, start_id=START, eos_id=EOS, min_length=jnp.int32(0), length_penalty=jnp.float32(1.0),
+        forced_bos=jnp.int32(forced_bos), max_length=11, banned=(PAD, START), forced_eos=False,
+        early_stopping="false", no_repeat_ngram=3, penalize=True, repetition_penalty=jnp.float32(1.3),
+    )  # fmt: skip
+    phrases = [[[4, 5], [6]], [[3]], [[8, 3, 4]], None]
+    for ordered in (False, True):
+        state = toy_search(model, make_rows(4, 10, 9, phrases, ordered), None, K=4, length=10, rules=rules)
+        for b, k in itertools.product(range(3), range(4)):
+            assert bool(state.finished[b, 0])
+            if state.finished[b, k]:
+                tokens = output(np.asarray(state.finished_tokens[b, k]))
+                assert holds(tokens, phrases[b], ordered), (b, k, tokens)
+                assert forced_bos < 0 or tokens[0] == forced_bos
 
 
 # --- every finished hypothesis holds every phrase; rows without phrases decode as without constraints -------------
@@ -345,3 +374,25 @@ def test_translate_glossary_on_the_command_line(saved, tmp_path):
     terms.write_text("two\ttrois\nthree\n", encoding="utf-8")
     code, out, err = run_main(args)
     assert code != 0 and out == "" and f"{terms}, line 2" in err
+
+
+@pytest.mark.slow
+def test_the_cpu_schedule_carries_the_constraint_state_as_rows_leave_and_the_cache_grows():
+    """16 sentences on the CPU's schedule (rows leave the batch at 4 open, the cache grows from 16 positions) give
+    the hypotheses of the batch decoded whole: the constraint arrays and state follow the rows."""
+    from jax_transformer.decoding import decoders
+    from jax_transformer.decoding.schedule import Scheduled, Whole
+    from jax_transformer.settings.config import DecodeConfig
+    from tests.helpers.saved import load_saved_model
+
+    saved = load_saved_model("trained_tiny")
+    src = saved.sources[:16]
+    decoder = decoders.decoder(saved.config, DecodeConfig(beam_size=4, n_best=2), src.shape[1])
+    phrases = [[[21]] if i % 3 else [[21], [int(saved.sources[i][0]) % 200 + 4]] for i in range(16)]
+    phrases[5] = None
+    whole = decoder(saved.params, src, Whole(), None, phrases)
+    parts = decoder(saved.params, src, Scheduled(split=False), None, phrases)
+    np.testing.assert_array_equal(whole.tokens, parts.tokens)
+    np.testing.assert_array_equal(whole.found, parts.found)
+    np.testing.assert_allclose(whole.scores, parts.scores, rtol=1e-5)  # smaller matrix products: rounding only
+    assert whole.found[:, 0].all()
