@@ -209,7 +209,8 @@ class Decoder:
             rows = rows.replace(phrases=phrases, phrase_len=lengths, ordered=ordered)
         if banned is not None and any(banned):
             self.check_phrases(banned, None, [f"row {i}" for i in range(B)], must_appear=False)
-            rows = rows.replace(**dict(zip(("banned", "banned_len"), phrase_arrays(banned, self.config.pad_id))))
+            tokens, lengths = phrase_arrays(banned, self.config.pad_id)
+            rows = rows.replace(banned=tokens, banned_len=lengths)
         return rows
 
     def with_order(self, order: str) -> Decoder:

@@ -389,9 +389,9 @@ def advance(s: SearchState, rules: Rules, step_fn) -> SearchState:
         live_scores = jnp.where(has[:, None], allotted[0], live_scores)
         pick = jnp.where(has[:, None], allotted[1], pick)
         first = jnp.where(has[:, None], allotted[2], first[None, :])
-        more = dict(met_at=_gather(met_at, pick), progress=_gather(progress, pick))
+        met_at, progress = _gather(met_at, pick), _gather(progress, pick)
     else:
-        more = {}
+        met_at, progress = s.met_at, s.progress  # None: no constraints
     live_tokens = _gather(candidates, pick)
     live_token_scores = _gather(token_scores, pick)
     history = _gather(history, jnp.take_along_axis(parents, pick, axis=1))
@@ -417,7 +417,8 @@ def advance(s: SearchState, rules: Rules, step_fn) -> SearchState:
         finished_token_scores=finished_token_scores,
         history=history,
         cache=cache,
-        **more,
+        met_at=met_at,
+        progress=progress,
     )
 
 
