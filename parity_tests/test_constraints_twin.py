@@ -18,7 +18,7 @@ from tests.helpers.saved import load_saved_model
 from tests.helpers.twins import t, torch_twin
 from torch_reference import decoding as torch_decoding
 
-BEAMS, N_BEST, ROWS = 4, 3, 8
+BEAMS, N_BEST, ROWS = 4, 3, 6
 
 
 @pytest.mark.slow

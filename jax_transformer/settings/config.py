@@ -850,7 +850,8 @@ class DecodeConfig(Settings):
             how = "greedy search" if self.beam_size == 1 else f"beam search of {self.beam_size}, alpha {self.alpha:g}"
         default = DecodeConfig(rules=self.rules).to_dict()
         shown = ("n_best", "max_len_a", "max_len_b", "early_stopping", "max_length", "banned", "forced_eos",
-                 "min_length", "forced_bos", "repetition_penalty", "no_repeat_ngram_size")  # fmt: skip
+                 "min_length", "forced_bos", "repetition_penalty", "no_repeat_ngram_size", "constraint_order",
+                 "suppress")  # fmt: skip
         rest = ", ".join(f"{k} {v}" for k, v in self.to_dict().items() if k in shown and v != default[k])
         return f"{self.rules} rules, {how}" + (f", {rest}" if rest else "")
 
