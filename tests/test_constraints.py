@@ -360,6 +360,7 @@ def test_glossary_terms_match_whole_words_in_any_case_and_bad_lines_name_file_an
             Glossary.read(path)
 
 
+@pytest.mark.slow
 def test_translate_glossary_on_the_command_line(saved, tmp_path):
     """Each line whose source holds a glossary term gets its target term; a bad glossary line is an error naming
     the file and line, before anything is written."""
@@ -371,6 +372,9 @@ def test_translate_glossary_on_the_command_line(saved, tmp_path):
     path.write_text("one hundred and two\none hundred and three\n", encoding="utf-8")
     args = ["translate", "--checkpoint", str(run), "--input", str(path), "--glossary", str(terms)]
     code, out, err = run_main(args)
+    assert code == 0, out + err
+    assert "trois" in out.splitlines()[0].split()
+    code, out, err = run_main([*args, "--document", "--beam-size", "4"])  # each sentence of a document too
     assert code == 0, out + err
     assert "trois" in out.splitlines()[0].split()
     terms.write_text("two\ttrois\nthree\n", encoding="utf-8")
