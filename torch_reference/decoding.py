@@ -278,12 +278,17 @@ def beam_search(
     use_cache: bool = False,
     n_best: int | None = None,
     prefixes: Sequence[Sequence[int] | None] | None = None,
+    constraints: Sequence[Sequence[Sequence[int]] | None] | None = None,
+    ordered: bool = False,
+    banned: Sequence[Sequence[Sequence[int]] | None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor] | Hypotheses:
     """Beam search with the GNMT length penalty, one sentence at a time -> the best hypothesis of each row,
     tokens (B, L) long and score (B,) float32 = log P / ((5 + length) / 6) ** alpha. `prefixes`: each row's
     target prefix (ids without the start token; None or [] for none), forced first, scored 0 and not counted in
     the penalty's length (the length limit counts it). With `n_best` (at most beam_size) the n best finished
-    hypotheses of each row instead, a `Hypotheses` with per-token log-probs."""
+    hypotheses of each row instead, a `Hypotheses` with per-token log-probs. `constraints`: each row's phrases
+    (id lists; None: none) that every output must hold, in their order with `ordered` (`_Constrained`);
+    `banned`: each row's phrases no output holds."""
     src = _on_model_device(model, src)
     _check(model, src, beam_size)
     _check_n_best(n_best, beam_size)
@@ -307,6 +312,8 @@ def beam_search(
             min_len,
             use_cache,
             target_prefixes[b],
+            _Constrained([list(p) for p in (constraints or [None] * B)[b] or []], ordered),
+            [list(p) for p in (banned or [None] * B)[b] or []],
         )
         for b in range(B)
     ]
@@ -327,9 +334,12 @@ def _beam_search_one(
     min_len: int,
     use_cache: bool,
     target_prefix: list[int],
+    constrained: _Constrained | None = None,
+    banned: list[list[int]] | None = None,
 ) -> Hypotheses:
     """Beam search for one sentence: memory (1, S, D), src (1, S) -> its K finished hypotheses, best first:
-    tokens (K, length), scores (K,), token_scores (K, length), found (K,)."""
+    tokens (K, length), scores (K,), token_scores (K, length), found (K,). With phrases to hold (`constrained`)
+    the candidates and the live set are dynamic beam allocation's (`_Constrained`)."""
     cfg, device = model.cfg, src.device
     decoder = _decoder(model, memory.expand(K, -1, -1), src.expand(K, -1), use_cache)
     live = torch.full((K, length), cfg.pad_id, dtype=torch.long, device=device)  # live hypotheses, best first
@@ -341,11 +351,25 @@ def _beam_search_one(
     finished_flags = torch.zeros(K, dtype=torch.bool, device=device)
     for t in range(limit):
         log_probs = _restrict(decoder.step(), t, min_len, cfg)  # (K, V)
+        pasts = [live[k, :t].tolist() for k in range(K)]
+        log_probs = _ban_phrases(log_probs, pasts, banned or [])
+        if constrained and constrained.phrases:  # no EOS before every phrase is met
+            for k in range(K):
+                if not constrained.all_met(pasts[k]):
+                    log_probs[k, cfg.eos_id] = -math.inf
         log_probs = _force_prefix(log_probs, target_prefix, t)
         V = log_probs.shape[-1]
         # Extend every live hypothesis by every token; keep the 2K most probable extensions.
         top_log_probs, top_index = _top((live_log_probs[:, None] + log_probs).reshape(-1), 2 * K)  # (2K,)
         parents, new_tokens = top_index // V, top_index % V
+        if constrained and constrained.phrases:  # and each one's best token, and each phrase's next token
+            more = [(k, int(log_probs[k].argmax())) for k in range(K)]
+            more += [(k, token) for k in range(K) for token in constrained.next_tokens(pasts[k])]
+            extra = torch.tensor(more, dtype=torch.long, device=device).reshape(-1, 2)
+            top_log_probs = torch.cat(
+                [top_log_probs, live_log_probs[extra[:, 0]] + log_probs[extra[:, 0], extra[:, 1]]]
+            )
+            parents, new_tokens = torch.cat([parents, extra[:, 0]]), torch.cat([new_tokens, extra[:, 1]])
         candidates = live[parents].clone()
         candidates[:, t] = new_tokens
         candidate_token_scores = live_token_scores[parents].clone()
@@ -353,7 +377,10 @@ def _beam_search_one(
         ends = (new_tokens == cfg.eos_id) | (t + 1 >= limit)  # EOS, or the length limit
         # Only the K best candidates may finish (fairseq's rule). Nothing real ends inside the target prefix (it
         # holds no EOS and is shorter than the limit): what ends there is impossible (-inf) and never kept.
-        finishing = ends & (torch.arange(2 * K, device=device) < K) & (t >= len(target_prefix))
+        first = torch.arange(len(new_tokens), device=device) < K
+        if constrained and constrained.phrases:
+            first, live_pick = constrained.allot(candidates[:, : t + 1].tolist(), parents, top_log_probs, ends, K)
+        finishing = ends & first & (t >= len(target_prefix))
         # The length penalty counts the tokens generated after the prefix.
         penalty = length_penalty(t + 1 - len(target_prefix), alpha) if t >= len(target_prefix) else 1.0
         # Finished set: the K best of the old finished and the candidates that finish, by penalised score.
@@ -365,7 +392,9 @@ def _beam_search_one(
         if t + 1 >= limit:
             break
         # Live set: the K most probable candidates that did not end; the decoder follows their parents.
-        live_log_probs, pick = _top(torch.where(ends, -math.inf, top_log_probs), K)
+        live_log_probs, pick = _top(torch.where(ends, -math.inf, top_log_probs)[: 2 * K], K)
+        if constrained and constrained.phrases:
+            live_log_probs, pick = live_pick
         live = candidates[pick]
         live_token_scores = candidate_token_scores[pick]
         decoder.reorder(parents[pick])
@@ -376,3 +405,113 @@ def _beam_search_one(
         if finished_flags.all() and finished_scores[-1] > best_reachable:
             break
     return Hypotheses(finished, finished_scores, finished_token_scores, finished_flags)
+
+
+# =============================================================================================================
+# Lexical constraints
+# =============================================================================================================
+
+
+def _ban_phrases(log_probs: torch.Tensor, pasts: list[list[int]], banned: list[list[int]]) -> torch.Tensor:
+    """log_probs (K, V) with -inf for each token that would complete a banned phrase after hypothesis k's
+    tokens `pasts[k]`."""
+    if not banned:
+        return log_probs
+    log_probs = log_probs.clone()
+    for k, past in enumerate(pasts):
+        for phrase in banned:
+            head = phrase[:-1]
+            if len(past) >= len(head) and past[len(past) - len(head) :] == head:
+                log_probs[k, phrase[-1]] = -math.inf
+    return log_probs
+
+
+class _Constrained:
+    """One sentence's phrases that every output must hold (`ordered`: in their order, each after the previous
+    one's end), read off a hypothesis's tokens each time, and dynamic beam allocation over its candidates (Post &
+    Vilar 2018, as fairseq's LexicallyConstrainedBeamSearch): the Flax search's rules (`decoding.constraints`),
+    written out per hypothesis."""
+
+    def __init__(self, phrases: list[list[int]], ordered: bool):
+        self.phrases, self.ordered = phrases, ordered
+
+    def state(self, tokens: list[int]) -> tuple[list[int], list[int]]:
+        """Per phrase: where it was met (the length at its last token; -1: unmet) and how many of its first tokens
+        end `tokens` (0 for a met phrase, or one that may not begin yet)."""
+        met, start = [], 0
+        for phrase in self.phrases:
+            if self.ordered and start < 0:  # the previous phrase is unmet
+                met.append(-1)
+                continue
+            end = next(
+                (i + len(phrase) for i in range(start, len(tokens) - len(phrase) + 1)
+                 if tokens[i : i + len(phrase)] == phrase),
+                -1,
+            )  # fmt: skip
+            met.append(end)
+            if self.ordered:
+                start = end
+        progress = []
+        for p, phrase in enumerate(self.phrases):
+            begin = (met[p - 1] if p else 0) if self.ordered else 0
+            if met[p] >= 0 or begin < 0:
+                progress.append(0)
+                continue
+            ks = [
+                k for k in range(1, len(phrase)) if len(tokens) - k >= begin and tokens[len(tokens) - k :] == phrase[:k]
+            ]
+            progress.append(max(ks, default=0))
+        return met, progress
+
+    def all_met(self, tokens: list[int]) -> bool:
+        return all(m >= 0 for m in self.state(tokens)[0])
+
+    def bank(self, tokens: list[int]) -> int:
+        """The constraint tokens `tokens` has met: its met phrases' and its best partial match's."""
+        met, progress = self.state(tokens)
+        return sum(len(p) for p, m in zip(self.phrases, met) if m >= 0) + max(progress)
+
+    def next_tokens(self, tokens: list[int]) -> list[int]:
+        """For each phrase, the token that goes on with it after `tokens` (the first token of a phrase not begun),
+        if it is unmet and may begin (ordered: its previous one met); PAD-free ids, phrase by phrase."""
+        met, progress = self.state(tokens)
+        out = []
+        for p, phrase in enumerate(self.phrases):
+            if met[p] < 0 and not (self.ordered and p and met[p - 1] < 0):
+                out.append(phrase[progress[p]])
+        return out
+
+    def allot(self, candidates: list[list[int]], parents, log_p, ends, K: int):
+        """Dynamic beam allocation over the step's candidates (their tokens so far, parents, log P, whether each
+        ends): which candidates rank among the first K (those that may finish), and the live set (log P (K,),
+        picks (K,)), best first. A candidate is dropped if impossible (-inf), a repeat of an earlier one (same
+        parent and token), or ending with a phrase unmet; each other's bank is `bank`, its rank the number of
+        better ones (higher log P, or equal and earlier) in its bank, and the candidates are taken by rank, then
+        from the highest bank down."""
+        n = len(candidates)
+        banks = sum(len(p) for p in self.phrases) + 1
+        seen, keys = set(), []
+        for i, tokens in enumerate(candidates):
+            pair = (int(parents[i]), tokens[-1])
+            ok = bool(log_p[i] > -math.inf) and (self.all_met(tokens) or not bool(ends[i])) and pair not in seen
+            if ok:
+                seen.add(pair)
+            keys.append((ok, self.bank(tokens) if ok else -1))
+        order = []
+        for i, (ok, bank) in enumerate(keys):
+            if ok:
+                rank = sum(
+                    1 for j, (ok_j, bank_j) in enumerate(keys)
+                    if ok_j and bank_j == bank and (log_p[j] > log_p[i] or (log_p[j] == log_p[i] and j < i))
+                )  # fmt: skip
+                order.append((rank * banks + banks - 1 - bank, i))
+        order.sort()
+        first = torch.zeros(n, dtype=torch.bool, device=log_p.device)
+        for _, i in order[:K]:
+            first[i] = True
+        live = [i for _, i in order if not bool(ends[i])][:K]
+        live.sort(key=lambda i: -float(log_p[i]))  # stable: equal scores keep the allotment's order
+        dead = [i for i in range(n) if i not in live][: K - len(live)]  # empty slots: -inf, never extended
+        pick = torch.tensor(live + dead, dtype=torch.long, device=log_p.device)
+        scores = torch.cat([log_p[live], torch.full((len(dead),), -math.inf, device=log_p.device)])
+        return first, (scores, pick)

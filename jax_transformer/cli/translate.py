@@ -24,10 +24,25 @@ def add(sub) -> None:
     flags.compilation_flags(tr)
     tr.add_argument(
         "--input-format",
-        choices=("text", "tsv"),
+        choices=("text", "tsv", "jsonl"),
         default="text",
         help="text: a sentence per line; tsv: source<TAB>target prefix, the translation beginning with the prefix "
-        "(an empty prefix, or a line without a tab: none) (default text)",
+        '(an empty prefix, or a line without a tab: none); jsonl: a JSON object a line, with "source" and '
+        'optionally "prefix" and "constraints" (a list of phrases the translation must hold) (default text)',
+    )
+    tr.add_argument(
+        "--constraints",
+        action="store_true",
+        help="each line is source<TAB>phrase<TAB>phrase... (fairseq's format): every translation holds its line's "
+        "phrases (--constraint-order: in any order, or in the order given); beam search only, at most one phrase "
+        "per beam; a bad phrase is an error naming the line before anything is translated",
+    )
+    tr.add_argument(
+        "--glossary",
+        metavar="FILE",
+        help="a glossary, lines of 'source term<TAB>target term': where a source term occurs in a sentence (whole "
+        "words, any case), the translation holds its target term (a constraint, as --constraints; with --document "
+        "too)",
     )
     tr.add_argument(
         "--output-format",
@@ -74,6 +89,22 @@ def run(args, start_time: float) -> int:
     from jax_transformer.data.corpus import count_lines, read_lines
     from jax_transformer.decoding.translation import OutputLines
 
+    if args.constraints and args.input_format != "text":  # refused before the model loads
+        from jax_transformer.errors import UsageError
+
+        raise UsageError(
+            f"--constraints reads source<TAB>phrase... lines: it takes no --input-format {args.input_format} (a "
+            f"prefix and constraints together: --input-format jsonl)"
+        )
+    glossary = None
+    if args.glossary:  # read before the model loads: a bad line is an error naming it
+        from jax_transformer.decoding.glossary import Glossary
+
+        glossary = Glossary.read(args.glossary)
+    if args.document and args.constraints:
+        from jax_transformer.errors import UsageError
+
+        raise UsageError("--document translates running text: it takes no --constraints")
     if args.document:  # refused before the model loads
         from jax_transformer.decoding import documents
         from jax_transformer.errors import UsageError
@@ -116,6 +147,7 @@ def run(args, start_time: float) -> int:
                 progress=progress,
                 max_tokens=args.max_tokens,  # None: TRANSLATE_BATCH_SIZE sentences a batch
                 decode=translator.decode,
+                glossary=glossary,
             )
         finally:
             sys.stdout.flush()
@@ -126,6 +158,12 @@ def run(args, start_time: float) -> int:
         origin, lines, total = args.input, read_lines(args.input), count_lines(args.input)
     else:
         origin, lines, total = "stdin", read_lines(sys.stdin.buffer, origin="stdin"), None
+    input_format = "constraints" if args.constraints else args.input_format
+    if args.input and (input_format in ("constraints", "jsonl") or glossary):  # every line checked first
+        from jax_transformer.decoding.translation import check_lines
+
+        check_lines(translator.config, translator.tokenizer, (text for _, text in read_lines(args.input)),
+                    translator.decode, origin=origin, input_format=input_format, glossary=glossary)  # fmt: skip
     write = print if fd is None else OutputLines(fd)  # UTF-8 whatever the locale says
     try:
         report = translator.translate_lines(
@@ -136,7 +174,8 @@ def run(args, start_time: float) -> int:
             total=total,
             progress=progress,
             output_format=args.output_format,
-            prefix_column=args.input_format == "tsv",
+            input_format=input_format,
+            glossary=glossary,
             max_tokens=args.max_tokens,  # None: TRANSLATE_BATCH_SIZE sentences a batch
         )
     finally:

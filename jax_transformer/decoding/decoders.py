@@ -18,6 +18,7 @@ import numpy as np
 
 from jax_transformer import checks
 from jax_transformer.decoding import schedule as schedules
+from jax_transformer.decoding.constraints import PHRASE_SIZES, TOKEN_SIZES, phrase_arrays
 from jax_transformer.decoding.search import Gnmt, Rows, Rules, Sampler, Transformers
 from jax_transformer.errors import TokenError
 from jax_transformer.settings.config import EARLY_STOPPING, DecodeConfig, TransformerConfig, beam_limit
@@ -161,6 +162,7 @@ class Decoder:
     max_len_a: float | None = None
     max_len_b: float | None = None
     n_best: int = 1
+    ordered_constraints: bool = False  # a row's phrases must appear in their order (`constraints`)
 
     def limits(self, src: np.ndarray) -> np.ndarray:
         """(B,) int32: tokens each row of `src` may produce."""
@@ -174,11 +176,17 @@ class Decoder:
         return self.n_best if self.rules.sampler is not None else 1
 
     def rows(
-        self, src: np.ndarray, prefixes: Sequence[Sequence[int]] | None = None, sample: np.ndarray | None = None
+        self,
+        src: np.ndarray,
+        prefixes: Sequence[Sequence[int]] | None = None,
+        sample: np.ndarray | None = None,
+        constraints: Sequence[Sequence[Sequence[int]] | None] | None = None,
+        banned: Sequence[Sequence[Sequence[int]] | None] | None = None,
     ) -> Rows:
         """Each row's `search.Rows`: its limit, its target prefix (ids, without the decoder's start token; None:
-        none) and its draw id (`draw_ids`, of the row's `sample` number). A prefix that leaves no room for a token
-        of its own is a TokenError naming the row."""
+        none), its draw id (`draw_ids`, of the row's `sample` number), the phrases (id lists) it must hold
+        (`constraints`) and those it must not (`banned`), a list per row or None. A prefix that leaves no room for a
+        token of its own, or phrases the search cannot take (`check_phrases`), are a TokenError naming the row."""
         B = src.shape[0]
         limit = self.limits(src)
         prefix = np.full((B, self.length), self.config.pad_id, np.int32)
@@ -197,7 +205,56 @@ class Decoder:
                     f"row {row}: a target prefix holds EOS (id {self.config.eos_id}): nothing would follow"
                 )
             prefix[row, : len(ids)], prefix_len[row] = ids, len(ids)
-        return Rows(limit=limit, prefix=prefix, prefix_len=prefix_len, draw=draw_ids(src, self.config.pad_id, sample))
+        rows = Rows(limit=limit, prefix=prefix, prefix_len=prefix_len, draw=draw_ids(src, self.config.pad_id, sample))
+        if constraints is not None and any(constraints):
+            self.check_phrases(constraints, limit - prefix_len, [f"row {i}" for i in range(B)])
+            phrases, lengths = phrase_arrays(constraints, self.config.pad_id)
+            ordered = np.full(B, self.ordered_constraints)
+            rows = rows.replace(phrases=phrases, phrase_len=lengths, ordered=ordered)
+        if banned is not None and any(banned):
+            self.check_phrases(banned, None, [f"row {i}" for i in range(B)], must_appear=False)
+            tokens, lengths = phrase_arrays(banned, self.config.pad_id)
+            rows = rows.replace(banned=tokens, banned_len=lengths)
+        return rows
+
+    def with_order(self, order: str) -> Decoder:
+        """This decoder with its rows' phrases "ordered" or "unordered" (DecodeConfig.constraint_order)."""
+        return dataclasses.replace(self, ordered_constraints=order == "ordered")
+
+    def check_phrases(
+        self, phrases: Sequence, room: Sequence[int] | None, names: Sequence[str], must_appear: bool = True
+    ) -> None:
+        """A TokenError naming the row (`names`) unless each row's phrases (id lists, or None) suit this search:
+        beam search (not greedy search or sampling), at most `beams` phrases of at most TOKEN_SIZES[-1] valid target
+        ids each, none empty or holding EOS, and (`room`: tokens each row may produce after its prefix) their tokens
+        together no more than the row may produce."""
+        what = "phrases that must appear" if must_appear else "phrases that must not appear"
+        for row, given in enumerate(phrases):
+            if not given:
+                continue
+            name = names[row]
+            if must_appear and (self.rules.greedy or self.rules.sampler is not None):
+                raise TokenError(f"{name}: {what} need beam search (beam size 2 or more, no sampling)")
+            most = min(self.rules.beams, PHRASE_SIZES[-1]) if must_appear else PHRASE_SIZES[-1]
+            if len(given) > most:
+                per_beam = f"at most one per beam, of {self.rules.beams}, and " if must_appear else ""
+                raise TokenError(
+                    f"{name}: {len(given)} {what}, more than this search takes ({most}: {per_beam}at most "
+                    f"{PHRASE_SIZES[-1]})"
+                )
+            for i, ids in enumerate(given):
+                if len(ids) == 0:
+                    raise TokenError(f"{name}: phrase {i + 1} of the {what} is empty")
+                if len(ids) > TOKEN_SIZES[-1]:
+                    raise TokenError(f"{name}: phrase {i + 1} has {len(ids)} tokens, more than {TOKEN_SIZES[-1]}")
+                checks.check_tokens(f"{name}, phrase {i + 1}", np.asarray([ids]), self.config, "target")
+                if self.config.eos_id in ids:
+                    raise TokenError(f"{name}: phrase {i + 1} holds EOS (id {self.config.eos_id})")
+            if room is not None and sum(len(ids) for ids in given) > room[row]:
+                raise TokenError(
+                    f"{name}: its phrases have {sum(len(ids) for ids in given)} tokens in all, more than the "
+                    f"{int(room[row])} this sentence may produce (after its prefix): raise the length limit"
+                )
 
     def __call__(
         self,
@@ -205,17 +262,21 @@ class Decoder:
         src: np.ndarray,
         schedule: schedules.Schedule | None = None,
         prefixes: Sequence[Sequence[int] | None] | None = None,
+        constraints: Sequence[Sequence[Sequence[int]] | None] | None = None,
+        banned: Sequence[Sequence[Sequence[int]] | None] | None = None,
     ) -> Decoded:
         """The `n_best` hypotheses of each row of checked sources `src` (B, S), each row starting from its target
-        prefix if `prefixes` (B lists of ids, or None) gives one; `schedule`: how the batch runs (default:
-        `schedule.default()`, the CPU's schedule there, the batch whole elsewhere)."""
+        prefix if `prefixes` (B lists of ids, or None) gives one, holding the phrases (lists of ids) `constraints`
+        gives it and none of those `banned` gives it (`Rows`; a list of phrases or None per row); `schedule`: how
+        the batch runs (default: `schedule.default()`, the CPU's schedule there, the batch whole elsewhere)."""
         schedule = schedule or schedules.default()
         n, sample = self.samples, None
         if n > 1:  # each sample a row of its own, its draws keyed by the sentence and the sample's number
             sample = np.tile(np.arange(n), len(src))
             src = np.repeat(src, n, axis=0)
             prefixes = None if prefixes is None else [p for p in prefixes for _ in range(n)]
-        rows = self.rows(src, prefixes, sample)
+            banned = None if banned is None else [p for p in banned for _ in range(n)]
+        rows = self.rows(src, prefixes, sample, constraints, banned)
         found = schedule.decode(on_device(params), self.config, self.rules, src, rows, self.length)
         if n > 1:  # (B * n, 1, ...) -> (B, n, ...)
             return Decoded(*(x.reshape(-1, n, *x.shape[2:]) for x in found))
@@ -262,7 +323,7 @@ def decoder(config: TransformerConfig, decode: DecodeConfig, width: int) -> Deco
             n_best=decode.n_best,
             sampler=sampler,
             alignment_layer=decode.aligned_layer(config),
-        )
+        ).with_order(decode.constraint_order)
     return transformers_decoder(
         config,
         max_length=decode.output_limit(config),
@@ -278,7 +339,7 @@ def decoder(config: TransformerConfig, decode: DecodeConfig, width: int) -> Deco
         n_best=decode.n_best,
         sampler=sampler,
         alignment_layer=decode.aligned_layer(config),
-    )
+    ).with_order(decode.constraint_order)
 
 
 def gnmt_decoder(

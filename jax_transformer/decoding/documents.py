@@ -460,6 +460,7 @@ def translate_document(
     carry_limit: int = CARRY_LIMIT,
     batch_size: int | None = None,
     max_tokens: int | None = None,
+    glossary=None,
 ) -> DocumentReport:
     """Translates a document that comes as `chunks` of text (`read_blocks`), sentence by sentence, and calls
     `write(text)` with the translated document, in order: each sentence replaced by its best translation (line
@@ -470,7 +471,8 @@ def translate_document(
     bounded whatever the document: at most `carry_limit` characters of an unfinished line are held (a longer
     sentence is cut), and `chunk_sentences` sentences are translated together (sorted into batches of `batch_size`
     sentences or `max_tokens` token slots by `translation.translate`), then written. `progress`: a tqdm bar of
-    sentences on stderr (None: when stderr is a terminal). `origin` names the input in the report's places."""
+    sentences on stderr (None: when stderr is a terminal). `origin` names the input in the report's places.
+    `glossary` (a `glossary.Glossary`): each sentence's translation holds the target terms of its source terms."""
     segmenter = segmenter or Segmenter("en")
     if segmenter.fits is None:
         segmenter = segmenter.with_fits(model_fits(tokenizer, config))
@@ -484,9 +486,9 @@ def translate_document(
     def flush() -> None:
         nonlocal sentences, characters
         sources = [piece.text for piece in pending if piece.sentence]
-        found = translation.translate(
-            params, config, tokenizer, sources, decode, batch_size=batch_size, max_tokens=max_tokens, progress=False
-        )
+        terms = None if glossary is None else [glossary.constraints(text) for text in sources]
+        found = translation.translate(params, config, tokenizer, sources, decode, batch_size=batch_size,
+                                      max_tokens=max_tokens, progress=False, constraints=terms)  # fmt: skip
         write(joined(pending, iter(found)))
         bar.update(len(sources))
         pending.clear()

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jax_transformer.compilation import exportable, jit_by_config
+from jax_transformer.decoding import constraints
 from jax_transformer.model.transformer import Transformer, cross_attention_rows
 from jax_transformer.settings.config import TransformerConfig
 
@@ -44,6 +45,12 @@ class Rows:
     prefix: jnp.ndarray  # (B, L) int32: the prefix's tokens first, PAD after
     prefix_len: jnp.ndarray  # (B,) int32
     draw: jnp.ndarray  # (B,) uint32
+    # Lexical constraints (`decoding.constraints`); None: none, and the program is the one without them.
+    phrases: jnp.ndarray | None = None  # (B, P, M) int32: phrases that must appear, PAD-padded
+    phrase_len: jnp.ndarray | None = None  # (B, P) int32: their lengths, 0 for an unused slot
+    ordered: jnp.ndarray | None = None  # (B,) bool: the phrases must appear in their order
+    banned: jnp.ndarray | None = None  # (B, Q, M) int32: phrases that must not appear, PAD-padded
+    banned_len: jnp.ndarray | None = None  # (B, Q) int32
 
 
 @exportable  # a program that carries it can be stored (compilation.ProgramStore)
@@ -67,6 +74,8 @@ class SearchState:
     # `step`); else None, the state of a search without alignments.
     live_alignment: Any = None
     finished_alignment: Any = None
+    met_at: jnp.ndarray | None = None  # (B, K, P) int32: where each phrase was met (`constraints`); -1: unmet
+    progress: jnp.ndarray | None = None  # (B, K, P) int32: each phrase's first tokens that end the hypothesis
 
 
 # =============================================================================================================
@@ -324,6 +333,7 @@ def initial_state(rules: Rules, src, rows: Rows, length: int, cache_len: int, ca
     B, K = src.shape[0], rules.beams
     first_only = jnp.where(jnp.arange(K) == 0, 0.0, rules.impossible).astype(jnp.float32)
     aligned = None if rules.alignment_layer is None else jnp.full((B, K, length), -1, jnp.int32)
+    more = {} if rows.phrases is None else constraints.initial_state(B, K, rows.phrases.shape[1])
     return SearchState(
         step=jnp.array(0, jnp.int32),
         live_tokens=jnp.full((B, K, length), pad_id, jnp.int32),
@@ -339,6 +349,7 @@ def initial_state(rules: Rules, src, rows: Rows, length: int, cache_len: int, ca
         cache=cache,
         live_alignment=aligned,
         finished_alignment=aligned,
+        **more,
     )
 
 
@@ -351,11 +362,24 @@ def advance(s: SearchState, rules: Rules, step_fn) -> SearchState:
     out = step_fn(last.reshape(-1), s.cache, history.reshape(B * K, -1), t)  # (B * K, V), ...
     logits, cache = out[:2]  # and with alignments, the step's (B * K, S) cross-attention: `advance_alignment`
     scores = rules.token_scores(logits, t, s.live_tokens.reshape(B * K, -1)).reshape(B, K, -1)  # (B, K, V)
+    rows, constrained = s.rows, s.rows.phrases is not None
+    if rows.banned is not None:  # a token that would complete a banned phrase is impossible
+        banned, banned_len = (jnp.repeat(x, K, axis=0) for x in (rows.banned, rows.banned_len))
+        past = s.live_tokens.reshape(B * K, -1)
+        scores = constraints.ban_phrases(scores.reshape(B * K, -1), past, t, banned, banned_len).reshape(B, K, -1)
+    if constrained:  # no EOS before every phrase is met
+        scores = constraints.ban_unmet_eos(scores, s.met_at, rows.phrase_len, rules.eos_id, -jnp.inf)
     scores = _forced_prefix(scores, s.rows, t)
 
     keys = None if rules.sampler is None else rules.sampler.keys(s.rows.draw, t)  # (B, 2)
     log_probs = rules.token_log_probs(scores)  # (B, K, V)
     log_p, parents, tokens = rules.candidates(s.live_scores, scores, log_probs, keys)  # (B, C)
+    C = log_p.shape[1]
+    if constrained:  # and each hypothesis's best extension and the next token of each phrase it may go on with
+        state = (rows.phrases, rows.phrase_len, rows.ordered, s.met_at, s.progress)
+        best = constraints.best_extensions(s.live_scores, scores)
+        nexts = constraints.phrase_candidates(s.live_scores, scores, *state, rules.impossible)
+        log_p, parents, tokens = (jnp.concatenate(x, axis=1) for x in zip((log_p, parents, tokens), best, nexts))
     candidates = _gather(s.live_tokens, parents).at[:, :, t].set(tokens)  # (B, C, L)
     gained = _take_pairs(log_probs, parents, tokens)  # (B, C) the log-prob of each candidate's last token
     token_scores = _gather(s.live_token_scores, parents).at[:, :, t].set(gained)  # (B, C, L)
@@ -363,14 +387,30 @@ def advance(s: SearchState, rules: Rules, step_fn) -> SearchState:
     ends = (tokens == rules.eos_id) | (t + 1 >= s.rows.limit)[:, None]  # (B, C)
 
     # Live: the K best candidates that did not end; each takes its parent's past in the cache.
-    live_scores, live_pick = _best(rules.exclude(log_p, ends), K)  # (B, K)
+    live_scores, live_pick = _best(rules.exclude(log_p[:, :C], ends[:, :C]), K)  # (B, K)
+    # Finished: of the candidates that end among the first K (fairseq's rule: an ending candidate ranked below
+    # them is dropped).
+    first = jnp.arange(ends.shape[1]) < K
+    if constrained:  # rows with phrases: the live set by dynamic beam allocation; the others as above
+        met_at, progress, bank = constraints.advance_state(
+            candidates, t, rows.phrases, rows.phrase_len, rows.ordered, _gather(s.met_at, parents)
+        )
+        met = constraints.all_met(met_at, rows.phrase_len)  # (B, C)
+        banks = rows.phrases.shape[1] * rows.phrases.shape[2] + 1
+        allotted = constraints.allot(log_p, parents, tokens, ends, met, bank, banks, K, rules.impossible)
+        has = jnp.any(rows.phrase_len > 0, axis=1)  # (B,)
+        live_scores = jnp.where(has[:, None], allotted[0], live_scores)
+        live_pick = jnp.where(has[:, None], allotted[1], live_pick)
+        first = jnp.where(has[:, None], allotted[2], first[None, :])
+        met_at, progress = _gather(met_at, live_pick), _gather(progress, live_pick)
+    else:
+        met_at, progress = s.met_at, s.progress  # None: no constraints
     live_tokens = _gather(candidates, live_pick)
     live_token_scores = _gather(token_scores, live_pick)
     history = _gather(history, jnp.take_along_axis(parents, live_pick, axis=1))
 
-    # Finished: the K best of the old and of the candidates that end among the first K (fairseq's rule: an ending
-    # candidate ranked below them is dropped), in open sentences only.
-    finishing = ends & (jnp.arange(ends.shape[1]) < K) & s.open[:, None]  # (B, C)
+    # Finished: the K best of the old and of the finishing candidates, in open sentences only.
+    finishing = ends & first & s.open[:, None]  # (B, C)
     generated = (t + 1 - s.rows.prefix_len)[:, None]  # (B, 1) tokens after the prefix
     new_scores = jnp.where(finishing, rules.finished_score(log_p, generated), rules.impossible)
     finished_scores, pick = lax.top_k(jnp.concatenate([s.finished_scores, new_scores], axis=1), K)
@@ -388,13 +428,15 @@ def advance(s: SearchState, rules: Rules, step_fn) -> SearchState:
         finished_tokens=finished_tokens,
         finished_scores=finished_scores,
         finished=finished,
-        open=rules.still_open(s, live_scores, finished_scores, finished, ends),
+        open=rules.still_open(s, live_scores, finished_scores, finished, ends[:, :C]),
         live_token_scores=live_token_scores,
         finished_token_scores=finished_token_scores,
         history=history,
         cache=cache,
         live_alignment=live_alignment,
         finished_alignment=finished_alignment,
+        met_at=met_at,
+        progress=progress,
     )
 
 

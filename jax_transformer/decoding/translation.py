@@ -23,10 +23,11 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from tqdm.auto import tqdm
 
-from jax_transformer.data.tokenizer import LanguageCodeTokenizer
+from jax_transformer.data.tokenizer import UNK_ID, LanguageCodeTokenizer, Tokenizer
 from jax_transformer.decoding import alignment
 from jax_transformer.decoding import schedule as schedules
 from jax_transformer.decoding.decoders import Decoded, decoder, on_device
+from jax_transformer.decoding.glossary import Glossary
 from jax_transformer.errors import DataError, TokenError, UsageError, WriteError
 from jax_transformer.settings.config import DecodeConfig, TransformerConfig
 
@@ -324,6 +325,76 @@ def encode_prefixes(tokenizer, prefixes: Sequence[str | None]) -> list[list[int]
     return [list(ids) if text else None for text, ids in zip(texts, encoded)]
 
 
+def encode_phrase(tokenizer, text: str) -> list[int]:
+    """A constraint's ids: its text tokenized as target text in the middle of a sentence is (a SentencePiece
+    model marks its first word's start), without EOS or a language code."""
+    if hasattr(tokenizer, "pieces_ids"):  # a tokenizer that puts the language's code first
+        return list(tokenizer.pieces_ids(text))
+    return list(tokenizer.encode(text, side="target"))
+
+
+def encode_constraints(
+    tokenizer,
+    config: TransformerConfig,
+    decode: DecodeConfig,
+    sources: Sequence[np.ndarray],
+    prefixes: Sequence[list[int] | None] | None,
+    constraints: Sequence[Sequence[str] | None] | None,
+    names: Sequence[str],
+) -> list[list[list[int]] | None] | None:
+    """Each sentence's phrases (text) as ids, checked before anything is decoded: a DataError naming the sentence
+    (`names`) for an empty phrase, one of characters the target vocabulary does not know, and what
+    `Decoder.check_phrases` refuses (beam search only, at most a phrase per beam, their tokens within the
+    sentence's length limit after its prefix). None where no sentence has any."""
+    if constraints is None or not any(constraints):
+        return None
+    unk = getattr(tokenizer, "unk_id", UNK_ID if isinstance(tokenizer, Tokenizer) else None)
+    found = decoder(config, decode, config.max_len)  # a row's limit depends on its source alone
+    out = []
+    for i, (texts, name) in enumerate(zip(constraints, names)):
+        if not texts:
+            out.append(None)
+            continue
+        if isinstance(texts, str):
+            raise DataError(f"{name}: constraints must be a list of phrases, got one string {texts!r}")
+        ids = []
+        for n, text in enumerate(texts, 1):
+            if not isinstance(text, str) or not text.strip():
+                raise DataError(f"{name}: constraint {n} is empty ({text!r}): give the phrase the output must hold")
+            ids.append(encode_phrase(tokenizer, text))
+            if not ids[-1] or (unk is not None and unk in ids[-1]):
+                raise DataError(
+                    f"{name}: constraint {n} ({text!r}) has characters the target vocabulary does not know: no "
+                    f"output could hold it"
+                )
+        limit = int(found.limits(np.asarray(sources[i], np.int32)[None])[0])
+        room = limit - len(prefixes[i] or []) if prefixes is not None else limit
+        try:
+            found.check_phrases([ids], [room], [name])
+        except TokenError as e:
+            raise DataError(str(e)) from None
+        out.append(ids)
+    return out
+
+
+def encode_suppressed(tokenizer, config: TransformerConfig, decode: DecodeConfig) -> list[list[int]] | None:
+    """`decode.suppress`'s phrases as ids (None: none); a DataError for an empty or unknown one."""
+    texts = [t for t in decode.suppress.split("|")] if decode.suppress else []
+    if not texts:
+        return None
+    ids = []
+    for n, text in enumerate(texts, 1):
+        phrase = encode_phrase(tokenizer, text) if text.strip() else []
+        if not phrase:
+            raise DataError(f"--suppress: phrase {n} is empty (phrases are separated by |)")
+        ids.append(phrase)
+    try:
+        decoder(config, decode, config.max_len).check_phrases([ids], None, ["--suppress"], must_appear=False)
+    except TokenError as e:
+        raise DataError(str(e)) from None
+    return ids
+
+
 @dataclasses.dataclass(frozen=True)
 class Hypothesis:
     """One translation of a sentence: its text, its token ids (the prefix's first, EOS and padding left out), its
@@ -361,11 +432,12 @@ def translate(
     batch_size: int | None = None,
     max_tokens: int | None = None,
     progress: bool = True,
+    constraints: Sequence[Sequence[str] | None] | None = None,
 ) -> list[str]:
     """The best translation of each sentence (strings), in the same order; `translations` has every hypothesis
     with its tokens and scores, and the arguments."""
     found = translations(params, config, tokenizer, sentences, decode, prefixes=prefixes, batch_size=batch_size,
-                         max_tokens=max_tokens, progress=progress)  # fmt: skip
+                         max_tokens=max_tokens, progress=progress, constraints=constraints)  # fmt: skip
     return [t.text for t in found]
 
 
@@ -382,6 +454,7 @@ def translations(
     progress: bool = True,
     schedule: schedules.Schedule | None = None,
     encoded: Sequence[np.ndarray] | None = None,
+    constraints: Sequence[Sequence[str] | None] | None = None,
 ) -> list[Translation]:
     """Translates sentences (strings) as `decode` says (default: `DecodeConfig()`, this project's beam search of 4;
     the n-best list, sampling and the rules are its fields), each from its target prefix if `prefixes` gives one
@@ -395,6 +468,9 @@ def translations(
     'data' axis (`OverData`). For a file or stream of any size, `translate_lines` does this chunk by chunk.
     `schedule`: how each batch runs (default: `schedule.default()`); `encoded`: the sentences' ids as
     `encode_sources` gives them, where the caller has them already (a service counts tokens before it queues).
+    `constraints`: phrases (text) each translation must hold, a list (or None) per sentence, in any order or in
+    the order given as `decode.constraint_order` says; `decode.suppress`'s phrases appear in none. Bad phrases are
+    a DataError naming the sentence, before anything is decoded.
     """
     decode = forced_language(decode, tokenizer)
     decode.aligned_layer(config)  # a layer the model lacks: a ConfigError before anything is encoded
@@ -405,6 +481,10 @@ def translations(
     if prefixes is not None:
         ids = encode_prefixes(tokenizer, prefixes)
         check_prefixes(config, decode, sources, ids, [f"sentence {i}" for i in range(len(sources))])
+    names = [f"sentence {i}" for i in range(len(sources))]
+    if constraints is not None and len(constraints) != len(sources):
+        raise ValueError(f"{len(constraints)} constraint lists for {len(sources)} sentences: one (or None) each")
+    phrases = encode_constraints(tokenizer, config, decode, sources, ids, constraints, names)
     decoded = _decode_sources(
         params,
         config,
@@ -415,6 +495,8 @@ def translations(
         max_tokens=max_tokens,
         progress=progress,
         schedule=schedule,
+        phrases=phrases,
+        banned=encode_suppressed(tokenizer, config, decode),
     )
     prefixes = prefixes or [None] * len(sources)
     return [
@@ -453,8 +535,11 @@ def _decode_sources(
     max_tokens: int | None,
     progress: bool,
     schedule: schedules.Schedule | None = None,
+    phrases: list[list[list[int]] | None] | None = None,
+    banned: list[list[int]] | None = None,
 ) -> list[Decoded]:
-    """The hypotheses of encoded sources (ids + EOS), each a Decoded of one row, in their order; see `translate`."""
+    """The hypotheses of encoded sources (ids + EOS), each a Decoded of one row, in their order; see `translate`.
+    `phrases`: each source's phrases that must appear (ids; None: none); `banned`: phrases no output holds."""
     mesh = weights_mesh(params)  # on a mesh: every batch whole over it, its rows split over 'data'
     schedule, row_multiple = (schedule, 1) if mesh is None else (OverData(mesh), mesh.shape["data"])
     lengths = [len(s) for s in sources]
@@ -470,8 +555,13 @@ def _decode_sources(
         for row, i in enumerate(chunk):
             src[row, : len(sources[i])] = sources[i]
         given = None if prefixes is None else [prefixes[i] for i in chunk] + [None] * (rows - len(chunk))
+        must = None  # the batch's phrases: none where no row has any (the program without constraints)
+        if phrases is not None and any(phrases[i] for i in chunk):
+            must = [phrases[i] for i in chunk] + [None] * (rows - len(chunk))
         with settings():
-            return decoder(config, decode, width)(params, src, plan.schedule, given)
+            return decoder(config, decode, width)(
+                params, src, plan.schedule, given, must, None if not banned else [banned] * rows
+            )
 
     out: list[Decoded | None] = [None] * len(sources)
     bar = tqdm(total=len(plan.batches), desc="translate", unit="batch", disable=not progress or len(plan.batches) < 2)
@@ -503,12 +593,17 @@ class TranslationReport:
     empty: int = 0
     truncated: int = 0
     truncated_lines: list[int] = dataclasses.field(default_factory=list)
+    unmet: int = 0  # lines with constraints for which the search found no output holding them all (written empty)
+    unmet_lines: list[int] = dataclasses.field(default_factory=list)
 
     def describe(self) -> str:
         text = f"translated {self.lines - self.empty} lines ({self.lines} read, {self.empty} empty)"
         if self.truncated:
             shown = ", ".join(map(str, self.truncated_lines)) + (", ..." if self.truncated > 10 else "")
             text += f"; {self.truncated} truncated to the model's max_len (lines {shown})"
+        if self.unmet:
+            shown = ", ".join(map(str, self.unmet_lines)) + (", ..." if self.unmet > 10 else "")
+            text += f"; {self.unmet} with no output holding all their constraints, written empty (lines {shown})"
         return text
 
 
@@ -602,11 +697,18 @@ def translate_lines(
     max_tokens: int | None = None,
     output_format: str = "text",
     prefix_column: bool = False,
+    input_format: str | None = None,
+    glossary: Glossary | None = None,
 ) -> TranslationReport:
     """Translates `lines` (any iterable of strings, e.g. a file read lazily) as `decode` says and calls
     `write(line)` for each output line, in order (`format_translation`: with n-best 1 and text, exactly one output
     per input; an empty (or blank) line gives an empty output, and line breaks inside a translation become
-    spaces). With `prefix_column`, a line is "source<TAB>target prefix" (the prefix may be empty). Memory is
+    spaces). With `prefix_column`, a line is "source<TAB>target prefix" (the prefix may be empty); `input_format`
+    (INPUT_FORMATS) says the same as "tsv", or "constraints": "source<TAB>phrase<TAB>phrase..." (fairseq's format),
+    or "jsonl": a JSON object a line with "source" and optionally "prefix" and "constraints" (a list of phrases).
+    A chunk's bad lines (a bad phrase, a bad object) are a DataError naming `origin` and the line before the chunk
+    is decoded (`check_lines` checks a whole file first). A `glossary` adds the target terms of the source terms a
+    line holds to its constraints. Memory is
     bounded by `chunk_size` lines: each chunk is read, decoded (sorted by length into batches of `batch_size`
     sentences or of `max_tokens` token slots, as `translate` does) and written before the next is read.
 
@@ -622,6 +724,9 @@ def translate_lines(
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size must be an int >= 1, got {chunk_size!r}")
     check_batching(batch_size, max_tokens)  # before a line is read
+    input_format = input_format or ("tsv" if prefix_column else "text")
+    if input_format not in INPUT_FORMATS:
+        raise ValueError(f"input_format must be one of {INPUT_FORMATS}, got {input_format!r}")
     decode = forced_language(decode, tokenizer)
     decode.aligned_layer(config)  # a layer the model lacks: a ConfigError before a line is read
     if decode.alignments and output_format == "text":
@@ -630,6 +735,7 @@ def translate_lines(
             'or jsonl (an "alignment" field); text output has no place for them'
         )
     report = TranslationReport()
+    banned = encode_suppressed(tokenizer, config, decode)
     bar = tqdm(
         total=total,
         desc="translate",
@@ -641,10 +747,7 @@ def translate_lines(
         iterator = iter(lines)
         while chunk := list(itertools.islice(iterator, chunk_size)):
             first = report.lines + 1  # the 1-based number of the chunk's first line
-            prefixes = [None] * len(chunk)
-            if prefix_column:
-                chunk, prefixes = zip(*(_split_prefix(line, origin, first + i) for i, line in enumerate(chunk)))
-                chunk, prefixes = list(chunk), list(prefixes)
+            chunk, prefixes, wanted = _parse_lines(chunk, input_format, origin, first, glossary)
             # Token ids of the non-empty lines, by index in the chunk; empty (or blank) lines stay empty.
             todo = [i for i, line in enumerate(chunk) if line.strip()]
             ids = dict(zip(todo, tokenizer.encode_batch([chunk[i] for i in todo])))
@@ -656,10 +759,13 @@ def translate_lines(
                     chunk, ids = chunk[:too_long], {i: v for i, v in ids.items() if i < too_long}
             done = sorted(ids)
             sources = [_apply_length_rule(ids[i], config, report, first + i) for i in done]
-            prefix_ids = None
-            if prefix_column:
+            prefix_ids, names = None, [f"{origin}, line {first + i}" for i in done]
+            if any(prefixes):
                 prefix_ids = encode_prefixes(tokenizer, [prefixes[i] for i in done])
-                check_prefixes(config, decode, sources, prefix_ids, [f"{origin}, line {first + i}" for i in done])
+                check_prefixes(config, decode, sources, prefix_ids, names)
+            phrases = encode_constraints(
+                tokenizer, config, decode, sources, prefix_ids, [wanted[i] for i in done], names
+            )
             decoded = _decode_sources(
                 params,
                 config,
@@ -669,10 +775,16 @@ def translate_lines(
                 batch_size=batch_size,
                 max_tokens=max_tokens,
                 progress=False,
+                phrases=phrases,
+                banned=banned,
             )
             found = dict(zip(done, (Translation(chunk[i], _hypotheses(tokenizer, d, config, source),
                                                 prefixes[i] or None)
                                     for i, d, source in zip(done, decoded, sources))))  # fmt: skip
+            for i in (i for i in done if wanted[i] and not found[i].hypotheses):  # reported, never silently
+                report.unmet += 1
+                if len(report.unmet_lines) < 10:
+                    report.unmet_lines.append(first + i)
             for i in range(len(chunk)):
                 formatted = format_translation(found.get(i), first + i, output_format, decode.n_best, decode.alignments)
                 for text in formatted:
@@ -713,6 +825,80 @@ def check_prefixes(
             )
         if config.eos_id in prefix:
             raise DataError(f"{name}: the target prefix holds EOS (id {config.eos_id}): nothing could follow it")
+
+
+INPUT_FORMATS = ("text", "tsv", "constraints", "jsonl")
+
+
+def _parse_lines(
+    chunk: list[str], input_format: str, origin: str, first: int, glossary: Glossary | None = None
+) -> tuple[list[str], list[str | None], list[list[str] | None]]:
+    """The sources, target prefixes and constraints (phrases; and the `glossary`'s terms) of lines numbered from
+    `first` in `input_format`; a DataError naming `origin` and the line for one that is not of the format."""
+    sources, prefixes, wanted = [], [], []
+    for number, line in enumerate(chunk, first):
+        prefix, phrases = None, None
+        if input_format == "tsv":
+            line, prefix = _split_prefix(line, origin, number)
+        elif input_format == "constraints":  # fairseq's: source<TAB>phrase<TAB>phrase...
+            line, *phrases = line.split("\t")
+        elif input_format == "jsonl" and line.strip():
+            line, prefix, phrases = _json_line(line, origin, number)
+        sources.append(line)
+        prefixes.append(prefix or None)
+        wanted.append(glossary.constraints(line, phrases) if glossary is not None else phrases or None)
+    return sources, prefixes, wanted
+
+
+def _json_line(line: str, origin: str, number: int) -> tuple[str, str | None, list[str] | None]:
+    """(source, prefix, constraints) of a JSON line: an object with "source" (a string) and optionally "prefix" (a
+    string or null) and "constraints" (a list of strings, or null)."""
+    where = f"{origin}, line {number}"
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise DataError(f"{where}: not a JSON object ({e.msg} at column {e.colno})") from None
+    if not isinstance(record, dict) or not isinstance(record.get("source"), str):
+        raise DataError(f'{where}: expected an object with a "source" string, got {line[:60]!r}')
+    unknown = sorted(set(record) - {"source", "prefix", "constraints"})
+    if unknown:
+        raise DataError(f'{where}: unknown field {unknown[0]!r} (fields: "source", "prefix", "constraints")')
+    prefix, phrases = record.get("prefix"), record.get("constraints")
+    if prefix is not None and not isinstance(prefix, str):
+        raise DataError(f'{where}: "prefix" must be a string or null, got {prefix!r}')
+    if phrases is not None and (not isinstance(phrases, list) or not all(isinstance(p, str) for p in phrases)):
+        raise DataError(f'{where}: "constraints" must be a list of strings, got {phrases!r}')
+    return record["source"], prefix, phrases
+
+
+def check_lines(
+    config: TransformerConfig,
+    tokenizer,
+    lines: Iterable[str],
+    decode: DecodeConfig,
+    *,
+    origin: str = "input",
+    input_format: str = "text",
+    chunk_size: int = TRANSLATE_CHUNK_LINES,
+    glossary: Glossary | None = None,
+) -> None:
+    """What `translate_lines` checks of each chunk before decoding it (the lines' format, prefixes, constraints,
+    `decode.suppress`), over every line first: a DataError naming `origin` and the line, before anything is
+    decoded or written. Lines too long for the model are `translate_lines`' to handle (its `on_too_long`)."""
+    decode = forced_language(decode, tokenizer)
+    encode_suppressed(tokenizer, config, decode)
+    iterator, first = iter(lines), 1
+    while chunk := list(itertools.islice(iterator, chunk_size)):
+        texts, prefixes, wanted = _parse_lines(chunk, input_format, origin, first, glossary)
+        todo = [i for i, line in enumerate(texts) if line.strip()]
+        ids = tokenizer.encode_batch([texts[i] for i in todo])
+        sources = [np.array(list(x[: config.max_len - 1]) + [config.eos_id], np.int32) for x in ids]
+        names = [f"{origin}, line {first + i}" for i in todo]
+        prefix_ids = encode_prefixes(tokenizer, [prefixes[i] for i in todo]) if any(prefixes) else None
+        if prefix_ids is not None:
+            check_prefixes(config, decode, sources, prefix_ids, names)
+        encode_constraints(tokenizer, config, decode, sources, prefix_ids, [wanted[i] for i in todo], names)
+        first += len(chunk)
 
 
 def _split_prefix(line: str, origin: str, number: int) -> tuple[str, str]:

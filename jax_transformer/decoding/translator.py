@@ -111,6 +111,7 @@ class Translator:
         sentences: Sequence[str],
         *,
         prefixes: Sequence[str | None] | None = None,
+        constraints: Sequence[Sequence[str] | None] | None = None,
         batch_size: int | None = None,
         max_tokens: int | None = None,
         progress: bool = False,
@@ -118,7 +119,8 @@ class Translator:
     ) -> list[translation.Translation]:
         """A `Translation` per sentence, in order: its hypotheses best first (`n_best` of them), each with its text,
         tokens, score and per-token log-probs. `prefixes`: text each translation must begin with (None: none).
-        Batches of `batch_size` sentences or `max_tokens` token slots (default 64 sentences)."""
+        `constraints`: phrases each translation must hold, a list (or None) per sentence (`constraint_order`:
+        "unordered" or "ordered"). Batches of `batch_size` sentences or `max_tokens` token slots (default 64)."""
         return translation.translations(
             self.params,
             self.config,
@@ -129,6 +131,7 @@ class Translator:
             batch_size=batch_size,
             max_tokens=max_tokens,
             progress=progress,
+            constraints=constraints,
         )
 
     def translate_lines(
@@ -194,10 +197,12 @@ class Translator:
         progress: bool | None = False,
         max_tokens: int | None = None,
         decode: DecodeConfig | None = None,
+        glossary=None,
         **options: Any,
     ) -> documents.DocumentReport:
         """A document of any size (a path or a binary stream, UTF-8) translated and written as it goes, in bounded
-        memory (`documents.translate_document`). One translation of each sentence: an n-best decoding is refused."""
+        memory (`documents.translate_document`). One translation of each sentence: an n-best decoding is refused.
+        `glossary` (a `glossary.Glossary`): each sentence's translation holds the target terms of its source terms."""
         decode = decode or self.decoding(**options)
         if decode.n_best > 1:
             raise UsageError(
@@ -215,4 +220,5 @@ class Translator:
             origin=origin,
             progress=progress,
             max_tokens=max_tokens,
+            glossary=glossary,
         )

@@ -797,6 +797,18 @@ class DecodeConfig(Settings):
         -1,
         "the decoder layer whose cross-attention gives --alignments: 0 is the first, -1 the last (fairseq's default)",
     )
+    constraint_order: str = setting(
+        "unordered",
+        "lexical constraints (translate --constraints, a jsonl line's 'constraints'): unordered, each phrase "
+        "anywhere in the output; ordered, in the order given, one after another (fairseq's --constraints ordered)",
+        choices=("unordered", "ordered"),
+    )
+    suppress: str = setting(
+        "",
+        "phrases that never appear in an output, separated by |, each tokenized as target text is (CTranslate2's "
+        "suppress_sequences)",
+        metavar="PHRASES",
+    )
 
     def check(self) -> None:
         self.banned_ids()  # checks the form
@@ -848,7 +860,8 @@ class DecodeConfig(Settings):
             how = "greedy search" if self.beam_size == 1 else f"beam search of {self.beam_size}, alpha {self.alpha:g}"
         default = DecodeConfig(rules=self.rules).to_dict()
         shown = ("n_best", "max_len_a", "max_len_b", "early_stopping", "max_length", "banned", "forced_eos",
-                 "min_length", "forced_bos", "repetition_penalty", "no_repeat_ngram_size")  # fmt: skip
+                 "min_length", "forced_bos", "repetition_penalty", "no_repeat_ngram_size", "constraint_order",
+                 "suppress")  # fmt: skip
         rest = ", ".join(f"{k} {v}" for k, v in self.to_dict().items() if k in shown and v != default[k])
         return f"{self.rules} rules, {how}" + (f", {rest}" if rest else "")
 
