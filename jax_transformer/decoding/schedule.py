@@ -48,6 +48,12 @@ def serving() -> Schedule:
     return dataclasses.replace(schedule, batches_side_by_side=False) if isinstance(schedule, Scheduled) else schedule
 
 
+def search_programs(config):
+    """The programs that run a model's search, `search.encoder`, `search.start` and `search.resume`: `search`'s, or
+    those of an ensemble's config (`ensemble.EnsembleConfig.search_programs`), which take the same arguments."""
+    return getattr(config, "search_programs", search)
+
+
 def _shape(shape, dtype=jnp.int32) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(shape, dtype)
 
@@ -73,9 +79,10 @@ class Whole(Schedule):
     ) -> tuple[np.ndarray, ...]:
         """The finished hypotheses of each row of `src` (B, S), as `found` gives them, on the host. `rows`: each
         row's limit, prefix and draw id (`search.Rows`)."""
-        memory = search.encoder(params, src, config=config, width=src.shape[1])
+        programs = search_programs(config)
+        memory = programs.encoder(params, src, config=config, width=src.shape[1])
         options = dict(config=config, length=length, cache_len=length)
-        state = search.start(params, src, memory, rules, rows, np.int32(0), **options)
+        state = programs.start(params, src, memory, rules, rows, np.int32(0), **options)
         return found(state)
 
     def encoder_shapes(self, row_lengths: np.ndarray, width: int) -> set[tuple[int, int, int]]:
@@ -273,15 +280,21 @@ def select_rows(state: SearchState, memory, src, index):
     """Rows `index` (N,) of a decoding batch: of its state (every array with a row per sentence, but the cache,
     whose layout `model.select_cache` knows), of the encoder's output and of the sources."""
     index = jnp.asarray(index)
-    cache = select_cache(state.cache, index, sentences=src.shape[0])
+    if hasattr(state.cache, "select_rows"):  # an ensemble's caches (`ensemble.EnsembleCache`)
+        cache = state.cache.select_rows(index, src.shape[0])
+    else:
+        cache = select_cache(state.cache, index, sentences=src.shape[0])
     take = lambda x: x if jnp.ndim(x) == 0 else jnp.take(x, index, axis=0)  # noqa: E731
-    return jax.tree.map(take, state.replace(cache=None)).replace(cache=cache), take(memory), take(src)
+    # (memory: an array, or an ensemble's tuple of them, rows first)
+    return jax.tree.map(take, state.replace(cache=None)).replace(cache=cache), jax.tree.map(take, memory), take(src)
 
 
 def grow(state: SearchState, length: int) -> SearchState:
     """`state` with its cache (and the table of slots over it) padded to `length` positions."""
     B, K, T = state.history.shape
     history = jnp.pad(state.history, ((0, 0), (0, 0), (0, length - T)))
+    if hasattr(state.cache, "grow"):  # an ensemble's caches
+        return state.replace(history=history, cache=state.cache.grow(length, K))
     return state.replace(history=history, cache=grow_cache(state.cache, length, K))
 
 
@@ -312,7 +325,7 @@ def encoder_groups(lengths: np.ndarray, width: int) -> list[tuple[np.ndarray, in
 @jax.jit
 def _in_row_order(pieces: tuple, inverse):
     """The groups' outputs put back in the batch's row order, in one program (eager ops would compile several)."""
-    return jnp.concatenate(pieces)[inverse]
+    return jax.tree.map(lambda *parts: jnp.concatenate(parts)[inverse], *pieces)  # an array, or an ensemble's tuple
 
 
 def encode_batch(params, config: TransformerConfig, src: np.ndarray):
@@ -322,10 +335,11 @@ def encode_batch(params, config: TransformerConfig, src: np.ndarray):
     not the whole width's, and is thrown away."""
     S = src.shape[1]
     groups = encoder_groups(np.count_nonzero(src != config.pad_id, axis=1), S)
+    encoder = search_programs(config).encoder
     if len(groups) == 1:
         (_, width), *_ = groups
-        return search.encoder(params, src[:, :width], config=config, width=S)  # (B, S, D)
-    pieces = [search.encoder(params, src[rows, :width], config=config, width=S) for rows, width in groups]
+        return encoder(params, src[:, :width], config=config, width=S)  # (B, S, D)
+    pieces = [encoder(params, src[rows, :width], config=config, width=S) for rows, width in groups]
     order = np.concatenate([rows for rows, _ in groups])
     return _in_row_order(tuple(pieces), np.argsort(order).astype(np.int32))  # (B, S, D)
 
@@ -375,7 +389,8 @@ class Scheduled(Whole):
         plan = self.plan(src.shape[0], rules.beams, length)
         memory = encode_batch(params, config, src)
         options = dict(config=config, length=length, cache_len=plan.ends[0])
-        state = search.start(params, src, memory, rules, inputs, plan.until(plan.levels[0]), **options)
+        programs = search_programs(config)
+        state = programs.start(params, src, memory, rules, inputs, plan.until(plan.levels[0]), **options)
         owners = np.arange(plan.levels[0])  # the original row of each row; -1: a filler copy of a finished row
         results = None  # `found`'s arrays, by original row
         while True:
@@ -403,7 +418,7 @@ class Scheduled(Whole):
             if full:
                 state = _grow_jit(state, length=next(end for end in plan.ends if end > T))
             assert (rows, state.history.shape[-1], True) in plan.programs  # what `programs` compiles ahead
-            state = search.resume(params, src, memory, rules, state, plan.until(rows), config=config)
+            state = programs.resume(params, src, memory, rules, state, plan.until(rows), config=config)
 
     def encoder_shapes(self, row_lengths, width):
         n = parallel_parts(len(row_lengths), self.split)
