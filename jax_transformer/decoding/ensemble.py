@@ -103,7 +103,9 @@ class Ensemble:
         n = len(configs)
         names = tuple(str(x) for x in (names or [f"model {i}" for i in range(n)]))
         if n < 1 or len(params) != n or len(names) != n:
-            raise ValueError(f"an ensemble needs one config, params and name per member: {n}, {len(params)}, {len(names)}")
+            raise ValueError(
+                f"an ensemble needs one config, params and name per member: {n}, {len(params)}, {len(names)}"
+            )
         weights = [1.0] * n if weights is None else [float(w) for w in weights]
         if len(weights) != n:
             raise UsageError(f"--ensemble-weights: {len(weights)} weights for {n} checkpoints; give one per checkpoint")
@@ -193,7 +195,9 @@ def step_function(config: EnsembleConfig, params, memory, src):
             def member(p, c, m, k, model=model):
                 return search.decode_step(model, p, c, m, src, tokens, step, history, k)
 
-            logits, c = jax.vmap(member, in_axes=(0, 0, 1, 0))(params["groups"][g], cache.groups[g], memory[g], kernels[g])
+            logits, c = jax.vmap(member, in_axes=(0, 0, 1, 0))(
+                params["groups"][g], cache.groups[g], memory[g], kernels[g]
+            )
             log_probs.append(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1))  # (M_g, N, V)
             caches.append(c)
         log_weights = jnp.concatenate(params["log_weights"])
@@ -230,9 +234,7 @@ def _caches(config: EnsembleConfig, params, memory, src, cache_len: int, beams: 
 
 
 @functools.partial(jit_by_config, static_argnames=("config", "length", "cache_len"), cpu_options=LOOP_CPU_OPTIONS)
-def start(
-    params, src, memory, rules: Rules, rows: Rows, until, *, config: EnsembleConfig, length: int, cache_len: int
-):
+def start(params, src, memory, rules: Rules, rows: Rows, until, *, config: EnsembleConfig, length: int, cache_len: int):
     """`search.start` of an ensemble: `memory` is `encoder`'s (a tuple, one array per group)."""
     cache = _caches(config, params, memory, src, cache_len, rules.beams)
     state = search.initial_state(rules, src, rows, length, cache_len, cache, config.pad_id)
