@@ -12,6 +12,7 @@ import jax
 import numpy as np
 import pytest
 
+from jax_transformer import Translator
 from jax_transformer.decoding import decoders, ensemble, schedule
 from jax_transformer.errors import UsageError
 from jax_transformer.model.transformer import grow_cache, init_params, select_cache
@@ -221,3 +222,11 @@ def test_translate_takes_several_checkpoints(tmp_path, tiny_run):
         ["translate", "--input", str(source), "--checkpoint", str(run), "--ensemble-weights", "1"]
     )
     assert code != 0 and "--ensemble-weights weighs an ensemble" in err, err
+    # The front door: a list of runs, weighted; it translates as the run alone and scores nothing.
+    translator = Translator([run, run], weights=[1, 3])
+    assert (
+        translator.translate(["three"], beam_size=2, n_best=2)[0].hypotheses[0].tokens
+        == alone[0]["hypotheses"][0]["tokens"]
+    )
+    with pytest.raises(UsageError, match="scoring takes one model"):
+        translator.score(["three"], ["trois"])

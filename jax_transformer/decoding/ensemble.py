@@ -108,9 +108,11 @@ class Ensemble:
             )
         weights = [1.0] * n if weights is None else [float(w) for w in weights]
         if len(weights) != n:
-            raise UsageError(f"--ensemble-weights: {len(weights)} weights for {n} checkpoints; give one per checkpoint")
+            raise UsageError(
+                f"ensemble weights (--ensemble-weights): {len(weights)} weights for {n} checkpoints; give one each"
+            )
         if not all(np.isfinite(w) and w > 0 for w in weights):
-            raise UsageError(f"--ensemble-weights: each weight must be a finite number > 0, got {weights}")
+            raise UsageError(f"ensemble weights (--ensemble-weights): each must be a finite number > 0, got {weights}")
         check_shared_vocabulary(configs, names, tokenizers)
         order: dict[TransformerConfig, list[int]] = {}
         for i, config in enumerate(configs):
