@@ -40,6 +40,7 @@ def one_torch_thread():
     torch.set_num_threads(threads)
 
 
+@pytest.mark.slow  # four loops to compile, each pair of twins decoding twice
 @pytest.mark.parametrize("second", ["same size", "wider"])
 def test_the_twins_ensembles_decode_alike(second, parity_report):
     src = make_src(CONFIG, LENGTHS, seed=3)
