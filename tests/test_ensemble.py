@@ -142,9 +142,14 @@ def test_the_caches_select_rows_and_grow_as_each_members_own(model):
     params = found.params
     index, B = np.array([3, 0, 3], np.int32), len(src)
 
+    rng = np.random.default_rng(0)  # an encoder output of each group, (B, M_g, S, D_g): any numbers do
+    memory = tuple(
+        rng.standard_normal((B, len(group), src.shape[1], found.config.group_config(g).d_model), np.float32)
+        for g, group in enumerate(found.config.groups)
+    )
+
     @jax.jit  # one program (op by op, the vmapped caches take seconds)
-    def made(params, src):
-        memory = ensemble.encoder.__wrapped__(params, src, config=found.config, width=src.shape[1])
+    def made(params, src, memory):
         caches = ensemble._caches(found.config, params, memory, src, cache_len=4, beams=2)
         got = (caches.select_rows(index, B), caches.grow(7, 2))
         members = [
@@ -155,7 +160,7 @@ def test_the_caches_select_rows_and_grow_as_each_members_own(model):
         want = [(select_cache(c, index, sentences=B), grow_cache(c, 7, 2)) for c in members]
         return got, want
 
-    (picked, grown), want = made(params, src)
+    (picked, grown), want = made(params, src, memory)
     stacked = [(g, m) for g, group in enumerate(found.config.groups) for m in range(len(group))]
     assert len(stacked) == len(want) == 3
     for (g, m), (selected, grew) in zip(stacked, want):

@@ -120,7 +120,9 @@ class Ensemble:
         groups = tuple(tuple(members) for members in order.values())
         total = sum(weights)
         normalised = tuple(w / total for w in weights)
-        stacked = tuple(jax.tree.map(lambda *xs: jnp.stack(xs), *(params[i] for i in group)) for group in groups)
+        # On the host (a checkpoint's weights are numpy arrays): eager jnp.stack would compile a program per shape.
+        stack = lambda *xs: np.stack([np.asarray(x) for x in xs])  # noqa: E731
+        stacked = tuple(jax.tree.map(stack, *(params[i] for i in group)) for group in groups)
         log_weights = tuple(np.log(np.array([normalised[i] for i in group], np.float32)) for group in groups)
         config = EnsembleConfig(tuple(configs), groups)
         return cls(config, {"groups": stacked, "log_weights": log_weights}, names, normalised)
