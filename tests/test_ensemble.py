@@ -15,7 +15,7 @@ import pytest
 from jax_transformer import Translator
 from jax_transformer.decoding import decoders, ensemble, schedule
 from jax_transformer.errors import UsageError
-from jax_transformer.model.transformer import grow_cache, init_params, select_cache
+from jax_transformer.model.transformer import Transformer, cross_attention_rows, grow_cache, init_params, select_cache
 from jax_transformer.settings.config import DecodeConfig
 from tests.helpers.batches import make_src
 from tests.helpers.configs import DECODING_CONFIGS
@@ -113,6 +113,42 @@ def test_each_step_is_the_weighted_mean_of_the_members_probabilities(model):
             break
     assert done.all()
     assert moved > 0.1  # the second model counts: the test sees the combination, not the first model alone
+
+
+def _teacher_forced_attention(params, config, src, tokens):
+    """(B, L, S): the last decoder layer's cross-attention of a model, averaged over heads, teacher-forced on
+    `tokens` (B, L) (nothing of the search's or the ensemble's code)."""
+    tgt_in = np.concatenate([np.full((len(tokens), 1), config.start_id), tokens[:, :-1]], axis=1).astype(np.int32)
+    _, state = Transformer(config).apply({"params": params}, src, tgt_in, mutable=["intermediates"])
+    return np.asarray(cross_attention_rows(state["intermediates"], config.num_decoder_layers - 1, len(src)))
+
+
+def test_an_ensembles_alignments_are_the_argmax_of_its_members_weighted_attention(model):
+    """Greedy search with alignments: a model with itself aligns as the model alone; two models of different seeds
+    (0.3, 0.7) align each token to the argmax of 0.3 a + 0.7 b, a and b the models' own teacher-forced
+    cross-attentions (last layer, mean over heads) on the ensemble's tokens, PAD and EOS left out."""
+    params_a, src = model
+    params_b, _ = eos_biased_model(CONFIG, 1)
+    decode = DecodeConfig(beam_size=1, alignments=True)
+    alone = decoders.decoder(CONFIG, decode, src.shape[1])(params_a, src, schedule.Whole())
+    twice = ensemble.Ensemble.of([CONFIG, CONFIG], [params_a, params_a], [0.3, 0.7])
+    same = decoders.decoder(twice.config, decode, src.shape[1])(twice.params, src, schedule.Whole())
+    np.testing.assert_array_equal(same.tokens, alone.tokens)
+    np.testing.assert_array_equal(same.alignments, alone.alignments)
+
+    pair = ensemble.Ensemble.of([CONFIG, CONFIG], [params_a, params_b], [0.3, 0.7])
+    out = decoders.decoder(pair.config, decode, src.shape[1])(pair.params, src, schedule.Whole())
+    tokens, aligned = out.tokens[:, 0], out.alignments[:, 0]  # (B, L)
+    a = _teacher_forced_attention(params_a, CONFIG, src, tokens)
+    b = _teacher_forced_attention(params_b, CONFIG, src, tokens)
+    words = ((src != CONFIG.pad_id) & (src != CONFIG.eos_id))[:, None, :]  # (B, 1, S)
+    mean = np.where(words, 0.3 * a + 0.7 * b, -1.0)
+    real = tokens != CONFIG.pad_id
+    # Exact: an argmax over float32 attentions that agree to ~1e-6 (no near-ties among these rows' positions).
+    np.testing.assert_array_equal(np.where(real, aligned, -1), np.where(real, mean.argmax(-1), -1))
+    assert (aligned[~real] == -1).all()
+    first = np.where(words, a, -1.0).argmax(-1)
+    assert (first != mean.argmax(-1))[real].any()  # the second model counts: not the first model's alignment
 
 
 @pytest.mark.slow

@@ -68,6 +68,11 @@ class EnsembleConfig:
         return min(member.max_len for member in self.members)
 
     @property
+    def num_decoder_layers(self) -> int:
+        """The decoder layers every member has (the shallowest's): the layers an alignment layer may name."""
+        return min(member.num_decoder_layers for member in self.members)
+
+    @property
     def search_programs(self):
         """The programs a schedule runs an ensemble with (this module's `encoder`, `start`, `resume`)."""
         return sys.modules[__name__]
@@ -185,27 +190,34 @@ def combine(log_probs, log_weights):
     return jax.nn.logsumexp(log_probs + log_weights[:, None, None], axis=0)
 
 
-def step_function(config: EnsembleConfig, params, memory, src):
+def step_function(config: EnsembleConfig, params, memory, src, alignment_layer: int | None = None):
     """The loop's `step_fn(tokens, cache, history, step) -> (log-probs (N, V), cache)` of an ensemble: each group
-    steps its stacked members at once (vmap), every member's log-probs combined (`combine`)."""
+    steps its stacked members at once (vmap), every member's log-probs combined (`combine`). With `alignment_layer`,
+    also that layer's cross-attention (N, S) of every member (`search.aligned_decode_step`), averaged with the
+    ensemble's weights (the weights of the distributions; -1 at PAD and EOS, as for one model)."""
     models = [Transformer(config.group_config(g)) for g in range(len(config.groups))]
     # The output projections laid out once before the loop, as `search` does for one model.
     kernels = [jax.vmap(functools.partial(search.output_kernel, m))(p) for m, p in zip(models, params["groups"])]
 
     def step_fn(tokens, cache: EnsembleCache, history, step):
-        log_probs, caches = [], []
+        log_probs, caches, attentions = [], [], []
         for g, model in enumerate(models):
 
             def member(p, c, m, k, model=model):
-                return search.decode_step(model, p, c, m, src, tokens, step, history, k)
+                if alignment_layer is None:
+                    return search.decode_step(model, p, c, m, src, tokens, step, history, k)
+                return search.aligned_decode_step(model, p, c, m, src, tokens, step, history, k, alignment_layer)
 
-            logits, c = jax.vmap(member, in_axes=(0, 0, 1, 0))(
-                params["groups"][g], cache.groups[g], memory[g], kernels[g]
-            )
-            log_probs.append(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1))  # (M_g, N, V)
-            caches.append(c)
+            out = jax.vmap(member, in_axes=(0, 0, 1, 0))(params["groups"][g], cache.groups[g], memory[g], kernels[g])
+            log_probs.append(jax.nn.log_softmax(out[0].astype(jnp.float32), axis=-1))  # (M_g, N, V)
+            caches.append(out[1])
+            attentions.extend(out[2:])  # (M_g, N, S), with alignments
         log_weights = jnp.concatenate(params["log_weights"])
-        return combine(jnp.concatenate(log_probs), log_weights), EnsembleCache(tuple(caches))
+        combined = combine(jnp.concatenate(log_probs), log_weights), EnsembleCache(tuple(caches))
+        if alignment_layer is None:
+            return combined
+        weights = jnp.exp(log_weights)[:, None, None]  # (M, 1, 1), summing to 1: PAD and EOS stay -1
+        return *combined, jnp.sum(weights * jnp.concatenate(attentions).astype(jnp.float32), axis=0)  # (N, S)
 
     return step_fn
 
@@ -242,10 +254,10 @@ def start(params, src, memory, rules: Rules, rows: Rows, until, *, config: Ensem
     """`search.start` of an ensemble: `memory` is `encoder`'s (a tuple, one array per group)."""
     cache = _caches(config, params, memory, src, cache_len, rules.beams)
     state = search.initial_state(rules, src, rows, length, cache_len, cache, config.pad_id)
-    return search.run(state, rules, step_function(config, params, memory, src), until)
+    return search.run(state, rules, step_function(config, params, memory, src, rules.alignment_layer), until)
 
 
 @functools.partial(jit_by_config, static_argnames=("config",), cpu_options=LOOP_CPU_OPTIONS)
 def resume(params, src, memory, rules: Rules, state: SearchState, until, *, config: EnsembleConfig):
     """`search.resume` of an ensemble."""
-    return search.run(state, rules, step_function(config, params, memory, src), until)
+    return search.run(state, rules, step_function(config, params, memory, src, rules.alignment_layer), until)
