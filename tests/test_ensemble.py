@@ -271,3 +271,56 @@ def test_translate_takes_several_checkpoints(tmp_path, tiny_run):
     )
     with pytest.raises(UsageError, match="scoring takes one model"):
         translator.score(["three"], ["trois"])
+
+
+def _perturbed_run(directory, base):
+    """A run of the saved tiny model's weights, perturbed (another model of the same vocabulary)."""
+    from jax_transformer.checkpoint import manager as checkpoint
+    from jax_transformer.settings.config import OptimConfig
+    from jax_transformer.training import trainer
+    from tests.helpers.saved import load_saved_model
+
+    saved = load_saved_model("trained_tiny")
+    rng = np.random.default_rng(5)
+    params = jax.tree.map(lambda x: x + 0.05 * rng.standard_normal(x.shape).astype(x.dtype), saved.params)
+    state = trainer.create_train_state(saved.config, OptimConfig(), params=params)
+    manager = checkpoint.CheckpointManager(directory, async_save=False)
+    manager.save(1, trainer.state_for_saving(state), config=saved.config, optim=OptimConfig().to_dict(),
+                 tokenizer=saved.tokenizer)  # fmt: skip
+    manager.close()
+    return directory
+
+
+@pytest.mark.slow
+def test_a_models_file_serves_an_ensemble_compiled_before_ready(tmp_path):
+    """A models.json entry of `checkpoints` and `weights` serves the ensemble: every program compiled ahead
+    (`service.compile_jobs`), its answer is `Translator([a, b], weights=...)`'s, and nothing compiles after ready."""
+    from jax_transformer.serving import catalogue, service
+    from jax_transformer.serving.programs import warm_up
+    from jax_transformer.settings.config import ServeConfig
+
+    a, b = saved_run(tmp_path / "a"), _perturbed_run(tmp_path / "b", None)
+    path = tmp_path / "models.json"
+    entry = {"name": "both", "checkpoints": ["a", "b"], "weights": [1, 3], "step": "latest"}
+    path.write_text(json.dumps({"models": [entry]}), encoding="utf-8")
+    (spec,), _ = catalogue.read(path)
+    assert spec.checkpoint == [a, b] and spec.weights == [1, 3]
+    translator = Translator(spec.checkpoint, spec.step, weights=spec.weights, beam_size=1)
+    found = service.build(service.Entry("both", translator, spec.pairs, spec.origin), ServeConfig(max_tokens=16),
+                          detect=False)  # fmt: skip
+    jobs, _ = service.compile_jobs(found)
+    count, _, errors = warm_up(jobs)
+    assert count > 0 and not errors, errors
+    (model,) = found.models
+    found.watch.ready()
+    model.batcher.start()
+    try:
+        texts = ["three", "twenty one", "seventy seven"]
+        got = model.batcher.submit(texts, model.decode).result()
+        assert found.health()["compilations_after_ready"] == 0
+    finally:
+        model.batcher.close()
+    expected = translator.translate(texts)
+    assert [x.hypotheses[0].text for x in got] == [x.hypotheses[0].text for x in expected]
+    alone = Translator(a, "latest", beam_size=1).translate(texts)
+    assert [x.hypotheses[0].tokens for x in alone] != [x.hypotheses[0].tokens for x in expected]  # b counts

@@ -77,6 +77,13 @@ class EnsembleConfig:
         """The programs a schedule runs an ensemble with (this module's `encoder`, `start`, `resume`)."""
         return sys.modules[__name__]
 
+    def memory_shape(self, rows: int, width: int) -> tuple:
+        """The shapes of `encoder`'s output for (rows, width) sources: (rows, M_g, width, D_g) per group, float32."""
+        return tuple(
+            jax.ShapeDtypeStruct((rows, len(group), width, self.group_config(g).d_model), jnp.float32)
+            for g, group in enumerate(self.groups)
+        )
+
     def group_config(self, g: int) -> TransformerConfig:
         return self.members[self.groups[g][0]]
 

@@ -99,7 +99,7 @@ class Whole(Schedule):
     ) -> dict[str, Callable[[], None]]:
         """Compile jobs for the search programs a batch of (rows, width) sources runs (its `plan`), by name: calling
         them fills the cache that `decode`'s calls look in. `rules` may hold shapes (jax.ShapeDtypeStruct)."""
-        plan = self.plan(rows, rules.beams, length)
+        plan, programs = self.plan(rows, rules.beams, length), search_programs(config)
         options = dict(config=config, length=length, cache_len=plan.ends[0])
         src, memory = _shape((rows, width)), _memory(config, rows, width)
         args = (params, src, memory, rules, row_shapes(rows, length), _shape(()))
@@ -109,7 +109,7 @@ class Whole(Schedule):
         def first_state():
             with lock:
                 if not traced:
-                    traced.append(jax.eval_shape(functools.partial(search.start.__wrapped__, **options), *args))
+                    traced.append(jax.eval_shape(functools.partial(programs.start.__wrapped__, **options), *args))
                 return traced[0]
 
         def carried(state, memory, src, level: int, end: int):  # what `decode` carries to a program of that level
@@ -118,10 +118,10 @@ class Whole(Schedule):
 
         def compile_one(level: int, end: int, resumed: bool):
             if not resumed:
-                return search.start.compile_ahead(*args, **options)
+                return programs.start.compile_ahead(*args, **options)
             shapes = functools.partial(carried, level=level, end=end)
             state, part_memory, part_src = jax.eval_shape(shapes, first_state(), memory, src)
-            search.resume.compile_ahead(params, part_src, part_memory, rules, state, _shape(()), config=config)
+            programs.resume.compile_ahead(params, part_src, part_memory, rules, state, _shape(()), config=config)
 
         return {
             f"{level}x{width} cache {end}" + " resumed" * resumed: functools.partial(compile_one, level, end, resumed)
@@ -142,7 +142,7 @@ class Whole(Schedule):
         """Compile jobs for encoder programs of these (rows, cut width, batch width) shapes, by shape."""
 
         def compile_one(rows: int, cut: int, width: int):
-            search.encoder.compile_ahead(params, _shape((rows, cut)), config=config, width=width)
+            search_programs(config).encoder.compile_ahead(params, _shape((rows, cut)), config=config, width=width)
 
         return {tuple(shape): functools.partial(compile_one, *shape) for shape in shapes}
 
@@ -198,7 +198,10 @@ def row_shapes(rows: int, length: int) -> Rows:
 
 
 def _memory(config: TransformerConfig, rows: int, width: int) -> jax.ShapeDtypeStruct:
-    """The shape of the encoder's output for (rows, width) sources (`search.encoder`: float32)."""
+    """The shape of the encoder's output for (rows, width) sources (`search.encoder`: float32; an ensemble's: its
+    `memory_shape`)."""
+    if hasattr(config, "memory_shape"):
+        return config.memory_shape(rows, width)
     return _shape((rows, width, config.d_model), jnp.float32)
 
 
@@ -458,7 +461,7 @@ class Scheduled(Whole):
         options = dict(config=config, length=length, cache_len=plan.ends[0])
         src, memory = _shape((part, width)), _memory(config, part, width)
         args = (params, src, memory, rules, row_shapes(part, length), _shape(()))
-        first = jax.eval_shape(functools.partial(search.start.__wrapped__, **options), *args)
+        first = jax.eval_shape(functools.partial(search_programs(config).start.__wrapped__, **options), *args)
 
         def state(level: int, end: int):  # the shape of the state of a program of `level` rows, a cache of `end`
             def shaped(first, memory, src):

@@ -19,6 +19,7 @@ constructor they replace the run's stored choice for every call, given to a call
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import os
 from collections.abc import Callable, Iterable, Sequence
@@ -115,6 +116,14 @@ class Translator:
     @property
     def params(self):
         return self.loaded.params if self.ensemble is None else self.ensemble.params
+
+    @property
+    def served(self) -> Checkpoint:
+        """What a service decodes with: the checkpoint, or an ensemble's first run holding the ensemble's config and
+        weights (its tokenizer and languages are the members' shared ones)."""
+        if self.ensemble is None:
+            return self.loaded
+        return dataclasses.replace(self.loaded.with_params(self.ensemble.params), config=self.ensemble.config)
 
     def _one_model(self, what: str) -> None:
         if self.ensemble is not None:
