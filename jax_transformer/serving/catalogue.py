@@ -74,7 +74,7 @@ def read(path: str | Path) -> tuple[list[ModelSpec], dict[str, str]]:
             raise ConfigError(f"{origin}.name {name!r}: two entries have this name")
         names.add(name)
         if "checkpoint" in entry and "checkpoints" in entry:
-            raise ConfigError(f'{origin}: give "checkpoint" (a run) or "checkpoints" (an ensemble\'s runs), one of them')
+            raise ConfigError(f'{origin}: give "checkpoint" (a run) or "checkpoints" (an ensemble\'s runs), not both')
         ensemble = "checkpoints" in entry
         checkpoints = entry["checkpoints"] if ensemble else [entry["checkpoint"]]
         if ensemble and (not isinstance(checkpoints, list) or len(checkpoints) < 2):
