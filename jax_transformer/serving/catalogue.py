@@ -76,7 +76,7 @@ def read(path: str | Path) -> tuple[list[ModelSpec], dict[str, str]]:
         if "checkpoint" in entry and "checkpoints" in entry:
             raise ConfigError(f'{origin}: give "checkpoint" (a run) or "checkpoints" (an ensemble\'s runs), not both')
         ensemble = "checkpoints" in entry
-        checkpoints = entry["checkpoints"] if ensemble else [entry["checkpoint"]]
+        checkpoints = entry["checkpoints"] if ensemble else [entry.get("checkpoint")]
         if ensemble and (not isinstance(checkpoints, list) or len(checkpoints) < 2):
             raise ConfigError(f"{origin}.checkpoints: expected a list of two or more run directories")
         directories = []
