@@ -51,6 +51,11 @@ SAVED_FLAGS = json.loads(SAVED.read_text(encoding="utf-8"))
 # Flags that were required and may now be left out, each for a reason (a widening: every command line that worked
 # still works and means the same).
 NO_LONGER_REQUIRED = {("serve", "checkpoint"): "serve --models names the checkpoints instead"}
+# Flags given once that may now be repeated, each for a reason (a widening: one given once means what it meant).
+NOW_REPEATABLE = {
+    ("translate", "checkpoint"): "repeated, an ensemble of the runs",
+    ("evaluate", "checkpoint"): "repeated, an ensemble of the runs",
+}
 NOW = describe(build_parser())
 
 
@@ -75,6 +80,8 @@ def test_every_flag_keeps_its_meaning(command):
             # More choices keep every old one's meaning (translate --input-format jsonl).
             grown = key == "choices" and None not in (before[key], after[key])
             widened |= grown and set(before[key]) <= set(after[key])
+            repeatable = (command, before["dest"]) in NOW_REPEATABLE
+            widened |= repeatable and (key, before[key], after[key]) == ("action", "_StoreAction", "_AppendAction")
             if before[key] != after[key] and not widened:
                 changed.append(f"{before['names'][0]} {key}: {before[key]!r} -> {after[key]!r}")
     assert not changed, f"{command}: " + "; ".join(changed)

@@ -121,7 +121,63 @@ class IncrementalDecoder:
 
 
 def _decoder(model: Transformer, memory, src, use_cache: bool):
+    if isinstance(model, Ensemble):
+        return EnsembleDecoder(model, memory, src, use_cache)
     return (IncrementalDecoder if use_cache else PrefixDecoder)(model, memory, src)
+
+
+# --- ensembles (jax_transformer.decoding.ensemble): models decoding together ---------------------------------
+
+
+class Ensemble:
+    """Models decoding together, as one model to `greedy_search` and `beam_search`: at each step the weighted mean
+    of their probabilities, log sum_i w_i p_i (weights normalised to sum to 1). They share the target vocabulary
+    (and the sources' ids), so the first one's config answers for all."""
+
+    def __init__(self, models: Sequence[Transformer], weights: Sequence[float] | None = None):
+        weights = [1.0] * len(models) if weights is None else [float(w) for w in weights]
+        self.models, self.cfg = list(models), models[0].cfg
+        self.log_weights = torch.log(torch.tensor([w / sum(weights) for w in weights], dtype=torch.float32))
+
+    @property
+    def training(self) -> bool:
+        return any(model.training for model in self.models)
+
+    def parameters(self):
+        return self.models[0].parameters()
+
+    def encode(self, src: torch.Tensor) -> _Memories:
+        return _Memories(model.encode(src) for model in self.models)
+
+
+class _Memories(list):
+    """Each member's encoder output, sliced and expanded together as one tensor would be."""
+
+    def __getitem__(self, index):
+        return _Memories(memory[index] for memory in self)
+
+    def expand(self, *shape):
+        return _Memories(memory.expand(*shape) for memory in self)
+
+
+class EnsembleDecoder:
+    """Each member's decoder (its own cache or prefix), stepped together; their log-probs combined."""
+
+    def __init__(self, ensemble: Ensemble, memory: _Memories, src: torch.Tensor, use_cache: bool):
+        self.decoders = [_decoder(model, m, src, use_cache) for model, m in zip(ensemble.models, list.__iter__(memory))]
+        self.log_weights = ensemble.log_weights.to(src.device)
+
+    def step(self) -> torch.Tensor:
+        log_probs = torch.stack([decoder.step().float() for decoder in self.decoders])  # (M, B, V)
+        return torch.logsumexp(log_probs + self.log_weights[:, None, None], dim=0)  # (B, V)
+
+    def append(self, tokens: torch.Tensor) -> None:
+        for decoder in self.decoders:
+            decoder.append(tokens)
+
+    def reorder(self, rows: torch.Tensor) -> None:
+        for decoder in self.decoders:
+            decoder.reorder(rows)
 
 
 def _on_model_device(model: Transformer, src) -> torch.Tensor:

@@ -18,7 +18,7 @@ def add(sub) -> None:
         "--beam-size/--alpha values give a table of every combination (beam 1 is greedy; alpha does not apply "
         "to it), to choose the decoding on the validation set.",
     )
-    flags.checkpoint_flags(e, compute=True, mesh=True)
+    flags.checkpoint_flags(e, compute=True, mesh=True, ensemble=True)
     flags.language_flags(e)
     flags.evaluation_data_flags(e)
     flags.compilation_flags(e)
@@ -33,12 +33,13 @@ def add(sub) -> None:
 
 def run(args, start_time: float) -> int:
     from jax_transformer.decoding import evaluation, loading
-    from jax_transformer.settings.config import LoopConfig
+    from jax_transformer.settings.config import LoopConfig, check_decoding
     from jax_transformer.settings.resolve import evaluation_decoding
     from jax_transformer.training import trainer
 
     flags.use_compilation_cache(args)
     loaded = flags.load(args)
+    ensemble = flags.ensemble(args, loaded)  # None for one checkpoint
     valid = flags.evaluation_data(args, loaded)
     eval_step = trainer.make_eval_step(loaded.config, loaded.optim.get("label_smoothing", 0.1))
     result = {"step": loaded.step, **trainer.evaluate_loss(loaded.params, eval_step, valid.batches)}
@@ -46,13 +47,20 @@ def run(args, start_time: float) -> int:
         f"step {loaded.step}: loss {result['loss']:.3f}, perplexity {result['ppl']:.2f}, token accuracy "
         f"{100 * result['accuracy']:.1f}% ({len(valid.sources)} sentences)"
     )
+    params, config = loaded.params, loaded.config
+    if ensemble is not None:  # the loss above is the first checkpoint's; BLEU is the ensemble's
+        params, config = ensemble.params, ensemble.config
+        result["ensemble"] = {"checkpoints": list(ensemble.names), "weights": list(ensemble.weights)}
+        output.say(f"ensemble of {len(ensemble.names)}: {', '.join(ensemble.names)} (the loss is the first's)")
     rows, outputs = [], []
     for decode in loading.decodings(loaded, flags.given(args, "decode")):
+        if ensemble is not None:  # against the ensemble's limits too (the shortest max_len)
+            check_decoding(config, decode, {"--beam-size": [decode.beams]})
         print(f"decoding: {decode.describe()}", file=sys.stderr)
         began = time.time()
         scores, hypotheses = evaluation.evaluate_translations(
-            loaded.params,
-            loaded.config,
+            params,
+            config,
             loaded.tokenizer,
             valid.sources,
             valid.references,

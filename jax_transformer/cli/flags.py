@@ -90,18 +90,32 @@ def given(args, group: str) -> dict:
     return {dest[len(prefix) :]: v for dest, v in vars(args).items() if dest.startswith(prefix) and v is not None}
 
 
-def checkpoint_flags(p, *, compute: bool = False, mesh: bool = False, required: bool = True) -> None:
+def checkpoint_flags(
+    p, *, compute: bool = False, mesh: bool = False, required: bool = True, ensemble: bool = False
+) -> None:
     """--checkpoint and --step; with `compute`, how to compute (--dtype, --attention-kernel: TransformerConfig's);
     with `mesh`, --mesh: the weights read straight onto a mesh of the devices, split as training splits them.
-    `required`: False where the sub-command can name its checkpoints otherwise (serve --models)."""
+    `required`: False where the sub-command can name its checkpoints otherwise (serve --models). With `ensemble`,
+    --checkpoint may be repeated (an ensemble of the runs: `decoding.ensemble`) and --ensemble-weights weighs them."""
     from jax_transformer.settings.config import COMPUTE_FIELDS, ParallelConfig, TransformerConfig
 
     p.add_argument(
         "--checkpoint",
         required=required,
         metavar="DIR",
-        help="run directory (or its checkpoints/ folder) of a training",
-    )
+        action="append" if ensemble else "store",
+        help="run directory (or its checkpoints/ folder) of a training"
+        + ("; repeated, an ensemble of the runs (their next-token probabilities averaged at every step; they must "
+           "share the vocabulary; decoding as the first run stored)" if ensemble else ""),
+    )  # fmt: skip
+    if ensemble:
+        p.add_argument(
+            "--ensemble-weights",
+            type=number(float, 0),
+            nargs="+",
+            metavar="W",
+            help="an ensemble's weights, one per --checkpoint, in order (normalised to sum to 1; default: equal)",
+        )
     p.add_argument(
         "--step",
         default="best",
@@ -163,14 +177,15 @@ def evaluation_data_flags(p) -> None:
     add_settings(p, DataConfig, "data", "loss batches, language columns", only=("max_tokens", "language_columns"))
 
 
-def load(args, quantize_weights: bool = True, merge_adapters: bool = True):
+def load(args, quantize_weights: bool = True, merge_adapters: bool = True, directory: str | None = None):
     """The checkpoint as --checkpoint/--step, --dtype / --attention-kernel / --quantize, --mesh and --src-lang /
-    --tgt-lang ask, where the sub-command has them (`loading.load`)."""
+    --tgt-lang ask, where the sub-command has them (`loading.load`); `directory`: another run's (an ensemble's
+    member), read the same way; default: the first --checkpoint."""
     from jax_transformer.decoding import loading
 
     languages = {k: v for k, v in given(args, "data").items() if k in ("src_lang", "tgt_lang")}
     return loading.load(
-        args.checkpoint,
+        directory or checkpoints(args)[0],
         args.step,
         compute=given(args, "model"),
         quantize_weights=quantize_weights,
@@ -181,16 +196,43 @@ def load(args, quantize_weights: bool = True, merge_adapters: bool = True):
     )
 
 
+def checkpoints(args) -> list[str]:
+    """The run directories --checkpoint names: one, or an ensemble's (repeated)."""
+    return [args.checkpoint] if isinstance(args.checkpoint, str) else list(args.checkpoint)
+
+
+def ensemble(args, loaded):
+    """The ensemble of the checkpoints the flags name (`loading.ensemble`; `loaded`: the first, loaded already),
+    weighted by --ensemble-weights; None for one checkpoint (where --ensemble-weights is refused)."""
+    from jax_transformer.decoding import loading
+    from jax_transformer.errors import UsageError
+
+    paths, weights = checkpoints(args), getattr(args, "ensemble_weights", None)
+    if len(paths) == 1:
+        if weights is not None:
+            raise UsageError("--ensemble-weights weighs an ensemble: give --checkpoint two or more times")
+        return None
+    if weights is not None and len(weights) != len(paths):
+        raise UsageError(f"--ensemble-weights: {len(weights)} weights for {len(paths)} --checkpoint runs")
+    members = [loaded] + [load(args, directory=path) for path in paths[1:]]
+    return loading.ensemble(members, weights)
+
+
 def translator(args):
-    """The front door (`decoding.translator.Translator`) of the checkpoint the flags name, decoding as the decoding
-    flags say over the run's stored choice; the decoding is said on stderr."""
+    """The front door (`decoding.translator.Translator`) of the checkpoint the flags name (or the ensemble of the
+    checkpoints), decoding as the decoding flags say over the (first) run's stored choice; the decoding is said on
+    stderr."""
     from jax_transformer.decoding import loading
     from jax_transformer.decoding.translator import Translator
+    from jax_transformer.settings.config import check_decoding
 
     loaded = load(args)
     decode = loading.decoding(loaded, given(args, "decode"))
+    found = ensemble(args, loaded)
+    if found is not None:  # against the ensemble's limits too (the shortest max_len)
+        check_decoding(found.config, decode, {"--beam-size": [decode.beams]})
     print(f"decoding: {decode.describe()}", file=sys.stderr)
-    return Translator.of(loaded, decode)
+    return Translator.of(loaded, decode, found)
 
 
 def evaluation_data(args, loaded, limit: int | None = None):

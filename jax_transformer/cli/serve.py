@@ -75,6 +75,7 @@ def _entries(args: argparse.Namespace, path: str):
         translator = Translator(
             spec.checkpoint,
             spec.step,
+            weights=spec.weights,
             mesh=flags.given(args, "parallel").get("mesh"),
             print_fn=lambda line: print(line, file=sys.stderr),
             **compute,

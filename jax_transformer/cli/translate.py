@@ -17,7 +17,7 @@ def add(sub) -> None:
         "flag below (default: what the run stored; an imported model's generation_config). Without --progress / "
         "--no-progress the progress bar shows when stderr is a terminal.",
     )
-    flags.checkpoint_flags(tr, compute=True, mesh=True)
+    flags.checkpoint_flags(tr, compute=True, mesh=True, ensemble=True)
     flags.language_flags(tr)
     tr.add_argument("--input", metavar="FILE", help="UTF-8 file with one sentence per line (default: stdin)")
     flags.decoding_flags(tr, more=("progress",))

@@ -1,12 +1,13 @@
 """A model ready to decode, for every caller alike (the command line's evaluate, translate, score and verify, the
 benchmarks): `load` reads a run's checkpoint (or an imported model's run directory) with how to compute it
 (dtype, attention kernel, int8), where its weights live (one device or a mesh) and its languages; `decoding`
-gives its `DecodeConfig`, resolved by `settings.resolve` from the flags and the run's stored choice."""
+gives its `DecodeConfig`, resolved by `settings.resolve` from the flags and the run's stored choice; `ensemble` makes
+several loaded checkpoints one model (`decoding.ensemble`)."""
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from jax_transformer.checkpoint import manager as checkpoint
@@ -74,3 +75,23 @@ def decodings(loaded: checkpoint.Checkpoint, given: Mapping[str, Any] | None = N
     """`decoding`, where `given` may hold lists (`evaluate --beam-size 1 4 --alpha 0.6 1.0`): every combination
     (`settings.resolve.decodings`)."""
     return resolution.decodings(loaded.config, stored_settings(loaded).get("decode", {}), given)
+
+
+def ensemble(loaded: Sequence[checkpoint.Checkpoint], weights: Sequence[float] | None = None):
+    """The checkpoints `loaded` (two or more, in order) as one model (`ensemble.Ensemble`), weighted by `weights`
+    (default: equal): a UsageError naming both runs and what differs where they do not share a vocabulary, or
+    where their weights lie on a mesh (an ensemble runs on one device), before anything is decoded."""
+    from jax_transformer.decoding.ensemble import Ensemble
+    from jax_transformer.decoding.translation import weights_mesh
+    from jax_transformer.errors import UsageError
+
+    for member in loaded:
+        if weights_mesh(member.params) is not None:
+            raise UsageError(f"{member.directory}: an ensemble runs on one device; give no --mesh")
+    return Ensemble.of(
+        [member.config for member in loaded],
+        [member.params for member in loaded],
+        weights,
+        names=[f"{member.directory} (step {member.step})" for member in loaded],
+        tokenizers=[member.tokenizer for member in loaded],
+    )

@@ -48,6 +48,12 @@ def serving() -> Schedule:
     return dataclasses.replace(schedule, batches_side_by_side=False) if isinstance(schedule, Scheduled) else schedule
 
 
+def search_programs(config):
+    """The programs that run a model's search, `search.encoder`, `search.start` and `search.resume`: `search`'s, or
+    those of an ensemble's config (`ensemble.EnsembleConfig.search_programs`), which take the same arguments."""
+    return getattr(config, "search_programs", search)
+
+
 def _shape(shape, dtype=jnp.int32) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(shape, dtype)
 
@@ -73,9 +79,10 @@ class Whole(Schedule):
     ) -> tuple[np.ndarray, ...]:
         """The finished hypotheses of each row of `src` (B, S), as `found` gives them, on the host. `rows`: each
         row's limit, prefix and draw id (`search.Rows`)."""
-        memory = search.encoder(params, src, config=config, width=src.shape[1])
+        programs = search_programs(config)
+        memory = programs.encoder(params, src, config=config, width=src.shape[1])
         options = dict(config=config, length=length, cache_len=length)
-        state = search.start(params, src, memory, rules, rows, np.int32(0), **options)
+        state = programs.start(params, src, memory, rules, rows, np.int32(0), **options)
         return found(state)
 
     def encoder_shapes(self, row_lengths: np.ndarray, width: int) -> set[tuple[int, int, int]]:
@@ -92,7 +99,7 @@ class Whole(Schedule):
     ) -> dict[str, Callable[[], None]]:
         """Compile jobs for the search programs a batch of (rows, width) sources runs (its `plan`), by name: calling
         them fills the cache that `decode`'s calls look in. `rules` may hold shapes (jax.ShapeDtypeStruct)."""
-        plan = self.plan(rows, rules.beams, length)
+        plan, programs = self.plan(rows, rules.beams, length), search_programs(config)
         options = dict(config=config, length=length, cache_len=plan.ends[0])
         src, memory = _shape((rows, width)), _memory(config, rows, width)
         args = (params, src, memory, rules, row_shapes(rows, length), _shape(()))
@@ -102,7 +109,7 @@ class Whole(Schedule):
         def first_state():
             with lock:
                 if not traced:
-                    traced.append(jax.eval_shape(functools.partial(search.start.__wrapped__, **options), *args))
+                    traced.append(jax.eval_shape(functools.partial(programs.start.__wrapped__, **options), *args))
                 return traced[0]
 
         def carried(state, memory, src, level: int, end: int):  # what `decode` carries to a program of that level
@@ -111,10 +118,10 @@ class Whole(Schedule):
 
         def compile_one(level: int, end: int, resumed: bool):
             if not resumed:
-                return search.start.compile_ahead(*args, **options)
+                return programs.start.compile_ahead(*args, **options)
             shapes = functools.partial(carried, level=level, end=end)
             state, part_memory, part_src = jax.eval_shape(shapes, first_state(), memory, src)
-            search.resume.compile_ahead(params, part_src, part_memory, rules, state, _shape(()), config=config)
+            programs.resume.compile_ahead(params, part_src, part_memory, rules, state, _shape(()), config=config)
 
         return {
             f"{level}x{width} cache {end}" + " resumed" * resumed: functools.partial(compile_one, level, end, resumed)
@@ -135,7 +142,7 @@ class Whole(Schedule):
         """Compile jobs for encoder programs of these (rows, cut width, batch width) shapes, by shape."""
 
         def compile_one(rows: int, cut: int, width: int):
-            search.encoder.compile_ahead(params, _shape((rows, cut)), config=config, width=width)
+            search_programs(config).encoder.compile_ahead(params, _shape((rows, cut)), config=config, width=width)
 
         return {tuple(shape): functools.partial(compile_one, *shape) for shape in shapes}
 
@@ -191,7 +198,10 @@ def row_shapes(rows: int, length: int) -> Rows:
 
 
 def _memory(config: TransformerConfig, rows: int, width: int) -> jax.ShapeDtypeStruct:
-    """The shape of the encoder's output for (rows, width) sources (`search.encoder`: float32)."""
+    """The shape of the encoder's output for (rows, width) sources (`search.encoder`: float32; an ensemble's: its
+    `memory_shape`)."""
+    if hasattr(config, "memory_shape"):
+        return config.memory_shape(rows, width)
     return _shape((rows, width, config.d_model), jnp.float32)
 
 
@@ -273,15 +283,21 @@ def select_rows(state: SearchState, memory, src, index):
     """Rows `index` (N,) of a decoding batch: of its state (every array with a row per sentence, but the cache,
     whose layout `model.select_cache` knows), of the encoder's output and of the sources."""
     index = jnp.asarray(index)
-    cache = select_cache(state.cache, index, sentences=src.shape[0])
+    if hasattr(state.cache, "select_rows"):  # an ensemble's caches (`ensemble.EnsembleCache`)
+        cache = state.cache.select_rows(index, src.shape[0])
+    else:
+        cache = select_cache(state.cache, index, sentences=src.shape[0])
     take = lambda x: x if jnp.ndim(x) == 0 else jnp.take(x, index, axis=0)  # noqa: E731
-    return jax.tree.map(take, state.replace(cache=None)).replace(cache=cache), take(memory), take(src)
+    # (memory: an array, or an ensemble's tuple of them, rows first)
+    return jax.tree.map(take, state.replace(cache=None)).replace(cache=cache), jax.tree.map(take, memory), take(src)
 
 
 def grow(state: SearchState, length: int) -> SearchState:
     """`state` with its cache (and the table of slots over it) padded to `length` positions."""
     B, K, T = state.history.shape
     history = jnp.pad(state.history, ((0, 0), (0, 0), (0, length - T)))
+    if hasattr(state.cache, "grow"):  # an ensemble's caches
+        return state.replace(history=history, cache=state.cache.grow(length, K))
     return state.replace(history=history, cache=grow_cache(state.cache, length, K))
 
 
@@ -312,7 +328,7 @@ def encoder_groups(lengths: np.ndarray, width: int) -> list[tuple[np.ndarray, in
 @jax.jit
 def _in_row_order(pieces: tuple, inverse):
     """The groups' outputs put back in the batch's row order, in one program (eager ops would compile several)."""
-    return jnp.concatenate(pieces)[inverse]
+    return jax.tree.map(lambda *parts: jnp.concatenate(parts)[inverse], *pieces)  # an array, or an ensemble's tuple
 
 
 def encode_batch(params, config: TransformerConfig, src: np.ndarray):
@@ -322,10 +338,11 @@ def encode_batch(params, config: TransformerConfig, src: np.ndarray):
     not the whole width's, and is thrown away."""
     S = src.shape[1]
     groups = encoder_groups(np.count_nonzero(src != config.pad_id, axis=1), S)
+    encoder = search_programs(config).encoder
     if len(groups) == 1:
         (_, width), *_ = groups
-        return search.encoder(params, src[:, :width], config=config, width=S)  # (B, S, D)
-    pieces = [search.encoder(params, src[rows, :width], config=config, width=S) for rows, width in groups]
+        return encoder(params, src[:, :width], config=config, width=S)  # (B, S, D)
+    pieces = [encoder(params, src[rows, :width], config=config, width=S) for rows, width in groups]
     order = np.concatenate([rows for rows, _ in groups])
     return _in_row_order(tuple(pieces), np.argsort(order).astype(np.int32))  # (B, S, D)
 
@@ -375,7 +392,8 @@ class Scheduled(Whole):
         plan = self.plan(src.shape[0], rules.beams, length)
         memory = encode_batch(params, config, src)
         options = dict(config=config, length=length, cache_len=plan.ends[0])
-        state = search.start(params, src, memory, rules, inputs, plan.until(plan.levels[0]), **options)
+        programs = search_programs(config)
+        state = programs.start(params, src, memory, rules, inputs, plan.until(plan.levels[0]), **options)
         owners = np.arange(plan.levels[0])  # the original row of each row; -1: a filler copy of a finished row
         results = None  # `found`'s arrays, by original row
         while True:
@@ -403,7 +421,7 @@ class Scheduled(Whole):
             if full:
                 state = _grow_jit(state, length=next(end for end in plan.ends if end > T))
             assert (rows, state.history.shape[-1], True) in plan.programs  # what `programs` compiles ahead
-            state = search.resume(params, src, memory, rules, state, plan.until(rows), config=config)
+            state = programs.resume(params, src, memory, rules, state, plan.until(rows), config=config)
 
     def encoder_shapes(self, row_lengths, width):
         n = parallel_parts(len(row_lengths), self.split)
@@ -443,7 +461,7 @@ class Scheduled(Whole):
         options = dict(config=config, length=length, cache_len=plan.ends[0])
         src, memory = _shape((part, width)), _memory(config, part, width)
         args = (params, src, memory, rules, row_shapes(part, length), _shape(()))
-        first = jax.eval_shape(functools.partial(search.start.__wrapped__, **options), *args)
+        first = jax.eval_shape(functools.partial(search_programs(config).start.__wrapped__, **options), *args)
 
         def state(level: int, end: int):  # the shape of the state of a program of `level` rows, a cache of `end`
             def shaped(first, memory, src):

@@ -11,12 +11,15 @@ CTranslate2's `Translator` and transformers' `pipeline` are used.
 
 The command line's `translate`, `score` and `translate --document`, and `serve`, go through the same methods (or,
 for the service's batches, `translation.translations` beneath them), so a notebook gets what the command line
-writes. Decoding options are `DecodeConfig`'s fields: given to the constructor they replace the run's stored
-choice for every call, given to a call they apply to that call alone (`settings.resolve` decides either way).
+writes. Several runs decode as an ensemble (`decoding.ensemble`: their distributions combined at every step):
+`Translator(["runs/a", "runs/b"], weights=[0.6, 0.4])`. Decoding options are `DecodeConfig`'s fields: given to the
+constructor they replace the run's stored choice for every call, given to a call they apply to that call alone
+(`settings.resolve` decides either way).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import os
 from collections.abc import Callable, Iterable, Sequence
@@ -25,7 +28,7 @@ from typing import Any
 from jax_transformer.checkpoint.manager import Checkpoint
 from jax_transformer.decoding import documents, loading, scoring, translation
 from jax_transformer.errors import UsageError
-from jax_transformer.settings.config import DecodeConfig
+from jax_transformer.settings.config import DecodeConfig, check_decoding
 from jax_transformer.settings.resolve import request_decoding
 
 
@@ -33,6 +36,9 @@ class Translator:
     """A run directory's model (trained here, or `train.py import`ed) loaded to decode.
 
     path, step: the run directory (or its checkpoints folder) and which checkpoint: "best", "latest" or a number.
+        A list of run directories: an ensemble of their checkpoints (each at `step`), which must share the
+        vocabulary; it decodes as the first run stored, and scores nothing (`score` is one model's).
+    weights: an ensemble's weights, one per run (default: equal; normalised to sum to 1).
     src_lang, tgt_lang: a multilingual model's languages (NLLB's eng_Latn, mBART's en_XX; default: the tokenizer's).
     dtype, attention_kernel, quantize: how to compute ("bfloat16", "xla", "int8", ...), the model unchanged.
     mesh: the weights read straight onto a mesh of the devices ("data=8", "fsdp=4"), for a model one device cannot
@@ -43,9 +49,10 @@ class Translator:
 
     def __init__(
         self,
-        path: str | os.PathLike,
+        path: str | os.PathLike | Sequence[str | os.PathLike],
         step: str | int = "best",
         *,
+        weights: Sequence[float] | None = None,
         src_lang: str | None = None,
         tgt_lang: str | None = None,
         dtype: str | None = None,
@@ -57,36 +64,50 @@ class Translator:
     ) -> None:
         compute = {"dtype": dtype, "attention_kernel": attention_kernel, "quantize": quantize}
         languages = {"src_lang": src_lang, "tgt_lang": tgt_lang}
-        loaded = loading.load(
-            path,
-            step,
-            compute={k: v for k, v in compute.items() if v is not None},
-            mesh=mesh,
-            languages={k: v for k, v in languages.items() if v is not None},
-            print_fn=print_fn,
-        )
-        self._set(loaded, loading.decoding(loaded, decoding))
+        paths = [path] if isinstance(path, (str, os.PathLike)) else list(path)
+        if weights is not None and len(paths) == 1:
+            raise UsageError("weights are an ensemble's: give several runs, or no weights")
+        members = [
+            loading.load(
+                one,
+                step,
+                compute={k: v for k, v in compute.items() if v is not None},
+                mesh=mesh,
+                languages={k: v for k, v in languages.items() if v is not None},
+                print_fn=print_fn,
+            )
+            for one in paths
+        ]
+        decode = loading.decoding(members[0], decoding)
+        ensemble = loading.ensemble(members, weights) if len(members) > 1 else None
+        if ensemble is not None:  # against the ensemble's limits too (the shortest max_len)
+            check_decoding(ensemble.config, decode, {"beam_size": [decode.beams]})
+        self._set(members[0], decode, ensemble)
 
     @classmethod
-    def of(cls, loaded: Checkpoint, decode: DecodeConfig) -> Translator:
+    def of(cls, loaded: Checkpoint, decode: DecodeConfig, ensemble=None) -> Translator:
         """A Translator of a checkpoint loaded already (`loading.load`), decoding as `decode` says (the command
-        line loads with its flags, then hands the model here)."""
+        line loads with its flags, then hands the model here); `ensemble` (`loading.ensemble`, whose first member
+        is `loaded`): decode with it instead."""
         translator = cls.__new__(cls)
-        translator._set(loaded, decode)
+        translator._set(loaded, decode, ensemble)
         return translator
 
-    def _set(self, loaded: Checkpoint, decode: DecodeConfig) -> None:
+    def _set(self, loaded: Checkpoint, decode: DecodeConfig, ensemble=None) -> None:
+        import dataclasses
+
         from jax_transformer.decoding.decoders import on_device
 
         # The weights on the device once: a call on a checkpoint's numpy arrays copies them all in each time.
         self.loaded, self.decode = loaded.with_params(on_device(loaded.params)), decode
+        self.ensemble = None if ensemble is None else dataclasses.replace(ensemble, params=on_device(ensemble.params))
 
     # --- what was loaded ------------------------------------------------------------------------------------
 
     @property
     def config(self):
-        """The model's TransformerConfig, as it computes."""
-        return self.loaded.config
+        """The model's TransformerConfig, as it computes (an ensemble's: its `EnsembleConfig`)."""
+        return self.loaded.config if self.ensemble is None else self.ensemble.config
 
     @property
     def tokenizer(self):
@@ -94,7 +115,19 @@ class Translator:
 
     @property
     def params(self):
-        return self.loaded.params
+        return self.loaded.params if self.ensemble is None else self.ensemble.params
+
+    @property
+    def served(self) -> Checkpoint:
+        """What a service decodes with: the checkpoint, or an ensemble's first run holding the ensemble's config and
+        weights (its tokenizer and languages are the members' shared ones)."""
+        if self.ensemble is None:
+            return self.loaded
+        return dataclasses.replace(self.loaded.with_params(self.ensemble.params), config=self.ensemble.config)
+
+    def _one_model(self, what: str) -> None:
+        if self.ensemble is not None:
+            raise UsageError(f"{what} takes one model, not an ensemble of {len(self.ensemble.names)} checkpoints")
 
     def decoding(self, **options: Any) -> DecodeConfig:
         """The decoding of one call: `options` (DecodeConfig's fields) over this translator's, checked against the
@@ -102,6 +135,9 @@ class Translator:
         return request_decoding(self.config, self.decode, options, field="options")
 
     def __repr__(self) -> str:
+        if self.ensemble is not None:
+            names, weights = list(self.ensemble.names), list(self.ensemble.weights)
+            return f"Translator({names!r}, weights={weights}, {self.decode.describe()})"
         return f"Translator({str(self.loaded.directory)!r}, step={self.loaded.step}, {self.decode.describe()})"
 
     # --- sentences ------------------------------------------------------------------------------------------
@@ -159,6 +195,7 @@ class Translator:
         tokens and each one's log-prob, as CTranslate2's score_batch gives them (on_too_long="skip": None for a
         pair longer than the model takes, else a DataError naming it); with `alignments`, each pair's word
         alignment by `alignment_layer`'s cross-attention (None: this translator's, by default the last layer)."""
+        self._one_model("scoring")
         given = {"alignments": alignments, "alignment_layer": alignment_layer}
         layer = self.decoding(**{k: v for k, v in given.items() if v is not None}).aligned_layer(self.config)
         return scoring.score_pairs(
@@ -170,6 +207,7 @@ class Translator:
     ) -> scoring.ScoreReport:
         """`scoring.score_lines` with this model: (line, source, target) pairs streamed, a record per line
         (`on_too_long` error or skip; `alignment_layer`: word alignments by that layer's cross-attention)."""
+        self._one_model("scoring")
         return scoring.score_lines(self.params, self.config, self.tokenizer, pairs, write, **kwargs)
 
     # --- documents ------------------------------------------------------------------------------------------

@@ -13,8 +13,9 @@ catalogue of pairs.
 Each entry: `name` (unique; the native API's `model`), `checkpoint` (a run directory, relative to the file's folder
 unless absolute), `step` ("best", "latest" or a number; default "best"), `pairs` ("SRC-TGT" in any codes the model
 takes: a model without language codes names its one pair; a multilingual model serves all its pairs unless the
-entry lists some) and `decoding` (DecodeConfig fields over the run's and the command's). `checkpoints` (a list) is
-kept for a model of several checkpoints, an ensemble, which is not served yet. `prefer` says which model serves a
+entry lists some) and `decoding` (DecodeConfig fields over the run's and the command's). `checkpoints` (a list of
+run directories, in place of `checkpoint`) serves an ensemble of them, weighted by `weights` (one number > 0 each;
+default equal), each at `step`. `prefer` says which model serves a
 pair two entries claim; without it, such a pair is an error at start."""
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from typing import Any
 
 from jax_transformer.errors import ConfigError
 
-ENTRY_KEYS = ("name", "checkpoint", "checkpoints", "step", "pairs", "decoding")
+ENTRY_KEYS = ("name", "checkpoint", "checkpoints", "step", "pairs", "decoding", "weights")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,11 +35,12 @@ class ModelSpec:
     """One entry of the file, checked, not loaded."""
 
     name: str
-    checkpoint: Path
+    checkpoint: Path | list[Path]  # a list: an ensemble's runs
     step: str
     pairs: list[str] | None
     decoding: dict[str, Any]
     origin: str  # "models.json: models[1]", for messages
+    weights: list[float] | None = None  # an ensemble's, one per run
 
 
 def read(path: str | Path) -> tuple[list[ModelSpec], dict[str, str]]:
@@ -71,17 +73,30 @@ def read(path: str | Path) -> tuple[list[ModelSpec], dict[str, str]]:
         if name in names:
             raise ConfigError(f"{origin}.name {name!r}: two entries have this name")
         names.add(name)
-        if "checkpoints" in entry:
-            raise ConfigError(
-                f"{origin}.checkpoints: a model of several checkpoints (an ensemble) is not served yet; give one "
-                f'"checkpoint"'
-            )
-        checkpoint = entry.get("checkpoint")
-        if not isinstance(checkpoint, str) or not checkpoint:
-            raise ConfigError(f"{origin}.checkpoint: expected a run directory")
-        directory = Path(checkpoint) if Path(checkpoint).is_absolute() else path.parent / checkpoint
-        if not directory.exists():
-            raise ConfigError(f"{origin}.checkpoint {checkpoint!r}: {directory} does not exist")
+        if "checkpoint" in entry and "checkpoints" in entry:
+            raise ConfigError(f'{origin}: give "checkpoint" (a run) or "checkpoints" (an ensemble\'s runs), not both')
+        ensemble = "checkpoints" in entry
+        checkpoints = entry["checkpoints"] if ensemble else [entry.get("checkpoint")]
+        if ensemble and (not isinstance(checkpoints, list) or len(checkpoints) < 2):
+            raise ConfigError(f"{origin}.checkpoints: expected a list of two or more run directories")
+        directories = []
+        for j, checkpoint in enumerate(checkpoints):
+            key = f"{origin}.checkpoints[{j}]" if ensemble else f"{origin}.checkpoint"
+            if not isinstance(checkpoint, str) or not checkpoint:
+                raise ConfigError(f"{key}: expected a run directory")
+            directory = Path(checkpoint) if Path(checkpoint).is_absolute() else path.parent / checkpoint
+            if not directory.exists():
+                raise ConfigError(f"{key} {checkpoint!r}: {directory} does not exist")
+            directories.append(directory)
+        weights = entry.get("weights")
+        if weights is not None and not ensemble:
+            raise ConfigError(f'{origin}.weights: an ensemble\'s; give them with "checkpoints"')
+        if weights is not None and (
+            not isinstance(weights, list)
+            or len(weights) != len(directories)
+            or not all(isinstance(w, (int, float)) and not isinstance(w, bool) and w > 0 for w in weights)
+        ):
+            raise ConfigError(f"{origin}.weights: expected {len(directories)} numbers > 0, one per checkpoint")
         step = entry.get("step", "best")
         if isinstance(step, bool) or not isinstance(step, (str, int)):
             raise ConfigError(f"{origin}.step: expected 'best', 'latest' or a number, got {step!r}")
@@ -93,7 +108,8 @@ def read(path: str | Path) -> tuple[list[ModelSpec], dict[str, str]]:
         decoding = entry.get("decoding", {})
         if not isinstance(decoding, dict):
             raise ConfigError(f"{origin}.decoding: expected an object of decoding settings")
-        specs.append(ModelSpec(name, directory, str(step), pairs, decoding, origin))
+        where = directories if ensemble else directories[0]
+        specs.append(ModelSpec(name, where, str(step), pairs, decoding, origin, weights))
     prefer = data.get("prefer", {})
     if not isinstance(prefer, dict) or not all(isinstance(v, str) for v in prefer.values()):
         raise ConfigError(f'{path}: prefer: expected {{"SRC-TGT": "model name", ...}}')

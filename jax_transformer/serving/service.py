@@ -424,7 +424,7 @@ def build(
     metrics = Metrics()
     models = []
     for entry in entries:
-        loaded, decode = entry.translator.loaded, entry.translator.decode
+        loaded, decode = entry.translator.served, entry.translator.decode  # an ensemble's: its config and weights
         given = settings.languages if len(entries) == 1 else None
         if not hasattr(loaded.tokenizer, "codes") and entry.pairs:  # a model of one pair: the pair its entry names
             if len(entry.pairs) != 1:
