@@ -43,10 +43,10 @@ def _sdist(folder: Path) -> Path:
     set up a build environment to read its metadata, which stalls here)."""
     path = folder / SDIST
     if not path.exists():
-        command = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-build-isolation",
-                   "--no-binary", ":all:", f"fairseq=={VERSION}", "-d", str(folder)]  # fmt: skip
+        command = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-build-isolation", "--no-binary",
+                   ":all:", "--retries", "1", "--timeout", "20", f"fairseq=={VERSION}", "-d", str(folder)]  # fmt: skip
         try:
-            done = subprocess.run(command, capture_output=True, text=True, timeout=180)
+            done = subprocess.run(command, capture_output=True, text=True, timeout=120)
         except (OSError, subprocess.TimeoutExpired) as e:
             raise Unavailable(f"pip download of fairseq=={VERSION}'s sdist failed: {e}") from e
         if done.returncode != 0 or not path.exists():
