@@ -11,17 +11,18 @@ max_length = max_len + 1; they differ only at the limit, which the exact rows ne
 
 Rows "distinct": phrases whose tokens are all different, within a phrase and across a row's phrases. There a
 mismatch in the middle of a phrase falls back the same way in both (fairseq's trie to its root, ours to the longest
-prefix ending the hypothesis: either the phrase's first token or nothing), so of the documented differences only
-fairseq's proposing the first tokens of met phrases again and its unstable sort on ties remain, and they change
-nothing here: tokens must be identical and scores agree within test_decoding_parity.py's SCORE_ATOL (float32
-reassociation only).
+prefix ending the hypothesis: the phrase's first token or nothing), except on the phrase's own first token (fairseq:
+the root, ours: that token matched) and in ordered phrases after the first one (fairseq then starts over from the
+first phrase). These, fairseq's proposing the first token of every phrase at every step (met or in progress;
+ordered: the first phrase's) and its unstable sort of ties may change a search's path; on these rows none does
+(docs/decoding.md gives how often one does over more sources): the tokens must be identical, the scores agree
+within test_decoding_parity.py's SCORE_ATOL (float32 reassociation only).
 
 Rows "overlapping": a phrase inside another ([21, 60] and [21]) or a phrase with a repeated token (240 45 240 128,
 whose partial match fairseq's trie loses on "240 45 240 45"). fairseq counts each output token toward one phrase
-only and resets its trie on a mismatch; ours matches each phrase wherever it occurs. Where the outputs differ,
-fairseq's output holds every phrase by our rule too (so it was open to our search), and ours must score at least
-as well: a search that found something worse than a feasible output fairseq found would be a fault. The agreement
-is printed.
+only and resets its trie on a mismatch; ours matches each phrase wherever it occurs. So fairseq's output must hold
+every phrase by our rule too (it was open to our search); how often the tokens agree, and our score minus
+fairseq's where they differ, is printed (beam search is not exact: either may find the better output).
 
 The phrases are pieces of the first eight sources' plain outputs (21 60, 21 87, 21 46 240 45 240 128, ... 94 21 90):
 tokens the model would place elsewhere."""
@@ -85,7 +86,7 @@ def test_constrained_search_matches_fairseq(order, fairseq_modules, parity_repor
         len_penalty=1.0, max_len_b=config.max_len, suppress=(config.bos_id,),
     )  # fmt: skip
     assert ours.found[:, 0].all()
-    same, better, agree = [], [], 0
+    same, gains, agree = [], [], 0
     for row in range(len(src)):
         mine = [int(i) for i in ours.tokens[row, 0] if i != config.pad_id]
         best = theirs[row][0]
@@ -98,11 +99,10 @@ def test_constrained_search_matches_fairseq(order, fairseq_modules, parity_repor
             agree += 1
         else:
             assert _holds(best.tokens[:-1], phrases[row], order == "ordered"), f"row {row}: fairseq's output"
-            assert float(ours.scores[row, 0]) >= best.score - SCORE_ATOL, f"row {row}: ours scores worse"
-            better.append(float(ours.scores[row, 0]) - best.score)
+            gains.append(float(ours.scores[row, 0]) - best.score)
     assert max(same) <= SCORE_ATOL
     parity_report("fairseq constrained search: scores", order, max(same), SCORE_ATOL)
     print(
         f"[fairseq] {order}: distinct rows {len(same)}/{len(same)} identical; overlapping rows {agree}/"
-        f"{len(OVERLAPPING)} identical, elsewhere ours better by {[round(g, 4) for g in better]}"
+        f"{len(OVERLAPPING)} identical, elsewhere ours minus fairseq's score {[round(g, 4) for g in gains]}"
     )
