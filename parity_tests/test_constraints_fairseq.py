@@ -50,9 +50,10 @@ OVERLAPPING = [[[21, 87], [87]], [[21, 60], [21]], [[240, 45, 240, 65]], [[21, 6
 
 @pytest.fixture(scope="module")
 def fairseq_modules(request):
-    """fairseq's search modules, the sdist kept in pytest's cache (or $FAIRSEQ_SDIST_DIR); skip where it cannot be
-    downloaded."""
-    folder = os.environ.get(fairseq_constraints.CACHE_ENV) or request.config.cache.mkdir("fairseq-sdist")
+    """fairseq's search modules, the sdist kept in $FAIRSEQ_SDIST_DIR, else pytest's cache, else ~/.cache; skip
+    where it cannot be downloaded."""
+    cache = getattr(request.config, "cache", None)  # None with -p no:cacheprovider
+    folder = os.environ.get(fairseq_constraints.CACHE_ENV) or (cache.mkdir("fairseq-sdist") if cache else None)
     try:
         return fairseq_constraints.fairseq_search_modules(folder)
     except fairseq_constraints.Unavailable as e:

@@ -17,9 +17,11 @@ import hashlib
 import importlib.util
 import math
 import os
+import shutil
 import subprocess
 import sys
 import tarfile
+import tempfile
 import types
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,17 +42,22 @@ class Unavailable(RuntimeError):
 
 def _sdist(folder: Path) -> Path:
     """The sdist in `folder`, downloaded there by pip if it is not yet (--no-build-isolation: pip would otherwise
-    set up a build environment to read its metadata, which stalls here)."""
+    set up a build environment to read its metadata, which stalls here). pip writes into a fresh folder and the file
+    is then moved in whole, so test processes running side by side never read half a file."""
     path = folder / SDIST
     if not path.exists():
+        fresh = Path(tempfile.mkdtemp(dir=folder))
         command = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-build-isolation", "--no-binary",
-                   ":all:", "--retries", "1", "--timeout", "20", f"fairseq=={VERSION}", "-d", str(folder)]  # fmt: skip
+                   ":all:", "--retries", "1", "--timeout", "20", f"fairseq=={VERSION}", "-d", str(fresh)]  # fmt: skip
         try:
             done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+            if done.returncode != 0 or not (fresh / SDIST).exists():
+                raise Unavailable(f"pip download of fairseq=={VERSION}'s sdist failed: {done.stderr.strip()[-300:]}")
+            os.replace(fresh / SDIST, path)
         except (OSError, subprocess.TimeoutExpired) as e:
             raise Unavailable(f"pip download of fairseq=={VERSION}'s sdist failed: {e}") from e
-        if done.returncode != 0 or not path.exists():
-            raise Unavailable(f"pip download of fairseq=={VERSION}'s sdist failed: {done.stderr.strip()[-300:]}")
+        finally:
+            shutil.rmtree(fresh, ignore_errors=True)
     digest = hashlib.sha256(path.read_bytes()).hexdigest()
     if digest != SDIST_SHA256:
         raise Unavailable(f"{path}: sha256 {digest}, not the registry's {SDIST} ({SDIST_SHA256})")
@@ -58,12 +65,15 @@ def _sdist(folder: Path) -> Path:
 
 
 def _unpacked(folder: Path) -> Path:
-    """`folder`/fairseq-<version>/ holding only FILES, unpacked from the sdist once."""
+    """`folder`/fairseq-<version>/ holding only FILES, unpacked from the sdist once (each file moved in whole)."""
     root = folder / f"fairseq-{VERSION}"
     if not all((root / name).exists() for name in FILES):
-        with tarfile.open(_sdist(folder)) as archive:
+        with tarfile.open(_sdist(folder)) as archive, tempfile.TemporaryDirectory(dir=folder) as fresh:
             members = [archive.getmember(f"fairseq-{VERSION}/{name}") for name in FILES]
-            archive.extractall(folder, members=members, filter="data")
+            archive.extractall(fresh, members=members, filter="data")
+            for name in FILES:
+                (root / name).parent.mkdir(parents=True, exist_ok=True)
+                os.replace(Path(fresh) / f"fairseq-{VERSION}" / name, root / name)
     return root
 
 
@@ -162,9 +172,11 @@ def generate(
     max_len = min(int(max_len_a * src_len + max_len_b), cfg.max_len - 1)
     memory = model.encode(src)  # (B, S, D)
     tokens = torch.full((bsz * beam_size, max_len + 2), pad, dtype=torch.long)  # +2: the start token and EOS
-    tokens[:, 0] = cfg.start_id
+    tokens[:, 0] = cfg.start_id  # fairseq's bos_token: this model's decoder start (fairseq's own models use EOS)
     scores = torch.zeros(bsz * beam_size, max_len + 1)  # cumulative log P after each step
-    cands_to_ignore = torch.zeros(bsz, beam_size, dtype=torch.bool)  # live slots left empty (too few candidates)
+    # Live slots left empty when a step had fewer than K candidates that do not end: fairseq then ignores the EOS
+    # candidates at those positions (its rule, copied as it is).
+    cands_to_ignore = torch.zeros(bsz, beam_size, dtype=torch.bool)
     finalized: list[list[Finalized]] = [[] for _ in range(bsz)]
     sentences = torch.arange(bsz)  # the original row of each sentence still searched
     cand_size = 2 * beam_size  # the candidates a step returns: 2K, in case half end
@@ -174,14 +186,14 @@ def generate(
         rows = sentences.repeat_interleave(beam_size)  # (bsz * K,) each hypothesis's source row
         logits = model.decode(memory[rows], src[rows], tokens[:, : step + 1])[:, -1]  # (bsz * K, V)
         lprobs = F.log_softmax(logits.float(), dim=-1)
-        lprobs[lprobs != lprobs] = -math.inf
-        lprobs[:, pad] = -math.inf  # never select pad
+        lprobs[lprobs != lprobs] = -math.inf  # NaN: impossible
+        lprobs[:, pad] = -math.inf  # never select pad (the one ban fairseq always makes)
         if step >= max_len:  # the last step: only EOS, with its own log-prob
             lprobs[:, :eos] = -math.inf
             lprobs[:, eos + 1 :] = -math.inf
-        if step < min_len:
+        if step < min_len:  # fairseq's min_len 1: no empty output
             lprobs[:, eos] = -math.inf
-        if suppress:
+        if suppress:  # token_indices_to_suppress: the ids our rules never produce (BOS)
             lprobs[:, list(suppress)] = -math.inf
 
         # The search: EOS banned where a phrase is unmet, candidates gathered, banks, stripes; 2K, stripe order.
@@ -192,7 +204,8 @@ def generate(
         cand_bbsz_idx = cand_beams + (torch.arange(bsz) * beam_size)[:, None]  # (bsz, 2K) the parents' rows
 
         # Finalize the EOS candidates among the first K (in stripe order, not score order), while a row has
-        # fewer than K; a row is done when it has K, or at the last step.
+        # fewer than K; a row is done when it has K, or at the last step: fairseq's stopping rule, which decides
+        # which finished hypotheses there are to choose from. A row is only checked on a step where one ended.
         eos_mask = cand_indices.eq(eos) & cand_scores.ne(-math.inf)
         eos_mask[:, :beam_size][cands_to_ignore] = False
         done = []
@@ -203,7 +216,7 @@ def generate(
                 if len(finalized[sent]) < beam_size:
                     parent = int(cand_bbsz_idx[b, j])
                     hyp = tokens[parent, 1 : step + 1].tolist() + [eos]
-                    score = float(cand_scores[b, j]) / (step + 1) ** len_penalty
+                    score = float(cand_scores[b, j]) / (step + 1) ** len_penalty  # normalize_scores: len counts EOS
                     finalized[sent].append(Finalized(hyp, score, step == max_len))
             if ended and (len(finalized[sent]) == beam_size or step == max_len):
                 done.append(b)
@@ -212,7 +225,7 @@ def generate(
         # fairseq asserts here: a row still searched at the last step (no EOS could end it: a phrase unmet).
         assert step < max_len, f"fairseq's generator fails (assert step < max_len) on rows {sentences.tolist()}"
 
-        if done:  # drop the finished rows from the batch and from the search's states
+        if done:  # drop the finished rows from the batch and from the search's states, which must stay aligned
             keep = torch.tensor([b for b in range(bsz) if b not in done])
             search.prune_sentences(keep)
             eos_mask, cand_beams = eos_mask[keep], cand_beams[keep]
