@@ -8,6 +8,7 @@
 - tooling: hypothesis settings, counting compilations;
 - pretrained: tiny random transformers Marian/FSMT models with real tokenizer files;
 - alignments: word alignments checked against transformers' cross-attentions;
+- fairseq_constraints: fairseq's constrained beam search, loaded from its sdist and driven with the twin;
 - training: train.py runs that take seconds, in this process or a child;
 - parallel_paths and pause_at: programs the tests start.
 
