@@ -554,10 +554,9 @@ def output_kernel(model: Transformer, params):
     return model.apply({"params": params}, method=Transformer.output_kernel)
 
 
-def decode_step(model: Transformer, params, cache, memory, src, tokens, step, history, kernel=None):
-    """One decoder step: tokens (N,) at position `step` of rows whose pasts `history` (N, T) places in the cache ->
-    logits (N, V) of the next token, the new cache. `kernel`: `output_kernel`'s."""
-    logits, variables = model.apply(
+def _apply_step(model: Transformer, params, cache, memory, src, tokens, step, history, kernel, mutable):
+    """The cached decoder's call for one step: (logits (N, 1, V), the variables of the `mutable` collections)."""
+    return model.apply(
         {"params": params, "cache": cache},
         memory,
         src,
@@ -566,27 +565,23 @@ def decode_step(model: Transformer, params, cache, memory, src, tokens, step, hi
         kernel=kernel,
         step=step,
         history=history,
-        mutable=["cache"],
+        mutable=mutable,
         method=Transformer.decode,
     )
+
+
+def decode_step(model: Transformer, params, cache, memory, src, tokens, step, history, kernel=None):
+    """One decoder step: tokens (N,) at position `step` of rows whose pasts `history` (N, T) places in the cache ->
+    logits (N, V) of the next token, the new cache. `kernel`: `output_kernel`'s."""
+    logits, variables = _apply_step(model, params, cache, memory, src, tokens, step, history, kernel, ["cache"])
     return logits[:, 0], variables["cache"]  # (N, V)
 
 
 def aligned_decode_step(model: Transformer, params, cache, memory, src, tokens, step, history, kernel, layer: int):
     """`decode_step`, and decoder layer `layer`'s cross-attention of the step averaged over heads (N, S), -1 at the
     source positions no word is at (PAD, EOS: fairseq's `extract_hard_alignment` leaves them out)."""
-    logits, variables = model.apply(
-        {"params": params, "cache": cache},
-        memory,
-        src,
-        tokens[:, None],
-        decode=True,
-        kernel=kernel,
-        step=step,
-        history=history,
-        mutable=["cache", "intermediates"],
-        method=Transformer.decode,
-    )
+    mutable = ["cache", "intermediates"]
+    logits, variables = _apply_step(model, params, cache, memory, src, tokens, step, history, kernel, mutable)
     N = tokens.shape[0]
     attention = cross_attention_rows(variables["intermediates"], layer, N)[:, 0]  # (N, S)
     words = jnp.repeat((src != model.config.pad_id) & (src != model.config.eos_id), N // src.shape[0], axis=0)
