@@ -95,7 +95,7 @@ def test_translate_tsv_keeps_one_row_per_empty_input_line(run_dir, tmp_path):
 PARSER = build_parser()
 SUB = next(a for a in PARSER._actions if isinstance(a, argparse._SubParsersAction))
 FILES = {"src", "tgt", "tsv", "valid_src", "valid_tgt", "valid_tsv", "init_from_torch", "input", "json", "output"}
-FILES |= {"api_key_file", "models"}
+FILES |= {"api_key_file", "models", "glossary"}
 FOLDERS = {"data_cache", "compilation_cache", "checkpoint", "run_dir", "resume", "init_from", "runs"}
 
 

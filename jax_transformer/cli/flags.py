@@ -113,7 +113,7 @@ def checkpoint_flags(
             "--ensemble-weights",
             type=number(float, 0),
             nargs="+",
-            metavar="W",
+            metavar="X",
             help="an ensemble's weights, one per --checkpoint, in order (normalised to sum to 1; default: equal)",
         )
     p.add_argument(
