@@ -141,7 +141,8 @@ def sentence_phrases(
                 for term in glossary.terms(sentence):
                     if term in phrases:
                         continue
-                    n = len(_phrase_ids(tokenizer, term))
+                    ids = _phrase_ids(tokenizer, term)  # (checked at start, with the first pair's tokenizer)
+                    n = len(ids) if ids is not None and len(ids) <= size[1] else rooms[at] + 1
                     if len(phrases) < min(size[0], decode.beams) and used + n <= rooms[at]:
                         phrases.append(term)
                         used += n

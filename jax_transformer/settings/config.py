@@ -853,10 +853,11 @@ class DecodeConfig(Settings):
         import re
 
         found = re.fullmatch(r"(\d+)x(\d+)", self.constraint_size)
-        if self.constraint_size and (found is None or "0" in (found[1], found[2])):
+        most = (8, 16)  # decoding.constraints' PHRASE_SIZES[-1] and TOKEN_SIZES[-1] (a test holds them equal)
+        if self.constraint_size and (found is None or not all(1 <= int(found[i]) <= most[i - 1] for i in (1, 2))):
             raise ConfigError(
-                f"decode field 'constraint_size' must be PxM, phrases per sentence x tokens per phrase (e.g. 2x8), "
-                f"got {self.constraint_size!r} (--constraint-size)"
+                f"decode field 'constraint_size' must be PxM, phrases per sentence x tokens per phrase, P in 1..8 and "
+                f"M in 1..16 (e.g. 2x8), got {self.constraint_size!r} (--constraint-size)"
             )
         return (int(found[1]), int(found[2])) if found else None
 
