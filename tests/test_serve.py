@@ -217,6 +217,7 @@ def test_constraints_and_the_glossary_give_what_translate_gives_and_compile_noth
             "constraints[0][0] 'un deux trois quatre cinq six sept huit neuf': 9 tokens",
         ),
         ({"text": "one", "constraints": [[1]]}, 400, "constraints[0][0]: expected a phrase"),
+        ({"text": "one", "options": {"suppress": "cent"}}, 400, "options.suppress: this service does not take"),
         ({"text": ["one"], "constraints": "un"}, 400, "constraints: expected a list of phrase lists, one per text (1)"),
         ({"text": "one\ntwo", "constraints": ["un"]}, 400, "constraints[0]: constraints need a text of one sentence"),
         ({"q": "one", "source": "en", "target": "de"}, 400, "target 'de' is not a target language of this model"),

@@ -102,6 +102,8 @@ class Model:
         fault = self.allowed.fault(decode, options, field)
         if fault is not None:
             raise HTTPError(400, fault)
+        if decode.suppress != self.decode.suppress:  # banned phrases' arrays are shapes the service did not compile
+            raise HTTPError(400, f"{field}.suppress: this service does not take banned phrases per request")
         return decode
 
     def pair(self, source: str, target: str) -> tuple[str | None, str | None]:
