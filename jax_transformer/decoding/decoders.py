@@ -237,18 +237,21 @@ class Decoder:
             name = names[row]
             if must_appear and (self.rules.greedy or self.rules.sampler is not None):
                 raise TokenError(f"{name}: {what} need beam search (beam size 2 or more, no sampling)")
-            most = min(self.rules.beams, PHRASE_SIZES[-1]) if must_appear else PHRASE_SIZES[-1]
+            fixed = must_appear and self.phrase_size is not None  # --constraint-size: at most its P x M
+            P, M = self.phrase_size if fixed else (PHRASE_SIZES[-1], TOKEN_SIZES[-1])
+            most = min(self.rules.beams, P) if must_appear else P
             if len(given) > most:
                 per_beam = f"at most one per beam, of {self.rules.beams}, and " if must_appear else ""
                 raise TokenError(
                     f"{name}: {len(given)} {what}, more than this search takes ({most}: {per_beam}at most "
-                    f"{PHRASE_SIZES[-1]})"
+                    f"{P}{' by --constraint-size' if fixed else ''})"
                 )
             for i, ids in enumerate(given):
                 if len(ids) == 0:
                     raise TokenError(f"{name}: phrase {i + 1} of the {what} is empty")
-                if len(ids) > TOKEN_SIZES[-1]:
-                    raise TokenError(f"{name}: phrase {i + 1} has {len(ids)} tokens, more than {TOKEN_SIZES[-1]}")
+                if len(ids) > M:
+                    raise TokenError(f"{name}: phrase {i + 1} has {len(ids)} tokens, more than {M}"
+                                     f"{' (--constraint-size)' if fixed else ''}")  # fmt: skip
                 checks.check_tokens(f"{name}, phrase {i + 1}", np.asarray([ids]), self.config, "target")
                 if self.config.eos_id in ids:
                     raise TokenError(f"{name}: phrase {i + 1} holds EOS (id {self.config.eos_id})")
