@@ -1,6 +1,7 @@
 """`train.py serve` over real HTTP on 127.0.0.1 (a child process, as a user starts it): LibreTranslate's API through
 its own client package (libretranslatepy), the native endpoint with options and scores against `translations`,
-the same text as `translate`, text with its layout kept, the documented errors, a full queue, a bounded load from
+the same text as `translate`, text with its layout kept, lexical constraints and a glossary (what `Translator`
+gives, nothing compiled after ready), the documented errors, a full queue, a bounded load from
 concurrent clients, and a SIGTERM that loses no accepted request. The trained tiny model (tests/data) decodes, so
 the translations are the same on every CPU. Requests go to loopback only, a bounded number of them."""
 
@@ -109,7 +110,7 @@ def server(run, tmp_path_factory):
     # A small budget (--max-tokens) and allowed set: the programs compiled at start stay few. Constraints of one
     # size, and a glossary whose one term occurs in none of SENTENCES (their translations are those of translate).
     found = Server(["--checkpoint", str(run), "--step", "latest", "--api-key-file", str(key), "--max-request-bytes",
-                    "4000", "--beam-size", "2", "--max-tokens", "64", "--constraint-size", "2x8",
+                    "4000", "--beam-size", "2", "--max-tokens", "64", "--constraint-size", "2x4",
                     "--glossary", str(glossary)])  # fmt: skip
     yield found
     assert found.stop() == 0, "".join(found.log)
@@ -174,7 +175,7 @@ def test_the_native_endpoint_takes_every_option_and_gives_scores(server, run):
 
 
 def test_constraints_and_the_glossary_give_what_translate_gives_and_compile_nothing(server, run):
-    """The native endpoint's `constraints` (padded to the service's 2x8) and the glossary's terms (LibreTranslate's
+    """The native endpoint's `constraints` (padded to the service's 2x4) and the glossary's terms (LibreTranslate's
     route too) give the tokens of `Translator.translate` with the same phrases (padded to the smallest size that
     fits: the search is the same); constrained and plain requests compile nothing after ready."""
     from jax_transformer.decoding.translator import Translator
@@ -212,9 +213,9 @@ def test_constraints_and_the_glossary_give_what_translate_gives_and_compile_noth
             "constraints[0][0] '\u65e5\u672c': empty, or characters",
         ),
         (
-            {"text": "one", "constraints": ["un deux trois quatre cinq six sept huit neuf"]},
+            {"text": "one", "constraints": ["un deux trois quatre cinq"]},
             400,
-            "constraints[0][0] 'un deux trois quatre cinq six sept huit neuf': 9 tokens",
+            "constraints[0][0] 'un deux trois quatre cinq': 5 tokens, more than this service takes (4",
         ),
         ({"text": "one", "constraints": [[1]]}, 400, "constraints[0][0]: expected a phrase"),
         ({"text": "one", "options": {"suppress": "cent"}}, 400, "options.suppress: this service does not take"),
