@@ -431,3 +431,24 @@ def test_constraints_with_a_prefix_column_are_refused(saved, tmp_path):
     run, _, _ = saved
     code, out, err = run_main(["translate", "--checkpoint", str(run), "--constraints", "--input-format", "tsv"])
     assert code != 0 and out == "" and "--input-format jsonl" in err
+
+
+def test_a_fixed_constraint_size_pads_every_row_to_it_and_refuses_more():
+    """--constraint-size PxM (a service's one compiled size): phrases padded to exactly (P, M), more or longer ones
+    a ValueError; the setting's range is the decoder's."""
+    from jax_transformer.errors import ConfigError
+    from jax_transformer.settings.config import DecodeConfig
+
+    tokens, lengths = constraints.phrase_arrays([[[5]], None], pad_id=0, size=(2, 8))
+    assert tokens.shape == (2, 2, 8) and lengths.tolist() == [[1, 0], [0, 0]] and tokens[0, 0, 0] == 5
+    with pytest.raises(ValueError, match="3 phrases in a row: at most 2"):
+        constraints.phrase_arrays([[[5], [6], [7]]], pad_id=0, size=(2, 8))
+    with pytest.raises(ValueError, match="9 tokens in a phrase: at most 8"):
+        constraints.phrase_arrays([[list(range(1, 10))]], pad_id=0, size=(2, 8))
+    most = f"{constraints.PHRASE_SIZES[-1]}x{constraints.TOKEN_SIZES[-1]}"
+    assert DecodeConfig(constraint_size=most).phrase_size() == constraints.parse_size(most)
+    for bad in ("2", "0x8", f"{constraints.PHRASE_SIZES[-1] + 1}x8", f"2x{constraints.TOKEN_SIZES[-1] + 1}"):
+        with pytest.raises(ConfigError, match="constraint_size"):
+            DecodeConfig(constraint_size=bad)
+        with pytest.raises(ValueError):
+            constraints.parse_size(bad)

@@ -1,6 +1,7 @@
 """`train.py serve` over real HTTP on 127.0.0.1 (a child process, as a user starts it): LibreTranslate's API through
 its own client package (libretranslatepy), the native endpoint with options and scores against `translations`,
-the same text as `translate`, text with its layout kept, the documented errors, a full queue, a bounded load from
+the same text as `translate`, text with its layout kept, lexical constraints and a glossary (what `Translator`
+gives, nothing compiled after ready), the documented errors, a full queue, a bounded load from
 concurrent clients, and a SIGTERM that loses no accepted request. The trained tiny model (tests/data) decodes, so
 the translations are the same on every CPU. Requests go to loopback only, a bounded number of them."""
 
@@ -32,6 +33,8 @@ pytestmark = pytest.mark.slow  # (servers in child processes; the unit tests of 
 
 KEY = "s3cret-key"
 SENTENCES = list(load_saved_model("trained_tiny").source_texts[:12])
+GLOSSARY = ("seven", "sept")  # (source term, target term) of the server's --glossary
+assert not any(GLOSSARY[0] in s.split() for s in SENTENCES)
 
 
 class Server:
@@ -102,9 +105,13 @@ def run(tmp_path_factory):
 def server(run, tmp_path_factory):
     key = tmp_path_factory.mktemp("key") / "key"
     key.write_text(KEY + "\n")
-    # A small budget (--max-tokens) and allowed set: the programs compiled at start stay few.
+    glossary = key.with_name("terms.tsv")
+    glossary.write_text(f"{GLOSSARY[0]}\t{GLOSSARY[1]}\n", encoding="utf-8")
+    # A small budget (--max-tokens) and allowed set: the programs compiled at start stay few. Constraints of one
+    # size, and a glossary whose one term occurs in none of SENTENCES (their translations are those of translate).
     found = Server(["--checkpoint", str(run), "--step", "latest", "--api-key-file", str(key), "--max-request-bytes",
-                    "4000", "--beam-size", "2", "--max-tokens", "64"])  # fmt: skip
+                    "4000", "--beam-size", "2", "--max-tokens", "64", "--constraint-size", "2x4",
+                    "--glossary", str(glossary)])  # fmt: skip
     yield found
     assert found.stop() == 0, "".join(found.log)
 
@@ -167,9 +174,53 @@ def test_the_native_endpoint_takes_every_option_and_gives_scores(server, run):
     assert answer["alternatives"] == [t for i, t in enumerate(texts) if i and t and t not in texts[:i]]
 
 
+def test_constraints_and_the_glossary_give_what_translate_gives_and_compile_nothing(server, run):
+    """The native endpoint's `constraints` (padded to the service's 2x4) and the glossary's terms (LibreTranslate's
+    route too) give the tokens of `Translator.translate` with the same phrases (padded to the smallest size that
+    fits: the search is the same); constrained and plain requests compile nothing after ready."""
+    from jax_transformer.decoding.translator import Translator
+
+    translator = Translator(run, "latest", beam_size=2)
+    texts = SENTENCES[:3]
+    phrases = [["trois"], None, ["cent", "vingt"]]  # "trois" is not in the plain translation of "... and two"
+    expected = translator.translate(texts, constraints=phrases)
+    plain = translator.translate(texts[:1])
+    assert "trois" not in plain[0].text.split() and "trois" in expected[0].text.split()
+    status, answer = server.request("/v1/translate", {"text": texts, "constraints": phrases, "api_key": KEY})
+    assert status == 200, answer
+    got = [t["sentences"][0]["hypotheses"][0]["tokens"] for t in answer["translations"]]
+    assert got == [t.hypotheses[0].tokens for t in expected]
+    status, answer = server.request("/v1/translate", {"text": texts[0], "constraints": ["trois"], "api_key": KEY})
+    assert status == 200 and answer["translations"][0]["text"] == expected[0].text
+    # The glossary: its source term in a sentence makes its target term a constraint of that sentence.
+    source = f"{GLOSSARY[0]} hundred and two"
+    (want,) = translator.translate([source], constraints=[[GLOSSARY[1]]])
+    assert GLOSSARY[1] in want.text.split()
+    status, answer = server.request("/translate", {"q": source, "source": "en", "target": "fr", "api_key": KEY})
+    assert status == 200 and answer["translatedText"] == want.text
+    status, health = server.request("/health", method="GET")
+    assert status == 200 and health["compilations_after_ready"] == 0, health
+
+
 @pytest.mark.parametrize(
     "body, status, message",
     [
+        ({"text": ["one", "two"], "constraints": [["un"], ["a", "b", "c"]]}, 400, "constraints[1]: 3 phrases"),
+        ({"text": "one", "constraints": ["un", ""]}, 400, "constraints[0][1] '': empty"),
+        (
+            {"text": "one", "constraints": ["\u65e5\u672c"]},
+            400,
+            "constraints[0][0] '\u65e5\u672c': empty, or characters",
+        ),
+        (
+            {"text": "one", "constraints": ["un deux trois quatre cinq"]},
+            400,
+            "constraints[0][0] 'un deux trois quatre cinq': 5 tokens, more than this service takes (4",
+        ),
+        ({"text": "one", "constraints": [[1]]}, 400, "constraints[0][0]: expected a phrase"),
+        ({"text": "one", "options": {"suppress": "cent"}}, 400, "options.suppress: this service does not take"),
+        ({"text": ["one"], "constraints": "un"}, 400, "constraints: expected a list of phrase lists, one per text (1)"),
+        ({"text": "one\ntwo", "constraints": ["un"]}, 400, "constraints[0]: constraints need a text of one sentence"),
         ({"q": "one", "source": "en", "target": "de"}, 400, "target 'de' is not a target language of this model"),
         ({"q": "one", "source": "xx", "target": "fr"}, 400, "source 'xx' is not a source language"),
         ({"source": "en", "target": "fr"}, 400, "missing q parameter"),

@@ -215,3 +215,10 @@ def test_sigterm_with_slow_clients_exits_within_10_s(run):
         assert not any("Traceback" in line for line in server.log), "".join(server.log)
     finally:
         server.stop()
+
+
+def test_constraints_need_a_service_started_with_their_size(options_server):
+    """A service without --constraint-size compiled no constrained program: a request's constraints are refused,
+    naming the field, before anything is decoded."""
+    status, answer = options_server.request("/v1/translate", {"text": SENTENCES[0], "constraints": ["cent"]})
+    assert status == 400 and answer["error"].startswith("constraints: this service takes none"), answer

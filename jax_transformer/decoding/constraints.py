@@ -24,6 +24,7 @@ few programs ahead."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 
 import jax.numpy as jnp
@@ -42,12 +43,31 @@ def padded_size(n: int, sizes: Sequence[int], what: str) -> int:
     raise ValueError(f"{n} {what}: at most {sizes[-1]}")
 
 
-def phrase_arrays(phrases: Sequence[Sequence[Sequence[int]] | None], pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+def parse_size(text: str, origin: str = "--constraint-size") -> tuple[int, int] | None:
+    """ "PxM" (phrases per row x tokens per phrase, e.g. "2x8") as (P, M); "" is None (no fixed size). A ValueError
+    naming `origin` for another form or a size past PHRASE_SIZES[-1] x TOKEN_SIZES[-1]."""
+    if not text:
+        return None
+    found = re.fullmatch(r"\s*(\d+)\s*x\s*(\d+)\s*", text)
+    size = (int(found[1]), int(found[2])) if found else None
+    if size is None or not (1 <= size[0] <= PHRASE_SIZES[-1] and 1 <= size[1] <= TOKEN_SIZES[-1]):
+        raise ValueError(
+            f"{origin} {text!r}: expected PxM, phrases per sentence x tokens per phrase, P in 1..{PHRASE_SIZES[-1]} "
+            f"and M in 1..{TOKEN_SIZES[-1]} (e.g. 2x8)"
+        )
+    return size
+
+
+def phrase_arrays(
+    phrases: Sequence[Sequence[Sequence[int]] | None], pad_id: int, size: tuple[int, int] | None = None
+) -> tuple[np.ndarray, np.ndarray]:
     """Each row's phrases (a list of id lists, or None: none) as (B, P, M) int32 PAD-padded tokens and (B, P) int32
-    lengths (0: an unused slot), P and M padded to PHRASE_SIZES and TOKEN_SIZES."""
+    lengths (0: an unused slot), P and M padded to PHRASE_SIZES and TOKEN_SIZES, or to `size` (P, M) where given
+    (a service's one compiled size; a ValueError for phrases past it)."""
     rows = [list(p or []) for p in phrases]
-    P = padded_size(max((len(p) for p in rows), default=1) or 1, PHRASE_SIZES, "phrases in a row")
-    M = padded_size(max((len(x) for p in rows for x in p), default=1) or 1, TOKEN_SIZES, "tokens in a phrase")
+    phrase_sizes, token_sizes = ((size[0],), (size[1],)) if size else (PHRASE_SIZES, TOKEN_SIZES)
+    P = padded_size(max((len(p) for p in rows), default=1) or 1, phrase_sizes, "phrases in a row")
+    M = padded_size(max((len(x) for p in rows for x in p), default=1) or 1, token_sizes, "tokens in a phrase")
     tokens = np.full((len(rows), P, M), pad_id, np.int32)
     lengths = np.zeros((len(rows), P), np.int32)
     for b, row in enumerate(rows):

@@ -18,7 +18,7 @@ import numpy as np
 
 from jax_transformer import checks
 from jax_transformer.decoding import schedule as schedules
-from jax_transformer.decoding.constraints import PHRASE_SIZES, TOKEN_SIZES, phrase_arrays
+from jax_transformer.decoding.constraints import PHRASE_SIZES, TOKEN_SIZES, parse_size, phrase_arrays
 from jax_transformer.decoding.search import Gnmt, Rows, Rules, Sampler, Transformers
 from jax_transformer.errors import TokenError
 from jax_transformer.settings.config import EARLY_STOPPING, DecodeConfig, TransformerConfig, beam_limit
@@ -163,6 +163,7 @@ class Decoder:
     max_len_b: float | None = None
     n_best: int = 1
     ordered_constraints: bool = False  # a row's phrases must appear in their order (`constraints`)
+    phrase_size: tuple[int, int] | None = None  # (P, M) every row's phrases are padded to (None: the smallest fit)
 
     def limits(self, src: np.ndarray) -> np.ndarray:
         """(B,) int32: tokens each row of `src` may produce."""
@@ -208,7 +209,7 @@ class Decoder:
         rows = Rows(limit=limit, prefix=prefix, prefix_len=prefix_len, draw=draw_ids(src, self.config.pad_id, sample))
         if constraints is not None and any(constraints):
             self.check_phrases(constraints, limit - prefix_len, [f"row {i}" for i in range(B)])
-            phrases, lengths = phrase_arrays(constraints, self.config.pad_id)
+            phrases, lengths = phrase_arrays(constraints, self.config.pad_id, self.phrase_size)
             ordered = np.full(B, self.ordered_constraints)
             rows = rows.replace(phrases=phrases, phrase_len=lengths, ordered=ordered)
         if banned is not None and any(banned):
@@ -217,9 +218,10 @@ class Decoder:
             rows = rows.replace(banned=tokens, banned_len=lengths)
         return rows
 
-    def with_order(self, order: str) -> Decoder:
-        """This decoder with its rows' phrases "ordered" or "unordered" (DecodeConfig.constraint_order)."""
-        return dataclasses.replace(self, ordered_constraints=order == "ordered")
+    def with_order(self, order: str, size: str = "") -> Decoder:
+        """This decoder with its rows' phrases "ordered" or "unordered" (DecodeConfig.constraint_order), padded to
+        `size` ("PxM", DecodeConfig.constraint_size; "": the smallest of PHRASE_SIZES x TOKEN_SIZES that fits)."""
+        return dataclasses.replace(self, ordered_constraints=order == "ordered", phrase_size=parse_size(size))
 
     def check_phrases(
         self, phrases: Sequence, room: Sequence[int] | None, names: Sequence[str], must_appear: bool = True
@@ -235,18 +237,21 @@ class Decoder:
             name = names[row]
             if must_appear and (self.rules.greedy or self.rules.sampler is not None):
                 raise TokenError(f"{name}: {what} need beam search (beam size 2 or more, no sampling)")
-            most = min(self.rules.beams, PHRASE_SIZES[-1]) if must_appear else PHRASE_SIZES[-1]
+            fixed = must_appear and self.phrase_size is not None  # --constraint-size: at most its P x M
+            P, M = self.phrase_size if fixed else (PHRASE_SIZES[-1], TOKEN_SIZES[-1])
+            most = min(self.rules.beams, P) if must_appear else P
             if len(given) > most:
                 per_beam = f"at most one per beam, of {self.rules.beams}, and " if must_appear else ""
                 raise TokenError(
                     f"{name}: {len(given)} {what}, more than this search takes ({most}: {per_beam}at most "
-                    f"{PHRASE_SIZES[-1]})"
+                    f"{P}{' by --constraint-size' if fixed else ''})"
                 )
             for i, ids in enumerate(given):
                 if len(ids) == 0:
                     raise TokenError(f"{name}: phrase {i + 1} of the {what} is empty")
-                if len(ids) > TOKEN_SIZES[-1]:
-                    raise TokenError(f"{name}: phrase {i + 1} has {len(ids)} tokens, more than {TOKEN_SIZES[-1]}")
+                if len(ids) > M:
+                    raise TokenError(f"{name}: phrase {i + 1} has {len(ids)} tokens, more than {M}"
+                                     f"{' (--constraint-size)' if fixed else ''}")  # fmt: skip
                 checks.check_tokens(f"{name}, phrase {i + 1}", np.asarray([ids]), self.config, "target")
                 if self.config.eos_id in ids:
                     raise TokenError(f"{name}: phrase {i + 1} holds EOS (id {self.config.eos_id})")
@@ -323,7 +328,7 @@ def decoder(config: TransformerConfig, decode: DecodeConfig, width: int) -> Deco
             n_best=decode.n_best,
             sampler=sampler,
             alignment_layer=decode.aligned_layer(config),
-        ).with_order(decode.constraint_order)
+        ).with_order(decode.constraint_order, decode.constraint_size)
     return transformers_decoder(
         config,
         max_length=decode.output_limit(config),
@@ -339,7 +344,7 @@ def decoder(config: TransformerConfig, decode: DecodeConfig, width: int) -> Deco
         n_best=decode.n_best,
         sampler=sampler,
         alignment_layer=decode.aligned_layer(config),
-    ).with_order(decode.constraint_order)
+    ).with_order(decode.constraint_order, decode.constraint_size)
 
 
 def gnmt_decoder(

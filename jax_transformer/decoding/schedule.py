@@ -95,14 +95,15 @@ class Whole(Schedule):
         return Plan((rows,), (length,))
 
     def programs(
-        self, params, config: TransformerConfig, rules: Rules, rows: int, width: int, length: int
+        self, params, config: TransformerConfig, rules: Rules, rows: int, width: int, length: int, phrases=None
     ) -> dict[str, Callable[[], None]]:
         """Compile jobs for the search programs a batch of (rows, width) sources runs (its `plan`), by name: calling
-        them fills the cache that `decode`'s calls look in. `rules` may hold shapes (jax.ShapeDtypeStruct)."""
+        them fills the cache that `decode`'s calls look in. `rules` may hold shapes (jax.ShapeDtypeStruct);
+        `phrases` (P, M): the programs of rows with lexical constraints of that padded size."""
         plan, programs = self.plan(rows, rules.beams, length), search_programs(config)
         options = dict(config=config, length=length, cache_len=plan.ends[0])
         src, memory = _shape((rows, width)), _memory(config, rows, width)
-        args = (params, src, memory, rules, row_shapes(rows, length), _shape(()))
+        args = (params, src, memory, rules, row_shapes(rows, length, phrases), _shape(()))
         traced = []  # the first program's output state, traced once for all the programs that go on from it
         lock = threading.Lock()  # compile-ahead jobs run in threads
 
@@ -129,11 +130,12 @@ class Whole(Schedule):
         }
 
     def every_program(
-        self, params, config: TransformerConfig, rules: Rules, rows: int, width: int, length: int
+        self, params, config: TransformerConfig, rules: Rules, rows: int, width: int, length: int, phrases=None
     ) -> dict[str, Callable[[], None]]:
         """Compile jobs for every program a batch of (rows, width) sources may run, whatever its sources' lengths
-        and however its sentences finish (a service compiles them before it takes a request), by name."""
-        jobs = dict(self.programs(params, config, rules, rows, width, length))
+        and however its sentences finish (a service compiles them before it takes a request), by name; `phrases`
+        as `programs` says."""
+        jobs = dict(self.programs(params, config, rules, rows, width, length, phrases))
         for shape, job in self.encoder_programs(params, config, [(rows, width, width)]).items():
             jobs[f"encoder {shape[0]}x{shape[1]} of width {width}"] = job
         return jobs
@@ -192,9 +194,14 @@ def _both(jitted, placed: tuple, host: tuple = (), **static) -> None:
         jitted.lower(*args, *host, **static).compile()
 
 
-def row_shapes(rows: int, length: int) -> Rows:
-    """The shapes of `search.Rows` for `rows` sentences and outputs of `length` tokens."""
-    return Rows(_shape((rows,)), _shape((rows, length)), _shape((rows,)), _shape((rows,), jnp.uint32))
+def row_shapes(rows: int, length: int, phrases: tuple[int, int] | None = None) -> Rows:
+    """The shapes of `search.Rows` for `rows` sentences and outputs of `length` tokens; `phrases` (P, M): with
+    lexical constraints of that padded size (`constraints.phrase_arrays`)."""
+    found = Rows(_shape((rows,)), _shape((rows, length)), _shape((rows,)), _shape((rows,), jnp.uint32))
+    if phrases is None:
+        return found
+    P, M = phrases
+    return found.replace(phrases=_shape((rows, P, M)), phrase_len=_shape((rows, P)), ordered=_shape((rows,), bool))
 
 
 def _memory(config: TransformerConfig, rows: int, width: int) -> jax.ShapeDtypeStruct:
@@ -435,16 +442,16 @@ class Scheduled(Whole):
         `cache_lengths`."""
         return Plan(shrink_levels(rows, beams), tuple(cache_lengths(length, rows * beams)))
 
-    def programs(self, params, config, rules, rows, width, length):
+    def programs(self, params, config, rules, rows, width, length, phrases=None):
         rows //= parallel_parts(rows, self.split)  # each part runs the programs of its own rows
-        return super().programs(params, config, rules, rows, width, length)
+        return super().programs(params, config, rules, rows, width, length, phrases)
 
-    def every_program(self, params, config, rules, rows, width, length):
+    def every_program(self, params, config, rules, rows, width, length, phrases=None):
         """`Whole.every_program` for this schedule: besides `programs`, the encoder at every width a group of a
         part's rows may be cut to, the program that puts the groups back in order, and the steps between two
         programs (rows leaving the batch: `select_rows`; the cache growing: `grow`) at every level and cache length
         the part's plan goes through."""
-        jobs = dict(self.programs(params, config, rules, rows, width, length))
+        jobs = dict(self.programs(params, config, rules, rows, width, length, phrases))
         part = rows // parallel_parts(rows, self.split)
         cuts = sorted({encoder_shape(1, n, width)[1] for n in range(1, width + 1)})
         groups = [part] if part <= ENCODER_ROWS else [ENCODER_ROWS] * (part // ENCODER_ROWS) + [part % ENCODER_ROWS]
@@ -460,7 +467,7 @@ class Scheduled(Whole):
         plan = self.plan(part, rules.beams, length)
         options = dict(config=config, length=length, cache_len=plan.ends[0])
         src, memory = _shape((part, width)), _memory(config, part, width)
-        args = (params, src, memory, rules, row_shapes(part, length), _shape(()))
+        args = (params, src, memory, rules, row_shapes(part, length, phrases), _shape(()))
         first = jax.eval_shape(functools.partial(search_programs(config).start.__wrapped__, **options), *args)
 
         def state(level: int, end: int):  # the shape of the state of a program of `level` rows, a cache of `end`

@@ -229,7 +229,7 @@ class OverData(schedules.Whole):
         src, rows = jax.device_put((src, rows), by_rows)
         return super().decode(params, config, rules, src, rows, length)
 
-    def programs(self, params, config, rules, rows, width, length):
+    def programs(self, params, config, rules, rows, width, length, phrases=None):
         return {}  # `Whole`'s would compile for one device: the mesh's programs compile at their first call
 
     def encoder_programs(self, params, config, shapes):
@@ -290,6 +290,12 @@ def compile_every_shape(
             params, config, found.rules, rows * found.samples, width, found.length
         ).items():
             jobs[f"{key}: {name}" if not name.startswith("encoder") else name] = job
+        if found.phrase_size is not None and not found.rules.greedy and found.rules.sampler is None:
+            P, M = found.phrase_size  # the constrained programs of the one padded size its rows take
+            for name, job in schedule.every_program(
+                params, config, found.rules, rows, width, found.length, found.phrase_size
+            ).items():
+                jobs[f"{key} constrained {P}x{M}: {name}" if not name.startswith("encoder") else name] = job
     return jobs
 
 

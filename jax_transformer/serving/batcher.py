@@ -36,6 +36,7 @@ class Job:
     decode: DecodeConfig
     languages: tuple[str | None, str | None]
     future: concurrent.futures.Future = dataclasses.field(default_factory=concurrent.futures.Future)
+    constraints: list[list[str] | None] | None = None  # each sentence's phrases (checked by the caller), or None
 
     @property
     def key(self):
@@ -94,8 +95,10 @@ class Batcher:
         decode: DecodeConfig,
         languages=(None, None),
         encoded: list[np.ndarray] | None = None,
+        constraints: list[list[str] | None] | None = None,
     ) -> concurrent.futures.Future:
-        """Queues a request's sentences (`encoded`: their ids, `encode`'s, made by the caller off the lock)."""
+        """Queues a request's sentences (`encoded`: their ids, `encode`'s, made by the caller off the lock;
+        `constraints`: each sentence's phrases, or None)."""
         languages = tuple(languages)
         if len(sentences) > self.max_queue:
             raise TooMany(
@@ -103,7 +106,7 @@ class Batcher:
                 f"send them in several requests"
             )
         job = Job(list(sentences), encoded if encoded is not None else self.encode(sentences, languages), decode,
-                  languages)  # fmt: skip
+                  languages, constraints=constraints)  # fmt: skip
         with self.lock:
             if self.closing or not self.thread.is_alive() and self.thread.ident is not None:
                 raise QueueFull("the service is shutting down")
@@ -191,6 +194,7 @@ class Batcher:
                         progress=False,
                         schedule=self.schedule,
                         encoded=[ids for job in jobs for ids in job.encoded],
+                        constraints=_constraints(jobs),
                     )
                 except Exception as e:  # noqa: BLE001 (the request gets the error; the service goes on)
                     for job in jobs:
@@ -208,3 +212,10 @@ class Batcher:
                 self.busy -= done
                 self.served += done
                 self.batches += len(groups)
+
+
+def _constraints(jobs: Sequence[Job]) -> list[list[str] | None] | None:
+    """The group's phrases, one list (or None) per sentence; None where no job has any."""
+    if not any(job.constraints for job in jobs):
+        return None
+    return [c for job in jobs for c in (job.constraints or [None] * len(job.sentences))]

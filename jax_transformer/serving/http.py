@@ -20,6 +20,7 @@ from typing import Any
 from jax_transformer.errors import ConfigError, DataError, TokenError
 from jax_transformer.serving.errors import HTTPError
 from jax_transformer.serving.metrics import now_ms
+from jax_transformer.serving.steering import request_phrases
 
 log = logging.getLogger("jax_transformer.serving")
 
@@ -275,14 +276,15 @@ def app(service):
         return answer
 
     async def native(fields, record):
-        texts, _ = texts_field(fields, "text")
+        texts, one = texts_field(fields, "text")
         model, pair = service.route(fields.get("source"), fields.get("target"), fields.get("model"), native=True)
         options = fields.get("options")
         if fields.get("alignments") is not None and (options is None or isinstance(options, dict)):
             options = {**(options or {}), "alignments": fields.get("alignments")}  # one of the options, given beside
         decode = model.decoding(options)
+        constraints = request_phrases(fields.get("constraints"), texts, one, decode, model.batcher.tokenizer(pair))
         began = time.monotonic()
-        results = await model.translate(texts, decode, pair)
+        results = await model.translate(texts, decode, pair, constraints)
         record.update(model=model.name, sentences=sum(len(found) for _, found in results), text=texts)
         unasked = () if decode.alignments else ("alignment",)  # without alignments, the answer as it was
 

@@ -70,7 +70,7 @@ def signature(config: TransformerConfig, decode: DecodeConfig, widths: Sequence[
     out = []
     for width in widths:
         found = decoder(config, decode, width)
-        out.append((str(jax.tree.structure(found.rules)), found.length, found.samples))
+        out.append((str(jax.tree.structure(found.rules)), found.length, found.samples, found.phrase_size))
     return tuple(out)
 
 

@@ -69,6 +69,7 @@ class Model:
     batcher: Batcher
     settings: ServeConfig
     segmenters: dict[str, Any] = dataclasses.field(default_factory=dict)
+    glossary: Any = None  # --glossary's `decoding.glossary.Glossary`: every sentence's terms become its constraints
     joined = staticmethod(joined)
 
     def decoding(self, options: Any, field: str = "options") -> DecodeConfig:
@@ -101,6 +102,8 @@ class Model:
         fault = self.allowed.fault(decode, options, field)
         if fault is not None:
             raise HTTPError(400, fault)
+        if decode.suppress != self.decode.suppress:  # banned phrases' arrays are shapes the service did not compile
+            raise HTTPError(400, f"{field}.suppress: this service does not take banned phrases per request")
         return decode
 
     def pair(self, source: str, target: str) -> tuple[str | None, str | None]:
@@ -138,21 +141,35 @@ class Model:
             out.append(np.array([*ids, config.eos_id], dtype=np.int32))
         return out
 
-    async def translate(self, texts: list[str], decode: DecodeConfig, pair) -> list[tuple[Any, list]]:
-        """Each text's sentences (their pieces, layout kept) with their `Translation`s: [(pieces, translations)]."""
+    async def translate(
+        self, texts: list[str], decode: DecodeConfig, pair, constraints: list | None = None
+    ) -> list[tuple[Any, list]]:
+        """Each text's sentences (their pieces, layout kept) with their `Translation`s: [(pieces, translations)].
+        `constraints`: each text's phrases, checked (`steering.request_phrases`), or None; the glossary's terms are
+        added to every sentence's (`steering.sentence_phrases`)."""
 
         def prepare():  # splitting and tokenizing, off the batcher's lock
             segmenter = self.segmenter(pair)
             pieces = [segmenter.split(text) for text in texts]
             sentences = [piece.text for each in pieces for piece in each if piece.sentence]
-            return pieces, sentences, self.encode(sentences, pair)
+            encoded = self.encode(sentences, pair)
+            phrases = None
+            if constraints is not None or self.glossary is not None:
+                from jax_transformer.decoding.decoders import decoder
+                from jax_transformer.serving.steering import sentence_phrases
+
+                limits = decoder(self.loaded.config, decode, self.loaded.config.max_len).limits
+                rooms = [int(limits(ids[None])[0]) for ids in encoded]
+                tokenizer = self.batcher.tokenizer(pair)
+                phrases = sentence_phrases(pieces, constraints, self.glossary, decode, tokenizer, rooms)
+            return pieces, sentences, encoded, phrases
 
         if sum(map(len, texts)) <= INLINE_CHARS:  # a thread hop costs more than tokenizing a few sentences
-            pieces, sentences, encoded = prepare()
+            pieces, sentences, encoded, phrases = prepare()
         else:
-            pieces, sentences, encoded = await asyncio.to_thread(prepare)
+            pieces, sentences, encoded, phrases = await asyncio.to_thread(prepare)
         try:
-            future = self.batcher.submit(sentences, decode, pair, encoded) if sentences else None
+            future = self.batcher.submit(sentences, decode, pair, encoded, phrases) if sentences else None
         except TooMany as e:
             raise HTTPError(413, str(e)) from None
         except QueueFull as e:
@@ -448,6 +465,18 @@ def build(
         metrics.watch(entry.name, lambda b=batcher: b.waiting, lambda b=batcher: b.busy)
         models.append(model)
     routes = _routes(models, entries, prefer or {})
+    if settings.glossary:  # read and checked before anything compiles: a bad line or term is said at start
+        from jax_transformer.decoding.glossary import Glossary
+        from jax_transformer.serving.steering import check_glossary
+
+        glossary = Glossary.read(settings.glossary)
+        for model in models:
+            src, tgt = next(((a, b) for (a, b), m in routes.items() if m is model), (None, None))
+            pair = model.pair(
+                model.languages.code(src, "source", "source"), model.languages.code(tgt, "target", "target")
+            )
+            check_glossary(glossary, model.decode, model.batcher.tokenizer(pair), settings.glossary)
+            model.glossary = glossary
     detector, off = None, "detection is not asked for"
     detected = _all_sources(models)
     if detect:

@@ -809,9 +809,17 @@ class DecodeConfig(Settings):
         "suppress_sequences)",
         metavar="PHRASES",
     )
+    constraint_size: str = setting(
+        "",
+        "PxM: every sentence's lexical constraints padded to P phrases of M tokens, one program for all (e.g. 2x8; "
+        "serve compiles it before it says ready, and refuses more or longer phrases); none: the smallest of a few "
+        "sizes that fits",
+        metavar="PxM",
+    )
 
     def check(self) -> None:
         self.banned_ids()  # checks the form
+        self.phrase_size()
         if self.alpha > MAX_ALPHA:
             raise ConfigError(
                 f"decode field 'alpha' must be at most {MAX_ALPHA:g}, got {self.alpha} (--alpha): a length penalty to "
@@ -840,6 +848,19 @@ class DecodeConfig(Settings):
                     f"--rules transformers; this decoding has rules={self.rules!r}"
                 )
 
+    def phrase_size(self) -> tuple[int, int] | None:
+        """--constraint-size as (P, M) (None: none); a ConfigError for another form (its range: the decoder's)."""
+        import re
+
+        found = re.fullmatch(r"(\d+)x(\d+)", self.constraint_size)
+        most = (8, 16)  # decoding.constraints' PHRASE_SIZES[-1] and TOKEN_SIZES[-1] (a test holds them equal)
+        if self.constraint_size and (found is None or not all(1 <= int(found[i]) <= most[i - 1] for i in (1, 2))):
+            raise ConfigError(
+                f"decode field 'constraint_size' must be PxM, phrases per sentence x tokens per phrase, P in 1..8 and "
+                f"M in 1..16 (e.g. 2x8), got {self.constraint_size!r} (--constraint-size)"
+            )
+        return (int(found[1]), int(found[2])) if found else None
+
     def banned_ids(self) -> tuple[int, ...]:
         try:
             return tuple(int(part) for part in self.banned.split(",") if part.strip())
@@ -861,7 +882,7 @@ class DecodeConfig(Settings):
         default = DecodeConfig(rules=self.rules).to_dict()
         shown = ("n_best", "max_len_a", "max_len_b", "early_stopping", "max_length", "banned", "forced_eos",
                  "min_length", "forced_bos", "repetition_penalty", "no_repeat_ngram_size", "constraint_order",
-                 "suppress")  # fmt: skip
+                 "suppress", "constraint_size")  # fmt: skip
         rest = ", ".join(f"{k} {v}" for k, v in self.to_dict().items() if k in shown and v != default[k])
         return f"{self.rules} rules, {how}" + (f", {rest}" if rest else "")
 
@@ -1008,6 +1029,12 @@ class ServeConfig(Settings):
         0, "requests per minute a client (its API key, else its address) may send; more are answered 429 (0: none)",
         at_least=0,
     )  # fmt: skip
+    glossary: str | None = setting(
+        None,
+        "a glossary, lines of 'source term<TAB>target term' (as translate --glossary): in every sentence of every "
+        "beam-search request, a source term's target term becomes a constraint; needs --constraint-size",
+        metavar="FILE",
+    )
     char_limit: int = setting(
         0, "characters a request may ask to translate; more are answered 400 (LibreTranslate's; 0: none)", at_least=0
     )
