@@ -55,6 +55,7 @@ NO_LONGER_REQUIRED = {("serve", "checkpoint"): "serve --models names the checkpo
 NOW_REPEATABLE = {
     ("translate", "checkpoint"): "repeated, an ensemble of the runs",
     ("evaluate", "checkpoint"): "repeated, an ensemble of the runs",
+    ("serve", "checkpoint"): "repeated, an ensemble of the runs",
 }
 NOW = describe(build_parser())
 

@@ -135,3 +135,24 @@ def test_a_models_file_error_names_the_file_and_the_key(tmp_path, content, messa
     path.write_text(json.dumps(content), encoding="utf-8")
     with pytest.raises(ConfigError, match=message):
         catalogue.read(path)
+
+
+def test_serve_takes_an_ensemble_on_its_command_line_and_refuses_banned_phrases_at_start(tmp_path):
+    """`serve --checkpoint A --checkpoint B` serves the ensemble of the two runs (as a --models entry with
+    "checkpoints" does), and a decoding that bans phrases, whose programs a service does not compile ahead, is
+    refused before anything is compiled, naming where it was given."""
+    from jax_transformer.cli import flags
+    from jax_transformer.cli.main import build_parser
+    from jax_transformer.decoding.translator import Translator
+    from jax_transformer.serving import service
+    from jax_transformer.settings.config import ServeConfig
+    from tests.helpers.saved import saved_run
+
+    run = saved_run(tmp_path / "numbers")
+    args = build_parser().parse_args(["serve", "--checkpoint", str(run), "--checkpoint", str(run), "--step", "latest"])
+    assert args.checkpoint == [str(run), str(run)]
+    served = flags.translator(args).served.config
+    assert type(served).__name__ == "EnsembleConfig"
+    banning = service.Entry("numbers", Translator(run, "latest", suppress="deux"), None, "models[0]")
+    with pytest.raises(ConfigError, match=r"models\[0\]: suppress 'deux': a service does not ban phrases yet"):
+        service.build([banning], ServeConfig(), detect=False)

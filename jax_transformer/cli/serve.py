@@ -22,7 +22,7 @@ def add(sub) -> None:
         "up to --max-tokens source tokens. Text is split into sentences with its layout kept. SIGTERM drops "
         "requests whose body has not arrived, finishes those in flight and exits. docs/serving.md.",
     )
-    flags.checkpoint_flags(sv, compute=True, mesh=True, required=False)
+    flags.checkpoint_flags(sv, compute=True, mesh=True, required=False, ensemble=True)
     flags.decoding_flags(sv)
     flags.compilation_flags(sv)
     flags.add_settings(sv, ServeConfig, "serve", "service", skip=("allow",))

@@ -442,6 +442,11 @@ def build(
     models = []
     for entry in entries:
         loaded, decode = entry.translator.served, entry.translator.decode  # an ensemble's: its config and weights
+        if decode.suppress:  # banned phrases' arrays are shapes the compile-ahead does not make yet
+            raise ConfigError(
+                f"{entry.origin}: suppress {decode.suppress!r}: a service does not ban phrases yet (their programs "
+                f"would compile after it says ready); translate --suppress does"
+            )
         given = settings.languages if len(entries) == 1 else None
         if not hasattr(loaded.tokenizer, "codes") and entry.pairs:  # a model of one pair: the pair its entry names
             if len(entry.pairs) != 1:
