@@ -84,6 +84,29 @@ def test_an_ensemble_of_a_model_with_itself_decodes_as_the_model(model, name):
     assert 1 in ends and max(ends) > 1  # some outputs end with EOS at once, others run on
 
 
+@pytest.mark.slow  # a constrained beam search: two loops of its own to compile
+def test_an_ensemble_of_a_model_with_itself_keeps_the_models_constrained_search(model):
+    """Constraints and banned phrases are rules of the search, the ensemble only its step function: an ensemble of a
+    model with itself finds the model's own constrained hypotheses, every one holding its row's phrases."""
+    params, src = model
+    constraints = [[[10, 11]], None, [[12]], [[13], [14, 15]], None]
+    banned = [[[16]], [[17, 18]], None, None, [[16]]]
+    decode = DecodeConfig(beam_size=4, n_best=2)
+    found = ensemble.Ensemble.of([CONFIG, CONFIG], [params, params], [0.5, 0.5])
+    alone = decoders.decoder(CONFIG, decode, src.shape[1])(params, src, schedule.Whole(), None, constraints, banned)
+    both = decoders.decoder(found.config, decode, src.shape[1])(
+        found.params, src, schedule.Whole(), None, constraints, banned
+    )
+    np.testing.assert_array_equal(both.tokens, alone.tokens)
+    np.testing.assert_array_equal(both.found, alone.found)
+    np.testing.assert_allclose(both.scores, alone.scores, atol=SELF_ATOL)
+    for row, (phrases, bans) in enumerate(zip(constraints, banned)):
+        for tokens, found_one in zip(both.tokens[row], both.found[row]):
+            text = " " + " ".join(map(str, tokens[tokens != CONFIG.pad_id])) + " "
+            assert found_one and all(f" {' '.join(map(str, p))} " in text for p in phrases or [])
+            assert not any(f" {' '.join(map(str, p))} " in text for p in bans or [])
+
+
 def test_each_step_is_the_weighted_mean_of_the_members_probabilities(model):
     """Greedy search of two models of different seeds: at every step the chosen token is the best of
     log(0.7 p_a + 0.3 p_b), with p_a and p_b the models' own distributions by their teacher-forced forward passes
