@@ -14,13 +14,17 @@ import dataclasses
 
 import numpy as np
 import pytest
-import torch
 
 from jax_transformer.decoding import decoders, ensemble
 from jax_transformer.decoding.schedule import Whole
 from jax_transformer.model.transformer import init_params
 from jax_transformer.settings.config import DecodeConfig
-from parity_tests.test_decoding_parity import LENGTHS, SCORE_ATOL, with_eos_bias
+from parity_tests.test_decoding_parity import (  # noqa: F401 (one_torch_thread: an autouse fixture)
+    LENGTHS,
+    SCORE_ATOL,
+    one_torch_thread,
+    with_eos_bias,
+)
 from tests.helpers.batches import make_src
 from tests.helpers.configs import DECODING_CONFIGS as CONFIGS
 from tests.helpers.twins import t, torch_twin
@@ -30,14 +34,6 @@ from torch_reference import decoding as torch_decoding
 CONFIG = dataclasses.replace(CONFIGS["post_sinusoidal_untied"], num_encoder_layers=1, num_decoder_layers=1)
 WIDER = dataclasses.replace(CONFIG, d_model=48, d_ff=96)
 WEIGHTS = (0.6, 0.4)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.mark.slow  # four loops to compile, each pair of twins decoding twice
