@@ -24,11 +24,13 @@ def add(sub) -> None:
     flags.compilation_flags(tr)
     tr.add_argument(
         "--input-format",
-        choices=("text", "tsv", "jsonl"),
+        choices=("text", "tsv", "jsonl", "html", "xml"),
         default="text",
         help="text: a sentence per line; tsv: source<TAB>target prefix, the translation beginning with the prefix "
         '(an empty prefix, or a line without a tab: none); jsonl: a JSON object a line, with "source" and '
-        'optionally "prefix" and "constraints" (a list of phrases the translation must hold) (default text)',
+        'optionally "prefix" and "constraints" (a list of phrases the translation must hold); html, xml: a '
+        "document of markup, translated block by block as --document translates text, its inline tags placed by "
+        "word alignments and every byte outside the translated text kept (default text)",
     )
     tr.add_argument(
         "--constraints",
@@ -82,12 +84,49 @@ def add(sub) -> None:
         help="the document's language for the sentence splitter, ISO 639-1 (de) or a model's code (deu_Latn, "
         "de_DE) (default: --src-lang of a multilingual model, else en)",
     )
+    m = tr.add_argument_group("markup (--input-format html or xml)")
+    m.add_argument(
+        "--keep-attributes",
+        action="store_true",
+        help="leave the alt, title and placeholder attributes as they are (default: translated, as the web's "
+        "translators do; XML's are always left)",
+    )
+    m.add_argument(
+        "--inline-elements",
+        type=_names,
+        metavar="A,B",
+        help="XML: the elements placed inside a sentence by alignment; any other element ends a block (default "
+        "XLIFF's g,x,bx,ex,ph,mrk)",
+    )
+    m.add_argument(
+        "--opaque-elements",
+        type=_names,
+        metavar="A,B",
+        help="XML: inline elements carried whole, their content untouched (default XLIFF's ph,bpt,ept,it); HTML's "
+        'are code, kbd, samp, var and any element with translate="no" or class="notranslate"',
+    )
+    m.add_argument(
+        "--target-language",
+        metavar="CODE",
+        help="the code a lang attribute (xml:lang in XML) is set to (default: --tgt-lang of a multilingual model "
+        "as ISO 639-1, else lang attributes are kept, and reported)",
+    )
     tr.set_defaults(func=run)
+
+
+def _names(value: str) -> tuple[str, ...]:
+    names = tuple(n.strip() for n in value.split(",") if n.strip())
+    if not names:
+        raise ValueError(value)
+    return names
 
 
 def run(args, start_time: float) -> int:
     from jax_transformer.data.corpus import count_lines, read_lines
     from jax_transformer.decoding.translation import OutputLines
+
+    if args.input_format in ("html", "xml"):
+        return run_markup(args)
 
     if args.constraints and args.input_format != "text":  # refused before the model loads
         from jax_transformer.errors import UsageError
@@ -177,6 +216,53 @@ def run(args, start_time: float) -> int:
             input_format=input_format,
             glossary=glossary,
             max_tokens=args.max_tokens,  # None: TRANSLATE_BATCH_SIZE sentences a batch
+        )
+    finally:
+        sys.stdout.flush()
+    print(report.describe(), file=sys.stderr)
+    return 0
+
+
+def run_markup(args) -> int:
+    """--input-format html or xml: the document translated with its markup kept, written as it goes."""
+    from jax_transformer.decoding import documents, markup
+    from jax_transformer.errors import UsageError
+
+    given = flags.given(args, "decode")
+    markup.check_usage(args.input_format, args.output_format, given.get("n_best", 1))  # before the model loads
+    if args.constraints:
+        raise UsageError(f"--input-format {args.input_format} translates running text: it takes no --constraints")
+    if given.get("alignments"):
+        raise UsageError(f"--input-format {args.input_format} writes the document: it takes no --alignments (they "
+                         f"place its tags)")  # fmt: skip
+    if args.input_format == "html" and (args.inline_elements or args.opaque_elements):
+        raise UsageError("--inline-elements and --opaque-elements name XML elements: HTML's are fixed")
+    documents.Segmenter()  # a UsageError naming the documents extra where sentencex is missing
+    glossary = None
+    if args.glossary:
+        from jax_transformer.decoding.glossary import Glossary
+
+        glossary = Glossary.read(args.glossary)
+    flags.use_compilation_cache(args)
+    translator = flags.translator(args)
+    sys.stdout.flush()
+    fd = output.fileno(sys.stdout)
+    write = (lambda text: sys.stdout.buffer.write(markup.write_bytes(text))) if fd is None else markup.OutputBytes(fd)
+    try:
+        report = translator.translate_markup_stream(
+            args.input or sys.stdin.buffer,
+            write,
+            xml=args.input_format == "xml",
+            keep_attributes=args.keep_attributes,
+            inline_elements=args.inline_elements,
+            opaque_elements=args.opaque_elements,
+            language=args.document_language,
+            target_language=args.target_language,
+            origin=args.input or "stdin",
+            progress=flags.given(args, "loop").get("progress"),
+            max_tokens=args.max_tokens,
+            decode=translator.decode,
+            glossary=glossary,
         )
     finally:
         sys.stdout.flush()

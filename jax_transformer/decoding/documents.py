@@ -545,11 +545,11 @@ class OutputText:
     the output and how many bytes it holds; a closed pipe (`| head`) a BrokenPipeError, for the caller to end
     quietly."""
 
-    def __init__(self, fd: int, name: str = "stdout") -> None:
-        self.fd, self.name, self.written = fd, name, 0
+    def __init__(self, fd: int, name: str = "stdout", errors: str = "strict") -> None:
+        self.fd, self.name, self.written, self.errors = fd, name, 0, errors  # errors: of str.encode
 
     def __call__(self, text: str) -> None:
-        left = memoryview(text.encode("utf-8"))
+        left = memoryview(text.encode("utf-8", self.errors))
         try:
             while left:
                 done = os.write(self.fd, left)

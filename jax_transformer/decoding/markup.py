@@ -154,7 +154,9 @@ class MarkupReport:
         if self.unaligned:
             text += f"; {self.unaligned} sentences without an alignment: their tags wrap the whole sentence"
         if self.repair_count:
-            text += f"; {self.repair_count} repairs of the markup (at {self.origin}: " + "; ".join(map(str, self.repairs))
+            text += f"; {self.repair_count} repairs of the markup (at {self.origin}: " + "; ".join(
+                map(str, self.repairs)
+            )
             text += ", ..." * (self.repair_count > len(self.repairs)) + ")"
         return text
 
@@ -192,7 +194,9 @@ def read_markup(
             for bom, name in ((codecs.BOM_UTF32_LE, "UTF-32"), (codecs.BOM_UTF32_BE, "UTF-32"),
                               (codecs.BOM_UTF16_LE, "UTF-16"), (codecs.BOM_UTF16_BE, "UTF-16")):  # fmt: skip
                 if raw.startswith(bom):
-                    raise DataError(f"{origin}, line 1: starts with a {name} byte-order mark: give UTF-8 (iconv -t UTF-8)")
+                    raise DataError(
+                        f"{origin}, line 1: starts with a {name} byte-order mark: give UTF-8 (iconv -t UTF-8)"
+                    )
             head = raw[:4096]
             for pattern, what in ((_META_CHARSET, "a <meta charset>"), (_XML_ENCODING, "the XML declaration")):
                 found = pattern.search(head)
@@ -212,8 +216,8 @@ def read_markup(
         for bad in re.finditer("[\udc80-\udcff]+", text):
             before = text[: bad.start()]
             line = newlines + before.count("\n") + 1
-            report.repair((line, len(before) - before.rfind("\n") - 1),
-                          f"{len(bad.group())} bytes not UTF-8 (kept as they are; U+FFFD in translated text)")  # fmt: skip
+            what = f"{len(bad.group())} bytes not UTF-8 (kept as they are; U+FFFD in translated text)"
+            report.repair((line, len(before) - before.rfind("\n") - 1), what)
         newlines += text.count("\n")
         offset += len(raw)
         if text:
@@ -227,6 +231,11 @@ def read_markup(
 def write_bytes(text: str) -> bytes:
     """Output text as the input's bytes: bytes that were not UTF-8 come back as they were."""
     return text.encode("utf-8", "surrogateescape")
+
+
+def OutputBytes(fd: int, name: str = "stdout") -> documents.OutputText:
+    """`documents.OutputText` that writes bytes that were not UTF-8 back as they were."""
+    return documents.OutputText(fd, name, errors="surrogateescape")
 
 
 # =============================================================================================================
@@ -506,9 +515,19 @@ class _Placer:
         first = next(w for w in self.source_words if w[1] > a)
         last = [w for w in self.source_words if w[0] < b][-1]
         before, after = text[first[0] : max(a, first[0])], text[min(b, last[1]) : last[1]]
-        if before and not any(c.isalnum() for c in before) and self.target.startswith(before, lo) and hi - lo > len(before):
+        if (
+            before
+            and not any(c.isalnum() for c in before)
+            and self.target.startswith(before, lo)
+            and hi - lo > len(before)
+        ):
             lo += len(before)
-        if after and not any(c.isalnum() for c in after) and self.target.endswith(after, lo, hi) and hi - lo > len(after):
+        if (
+            after
+            and not any(c.isalnum() for c in after)
+            and self.target.endswith(after, lo, hi)
+            and hi - lo > len(after)
+        ):
             hi -= len(after)
         return lo, hi
 
@@ -517,7 +536,7 @@ class _Placer:
         if not self.has_alignment:
             return len(self.target)
         best = -1
-        for i, (s, e) in enumerate(self.source_words):
+        for i, (_, e) in enumerate(self.source_words):
             if e <= p and self.aligned.get(i):
                 best = max(self.aligned[i])
         if best < 0:
@@ -589,7 +608,9 @@ class _Walker:
                     f"{self.report.origin}, line {event.place[0]}, column {event.place[1] + 1}: attribute {name!r} "
                     f"of <{event.name}> has {len(value)} characters, over the limit of {self.rules.max_attribute}"
                 )
-        wanted = {n for n, v in event.attrs if v and (n in self.rules.attributes or (n in self.rules.lang and self.target))}
+        wanted = {
+            n for n, v in event.attrs if v and (n in self.rules.attributes or (n in self.rules.lang and self.target))
+        }
         if not wanted or self.raw_until or self.opaque:
             return tag
         values = dict((n, v) for n, v in event.attrs)
@@ -729,8 +750,10 @@ class _Walker:
             block.add_tag("open", self.tag(event), len(block.elements) - 1)
             return
         # An end tag.
-        if name in self.rules.inline and self.block is not None and any(
-            self.block.elements[e].name == name for e in self.block.open
+        if (
+            name in self.rules.inline
+            and self.block is not None
+            and any(self.block.elements[e].name == name for e in self.block.open)
         ):
             block = self.block
             while True:
@@ -1068,6 +1091,36 @@ def translate_markup_text(text: str, translate: TranslateFn, **kwargs) -> tuple[
     return "".join(written), report
 
 
+class Prepared:
+    """A text of markup read, its sentences known before any is translated (a service awaits their translations
+    between the two halves): `sentences`, then `render(translations)` gives the text and fills `report`."""
+
+    def __init__(self, text: str, **kwargs) -> None:
+        self._asked: list[str] = []
+        self._answers: list[Aligned] | None = None
+
+        def collect(sentences: list[str]) -> list[Aligned]:
+            if self._answers is None:
+                self._asked.extend(sentences)
+                return [("", None)] * len(sentences)
+            answers, self._answers = self._answers[: len(sentences)], self._answers[len(sentences) :]
+            return answers
+
+        self._text, self._kwargs, self._collect = text, kwargs, collect
+        translate_markup([text], lambda _: None, collect, chunk_sentences=1 << 62, **kwargs)  # reads, checks
+        self.sentences = list(self._asked)
+        self.report = MarkupReport()
+
+    def render(self, translations: Sequence[Aligned]) -> str:
+        if len(translations) != len(self.sentences):
+            raise ValueError(f"{len(self.sentences)} sentences, {len(translations)} translations")
+        self._answers = list(translations)
+        kwargs = {**self._kwargs, "report": MarkupReport(origin=self._kwargs.get("report", MarkupReport()).origin)}
+        written: list[str] = []
+        self.report = translate_markup([self._text], written.append, self._collect, chunk_sentences=1 << 62, **kwargs)
+        return "".join(written)
+
+
 # =============================================================================================================
 # A model's translations with word pairs
 # =============================================================================================================
@@ -1107,16 +1160,13 @@ def aligned_translator(
 ) -> TranslateFn:
     """A model's `TranslateFn`: sentences translated by `decode` with word alignments where its rules give them
     (beam and greedy search; none with sampling), the pairs mapped from the tokenizer's words to whitespace words."""
-    aligned = decode.sampling is None if hasattr(decode, "sampling") else True
-    try:
-        decode_aligned = dataclasses.replace(decode, alignments=True) if aligned else decode
-        decode_aligned.check() if hasattr(decode_aligned, "check") else None
-    except Exception:  # a decoding that refuses alignments: tags wrap whole sentences (reported)
-        decode_aligned, aligned = decode, False
+    aligned = not decode.do_sample  # a sample's tokens are drawn: its tags wrap whole sentences (reported)
+    decode_aligned = dataclasses.replace(decode, alignments=True) if aligned else decode
+    decode_aligned.aligned_layer(config)  # a ConfigError naming the field where the model has no such layer
 
     def run(sentences: list[str]) -> list[Aligned]:
         terms = None if glossary is None else [glossary.constraints(text) for text in sentences]
-        found = translation.translate(params, config, tokenizer, sentences, decode_aligned, batch_size=batch_size,
+        found = translation.translations(params, config, tokenizer, sentences, decode_aligned, batch_size=batch_size,
                                       max_tokens=max_tokens, progress=False, constraints=terms)  # fmt: skip
         sources = translation.encode_sources(tokenizer, sentences, config) if aligned else None
         out: list[Aligned] = []

@@ -8,6 +8,7 @@ CTranslate2's `Translator` and transformers' `pipeline` are used.
     results[0].hypotheses[1].text, results[0].hypotheses[1].score, results[0].hypotheses[1].tokens
     translator.score(["The cat sleeps."], ["Die Katze schläft."])[0].score   # log P, EOS included
     translator.translate_document("First sentence. Second one.\n\nA new paragraph.")
+    translator.translate_markup('<p>The <b>red</b> car.</p>')   # HTML: inline tags placed by word alignments
 
 The command line's `translate`, `score` and `translate --document`, and `serve`, go through the same methods (or,
 for the service's batches, `translation.translations` beneath them), so a notebook gets what the command line
@@ -25,8 +26,10 @@ import os
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+from tqdm.auto import tqdm
+
 from jax_transformer.checkpoint.manager import Checkpoint
-from jax_transformer.decoding import documents, loading, scoring, translation
+from jax_transformer.decoding import documents, loading, markup, scoring, translation
 from jax_transformer.errors import UsageError
 from jax_transformer.settings.config import DecodeConfig, check_decoding
 from jax_transformer.settings.resolve import request_decoding
@@ -224,6 +227,79 @@ class Translator:
         written: list[str] = []
         self.translate_stream(io.BytesIO(text.encode("utf-8")), written.append, language=language, **options)
         return "".join(written)
+
+    # --- markup ---------------------------------------------------------------------------------------------
+
+    def markup_rules(self, xml: bool = False, keep_attributes: bool = False, inline_elements=None,
+                     opaque_elements=None) -> markup.Rules:  # fmt: skip
+        """The rules of HTML, or of XML (`inline_elements`, `opaque_elements`: default XLIFF's)."""
+        if not xml:
+            return markup.Rules.html(keep_attributes)
+        given = {k: v for k, v in {"inline": inline_elements, "opaque": opaque_elements}.items() if v}
+        return markup.Rules.xml_rules(keep_attributes=keep_attributes, **given)
+
+    def target_code(self, given: str | None = None) -> str | None:
+        """The code a lang attribute becomes: `given`, else a multilingual model's target language (ISO 639-1)."""
+        if given:
+            return given
+        code = getattr(self.tokenizer, "tgt_lang", None)
+        return documents.splitter_language(code) if code else None
+
+    def translate_markup(self, text: str, *, xml: bool = False, report: markup.MarkupReport | None = None,
+                         **options: Any) -> str:  # fmt: skip
+        """HTML (or XML) translated with its markup kept: each block's sentences translated, inline tags placed
+        on the words that translate the words they wrapped (word alignments), every other character as it was.
+        `report` (a `markup.MarkupReport`) gets what was repaired and which tags were not placed exactly."""
+        written: list[str] = []
+        found = self.translate_markup_stream(io.BytesIO(markup.write_bytes(text)), written.append, xml=xml, **options)
+        if report is not None:
+            report.__dict__.update(found.__dict__)
+        return "".join(written)
+
+    def translate_markup_stream(
+        self,
+        source,
+        write: Callable[[str], None],
+        *,
+        xml: bool = False,
+        keep_attributes: bool = False,
+        inline_elements=None,
+        opaque_elements=None,
+        language: str | None = None,
+        target_language: str | None = None,
+        origin: str = "input",
+        progress: bool | None = False,
+        max_tokens: int | None = None,
+        decode: DecodeConfig | None = None,
+        glossary=None,
+        **options: Any,
+    ) -> markup.MarkupReport:
+        """A document of markup of any size (a path or a binary stream, UTF-8) translated and written as it goes
+        (`markup.translate_markup`); its sentences with word alignments where the decoding gives them."""
+        decode = decode or self.decoding(**options)
+        markup.check_usage("xml" if xml else "html", "text", decode.n_best)
+        rules = self.markup_rules(xml, keep_attributes, inline_elements, opaque_elements)
+        report = markup.MarkupReport(origin=origin)
+        translate = markup.aligned_translator(self.params, self.config, self.tokenizer, decode, glossary=glossary,
+                                              max_tokens=max_tokens)  # fmt: skip
+        bar = tqdm(desc="translate", unit="sentence", disable=None if progress is None else not progress,
+                   dynamic_ncols=True)  # fmt: skip
+
+        def counted(sentences: list[str]):
+            done = translate(sentences)
+            bar.update(len(sentences))
+            return done
+
+        with bar:
+            return markup.translate_markup(
+                markup.read_markup(source, report, max_bytes=rules.max_bytes),
+                write,
+                counted,
+                rules=rules,
+                segmenter=self.segmenter(language),
+                target_language=self.target_code(target_language),
+                report=report,
+            )
 
     def translate_stream(
         self,
