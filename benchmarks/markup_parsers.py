@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import html as html_lib
 import importlib.metadata
 import json
 import pickle
@@ -281,7 +282,7 @@ def probe_positions() -> dict[str, str]:
 
         found["selectolax (modest)"] = "importable"
     except ImportError as error:
-        found["selectolax (modest)"] = f"not available: {str(error).split('.')[0]}"
+        found["selectolax (modest)"] = f"not available: {str(error).split('. ')[0]}"
     element = html5lib_parse(b"<p>a</p>").find(".//p")
     carried = [a for a in ("sourceline", "sourcepos", "pos") if hasattr(element, a)]
     found["html5lib"] = f"has {carried}" if carried else "none: its tree's elements carry no position"
@@ -321,6 +322,37 @@ def entities() -> dict[str, dict]:
     return out
 
 
+def _plain(text: str) -> str:
+    """Text for comparison: whitespace runs as one space; invalid bytes (U+FFFD, or surrogates) left out, as the
+    decoders differ in how many replacement characters a bad sequence gives."""
+    text = "".join(c for c in text if c != "\ufffd" and not 0xDC80 <= ord(c) <= 0xDCFF)
+    return " ".join(text.split())
+
+
+def _etree_text(element) -> list[str]:
+    """The text of an xml.etree tree without its comments (its itertext() gives a comment's text too)."""
+    out = [element.text or ""] if isinstance(element.tag, str) else []
+    for child in element:
+        out += _etree_text(child)
+        out.append(child.tail or "")
+    return out
+
+
+def texts(parser: str, data: bytes) -> str:
+    """All character data of the document (entities decoded; comments left out), as `_plain` text."""
+    if parser == "html.parser":
+        events = stdlib_parse(data)
+        kept = ("entity", "charref")  # data stays raw: outside script/style it holds no entity (convert_charrefs off)
+        return _plain(
+            "".join(html_lib.unescape(e[4]) if e[0] in kept else e[4] for e in events if e[0] in kept + ("data",))
+        )
+    if parser == "lxml.html":
+        return _plain(lxml_parse(data).text_content())
+    if parser == "html5lib":
+        return _plain("".join(_etree_text(html5lib_parse(data))))
+    return _plain(lexbor_parse(data).root.text())
+
+
 def serialize(parser: str, data: bytes) -> bytes | None:
     """The parser's own serialization of its tree (html.parser: the source slices between event offsets)."""
     if parser == "html.parser":
@@ -345,6 +377,7 @@ def compare(sets: dict[str, list[bytes]]) -> dict:
     out = {}
     for name, documents in sets.items():
         reference = [found[REFERENCE][1](found[REFERENCE][0](d)) for d in documents]
+        reference_texts = [texts(REFERENCE, d) for d in documents]
         out[name] = {}
         for parser, (parse, elements) in found.items():
             same, more, fewer, changed = 0, Counter(), Counter(), Counter()
@@ -364,8 +397,10 @@ def compare(sets: dict[str, list[bytes]]) -> dict:
                     more.update(x[0] for x in ours[a0:a1])
                     fewer.update(y[0] for y in theirs[b0:b1])
             identical = sum(serialize(parser, d) == d for d in documents) if parser != "html.parser" else None
+            same_text = sum(texts(parser, d) == t for d, t in zip(documents, reference_texts, strict=True))
             out[name][parser] = {
                 "same_elements": same,
+                "same_text": same_text,
                 "documents": len(documents),
                 "more": dict(more.most_common()),
                 "fewer": dict(fewer.most_common()),
@@ -455,9 +490,9 @@ def main(argv: list[str] | None = None) -> None:
     print()
     print(
         "| parser | set | parse MB/s, best / median | parse+walk MB/s, best / median | RSS MiB per input MB | "
-        "elements = html5lib's | more than html5lib | fewer than html5lib | re-serialized = input |"
+        "elements = html5lib's | more than html5lib | fewer than html5lib | text = html5lib's | re-serialized = input |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for name in SETS:
         for parser in PARSERS:
             r = rates[name][parser]
@@ -467,7 +502,7 @@ def main(argv: list[str] | None = None) -> None:
                 f"| {parser} | {name} | {max(r['parse']):.2f} / {statistics.median(r['parse']):.2f} "
                 f"| {max(r['parse+walk']):.2f} / {statistics.median(r['parse+walk']):.2f} "
                 f"| {'-' if m is None else f'{m:.1f}'} | {f['same_elements']}/{f['documents']} "
-                f"| {_tally(f['more'])} | {_tally(f['fewer'])} "
+                f"| {_tally(f['more'])} | {_tally(f['fewer'])} | {f['same_text']}/{f['documents']} "
                 f"| {'by offsets' if f['reserialized_identical'] is None else f['reserialized_identical']} |"
             )
     print()
