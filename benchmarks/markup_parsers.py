@@ -10,15 +10,21 @@ Speed: MB of input per second (the documents' UTF-8 bytes; each parser gets byte
 html.parser after `bytes.decode("utf-8", "surrogateescape")`), best and median of --repeats, the parsers taking
 turns in each repeat. "parse" builds the tree (html.parser: feeds a handler that records every event with
 `getpos()`); "parse+walk" also visits every element and reads its name and attributes, as an application would
-(html.parser: the same run). Memory: the growth of the peak resident set (`ru_maxrss`) of a child process while it
-keeps the results of every document of the set alive, per MB of input (tracemalloc would not see libxml2's or
-lexbor's C allocations).
+(html.parser: the same run). Memory: the growth of the peak resident set (VmHWM) of a child process, which reads
+only the documents' bytes, while it keeps the results of every document of the set alive, per MB of input
+(tracemalloc would not see libxml2's or lexbor's C allocations; lexbor keeps a whole arena per document, so small
+documents make its figure large).
 
-Fidelity: (a) source positions: what each parser's API gives, checked for real (html.parser: each event's text
-found at its `getpos()` offset; lxml: `sourceline` against the line of the same tag in the source; html5lib and
+Fidelity: (a) source positions: what each parser's API gives, checked for real (html.parser: every event's raw
+source slice, from its `getpos()` offset to the next event's, is what the event says, e.g. a start tag's slice is
+its `get_starttag_text()`; lxml: `sourceline` against the line of the same tag in the source; html5lib and
 lexbor: probed); (b) the sequence of elements (name and attributes, in document order) against html5lib's, whose
-tree construction is the spec's: documents identical, and the tags one has more or fewer; (c) entities: is the
-raw `&amp;`/`&nbsp;`/`&#8211;` of the source available anywhere, and does re-serialization give back the input.
+tree construction is the spec's: documents identical, and the tags one has more or fewer (tbody: implied by the
+spec; a, b, i, em, strong: formatting elements the spec reopens after a misnesting or an unclosed block); the
+documents' text (entities decoded, whitespace runs as one space, invalid bytes left out) against html5lib's;
+(c) entities: is the raw `&amp;`/`&nbsp;`/`&#8211;` of the source available anywhere, and does the parser's own
+serialization give back the input byte for byte. Also: small inputs where tokenizers are known to part ways
+(EDGE_CASES), and what each parser makes of invalid UTF-8.
 Run it alone on the machine: the figures are wall time.
 """
 

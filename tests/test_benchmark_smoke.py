@@ -9,9 +9,13 @@ run passes run.py's argument checks (`--dry-run`).
 
 import json
 import math
+import random
+import re
 import shlex
 import subprocess
 import sys
+import xml.etree.ElementTree as ET
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -385,3 +389,107 @@ def test_the_corpus_scale_benchmark_makes_the_corpus_it_describes(tmp_path):
     assert len(corpus) == 2_000 and corpus.line_numbers == list(range(1, 2_001))
     counts = [len(text.split(" ")) for text in corpus.sources + corpus.targets]
     assert min(counts) >= 5 and max(counts) <= 25 and len(set(counts)) == 21  # every length of 5..25 occurs
+
+
+# A few German sentences of our own, so the markup corpus needs no shared data.
+MARKUP_SENTENCES = [
+    "Ein Mann schläft in einem grünen Raum auf einem Sofa.",
+    "Zwei Hunde und eine Katze spielen im Garten.",
+    "Die Frau liest ein Buch und trinkt Kaffee.",
+    "Kinder laufen über die Wiese zum See.",
+    "Ein Junge mit Kopfhörern sitzt auf den Schultern einer Frau.",
+    "Wir haben gestern Abend lange und gut gegessen.",
+    "Tom und Maria wohnen in einer kleinen Stadt.",
+    "Der Zug kommt heute später an.",
+]
+INLINE = {"b", "i", "em", "strong", "a", "span", "sub", "sup"}
+BLOCKS = {"title", "h1", "p", "li", "td"}
+
+
+def _words(block) -> list[tuple[str, object]]:
+    """The translatable words of an html5lib block element, each with the element it lies wholly in (None if
+    none): code and translate="no" left out, as the corpus promises."""
+    chars, owners = [], []
+
+    def add(text, owner):
+        chars.extend(text or "")
+        owners.extend([owner] * len(text or ""))
+
+    def walk(element, owner):
+        add(element.text, owner)
+        for child in element:
+            if child.tag != "code" and child.get("translate") != "no":
+                walk(child, child if child.tag in INLINE else owner)
+            add(child.tail, owner)
+
+    walk(block, None)
+    text = "".join(chars)
+    out = []
+    for match in re.finditer(r"\S+", text):  # \xa0 (from &nbsp;) separates words, as str.split() does
+        inside = set(owners[match.start() : match.end()])
+        out.append((match.group(), inside.pop() if len(inside) == 1 else None))
+    return out
+
+
+def test_markup_corpus_sidecar_names_the_words_its_tags_wrap():
+    """benchmarks/markup_corpus.py: every one-word inline tag of the sidecar is, in the spec's reading of the HTML
+    (html5lib), an element of that name around that word at that place of that block; every such element is in the
+    sidecar; the same seed gives the same documents; malformed documents parse and list their damage."""
+    import html5lib
+
+    from benchmarks.markup_corpus import corpus, make_document, make_xliff
+
+    documents = corpus(MARKUP_SENTENCES, 4, seed=5)
+    assert [d.html for d in documents] == [d.html for d in corpus(MARKUP_SENTENCES, 4, seed=5)]
+    assert [d.html for d in documents] != [d.html for d in corpus(MARKUP_SENTENCES, 4, seed=6)]
+    assert sum(len(d.tags) for d in documents) >= 10
+    for doc in documents:
+        tree = html5lib.parse(doc.html, namespaceHTMLElements=False)
+        blocks = [e for e in tree.iter() if e.tag in BLOCKS]
+        assert len(blocks) == len(doc.blocks)
+        wrapped = []
+        for index, block in enumerate(blocks):
+            words = _words(block)
+            assert [w for w, _ in words] == doc.blocks[index]["text"].split()
+            owned = Counter(owner for _, owner in words if owner is not None)
+            wrapped += [(index, owner, w) for w, owner in words if owner is not None and owned[owner] == 1]
+        for tag in doc.tags:
+            word, owner = _words(blocks[tag["block"]])[tag["word_index"]]
+            assert word == tag["word"] and owner is not None and owner.tag == tag["tag"], tag
+        assert len(wrapped) == len(doc.tags)
+        for raw in doc.opaque:
+            assert raw in doc.html
+    html, tags = make_document(MARKUP_SENTENCES[:2], random.Random(0))  # a short list is reused
+    assert html.startswith("<!") and all(t["word"] in html for t in tags)
+    bad = corpus(MARKUP_SENTENCES, 6, seed=1, malformed=True)
+    assert all(d.damage for d in bad)
+    for d in bad:
+        html5lib.parse(d.data, namespaceHTMLElements=False)
+    xml, g_tags = make_xliff(MARKUP_SENTENCES, random.Random(0))
+    units = {u.get("id"): u for u in ET.fromstring(xml).iter("{urn:oasis:names:tc:xliff:document:1.2}trans-unit")}
+    assert len(units) == len(MARKUP_SENTENCES) and g_tags
+    for g in g_tags:
+        source = units[g["unit"]].find("{urn:oasis:names:tc:xliff:document:1.2}source")
+        found = [e for e in source if e.get("id") == g["id"]]
+        assert found and found[0].text == g["word"]
+
+
+def test_markup_parser_comparison_runs_and_reports_every_parser(tmp_path):
+    """benchmarks/markup_parsers.py on three documents: every parser timed on both sets, html5lib agrees with itself,
+    and html.parser's events all match their source slices."""
+    from benchmarks import markup_parsers
+    from benchmarks.markup_corpus import corpus
+
+    sentences = tmp_path / "s.de"
+    sentences.write_text("\n".join(MARKUP_SENTENCES) + "\n", encoding="utf-8")
+    out = tmp_path / "parsers.json"
+    args = ["--documents", "3", "--repeats", "1", "--no-memory", "--sentences", str(sentences), "--json", str(out)]
+    markup_parsers.main(args)
+    results = json.loads(out.read_text())
+    for name in markup_parsers.SETS:
+        for parser in markup_parsers.PARSERS:
+            assert _positive(min(results["speed_mb_per_s"][name][parser]["parse"]))
+        assert results["elements"][name]["html5lib"]["same_elements"] == 3
+    documents = [d.data for d in corpus(MARKUP_SENTENCES, 3, seed=0, malformed=True)]
+    right, total = markup_parsers.stdlib_positions(documents)
+    assert total > 100 and right == total
