@@ -495,14 +495,16 @@ class _Placer:
         return out
 
     def span(self, a: int, b: int, what: _Element) -> tuple[int, int]:
-        """[start, end) in the target of the words aligned to [a, b): the smallest span holding them; the whole
-        sentence where none is aligned (reported)."""
+        """[start, end) in the target of the words aligned to [a, b): the smallest span holding them (reported where
+        other words come between); empty where none is (reported); the whole sentence without an alignment."""
         if not self.has_alignment:
             return 0, len(self.target)
         words = sorted(self.targets(a, b))
-        if not words:
-            self.report.not_placed(what.place, f"<{what.name}>: no word aligned to its words; it wraps the sentence")
-            return 0, len(self.target)
+        if not words:  # the model left its words untranslated: the tag stays, empty, where they would be
+            self.report.not_placed(what.place, f"<{what.name}>: no word of the translation is aligned to its words; "
+                                               f"it is left empty at their place")  # fmt: skip
+            p = self.point(a)
+            return p, p
         if words != list(range(words[0], words[-1] + 1)):
             self.report.not_placed(
                 what.place, f"<{what.name}>: its words' translations are not together; it wraps the span holding them"
@@ -903,7 +905,9 @@ def _render_sentence(block: _Block, k: int, found, inside, closes, voids, report
     texts = {i: t for i, (t, _) in found.items()}
     elements = block.elements
     spans: dict[int, tuple[int, int]] = {}
+    exact: set[int] = set()  # counted as placed exactly (uncounted if `settle` moves it)
     for i, el in enumerate(elements):
+        before = report.placed
         if voids.get(i) == k:
             p = placer.point(el.a)
             spans[i] = (p, p)
@@ -911,6 +915,8 @@ def _render_sentence(block: _Block, k: int, found, inside, closes, voids, report
         elif inside.get(i) == k or closes.get(i) == k:
             lo, hi = placer.span(max(el.a, s), min(el.b, e), el)
             spans[i] = (lo if inside.get(i) == k else 0, hi if closes.get(i) == k else len(target))
+        if report.placed > before:
+            exact.add(i)
 
     def placed_parent(i: int) -> int | None:
         parent = elements[i].parent
@@ -923,29 +929,23 @@ def _render_sentence(block: _Block, k: int, found, inside, closes, voids, report
         kids.setdefault(placed_parent(i), []).append(i)
 
     def settle(parent: int | None, lo_frame: int, hi_frame: int) -> None:
-        mine = kids.get(parent, [])
-        for i in mine:  # inside the parent
+        """A parent's children inside it and in the source's order, so the tags come out in the input's sequence:
+        one whose words' translation comes before an earlier sibling's end follows that sibling (reported)."""
+        end = lo_frame
+        for i in kids.get(parent, []):  # source order
             lo, hi = spans[i]
             lo = min(max(lo, lo_frame), hi_frame)
-            spans[i] = (lo, min(max(hi, lo), hi_frame))
-        wide = sorted((i for i in mine if spans[i][1] > spans[i][0]), key=lambda i: spans[i])
-        end = lo_frame
-        for i in wide:  # siblings apart: one whose words overlap an earlier sibling's goes after it
-            lo, hi = spans[i]
+            hi = min(max(hi, lo), hi_frame)
             if lo < end:
-                report.not_placed(elements[i].place, f"<{elements[i].name}>: its words overlap another tag's; "
-                                                     f"it follows that tag")  # fmt: skip
-                spans[i] = (end, max(hi, end))
-            end = max(end, spans[i][1])
-        for i in list(mine):  # a point inside a wide sibling goes into it
-            p = spans[i][0]
-            if spans[i][1] == p:
-                holder = next((w for w in wide if spans[w][0] < p < spans[w][1]), None)
-                if holder is not None:
-                    mine.remove(i)
-                    kids.setdefault(holder, []).append(i)
-        for i in wide:
-            settle(i, *spans[i])
+                what = "its words' translation comes before an earlier tag's end; it follows that tag"
+                report.not_placed(elements[i].place, f"<{elements[i].name}>: {what}")
+                report.placed -= i in exact
+                lo, hi = end, max(hi, end)
+            spans[i] = (lo, hi)
+            end = max(end, hi)
+        for i in kids.get(parent, []):
+            if spans[i][1] > spans[i][0]:
+                settle(i, *spans[i])
 
     settle(None, 0, len(target))
 
@@ -957,7 +957,7 @@ def _render_sentence(block: _Block, k: int, found, inside, closes, voids, report
 
     def emit(parent: int | None, lo_frame: int, hi_frame: int, out: list[str]) -> None:
         at = lo_frame
-        for i in sorted(kids.get(parent, []), key=lambda i: (spans[i][0], spans[i][1] > spans[i][0], i)):
+        for i in kids.get(parent, []):  # in the source's order, which `settle` kept
             lo, hi = spans[i]
             el = elements[i]
             out.append(_escape(target[at:lo]))
