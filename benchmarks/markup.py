@@ -344,6 +344,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--memory", action="store_true", help="peak memory of both, in child processes")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--show", type=int, default=30, help="placements printed for a check by hand")
+    parser.add_argument("--alignment-layer", type=int, help="the decoder layer whose cross-attention aligns")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
 
@@ -360,12 +361,14 @@ def main(argv: list[str] | None = None) -> None:
             for k, line in enumerate(lines[: source["count"]]):
                 references[pool[source["first"] + k]] = line
     docs = corpus(pool, args.documents, args.seed, args.malformed)
-    translator = Translator(args.checkpoint)
+    layer = {} if args.alignment_layer is None else {"alignment_layer": args.alignment_layer}
+    translator = Translator(args.checkpoint, **layer)
     machine = machine_info()
     print(f"machine: {machine['cpu_model']}, {machine['cores']} cores; {len(docs)} documents", file=sys.stderr)
     results = {"machine": machine, "documents": len(docs), "malformed": args.malformed, "seed": args.seed}
     totals = {"tags_equal": 0, "bytes_equal": 0, "blocks": 0, "blocks_equal": 0, "placed": 0, "checked": 0,
-              "repairs": 0, "unplaced": 0, "tracebacks": 0}  # fmt: skip
+              "repairs": 0, "unplaced": 0, "placed_by_report": 0, "tracebacks": 0}  # fmt: skip
+    reasons: dict[str, int] = {}
     show: list = []
     faults = []
     for n, doc in enumerate(docs):
@@ -379,6 +382,10 @@ def main(argv: list[str] | None = None) -> None:
             continue
         totals["repairs"] += report.repair_count
         totals["unplaced"] += report.unplaced_count
+        totals["placed_by_report"] += report.placed
+        for note in report.unplaced:  # why, by the report's words
+            why = note.what.split(": ", 1)[1].split(";")[0]
+            reasons[why] = reasons.get(why, 0) + 1
         expected = None
         if not args.malformed:
             blocks = plain_blocks(source)
@@ -394,8 +401,9 @@ def main(argv: list[str] | None = None) -> None:
             totals["placed"] += placed
             totals["checked"] += checked
         print(f"document {n + 1}/{len(docs)}: {totals}", file=sys.stderr)
-    results.update(totals=totals, faults=faults[:50], sample=show[: args.show])
+    results.update(totals=totals, unplaced_reasons=reasons, faults=faults[:50], sample=show[: args.show])
     print(json.dumps(totals, indent=1))
+    print(json.dumps(reasons, indent=1))
     for fault in faults[:20]:
         print("FAULT", fault)
     for s in random.Random(0).sample(show, min(args.show, len(show))):
