@@ -2,8 +2,9 @@
 `format=html` as its clients post it, and the native API's `"format"` with the markup's report, each the text
 `Translator.translate_markup` gives with the same model and decoding; a malformed text's repairs in the report, a
 markup limit and the service's sentence limit answered with an error naming them, and nothing compiled after
-ready. The trained tiny model (tests/data) decodes, so the translations are the same on every CPU. A bounded number
-of requests, to loopback only."""
+ready. In process: a service that runs no aligned decoding wraps each sentence in its tags. The trained tiny model
+(tests/data) decodes, so the translations are the same on every CPU. A bounded number of requests, to loopback
+only."""
 
 from __future__ import annotations
 
@@ -19,7 +20,6 @@ from tests.test_serve import Server
 
 pytest.importorskip("starlette")
 pytest.importorskip("uvicorn")
-pytestmark = pytest.mark.slow  # (a server in a child process compiles its programs first)
 
 KEY = "markup-key"
 MAX_QUEUE = 24  # sentences one request may hold (the queue's size)
@@ -62,6 +62,7 @@ def form(server: Server, fields: dict) -> tuple[int, dict]:
         return e.code, json.loads(e.read())
 
 
+@pytest.mark.slow  # (a server in a child process compiles its programs first)
 def test_html_through_libretranslates_form_and_the_native_api_is_translate_markups(server, translator):
     from jax_transformer.decoding.markup import MarkupReport
 
@@ -94,6 +95,7 @@ def test_html_through_libretranslates_form_and_the_native_api_is_translate_marku
     assert status == 200 and health["compilations_after_ready"] == 0, health
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "path, body, status, message",
     [
@@ -113,3 +115,31 @@ def test_markup_limits_and_refusals_name_what_is_at_fault(server, path, body, st
     body = {"api_key": KEY, **({"source": "en", "target": "fr"} if path == "/translate" else {}), **body}
     got, answer = server.request(path, body)
     assert got == status and message in answer["error"], answer
+
+
+def test_without_aligned_decoding_the_tags_wrap_whole_sentences(run, translator):
+    """A service not started with --allow alignments=true (in this process, its batcher decoding): each sentence's
+    tags wrap its whole translation, as the core does with no pairs, and the report counts them as unaligned."""
+    import asyncio
+
+    from jax_transformer.decoding.markup import translate_markup_text
+    from jax_transformer.serving import markup, service
+    from jax_transformer.settings.config import ServeConfig
+
+    served = service.build(translator, ServeConfig(max_tokens=64), detect=False)
+    model, pair = served.route("en", "fr")
+    decode = markup.aligned_decoding(model, model.decode)
+    assert not decode.alignments  # (not among the decodings this service runs)
+    text = "<p>one hundred and <b>twenty</b></p><p><i>two</i> hundred and nine</p>"
+    plain = lambda sentences: [(t.text, None) for t in translator.translate(sentences)]  # noqa: E731
+    expected, report = translate_markup_text(text, plain, segmenter=translator.segmenter(), target_language="fr")
+    model.batcher.start()
+    try:
+        ((got, got_report, found),) = asyncio.run(
+            markup.translate(model, [text], decode, pair, rules=markup.rules_for("html"), target_language="fr",
+                             field="q", one=True)
+        )  # fmt: skip
+    finally:
+        model.batcher.close(10)
+    assert got == expected and "<p><b>" in got and "</b></p><p><i>" in got
+    assert got_report.unaligned == report.unaligned == 2 == len(found) and got_report.placed == 0
