@@ -72,6 +72,8 @@ def test_html_through_libretranslates_form_and_the_native_api_is_translate_marku
     assert report.placed == 2 and report.unplaced_count == report.unaligned == 0  # by alignments the service runs
     status, answer = form(server, {"q": HTML, "source": "en", "target": "fr", "format": "html"})
     assert status == 200 and answer == {"translatedText": expected}, answer
+    status, answer = form(server, {"q": HTML, "source": "auto", "target": "fr", "format": "html"})  # (tags removed)
+    assert status == 200 and answer["translatedText"] == expected and answer["detectedLanguage"]["language"] == "en"
     status, answer = server.request(
         "/translate", {"q": [HTML, XML], "source": "en", "target": "fr", "format": "html", "api_key": KEY}
     )
