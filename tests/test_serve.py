@@ -224,7 +224,7 @@ def test_constraints_and_the_glossary_give_what_translate_gives_and_compile_noth
         ({"q": "one", "source": "en", "target": "de"}, 400, "target 'de' is not a target language of this model"),
         ({"q": "one", "source": "xx", "target": "fr"}, 400, "source 'xx' is not a source language"),
         ({"source": "en", "target": "fr"}, 400, "missing q parameter"),
-        ({"q": "one", "source": "en", "target": "fr", "format": "html"}, 400, "format 'html'"),
+        ({"q": "one", "source": "en", "target": "fr", "format": "xml"}, 400, "format 'xml'"),
         ({"q": "one", "source": "en", "target": "fr", "alternatives": "x"}, 400, "alternatives: expected a whole"),
         ({"text": "one", "options": {"beam_size": 0}}, 400, "beam_size"),
         ({"text": "one", "options": {"beams": 2}}, 400, "unknown DecodeConfig field(s) ['beams']"),

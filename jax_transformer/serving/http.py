@@ -18,6 +18,7 @@ import urllib.parse
 from typing import Any
 
 from jax_transformer.errors import ConfigError, DataError, TokenError
+from jax_transformer.serving import markup
 from jax_transformer.serving.errors import HTTPError
 from jax_transformer.serving.metrics import now_ms
 from jax_transformer.serving.steering import request_phrases
@@ -240,16 +241,28 @@ def app(service):
 
     async def translate(fields, record):
         texts, one = texts_field(fields, "q")
-        if (fields.get("format") or "text") != "text":  # (LibreTranslate reads "" and null as text too)
-            raise HTTPError(400, f"format {fields.get('format')!r}: this service translates plain text ('text')")
+        kind = markup.format_field(fields, ("text", "html"))  # (LibreTranslate reads "" and null as text too)
         alternatives = int_field(fields, "alternatives", 0)
+        if alternatives and kind != "text":
+            raise HTTPError(400, f"alternatives {alternatives}: not taken with format {kind!r} (one translation)")
         detected = None
         source = fields.get("source")
         if source == "auto":
-            code, confidence = await service.detect(texts)
+            code, confidence = await service.detect(texts if kind == "text" else list(map(markup.visible_text, texts)))
             detected, source = {"confidence": confidence, "language": code}, code
         model, pair = service.route(source, fields.get("target"))
         decode = model.decode
+        if kind != "text":
+            done = await markup.translate(model, texts, markup.aligned_decoding(model, decode), pair,
+                                          rules=markup.rules_for(kind), field="q", one=one,
+                                          target_language=markup.target_code(model, fields.get("target")))  # fmt: skip
+            translated = [text for text, _, _ in done]
+            record.update(model=model.name, sentences=sum(len(found) for _, _, found in done), text=texts,
+                          translation=translated)  # fmt: skip
+            answer = {"translatedText": translated[0] if one else translated}
+            if detected is not None:
+                answer["detectedLanguage"] = detected if one else [detected] * len(texts)
+            return answer
         if alternatives:
             n = alternatives + 1
             try:
@@ -277,11 +290,14 @@ def app(service):
 
     async def native(fields, record):
         texts, one = texts_field(fields, "text")
+        kind = markup.format_field(fields)
         model, pair = service.route(fields.get("source"), fields.get("target"), fields.get("model"), native=True)
         options = fields.get("options")
         if fields.get("alignments") is not None and (options is None or isinstance(options, dict)):
             options = {**(options or {}), "alignments": fields.get("alignments")}  # one of the options, given beside
         decode = model.decoding(options)
+        if kind != "text":
+            return await native_markup(fields, record, texts, one, kind, model, pair, decode)
         constraints = request_phrases(fields.get("constraints"), texts, one, decode, model.batcher.tokenizer(pair))
         began = time.monotonic()
         results = await model.translate(texts, decode, pair, constraints)
@@ -301,6 +317,40 @@ def app(service):
                     ],
                 }
                 for pieces, found in results
+            ],
+            "decoding": decode.describe(),
+            "seconds": round(time.monotonic() - began, 4),
+        }
+
+    async def native_markup(fields, record, texts, one, kind, model, pair, decode):
+        """/v1/translate of HTML or XML: each translation's text is the markup translated, with its report."""
+        if fields.get("constraints") is not None:
+            raise HTTPError(400, f"constraints: not taken with format {kind!r} (a text of markup has many sentences)")
+        if decode.n_best > 1:
+            raise HTTPError(400, f"options.n_best {decode.n_best}: format {kind!r} gives one translation of a text")
+        rules = markup.rules_for(kind, markup.bool_field(fields, "keep_attributes"))
+        decode = markup.aligned_decoding(model, decode)
+        began = time.monotonic()
+        done = await markup.translate(model, texts, decode, pair, rules=rules, field="text", one=one,
+                                      target_language=markup.target_code(model, fields.get("target")))  # fmt: skip
+        record.update(model=model.name, sentences=sum(len(found) for _, _, found in done), text=texts)
+        unasked = () if decode.alignments else ("alignment",)
+
+        def hypothesis(h) -> dict:
+            return {k: v for k, v in dataclasses.asdict(h).items() if k not in unasked}
+
+        return {
+            "model": model.name,
+            "format": kind,
+            "translations": [
+                {
+                    "text": text,
+                    "markup": report.to_dict(),
+                    "sentences": [
+                        {"source": t.source, "hypotheses": [hypothesis(h) for h in t.hypotheses]} for t in found
+                    ],
+                }
+                for text, report, found in done
             ],
             "decoding": decode.describe(),
             "seconds": round(time.monotonic() - began, 4),

@@ -142,15 +142,18 @@ class Model:
         return out
 
     async def translate(
-        self, texts: list[str], decode: DecodeConfig, pair, constraints: list | None = None
+        self, texts: list[str], decode: DecodeConfig, pair, constraints: list | None = None, split: bool = True
     ) -> list[tuple[Any, list]]:
         """Each text's sentences (their pieces, layout kept) with their `Translation`s: [(pieces, translations)].
         `constraints`: each text's phrases, checked (`steering.request_phrases`), or None; the glossary's terms are
-        added to every sentence's (`steering.sentence_phrases`)."""
+        added to every sentence's (`steering.sentence_phrases`). `split` False: each text is one sentence, as it is
+        (markup's sentences, cut already)."""
 
         def prepare():  # splitting and tokenizing, off the batcher's lock
+            from jax_transformer.decoding.documents import Piece
+
             segmenter = self.segmenter(pair)
-            pieces = [segmenter.split(text) for text in texts]
+            pieces = [segmenter.split(text) if split else [Piece(text, True)] for text in texts]
             sentences = [piece.text for each in pieces for piece in each if piece.sentence]
             encoded = self.encode(sentences, pair)
             phrases = None
