@@ -166,7 +166,7 @@ class MarkupReport:
 # =============================================================================================================
 
 _META_CHARSET = re.compile(rb"""<meta[^>]*?charset\s*=\s*["']?\s*([-\w.:]+)""", re.IGNORECASE)
-_XML_ENCODING = re.compile(rb"""^\s*<\?xml[^>]*?encoding\s*=\s*["']([-\w.:]+)""")
+_XML_ENCODING = re.compile(rb"""^(?:\xef\xbb\xbf)?\s*<\?xml[^>]*?encoding\s*=\s*["']([-\w.:]+)""")
 _UTF8 = {"utf-8", "utf8"}
 
 
@@ -188,7 +188,7 @@ def read_markup(
         return
     origin = report.origin
     decoder = codecs.getincrementaldecoder("utf-8")("surrogateescape")
-    offset = newlines = 0
+    offset = newlines = column = 0  # bytes read; lines ended; characters of the last line read
     while raw := source.read(block):
         if offset == 0:
             for bom, name in ((codecs.BOM_UTF32_LE, "UTF-32"), (codecs.BOM_UTF32_BE, "UTF-32"),
@@ -207,9 +207,11 @@ def read_markup(
                         f": give UTF-8 (iconv -f {found.group(1).decode('ascii', 'replace')} -t UTF-8)"
                     )
         if offset + len(raw) > max_bytes:
-            line = newlines + raw[: max_bytes - offset].count(b"\n") + 1
+            head = raw[: max_bytes - offset].decode("utf-8", "surrogateescape")
+            line = newlines + head.count("\n") + 1
+            at = len(head) - head.rfind("\n") - 1 if "\n" in head else column + len(head)
             raise DataError(
-                f"{origin}, line {line}: longer than the limit of {max_bytes} bytes for markup (the limit is reached "
+                f"{origin}, line {line}, column {at + 1}: longer than the limit of {max_bytes} bytes for markup (the limit is reached "
                 f"at byte offset {max_bytes})"
             )
         text = decoder.decode(raw)
@@ -217,14 +219,15 @@ def read_markup(
             before = text[: bad.start()]
             line = newlines + before.count("\n") + 1
             what = f"{len(bad.group())} bytes not UTF-8 (kept as they are; U+FFFD in translated text)"
-            report.repair((line, len(before) - before.rfind("\n") - 1), what)
+            report.repair((line, len(before) - before.rfind("\n") - 1 if "\n" in before else column + len(before)), what)
         newlines += text.count("\n")
+        column = len(text) - text.rfind("\n") - 1 if "\n" in text else column + len(text)
         offset += len(raw)
         if text:
             yield text
     rest = decoder.decode(b"", final=True)
     if rest:
-        report.repair((newlines + 1, 0), "the input ends inside a UTF-8 character (its bytes kept)")
+        report.repair((newlines + 1, column), "the input ends inside a UTF-8 character (its bytes kept)")
         yield rest
 
 
@@ -309,6 +312,14 @@ class _Tokenizer(html.parser.HTMLParser):
 
     def unknown_decl(self, data):
         self._add("other", "!decl")
+
+
+def _place_in(event: _Event, k: int) -> tuple[int, int]:
+    """The line and column (0-based) of the event's k-th character."""
+    before = event.raw[:k]
+    if "\n" not in before:
+        return event.place[0], event.place[1] + k
+    return event.place[0] + before.count("\n"), k - before.rfind("\n") - 1
 
 
 def _raw_attributes(raw: str) -> list[tuple[str, tuple[int, int] | None]]:
@@ -503,13 +514,18 @@ class _Placer:
         if not words:
             self.report.not_placed(what.place, f"<{what.name}>: no word aligned to its words; it wraps the sentence")
             return 0, len(self.target)
-        if words != list(range(words[0], words[-1] + 1)):
+        shared = what.kind == "opaque" and self.shared_side(a, b)
+        if shared:
+            self.report.not_placed(what.place, f"<{what.name}>: part of a word; it goes beside that word's translation")
+        elif words != list(range(words[0], words[-1] + 1)):
             self.report.not_placed(
                 what.place, f"<{what.name}>: its words' translations are not together; it wraps the span holding them"
             )
         else:
             self.report.placed += 1
         lo, hi = self.target_words[words[0]][0], self.target_words[words[-1]][1]
+        if shared:  # its translation holds the word's other letters: kept, the element put before or after it
+            return (hi, hi) if shared == "before" else (lo, lo)
         # Marks the tag left out of its first or last word ("<b>dog</b>.") are left out of the translation's too.
         text = self.block.text
         first = next(w for w in self.source_words if w[1] > a)
@@ -530,6 +546,20 @@ class _Placer:
         ):
             hi -= len(after)
         return lo, hi
+
+    def shared_side(self, a: int, b: int) -> str | None:
+        """Where the words overlapping [a, b) hold letters or digits outside it ("before" it, "after" it), else None:
+        an opaque element that is part of a word cannot replace that word's translation."""
+        text = self.block.text
+        first = next((w for w in self.source_words if w[1] > a), None)
+        last = next((w for w in reversed(self.source_words) if w[0] < b), None)
+        if first is None or last is None:
+            return None
+        if any(c.isalnum() for c in text[first[0] : a]):
+            return "before"
+        if any(c.isalnum() for c in text[b : last[1]]):
+            return "after"
+        return None
 
     def point(self, p: int) -> int:
         """Where a tag at `p` of the source goes: after the last target word aligned to a source word before p."""
@@ -666,96 +696,114 @@ class _Walker:
         return False
 
     def event(self, event: _Event) -> None:
-        kind, name = event.kind, event.name
-        # Inside an untouched element: everything as written until its end tag.
         if self.raw_until is not None:
-            until, depth = self.raw_until
-            if kind == "start" and name == until:
-                self.raw_until = (until, depth + 1)
-            elif kind == "end" and name == until:
-                self.raw_until = None if depth == 1 else (until, depth - 1)
-                if depth == 1:
-                    self.pop(event)
-            self.raw(event.raw)
-            return
-        # Inside an opaque inline element: its source gathered, its text read.
-        if self.opaque is not None:
-            until, depth, raws = self.opaque
-            raws.append(event.raw)
-            if kind == "data":
-                self.block.add_text("", event.data)
-                self.block.atoms[-1].kind = "opaque-text"
-            if kind == "start" and name == until:
-                self.opaque = (until, depth + 1, raws)
-            elif kind == "end" and name == until:
-                if depth > 1:
-                    self.opaque = (until, depth - 1, raws)
-                else:
-                    self.opaque = None
-                    self.pop(event)
-                    block = self.block
-                    element = block.elements[block.opaque_inside]
-                    element.b, element.raw = block.length, "".join(raws)
-                    block.atoms.append(_Atom("opaque", element.a, block.length, element=block.opaque_inside))
-                    block.opaque_inside = -1
-            return
-        if kind == "data":
-            if self.block is None:
-                self.new_block()
-            if self.block.length > BLOCK_CHARS and not self.block.open:
-                self.report.repair(event.place, f"a block longer than {BLOCK_CHARS} characters: cut here")
-                self.end_block()
-                self.new_block()
-            self.block.add_text(event.raw, event.data)
-            if "<" in event.data and not self.rules.xml:
-                self.report.repair(event.place, "a '<' that opens no tag: read as text")
-            return
-        if kind == "other":
+            self.in_untouched(event)
+        elif self.opaque is not None:
+            self.in_opaque(event)
+        elif event.kind == "data":
+            self.data(event)
+        elif event.kind == "other":
+            self.other(event)
+        elif event.kind == "end":
+            self.end_tag(event)
+        else:
+            self.start_tag(event)
+
+    def in_untouched(self, event: _Event) -> None:
+        """Inside an untouched element: everything as written until its end tag."""
+        until, depth = self.raw_until
+        if event.kind == "start" and event.name == until:
+            self.raw_until = (until, depth + 1)
+        elif event.kind == "end" and event.name == until:
+            self.raw_until = None if depth == 1 else (until, depth - 1)
+            if depth == 1:
+                self.pop(event)
+        self.raw(event.raw)
+
+    def in_opaque(self, event: _Event) -> None:
+        """Inside an opaque inline element: its source gathered, its text read."""
+        until, depth, raws = self.opaque
+        raws.append(event.raw)
+        if event.kind == "data":
+            self.block.add_text("", event.data)
+            self.block.atoms[-1].kind = "opaque-text"
+        if event.kind == "start" and event.name == until:
+            self.opaque = (until, depth + 1, raws)
+        elif event.kind == "end" and event.name == until:
+            if depth > 1:
+                self.opaque = (until, depth - 1, raws)
+            else:
+                self.pop(event)
+                self.close_opaque()
+
+    def close_opaque(self) -> None:
+        """The opaque element being read ends here (its end tag, or the input's end)."""
+        block = self.block
+        element = block.elements[block.opaque_inside]
+        element.b, element.raw = block.length, "".join(self.opaque[2])
+        block.atoms.append(_Atom("opaque", element.a, block.length, element=block.opaque_inside))
+        block.opaque_inside = -1
+        self.opaque = None
+
+    def data(self, event: _Event) -> None:
+        if self.block is None:
+            self.new_block()
+        if self.block.length > BLOCK_CHARS and not self.block.open:
+            self.report.repair(event.place, f"a block longer than {BLOCK_CHARS} characters: cut here")
             self.end_block()
-            self.raw(event.raw)
-            return
-        inline = name in self.rules.inline or (kind != "end" and name in self.rules.opaque)
-        if kind in ("start", "startend"):
-            opaque = self.opaque_attrs(event)
-            void = kind == "startend" or name in self.rules.void
-            if name in self.rules.untouched or (opaque and not inline and not void):
-                self.end_block()
-                self.raw(self.tag(event).raw)
-                if kind == "start" and name not in self.rules.void:
-                    self.push(event)
-                    self.raw_until = (name, 1)
+            self.new_block()
+        self.block.add_text(event.raw, event.data)
+        if "<" in event.data and not self.rules.xml:
+            self.report.repair(_place_in(event, event.raw.find("<")), "a '<' that opens no tag: read as text")
+
+    def other(self, event: _Event) -> None:
+        if event.name == "!skipped":  # "</>", which the parser drops: kept as written, the text cut at it
+            self.report.repair(event.place, f"{event.raw!r} is no tag: kept as it is")
+            if self.block is not None:
+                self.block.add_tag("boundary", _Tag(event.raw))
                 return
-            if not inline:
-                self.end_block()
-                self.items.append(self.tag(event))
-                if kind == "start" and name not in self.rules.void:
-                    self.push(event)
-                return
-            block = self.block or self.new_block()
-            parent = block.open[-1] if block.open else None
-            if void:
-                block.elements.append(_Element(name, event.place, parent, block.length, block.length, "void"))
-                block.add_tag("void", self.tag(event), len(block.elements) - 1)
-                return
-            if opaque:
-                block.elements.append(_Element(name, event.place, parent, block.length, kind="opaque"))
-                block.opaque_inside = len(block.elements) - 1
-                self.opaque = (name, 1, [event.raw])
+        self.end_block()
+        self.raw(event.raw)
+
+    def start_tag(self, event: _Event) -> None:
+        kind, name = event.kind, event.name
+        inline = name in self.rules.inline or name in self.rules.opaque
+        opaque = self.opaque_attrs(event)
+        void = kind == "startend" or name in self.rules.void
+        if name in self.rules.untouched or (opaque and not inline and not void):
+            self.end_block()
+            self.raw(self.tag(event).raw)
+            if kind == "start" and name not in self.rules.void:
                 self.push(event)
-                return
-            self.push(event)
-            block.elements.append(_Element(name, event.place, parent, block.length))
-            block.elements[-1].open_atom = len(block.atoms)
-            block.open.append(len(block.elements) - 1)
-            block.add_tag("open", self.tag(event), len(block.elements) - 1)
+                self.raw_until = (name, 1)
             return
-        # An end tag.
-        if (
-            name in self.rules.inline
-            and self.block is not None
-            and any(self.block.elements[e].name == name for e in self.block.open)
-        ):
-            block = self.block
+        if not inline:
+            self.end_block()
+            self.items.append(self.tag(event))
+            if kind == "start" and name not in self.rules.void:
+                self.push(event)
+            return
+        block = self.block or self.new_block()
+        parent = block.open[-1] if block.open else None
+        if void:
+            block.elements.append(_Element(name, event.place, parent, block.length, block.length, "void"))
+            block.add_tag("void", self.tag(event), len(block.elements) - 1)
+            return
+        if opaque:
+            block.elements.append(_Element(name, event.place, parent, block.length, kind="opaque"))
+            block.opaque_inside = len(block.elements) - 1
+            self.opaque = (name, 1, [event.raw])
+            self.push(event)
+            return
+        self.push(event)
+        block.elements.append(_Element(name, event.place, parent, block.length))
+        block.elements[-1].open_atom = len(block.atoms)
+        block.open.append(len(block.elements) - 1)
+        block.add_tag("open", self.tag(event), len(block.elements) - 1)
+
+    def end_tag(self, event: _Event) -> None:
+        name, block = event.name, self.block
+        if name in self.rules.inline and block is not None and any(block.elements[e].name == name for e in block.open):
             while True:
                 element_id = block.open.pop()
                 element = block.elements[element_id]
@@ -770,11 +818,8 @@ class _Walker:
             return
         if not self.pop(event):
             self.report.repair(event.place, f"</{name}> closes no open element: kept as it is")
-            if name in self.rules.inline and self.block is not None:
-                self.block.add_tag("boundary", self.tag(event))
-                return
-        if name in self.rules.inline and self.block is not None:  # its start tag was in an earlier block
-            self.block.add_tag("boundary", self.tag(event))
+        if name in self.rules.inline and block is not None:  # stray, or its start tag was in an earlier block
+            block.add_tag("boundary", self.tag(event))
             return
         self.end_block()
         self.items.append(self.tag(event))
@@ -1013,13 +1058,6 @@ def translate_markup(
     found: dict[int, Aligned] = {}
     buffer, buffer_start = "", 0  # the source from the first event not yet read
 
-    def take(events: list[_Event], ends: list[int]) -> None:
-        for event, end in zip(events, ends):
-            event.raw = buffer[event.start - buffer_start : end - buffer_start]
-            if event.kind == "data" and walker.raw_until is None:
-                _split_skipped(event, walker)
-            walker.event(event)
-
     def flush() -> None:
         """Translates what waits and writes the items that are done (the open block's tags keep their ids)."""
         if walker.sources:
@@ -1033,7 +1071,22 @@ def translate_markup(
         for i in [i for i in found if i < keep]:
             del found[i]
 
+    def take(events: list[_Event], ends: list[int]) -> None:
+        for event, end in zip(events, ends):
+            event.raw = buffer[event.start - buffer_start : end - buffer_start]
+            if event.kind == "data" and walker.raw_until is None:
+                _split_skipped(event, walker)
+            walker.event(event)
+            if len(walker.sources) >= chunk_sentences:
+                flush()
+
+    first = True
     for chunk in chunks:
+        if first and chunk:
+            first = False
+            if chunk.startswith("\ufeff"):  # a UTF-8 byte-order mark: written as it is, never translated
+                walker.raw("\ufeff")
+                chunk = chunk[1:]
         buffer += chunk
         tokenizer.feed(chunk)
         events = tokenizer.events
@@ -1043,8 +1096,6 @@ def translate_markup(
             keep = tokenizer.events[0].start
             buffer, buffer_start = buffer[keep - buffer_start :], keep
             tokenizer.forget_lines()
-        if len(walker.sources) >= chunk_sentences:
-            flush()
     tokenizer.close()
     events = tokenizer.events
     take(events, [e.start for e in events[1:]] + [tokenizer.fed])
@@ -1052,12 +1103,9 @@ def translate_markup(
         report.repair(events[-1].place if events else (1, 0),
                       f"<{walker.raw_until[0]}> not closed: the rest of the input is kept as it is")  # fmt: skip
     if walker.opaque is not None:  # an opaque element not closed: it runs to the end
-        block = walker.block
-        element = block.elements[block.opaque_inside]
-        element.b, element.raw = block.length, "".join(walker.opaque[2])
-        block.atoms.append(_Atom("opaque", element.a, block.length, element=block.opaque_inside))
+        element = walker.block.elements[walker.block.opaque_inside]
         report.repair(element.place, f"<{element.name}> not closed: the rest of the input is carried as it is")
-        walker.opaque = None
+        walker.close_opaque()
     walker.end_block()
     flush()
     return report
@@ -1072,7 +1120,7 @@ def _split_skipped(event: _Event, walker: _Walker) -> None:
     for j in range(len(raw), -1, -1):
         if html.unescape(raw[:j]) == event.data:
             walker.event(dataclasses.replace(event, raw=raw[:j]))
-            event.kind, event.raw, event.name = "other", raw[j:], "!skipped"
+            event.kind, event.raw, event.name, event.place = "other", raw[j:], "!skipped", _place_in(event, j)
             return
 
 
