@@ -164,6 +164,7 @@ def test_everything_outside_the_text_comes_back_byte_for_byte(translate):
     if translate is upper:
         assert recorded(out) == recorded(PAGE)
     else:
+
         def marks(text):  # the tags and comments, declarations, CDATA
             return sorted(repr(t) for t in recorded(text) if t[0] not in ("text", "space"))
 
@@ -188,7 +189,7 @@ def test_prefix_and_suffix_of_the_page_are_the_source_by_position():
 
 
 def test_lang_becomes_the_target_code_and_nothing_else_changes_in_the_tag():
-    out, _ = run('<html lang="de"><p lang=de xml:lang=\'de\' id=a>x</p></html>', target_language="fr")
+    out, _ = run("<html lang=\"de\"><p lang=de xml:lang='de' id=a>x</p></html>", target_language="fr")
     assert out == '<html lang="fr"><p lang="fr" xml:lang=\'fr\' id=a>X</p></html>'
     out, _ = run('<html lang="de"><p>x</p></html>', target_language=None)
     assert out == '<html lang="de"><p>X</p></html>'
@@ -439,7 +440,8 @@ def test_utf8_bom_is_kept_byte_for_byte_and_not_translated():
 XLIFF = """<?xml version="1.0" encoding="UTF-8"?>
 <xliff version="1.2"><file source-language="en" target-language="fr"><body>
 <trans-unit id="1"><source xml:lang="en">Press <g id="1">the red</g> button<x id="2"/> now.</source></trans-unit>
-<trans-unit id="2"><source>Keep <ph id="3">{0} &amp; {1}</ph> this <bpt id="4">&lt;b&gt;</bpt>one<ept id="4">&lt;/b&gt;</ept>.</source></trans-unit>
+<trans-unit id="2"><source>Keep <ph id="3">{0} &amp; {1}</ph> this <bpt id="4">&lt;b&gt;</bpt>one<ept id="4">\
+&lt;/b&gt;</ept>.</source></trans-unit>
 </body></file></xliff>
 """
 

@@ -211,15 +211,16 @@ def read_markup(
             line = newlines + head.count("\n") + 1
             at = len(head) - head.rfind("\n") - 1 if "\n" in head else column + len(head)
             raise DataError(
-                f"{origin}, line {line}, column {at + 1}: longer than the limit of {max_bytes} bytes for markup (the limit is reached "
-                f"at byte offset {max_bytes})"
+                f"{origin}, line {line}, column {at + 1}: longer than the limit of {max_bytes} bytes for markup (the "
+                f"limit is reached at byte offset {max_bytes})"
             )
         text = decoder.decode(raw)
         for bad in re.finditer("[\udc80-\udcff]+", text):
             before = text[: bad.start()]
             line = newlines + before.count("\n") + 1
             what = f"{len(bad.group())} bytes not UTF-8 (kept as they are; U+FFFD in translated text)"
-            report.repair((line, len(before) - before.rfind("\n") - 1 if "\n" in before else column + len(before)), what)
+            at = len(before) - before.rfind("\n") - 1 if "\n" in before else column + len(before)
+            report.repair((line, at), what)
         newlines += text.count("\n")
         column = len(text) - text.rfind("\n") - 1 if "\n" in text else column + len(text)
         offset += len(raw)
