@@ -605,4 +605,5 @@ def test_a_real_model_translates_each_block_as_a_document(run_dir, tmp_path):
         sys.stdout, sys.stderr = saved
     stdout.flush()
     assert code == 0, stderr.getvalue()
+    report.origin = str(path)  # the command line names its input in the report
     assert stdout.buffer.getvalue() == out.encode("utf-8") and report.describe() in stderr.getvalue()
