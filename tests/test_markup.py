@@ -607,3 +607,18 @@ def test_a_real_model_translates_each_block_as_a_document(run_dir, tmp_path):
     assert code == 0, stderr.getvalue()
     report.origin = str(path)  # the command line names its input in the report
     assert stdout.buffer.getvalue() == out.encode("utf-8") and report.describe() in stderr.getvalue()
+
+
+_FRAGMENTS = st.sampled_from(["<b>", "</b>", "<i>", "</i>", "<p>", "</p>", "<div>", "</div>", "</>", "< ", "&", "&amp",
+                              "<code>", "</code>", "<script>", "</script>", "<!-- c -->", "<br>", "<img alt='x y'>",
+                              "<a title=t>", "</a>", "dog", " runs", ". ", "\n", "Cat", "<li>", "<pre>", "</pre>",
+                              "<span translate=no>", "</span>", "<ul>", "</ul>", "é"])  # fmt: skip
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(_FRAGMENTS, max_size=24).map("".join), st.sampled_from([upper, reverse, unaligned]))
+def test_any_malformed_fragments_come_back_with_their_tags(page, translate):
+    out, report = run(page, translate, rules=markup.Rules.html(keep_attributes=True))
+    assert sorted(tag_names(out)) == sorted(tag_names(page))
+    assert out.count("</>") == page.count("</>") and out.count("<!-- c -->") == page.count("<!-- c -->")
+    assert report.repair_count >= ("</>" in page and not re.search("<(code|script|pre|span)", page))

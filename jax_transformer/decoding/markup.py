@@ -290,6 +290,13 @@ class _Tokenizer(html.parser.HTMLParser):
         start = self.lines[line - self.first_line] + column
         self.events.append(_Event(kind, name, list(attrs), start, (line, column), data))
 
+    def parse_endtag(self, i):
+        seen = len(self.events)
+        k = super().parse_endtag(i)
+        if k > i and len(self.events) == seen:  # "</>", which the parser drops without an event: kept as written
+            self._add("other", "!skipped")
+        return k
+
     def handle_starttag(self, tag, attrs):
         self._add("start", tag, attrs)
 
@@ -983,11 +990,13 @@ def _render_sentence(block: _Block, k: int, found, inside, closes, voids, report
                                                      f"it follows that tag")  # fmt: skip
                 spans[i] = (end, max(hi, end))
             end = max(end, spans[i][1])
-        for i in list(mine):  # a point inside a wide sibling goes into it
+        for i in list(mine):  # a point inside a wide sibling goes into it (after it, where its content is opaque)
             p = spans[i][0]
             if spans[i][1] == p:
                 holder = next((w for w in wide if spans[w][0] < p < spans[w][1]), None)
-                if holder is not None:
+                if holder is not None and elements[holder].kind == "opaque":
+                    spans[i] = (spans[holder][1], spans[holder][1])
+                elif holder is not None:
                     mine.remove(i)
                     kids.setdefault(holder, []).append(i)
         for i in wide:
@@ -1075,8 +1084,6 @@ def translate_markup(
     def take(events: list[_Event], ends: list[int]) -> None:
         for event, end in zip(events, ends):
             event.raw = buffer[event.start - buffer_start : end - buffer_start]
-            if event.kind == "data" and walker.raw_until is None:
-                _split_skipped(event, walker)
             walker.event(event)
             if len(walker.sources) >= chunk_sentences:
                 flush()
@@ -1110,19 +1117,6 @@ def translate_markup(
     walker.end_block()
     flush()
     return report
-
-
-def _split_skipped(event: _Event, walker: _Walker) -> None:
-    """A text event's source may end with characters the parser skipped without an event (`</>`): they are cut off
-    and kept as written, after the text."""
-    raw = event.raw
-    if raw == event.data or html.unescape(raw) == event.data:
-        return
-    for j in range(len(raw), -1, -1):
-        if html.unescape(raw[:j]) == event.data:
-            walker.event(dataclasses.replace(event, raw=raw[:j]))
-            event.kind, event.raw, event.name, event.place = "other", raw[j:], "!skipped", _place_in(event, j)
-            return
 
 
 def _render(item, found: dict[int, Aligned], report: MarkupReport) -> str:
