@@ -622,3 +622,49 @@ def test_any_malformed_fragments_come_back_with_their_tags(page, translate):
     assert sorted(tag_names(out)) == sorted(tag_names(page))
     assert out.count("</>") == page.count("</>") and out.count("<!-- c -->") == page.count("<!-- c -->")
     assert report.repair_count >= ("</>" in page and not re.search("<(code|script|pre|span)", page))
+
+
+# --- found by the tests above: each a case that failed before markup.py was fixed ------------------------------------
+
+
+def test_an_escaped_less_than_is_no_repair():
+    out, report = run("<p>A &lt;b&gt; tag.</p>", upper)
+    assert out == "<p>A &lt;B&gt; TAG.</p>" and report.repair_count == 0
+
+
+def test_empty_end_tag_with_nothing_before_it_is_kept():
+    out, report = run("</>", upper)
+    assert out == "</>" and notes(report) == [(1, 1)]
+
+
+@pytest.mark.parametrize("translate", [upper, reverse])
+def test_an_empty_tag_beside_opaque_content_is_kept(translate):
+    out, _ = run("<p>x <code>a b</code><b></b> y</p>", translate)
+    assert "<code>a b</code><b></b>" in out
+    out, _ = run("<code>dog dog</code><b></b>&amp;", upper)
+    assert out == "<code>dog dog</code><b></b>&amp;"
+
+
+def test_opaque_part_of_a_word_keeps_the_words_translation():
+    out, report = run("<p>call <code>f</code>(x) now</p>", reverse)
+    assert out == "<p>NOW <code>f</code>F(X) CALL</p>"  # the translation of "f(x)" kept, the code put before it
+    assert report.unplaced_count == 1 and "part of a word" in report.unplaced[0].what
+
+
+def test_a_translator_that_loses_sentences_is_named():
+    with pytest.raises(ValueError, match="gave 1 translations of 2 sentences"):
+        run("<p>One.</p><p>Two.</p>", lambda sentences: upper(sentences[:1]), chunk_sentences=4)
+
+
+def test_pairs_out_of_range_are_left_out():
+    out, report = run("<p>a <b>b</b></p>", lambda ss: [(s.upper(), [(-1, 0), (1, -1), (1, 7), (1, 0)]) for s in ss])
+    assert out == "<p><b>A</b> B</p>" and report.placed == 1
+
+
+def test_line_starts_are_forgotten_as_the_stream_goes():
+    page = "".join(f"<p>Line <b>{i}</b>.</p>\n" for i in range(4500)) + "<p>x\n<b>y</b> &lt\n <i>z</p>"
+    written = []
+    report = markup.translate_markup([page[i : i + 100] for i in range(0, len(page), 100)], written.append, reverse,
+                                     segmenter=SEG)  # fmt: skip
+    assert "".join(written) == run(page, reverse)[0]
+    assert notes(report) == [(4503, 2)]  # the <i> not closed: its place counted through every line

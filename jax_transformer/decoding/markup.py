@@ -20,6 +20,7 @@ of a sentence placed on the words that translate the words they wrapped, by word
 
 from __future__ import annotations
 
+import bisect
 import codecs
 import dataclasses
 import html
@@ -419,12 +420,12 @@ class _Tag:
         self.raw = raw
         self.values: list[tuple[tuple[int, int], str, list]] = []
 
-    def render(self, found: dict[int, str]) -> str:
+    def render(self, found: dict[int, Aligned]) -> str:
         if not self.values:
             return self.raw
         out, at = [], 0
         for (a, b), quote, pieces in sorted(self.values, key=lambda v: v[0]):
-            text = "".join(found[p] if isinstance(p, int) else p for p in pieces)
+            text = "".join(found[p][0] if isinstance(p, int) else p for p in pieces)
             out.append(self.raw[at:a])
             q = quote or '"'
             out.append(q + _escape_attribute(text, q) + q)
@@ -501,7 +502,7 @@ class _Placer:
         self.aligned: dict[int, set[int]] = {}
         if pairs is not None:
             for i, j in pairs:
-                if i < len(self.source_words) and j < len(self.target_words):
+                if 0 <= i < len(self.source_words) and 0 <= j < len(self.target_words):
                     self.aligned.setdefault(i, set()).add(j)
         self.has_alignment = pairs is not None
 
@@ -761,7 +762,7 @@ class _Walker:
             self.end_block()
             self.new_block()
         self.block.add_text(event.raw, event.data)
-        if "<" in event.data and not self.rules.xml:
+        if "<" in event.raw and not self.rules.xml:  # a literal '<' ("&lt;" is no repair)
             self.report.repair(_place_in(event, event.raw.find("<")), "a '<' that opens no tag: read as text")
 
     def other(self, event: _Event) -> None:
@@ -795,6 +796,7 @@ class _Walker:
         parent = block.open[-1] if block.open else None
         if void:
             block.elements.append(_Element(name, event.place, parent, block.length, block.length, "void"))
+            block.elements[-1].open_atom = len(block.atoms)
             block.add_tag("void", self.tag(event), len(block.elements) - 1)
             return
         if opaque:
@@ -870,33 +872,41 @@ def _render_block(block: _Block, found: dict[int, Aligned], report: MarkupReport
     if not sentences:
         return "".join(_atom_raw(atom, block, found) for atom in block.atoms if atom.kind != "opaque-text")
     elements = block.elements
-    # Which tags go into a sentence's translation ("aligned") and which stay where they are.
-    inside: dict[int, int] = {}  # element id -> sentence index of its open tag placed by alignment
-    closes: dict[int, int] = {}
-    voids: dict[int, int] = {}
-    for k, (s, e, _) in enumerate(sentences):
-        for i, el in enumerate(elements):
-            if el.kind == "void":
-                if s < el.a < e:
-                    voids[i] = k
-                continue
-            if el.b < 0:
-                continue
-            if el.kind == "opaque":
+    starts = [s for s, _, _ in sentences]
+
+    def holder(x: int) -> int | None:
+        """The sentence that holds position x (its start included), None where it lies between two."""
+        k = bisect.bisect_right(starts, x) - 1
+        return k if k >= 0 and x < sentences[k][1] else None
+
+    # Which tags go into a sentence's translation (placed by alignment) and which stay where they are.
+    inside: dict[int, int] = {}  # element id -> the sentence whose translation holds its start tag
+    closes: dict[int, int] = {}  # element id -> the sentence whose translation holds its end tag
+    voids: dict[int, int] = {}  # void or empty element id -> the sentence whose translation holds it
+    for i, el in enumerate(elements):
+        if el.kind == "void" or (el.kind != "opaque" and el.a == el.b >= 0):  # a point (an empty element too)
+            k = holder(el.a)
+            if k is not None and sentences[k][0] < el.a:
+                voids[i] = k
+                if el.kind != "void":
+                    inside[i] = closes[i] = k
+        elif el.b < 0:  # not closed: its tags stay where they are
+            continue
+        elif el.kind == "opaque":  # the last sentence it overlaps without covering it whole
+            first = max(bisect.bisect_right(starts, el.a) - 1, 0)
+            for k in range(first, bisect.bisect_left(starts, el.b)):
+                s, e, _ = sentences[k]
                 if el.a < e and el.b > s and not (el.a <= s and el.b >= e):
                     inside[i] = closes[i] = k
-                continue
-            if el.a == el.b:  # an empty element: a point, as a void one
-                if s < el.a < e:
-                    voids[i] = inside[i] = closes[i] = k
-                continue
-            if s < el.a < e or (el.a == s and el.b < e):
+        else:
+            k = holder(el.a)  # its start tag, where the sentence holding it does not start with it (or goes on)
+            if k is not None and (sentences[k][0] < el.a or el.b < sentences[k][1]):
                 inside[i] = k
-            if s < el.b < e or (el.b == e and el.a > s):
+            k = bisect.bisect_left(starts, el.b) - 1  # its end tag: the last sentence that starts before it
+            if k >= 0 and (el.b < sentences[k][1] or (el.b == sentences[k][1] and el.a > sentences[k][0])):
                 closes[i] = k
     out = []
     k_next = 0
-    texts = {i: t for i, (t, _) in found.items()}
     for atom in block.atoms:
         if atom.kind == "opaque-text":
             continue
@@ -904,9 +914,10 @@ def _render_block(block: _Block, found: dict[int, Aligned], report: MarkupReport
             a, b = atom.at, atom.end
             pos = a
             while pos < b:
-                k = next((k for k, (s, e, _) in enumerate(sentences) if s <= pos < e), None)
+                k = holder(pos)
                 if k is None:
-                    nxt = min([s for s, _, _ in sentences if s > pos] + [b])
+                    later = bisect.bisect_right(starts, pos)
+                    nxt = min(starts[later], b) if later < len(starts) else b
                     out.append(atom.text.raw_slice(pos - a, nxt - a))
                     pos = nxt
                 else:
@@ -930,7 +941,7 @@ def _render_block(block: _Block, found: dict[int, Aligned], report: MarkupReport
             continue
         if atom.kind == "void" and atom.element in voids:
             continue
-        out.append(atom.tag.render(texts))
+        out.append(atom.tag.render(found))
     if k_next != len(sentences):
         raise AssertionError(f"sentences {k_next}..{len(sentences) - 1} of a block were not written")
     return "".join(out)
@@ -941,7 +952,7 @@ def _atom_raw(atom: _Atom, block: _Block, found) -> str:
         return atom.text.raw
     if atom.kind == "opaque":
         return block.elements[atom.element].raw
-    return atom.tag.render({i: t for i, (t, _) in found.items()})
+    return atom.tag.render(found)
 
 
 def _render_sentence(block: _Block, k: int, found, inside, closes, voids, report: MarkupReport) -> str:
@@ -953,7 +964,6 @@ def _render_sentence(block: _Block, k: int, found, inside, closes, voids, report
     if pairs is None:
         report.unaligned += 1
     placer = _Placer(block, s, e, target, pairs, report)
-    texts = {i: t for i, (t, _) in found.items()}
     elements = block.elements
     spans: dict[int, tuple[int, int]] = {}
     for i, el in enumerate(elements):
@@ -1006,9 +1016,7 @@ def _render_sentence(block: _Block, k: int, found, inside, closes, voids, report
 
     def tag(i: int, kind: str) -> str:
         el = elements[i]
-        if el.kind == "void":
-            return block.atoms[_atom_of(block, i, "void")].tag.render(texts)
-        return block.atoms[el.open_atom if kind == "open" else el.close_atom].tag.render(texts)
+        return block.atoms[el.close_atom if kind == "close" else el.open_atom].tag.render(found)
 
     def emit(parent: int | None, lo_frame: int, hi_frame: int, out: list[str]) -> None:
         at = lo_frame
@@ -1032,10 +1040,6 @@ def _render_sentence(block: _Block, k: int, found, inside, closes, voids, report
     out: list[str] = []
     emit(None, 0, len(target), out)
     return "".join(out)
-
-
-def _atom_of(block: _Block, element: int, kind: str) -> int:
-    return next(n for n, atom in enumerate(block.atoms) if atom.element == element and atom.kind == kind)
 
 
 # =============================================================================================================
@@ -1072,7 +1076,10 @@ def translate_markup(
         """Translates what waits and writes the items that are done (the open block's tags keep their ids)."""
         if walker.sources:
             ids = list(walker.sources)
-            found.update(zip(ids, translate([walker.sources[i] for i in ids])))
+            answers = translate([walker.sources[i] for i in ids])
+            if len(answers) != len(ids):
+                raise ValueError(f"the translate function gave {len(answers)} translations of {len(ids)} sentences")
+            found.update(zip(ids, answers))
             walker.sources = {}
         if walker.items:
             write("".join(_render(item, found, report) for item in walker.items))
@@ -1123,7 +1130,7 @@ def _render(item, found: dict[int, Aligned], report: MarkupReport) -> str:
     if isinstance(item, str):
         return item
     if isinstance(item, _Tag):
-        return item.render({i: t for i, (t, _) in found.items()})
+        return item.render(found)
     return _render_block(item, found, report)
 
 
