@@ -668,3 +668,27 @@ def test_line_starts_are_forgotten_as_the_stream_goes():
                                      segmenter=SEG)  # fmt: skip
     assert "".join(written) == run(page, reverse)[0]
     assert notes(report) == [(4503, 2)]  # the <i> not closed: its place counted through every line
+
+
+def test_attributes_of_untranslated_elements_are_left_and_not_sent():
+    asked = []
+
+    def spy(sentences):
+        asked.extend(sentences)
+        return upper(sentences)
+
+    page = (
+        '<textarea placeholder="Type here">x</textarea><div translate=no title="A tip">y</div>'
+        '<p>z <img translate=no alt="A dog"> <input class="notranslate" placeholder="Name" lang=de> '
+        '<code title="A code">c</code></p><pre lang=de>w</pre>'
+    )
+    out, report = run(page, spy, target_language="fr")
+    assert out == page.replace(">z <", ">Z <")
+    assert asked == ["z"] and report.attributes == 0  # <input> ends the block; the code alone is no sentence
+
+
+def test_attribute_limit_holds_in_untranslated_elements_too():
+    rules = markup.Rules.html(max_attribute=4)
+    for page in ['<pre title="12345">', '<p><code class="12345">x</code></p>', '<img translate=no alt="12345">']:
+        with pytest.raises(DataError, match="over the limit of 4"):
+            run(page, upper, rules=rules)

@@ -636,8 +636,9 @@ class _Walker:
 
     # --- events ---------------------------------------------------------------------------------------------
 
-    def tag(self, event: _Event) -> _Tag:
-        """The tag as written, its translatable attributes queued (`rules.attributes`, `rules.lang`)."""
+    def tag(self, event: _Event, translate: bool = True) -> _Tag:
+        """The tag as written, its attributes checked against the limit and, with `translate`, its translatable
+        attributes queued (`rules.attributes`, `rules.lang`)."""
         tag = _Tag(event.raw)
         if event.kind == "end":
             return tag
@@ -650,7 +651,7 @@ class _Walker:
         wanted = {
             n for n, v in event.attrs if v and (n in self.rules.attributes or (n in self.rules.lang and self.target))
         }
-        if not wanted or self.raw_until or self.opaque:
+        if not translate or not wanted or self.raw_until or self.opaque:
             return tag
         values = dict((n, v) for n, v in event.attrs)
         for name, span in _raw_attributes(event.raw):
@@ -781,14 +782,14 @@ class _Walker:
         void = kind == "startend" or name in self.rules.void
         if name in self.rules.untouched or (opaque and not inline and not void):
             self.end_block()
-            self.raw(self.tag(event).raw)
+            self.raw(self.tag(event, translate=False).raw)  # its attributes as written, as its content
             if kind == "start" and name not in self.rules.void:
                 self.push(event)
                 self.raw_until = (name, 1)
             return
         if not inline:
             self.end_block()
-            self.items.append(self.tag(event))
+            self.items.append(self.tag(event, translate=not opaque))  # translate="no": its attributes too
             if kind == "start" and name not in self.rules.void:
                 self.push(event)
             return
@@ -797,12 +798,12 @@ class _Walker:
         if void:
             block.elements.append(_Element(name, event.place, parent, block.length, block.length, "void"))
             block.elements[-1].open_atom = len(block.atoms)
-            block.add_tag("void", self.tag(event), len(block.elements) - 1)
+            block.add_tag("void", self.tag(event, translate=not opaque), len(block.elements) - 1)
             return
         if opaque:
             block.elements.append(_Element(name, event.place, parent, block.length, kind="opaque"))
             block.opaque_inside = len(block.elements) - 1
-            self.opaque = (name, 1, [event.raw])
+            self.opaque = (name, 1, [self.tag(event, translate=False).raw])
             self.push(event)
             return
         self.push(event)
