@@ -906,6 +906,14 @@ def _render_block(block: _Block, found: dict[int, Aligned], report: MarkupReport
             k = bisect.bisect_left(starts, el.b) - 1  # its end tag: the last sentence that starts before it
             if k >= 0 and (el.b < sentences[k][1] or (el.b == sentences[k][1] and el.a > sentences[k][0])):
                 closes[i] = k
+    members: dict[int, list[int]] = {}  # sentence -> the elements placed in it, in source order
+    for i in sorted(set(inside) | set(closes) | set(voids)):
+        for k in sorted({placed.get(i) for placed in (inside, closes, voids)} - {None}):
+            members.setdefault(k, []).append(i)
+
+    def sentence(k: int) -> str:
+        return _Sentence(block, k, found, members.get(k, []), inside, closes, voids, report).render()
+
     out = []
     k_next = 0
     for atom in block.atoms:
@@ -924,14 +932,14 @@ def _render_block(block: _Block, found: dict[int, Aligned], report: MarkupReport
                 else:
                     s, e, _ = sentences[k]
                     if k >= k_next:
-                        out.append(_render_sentence(block, k, found, inside, closes, voids, report))
+                        out.append(sentence(k))
                         k_next = k + 1
                     pos = min(e, b)
             continue
         if atom.kind == "opaque":
             if atom.element in inside:  # written by its sentence (which may hold no other text)
                 if inside[atom.element] >= k_next:
-                    out.append(_render_sentence(block, inside[atom.element], found, inside, closes, voids, report))
+                    out.append(sentence(inside[atom.element]))
                     k_next = inside[atom.element] + 1
                 continue
             out.append(elements[atom.element].raw)
@@ -956,38 +964,50 @@ def _atom_raw(atom: _Atom, block: _Block, found) -> str:
     return atom.tag.render(found)
 
 
-def _render_sentence(block: _Block, k: int, found, inside, closes, voids, report: MarkupReport) -> str:
-    """Sentence k's translation, escaped, with the inline tags placed in it: each element's span from the words
-    aligned to its words, then made to nest (a child inside its parent, siblings apart), then written out."""
-    s, e, sid = block.sentences[k]
-    target, pairs = found[sid]
-    target = documents.LINE_BREAK.sub(" ", target)
-    if pairs is None:
-        report.unaligned += 1
-    placer = _Placer(block, s, e, target, pairs, report)
-    elements = block.elements
-    spans: dict[int, tuple[int, int]] = {}
-    for i, el in enumerate(elements):
-        if voids.get(i) == k:
-            p = placer.point(el.a)
-            spans[i] = (p, p)
-            report.placed += placer.has_alignment
-        elif inside.get(i) == k or closes.get(i) == k:
-            lo, hi = placer.span(max(el.a, s), min(el.b, e), el)
-            spans[i] = (lo if inside.get(i) == k else 0, hi if closes.get(i) == k else len(target))
+class _Sentence:
+    """Sentence k of a block rendered: its translation, escaped, with the inline tags placed in it. Each element's
+    span comes from the words aligned to its words (`_Placer`); the spans are then made to nest (`settle`: a child
+    inside its parent, siblings apart) and written out (`emit`)."""
 
-    def placed_parent(i: int) -> int | None:
-        parent = elements[i].parent
-        while parent is not None and parent not in spans:
-            parent = elements[parent].parent
-        return parent
+    def __init__(self, block: _Block, k: int, found: dict[int, Aligned], members: list[int], inside, closes, voids,
+                 report: MarkupReport) -> None:  # fmt: skip
+        s, e, sid = block.sentences[k]
+        target, pairs = found[sid]
+        self.target = documents.LINE_BREAK.sub(" ", target)
+        self.block, self.k, self.found, self.report = block, k, found, report
+        self.opens = {i for i in members if inside.get(i) == k}  # elements whose start tag this sentence writes
+        self.closes = {i for i in members if closes.get(i) == k}  # elements whose end tag it writes
+        if pairs is None:
+            report.unaligned += 1
+        placer = _Placer(block, s, e, self.target, pairs, report)
+        elements = block.elements
+        self.spans: dict[int, tuple[int, int]] = {}  # element id -> [start, end) in the target
+        for i in members:  # source order: parents before children
+            el = elements[i]
+            if voids.get(i) == k:
+                p = placer.point(el.a)
+                self.spans[i] = (p, p)
+                report.placed += placer.has_alignment
+            else:
+                lo, hi = placer.span(max(el.a, s), min(el.b, e), el)
+                self.spans[i] = (lo if i in self.opens else 0, hi if i in self.closes else len(self.target))
+        self.kids: dict[int | None, list[int]] = {}  # placed element (None: the sentence) -> its placed children
+        for i in self.spans:
+            parent = elements[i].parent
+            while parent is not None and parent not in self.spans:
+                parent = elements[parent].parent
+            self.kids.setdefault(parent, []).append(i)
 
-    kids: dict[int | None, list[int]] = {}
-    for i in spans:  # source order: parents before children
-        kids.setdefault(placed_parent(i), []).append(i)
+    def render(self) -> str:
+        self.settle(None, 0, len(self.target))
+        out: list[str] = []
+        self.emit(None, 0, len(self.target), out)
+        return "".join(out)
 
-    def settle(parent: int | None, lo_frame: int, hi_frame: int) -> None:
-        mine = kids.get(parent, [])
+    def settle(self, parent: int | None, lo_frame: int, hi_frame: int) -> None:
+        """The spans of `parent`'s children made to lie inside [lo_frame, hi_frame) and apart, then theirs."""
+        spans, elements = self.spans, self.block.elements
+        mine = self.kids.get(parent, [])
         for i in mine:  # inside the parent
             lo, hi = spans[i]
             lo = min(max(lo, lo_frame), hi_frame)
@@ -997,8 +1017,8 @@ def _render_sentence(block: _Block, k: int, found, inside, closes, voids, report
         for i in wide:  # siblings apart: one whose words overlap an earlier sibling's goes after it
             lo, hi = spans[i]
             if lo < end:
-                report.not_placed(elements[i].place, f"<{elements[i].name}>: its words overlap another tag's; "
-                                                     f"it follows that tag")  # fmt: skip
+                self.report.not_placed(elements[i].place, f"<{elements[i].name}>: its words overlap another tag's; "
+                                                          f"it follows that tag")  # fmt: skip
                 spans[i] = (end, max(hi, end))
             end = max(end, spans[i][1])
         for i in list(mine):  # a point inside a wide sibling goes into it (after it, where its content is opaque)
@@ -1009,38 +1029,30 @@ def _render_sentence(block: _Block, k: int, found, inside, closes, voids, report
                     spans[i] = (spans[holder][1], spans[holder][1])
                 elif holder is not None:
                     mine.remove(i)
-                    kids.setdefault(holder, []).append(i)
+                    self.kids.setdefault(holder, []).append(i)
         for i in wide:
-            settle(i, *spans[i])
+            self.settle(i, *spans[i])
 
-    settle(None, 0, len(target))
-
-    def tag(i: int, kind: str) -> str:
-        el = elements[i]
-        return block.atoms[el.close_atom if kind == "close" else el.open_atom].tag.render(found)
-
-    def emit(parent: int | None, lo_frame: int, hi_frame: int, out: list[str]) -> None:
+    def emit(self, parent: int | None, lo_frame: int, hi_frame: int, out: list[str]) -> None:
+        """`parent`'s part of the target, [lo_frame, hi_frame), with its children's tags, into `out`."""
+        spans, elements, atoms, target = self.spans, self.block.elements, self.block.atoms, self.target
         at = lo_frame
-        for i in sorted(kids.get(parent, []), key=lambda i: (spans[i][0], spans[i][1] > spans[i][0], i)):
+        for i in sorted(self.kids.get(parent, []), key=lambda i: (spans[i][0], spans[i][1] > spans[i][0], i)):
             lo, hi = spans[i]
             el = elements[i]
             out.append(_escape(target[at:lo]))
             if el.kind == "opaque":
                 out.append(el.raw)
             elif el.kind == "void":
-                out.append(tag(i, "void"))
+                out.append(atoms[el.open_atom].tag.render(self.found))
             else:
-                if inside.get(i) == k:
-                    out.append(tag(i, "open"))
-                emit(i, lo, hi, out)
-                if closes.get(i) == k:
-                    out.append(tag(i, "close"))
+                if i in self.opens:
+                    out.append(atoms[el.open_atom].tag.render(self.found))
+                self.emit(i, lo, hi, out)
+                if i in self.closes:
+                    out.append(atoms[el.close_atom].tag.render(self.found))
             at = max(at, hi)
         out.append(_escape(target[at:hi_frame]))
-
-    out: list[str] = []
-    emit(None, 0, len(target), out)
-    return "".join(out)
 
 
 # =============================================================================================================
