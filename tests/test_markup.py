@@ -5,6 +5,7 @@ an independent route (a fresh `html.parser` over input and output, and the sourc
 
 from __future__ import annotations
 
+import collections
 import html
 import html.parser
 import io
@@ -109,6 +110,16 @@ def recorded(text: str) -> list:
         else:
             out.append(item)
     return out
+
+
+def letters(text: str) -> collections.Counter:
+    """The letters and digits of the text content (tags left out, references decoded), case folded."""
+    parser = html.parser.HTMLParser(convert_charrefs=True)
+    found = []
+    parser.handle_data = found.append
+    parser.feed(text)
+    parser.close()
+    return collections.Counter(c for c in "".join(found).casefold() if c.isalnum())
 
 
 def tag_names(text: str) -> list:
@@ -563,6 +574,7 @@ def test_any_tree_comes_back_with_its_tags(page, translate):
         return [t for t in recorded(text) if t[0] not in ("text", "space") and t[1] not in inline]
 
     assert outer(out) == outer(page)  # a block's inline tags move with its words; every other tag stays
+    assert not letters(page) - letters(out)  # no text lost (opaque text may come twice, without an alignment)
     assert sorted(map(repr, recorded(out))) == sorted(map(repr, recorded(page))) or (
         sorted(tag_names(out)) == sorted(tag_names(page))
     )
@@ -620,6 +632,7 @@ _FRAGMENTS = st.sampled_from(["<b>", "</b>", "<i>", "</i>", "<p>", "</p>", "<div
 def test_any_malformed_fragments_come_back_with_their_tags(page, translate):
     out, report = run(page, translate, rules=markup.Rules.html(keep_attributes=True))
     assert sorted(tag_names(out)) == sorted(tag_names(page))
+    assert not letters(page) - letters(out)
     assert out.count("</>") == page.count("</>") and out.count("<!-- c -->") == page.count("<!-- c -->")
     assert report.repair_count >= ("</>" in page and not re.search("<(code|script|pre|span)", page))
 
@@ -692,3 +705,36 @@ def test_attribute_limit_holds_in_untranslated_elements_too():
     for page in ['<pre title="12345">', '<p><code class="12345">x</code></p>', '<img translate=no alt="12345">']:
         with pytest.raises(DataError, match="over the limit of 4"):
             run(page, upper, rules=rules)
+
+
+def test_inline_and_opaque_elements_flags_give_the_xml_rules():
+    from jax_transformer.cli.main import build_parser
+    from jax_transformer.decoding.translator import Translator
+
+    args = build_parser().parse_args(["translate", "--checkpoint", "none", "--input-format", "xml", "--inline-elements",
+                                      "term,Bold", "--opaque-elements", "var"])  # fmt: skip
+    rules = Translator.markup_rules(None, True, True, args.inline_elements, args.opaque_elements)
+    page = "<doc><p>Hello <term>big</term> <var>x y</var> world.</p><note>a <bold>b</bold></note><g>c</g></doc>"
+    out, _ = run(page, reverse, rules=rules)
+    assert out == (
+        "<doc><p>WORLD. <var>x y</var> <term>BIG</term> HELLO</p><note><bold>B</bold> A</note><g>C</g></doc>"
+    )
+
+
+def test_without_an_alignment_sibling_tags_nest_and_opaque_content_goes_beside():
+    out, report = run("<p><b>a</b> b <i>c</i>.</p>", unaligned)
+    assert out == "<p><b><i>A B C.</i></b></p>" and report.unplaced_count == 0 and report.unaligned == 1
+    out, _ = run("<p>Run <code>ls</code> now.</p>", unaligned)
+    assert out == "<p>RUN LS NOW.<code>ls</code></p>"  # never in place of the translation
+    out, _ = run("<p>dog<code> </code></p>", upper)
+    assert out == "<p>DOG<code> </code></p>"
+
+
+def test_tags_on_the_same_words_nest_and_each_is_counted_once():
+    def first(sentences):  # every word translates to the first
+        return [(s.upper(), [(i, 0) for i in range(len(s.split()))]) for s in sentences]
+
+    out, report = run("<p><b>a</b> <i>b</i> <u>c</u></p>", first)
+    assert out == "<p><b><i><u>A</u></i></b> B C</p>"
+    assert (report.placed, report.unplaced_count) == (1, 2)
+    assert [n.column for n in report.unplaced] == [13, 22]

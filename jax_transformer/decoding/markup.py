@@ -516,12 +516,17 @@ class _Placer:
 
     def span(self, a: int, b: int, what: _Element) -> tuple[int, int]:
         """[start, end) in the target of the words aligned to [a, b): the smallest span holding them; the whole
-        sentence where none is aligned (reported)."""
-        if not self.has_alignment:
-            return 0, len(self.target)
+        sentence where none is aligned (reported), an opaque element then beside it. `exact`: whether it was
+        placed exactly."""
+        self.exact = False
         words = sorted(self.targets(a, b))
         if not words:
-            self.report.not_placed(what.place, f"<{what.name}>: no word aligned to its words; it wraps the sentence")
+            if self.has_alignment:
+                self.report.not_placed(what.place, f"<{what.name}>: no word aligned to its words; it " + (
+                    "goes beside the sentence" if what.kind == "opaque" else "wraps the sentence"))  # fmt: skip
+            if what.kind == "opaque":  # it would replace the whole translation: before it or after it instead
+                p = 0 if not self.block.text[self.start : a].strip() else len(self.target)
+                return p, p
             return 0, len(self.target)
         shared = what.kind == "opaque" and self.shared_side(a, b)
         if shared:
@@ -531,7 +536,7 @@ class _Placer:
                 what.place, f"<{what.name}>: its words' translations are not together; it wraps the span holding them"
             )
         else:
-            self.report.placed += 1
+            self.exact = True
         lo, hi = self.target_words[words[0]][0], self.target_words[words[-1]][1]
         if shared:  # its translation holds the word's other letters: kept, the element put before or after it
             return (hi, hi) if shared == "before" else (lo, lo)
@@ -977,20 +982,23 @@ class _Sentence:
         self.block, self.k, self.found, self.report = block, k, found, report
         self.opens = {i for i in members if inside.get(i) == k}  # elements whose start tag this sentence writes
         self.closes = {i for i in members if closes.get(i) == k}  # elements whose end tag it writes
+        self.aligned = pairs is not None
         if pairs is None:
             report.unaligned += 1
         placer = _Placer(block, s, e, self.target, pairs, report)
         elements = block.elements
         self.spans: dict[int, tuple[int, int]] = {}  # element id -> [start, end) in the target
+        self.inexact: set[int] = set()  # elements not placed exactly (each reported once)
         for i in members:  # source order: parents before children
             el = elements[i]
             if voids.get(i) == k:
                 p = placer.point(el.a)
                 self.spans[i] = (p, p)
-                report.placed += placer.has_alignment
             else:
                 lo, hi = placer.span(max(el.a, s), min(el.b, e), el)
                 self.spans[i] = (lo if i in self.opens else 0, hi if i in self.closes else len(self.target))
+                if not placer.exact:
+                    self.inexact.add(i)
         self.kids: dict[int | None, list[int]] = {}  # placed element (None: the sentence) -> its placed children
         for i in self.spans:
             parent = elements[i].parent
@@ -1000,9 +1008,16 @@ class _Sentence:
 
     def render(self) -> str:
         self.settle(None, 0, len(self.target))
+        if self.aligned:
+            self.report.placed += len(self.spans.keys() - self.inexact)
         out: list[str] = []
         self.emit(None, 0, len(self.target), out)
         return "".join(out)
+
+    def not_placed(self, i: int, what: str) -> None:
+        if i not in self.inexact:
+            self.inexact.add(i)
+            self.report.not_placed(self.block.elements[i].place, f"<{self.block.elements[i].name}>: {what}")
 
     def settle(self, parent: int | None, lo_frame: int, hi_frame: int) -> None:
         """The spans of `parent`'s children made to lie inside [lo_frame, hi_frame) and apart, then theirs."""
@@ -1013,14 +1028,20 @@ class _Sentence:
             lo = min(max(lo, lo_frame), hi_frame)
             spans[i] = (lo, min(max(hi, lo), hi_frame))
         wide = sorted((i for i in mine if spans[i][1] > spans[i][0]), key=lambda i: spans[i])
-        end = lo_frame
-        for i in wide:  # siblings apart: one whose words overlap an earlier sibling's goes after it
+        end, last = lo_frame, None
+        for i in list(wide):  # siblings apart: one on an earlier one's words goes inside it, one overlapping after it
             lo, hi = spans[i]
+            if last is not None and spans[last] == (lo, hi) and "opaque" not in (elements[i].kind, elements[last].kind):
+                if self.aligned:
+                    self.not_placed(i, "its words are another tag's; it goes inside that tag")
+                wide.remove(i)
+                mine.remove(i)
+                self.kids.setdefault(last, []).append(i)
+                continue
             if lo < end:
-                self.report.not_placed(elements[i].place, f"<{elements[i].name}>: its words overlap another tag's; "
-                                                          f"it follows that tag")  # fmt: skip
+                self.not_placed(i, "its words overlap another tag's; it follows that tag")
                 spans[i] = (end, max(hi, end))
-            end = max(end, spans[i][1])
+            end, last = max(end, spans[i][1]), i
         for i in list(mine):  # a point inside a wide sibling goes into it (after it, where its content is opaque)
             p = spans[i][0]
             if spans[i][1] == p:
