@@ -859,7 +859,9 @@ class _Walker:
             for piece in documents.stream_pieces([view[lo:hi]], self.segmenter):
                 if piece.sentence:
                     s, e = at, at + len(piece.text)
-                    if not any(a <= s and e <= b for a, b in opaque):
+                    found = text[s:e]  # spaces at its edges may be an opaque element's (read as "x" above)
+                    s, e = s + len(found) - len(found.lstrip()), s + len(found.rstrip())
+                    if e > s and not any(a <= s and e <= b for a, b in opaque):
                         block.sentences.append((s, e, self.queue(text[s:e])))
                         self.report.sentences += 1
                 at += len(piece.text)
