@@ -606,6 +606,7 @@ class _Walker:
         self.block: _Block | None = None
         self.stack: list[str] = []  # every element open (for the nesting limit and stray end tags)
         self.raw_until: tuple[str, int] | None = None  # inside an untouched element: (name, depth)
+        self.raw_place = (1, 0)  # where the untouched element being read starts
         self.opaque: tuple[str, int, list] | None = None  # inside an opaque inline element: (name, depth, raws)
 
     # --- output items ---------------------------------------------------------------------------------------
@@ -790,7 +791,7 @@ class _Walker:
             self.raw(self.tag(event, translate=False).raw)  # its attributes as written, as its content
             if kind == "start" and name not in self.rules.void:
                 self.push(event)
-                self.raw_until = (name, 1)
+                self.raw_until, self.raw_place = (name, 1), event.place
             return
         if not inline:
             self.end_block()
@@ -1151,8 +1152,7 @@ def translate_markup(
     events = tokenizer.events
     take(events, [e.start for e in events[1:]] + [tokenizer.fed])
     if walker.raw_until is not None:
-        report.repair(events[-1].place if events else (1, 0),
-                      f"<{walker.raw_until[0]}> not closed: the rest of the input is kept as it is")  # fmt: skip
+        report.repair(walker.raw_place, f"<{walker.raw_until[0]}> not closed: the rest of the input is kept as it is")
     if walker.opaque is not None:  # an opaque element not closed: it runs to the end
         element = walker.block.elements[walker.block.opaque_inside]
         report.repair(element.place, f"<{element.name}> not closed: the rest of the input is carried as it is")
