@@ -1099,7 +1099,8 @@ def translate_markup(
     `write(text)` with it translated, in order: each block's sentences replaced by their translations (`translate`:
     sentences to (translation, word pairs)), inline tags placed by the pairs, `rules.attributes` translated,
     `rules.lang` attributes set to `target_language`, every other character as it was. At most `chunk_sentences`
-    sentences wait for their translation; a block's text is held whole (at most BLOCK_CHARS)."""
+    sentences wait for their translation (more only where one block holds more); a block's text is held whole (at
+    most BLOCK_CHARS). `translate` must give one answer for each sentence (a ValueError says so otherwise)."""
     rules = rules or Rules()
     report = report or MarkupReport()
     report.kind = "xml" if rules.xml else "html"
