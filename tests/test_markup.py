@@ -737,3 +737,14 @@ def test_tags_on_the_same_words_nest_and_each_is_counted_once():
     assert out == "<p><b><i><u>A</u></i></b> B C</p>"
     assert (report.placed, report.unplaced_count) == (1, 2)
     assert [n.column for n in report.unplaced] == [13, 22]
+
+
+def test_report_lists_the_first_notes_and_counts_all(tmp_path):
+    page = "".join(f"<p>x{i} </i></p>\n" for i in range(markup.MAX_NOTES + 5))
+    _, report = run(page, upper)
+    assert report.repair_count == markup.MAX_NOTES + 5 and len(report.repairs) == markup.MAX_NOTES
+    assert report.describe().endswith(", ...)") and report.to_dict()["repairs"][1] == (
+        "line 2, column 7: </i> closes no open element: kept as it is"
+    )
+    with pytest.raises(DataError, match=re.escape(f"{tmp_path / 'none.html'}: cannot read")):
+        list(markup.read_markup(tmp_path / "none.html", markup.MarkupReport()))
