@@ -20,6 +20,7 @@ of a sentence placed on the words that translate the words they wrapped, by word
 
 from __future__ import annotations
 
+import bisect
 import codecs
 import dataclasses
 import html
@@ -166,7 +167,7 @@ class MarkupReport:
 # =============================================================================================================
 
 _META_CHARSET = re.compile(rb"""<meta[^>]*?charset\s*=\s*["']?\s*([-\w.:]+)""", re.IGNORECASE)
-_XML_ENCODING = re.compile(rb"""^\s*<\?xml[^>]*?encoding\s*=\s*["']([-\w.:]+)""")
+_XML_ENCODING = re.compile(rb"""^(?:\xef\xbb\xbf)?\s*<\?xml[^>]*?encoding\s*=\s*["']([-\w.:]+)""")
 _UTF8 = {"utf-8", "utf8"}
 
 
@@ -188,7 +189,7 @@ def read_markup(
         return
     origin = report.origin
     decoder = codecs.getincrementaldecoder("utf-8")("surrogateescape")
-    offset = newlines = 0
+    offset = newlines = column = 0  # bytes read; lines ended; characters of the last line read
     while raw := source.read(block):
         if offset == 0:
             for bom, name in ((codecs.BOM_UTF32_LE, "UTF-32"), (codecs.BOM_UTF32_BE, "UTF-32"),
@@ -207,24 +208,28 @@ def read_markup(
                         f": give UTF-8 (iconv -f {found.group(1).decode('ascii', 'replace')} -t UTF-8)"
                     )
         if offset + len(raw) > max_bytes:
-            line = newlines + raw[: max_bytes - offset].count(b"\n") + 1
+            head = raw[: max_bytes - offset].decode("utf-8", "surrogateescape")
+            line = newlines + head.count("\n") + 1
+            at = len(head) - head.rfind("\n") - 1 if "\n" in head else column + len(head)
             raise DataError(
-                f"{origin}, line {line}: longer than the limit of {max_bytes} bytes for markup (the limit is reached "
-                f"at byte offset {max_bytes})"
+                f"{origin}, line {line}, column {at + 1}: longer than the limit of {max_bytes} bytes for markup (the "
+                f"limit is reached at byte offset {max_bytes})"
             )
         text = decoder.decode(raw)
         for bad in re.finditer("[\udc80-\udcff]+", text):
             before = text[: bad.start()]
             line = newlines + before.count("\n") + 1
             what = f"{len(bad.group())} bytes not UTF-8 (kept as they are; U+FFFD in translated text)"
-            report.repair((line, len(before) - before.rfind("\n") - 1), what)
+            at = len(before) - before.rfind("\n") - 1 if "\n" in before else column + len(before)
+            report.repair((line, at), what)
         newlines += text.count("\n")
+        column = len(text) - text.rfind("\n") - 1 if "\n" in text else column + len(text)
         offset += len(raw)
         if text:
             yield text
     rest = decoder.decode(b"", final=True)
     if rest:
-        report.repair((newlines + 1, 0), "the input ends inside a UTF-8 character (its bytes kept)")
+        report.repair((newlines + 1, column), "the input ends inside a UTF-8 character (its bytes kept)")
         yield rest
 
 
@@ -286,6 +291,13 @@ class _Tokenizer(html.parser.HTMLParser):
         start = self.lines[line - self.first_line] + column
         self.events.append(_Event(kind, name, list(attrs), start, (line, column), data))
 
+    def parse_endtag(self, i):
+        seen = len(self.events)
+        k = super().parse_endtag(i)
+        if k > i and len(self.events) == seen:  # "</>", which the parser drops without an event: kept as written
+            self._add("other", "!skipped")
+        return k
+
     def handle_starttag(self, tag, attrs):
         self._add("start", tag, attrs)
 
@@ -309,6 +321,14 @@ class _Tokenizer(html.parser.HTMLParser):
 
     def unknown_decl(self, data):
         self._add("other", "!decl")
+
+
+def _place_in(event: _Event, k: int) -> tuple[int, int]:
+    """The line and column (0-based) of the event's k-th character."""
+    before = event.raw[:k]
+    if "\n" not in before:
+        return event.place[0], event.place[1] + k
+    return event.place[0] + before.count("\n"), k - before.rfind("\n") - 1
 
 
 def _raw_attributes(raw: str) -> list[tuple[str, tuple[int, int] | None]]:
@@ -400,12 +420,12 @@ class _Tag:
         self.raw = raw
         self.values: list[tuple[tuple[int, int], str, list]] = []
 
-    def render(self, found: dict[int, str]) -> str:
+    def render(self, found: dict[int, Aligned]) -> str:
         if not self.values:
             return self.raw
         out, at = [], 0
         for (a, b), quote, pieces in sorted(self.values, key=lambda v: v[0]):
-            text = "".join(found[p] if isinstance(p, int) else p for p in pieces)
+            text = "".join(found[p][0] if isinstance(p, int) else p for p in pieces)
             out.append(self.raw[at:a])
             q = quote or '"'
             out.append(q + _escape_attribute(text, q) + q)
@@ -482,7 +502,7 @@ class _Placer:
         self.aligned: dict[int, set[int]] = {}
         if pairs is not None:
             for i, j in pairs:
-                if i < len(self.source_words) and j < len(self.target_words):
+                if 0 <= i < len(self.source_words) and 0 <= j < len(self.target_words):
                     self.aligned.setdefault(i, set()).add(j)
         self.has_alignment = pairs is not None
 
@@ -496,22 +516,32 @@ class _Placer:
 
     def span(self, a: int, b: int, what: _Element) -> tuple[int, int]:
         """[start, end) in the target of the words aligned to [a, b): the smallest span holding them (reported where
-        other words come between); empty where none is (reported); the whole sentence without an alignment."""
-        if not self.has_alignment:
-            return 0, len(self.target)
+        other words come between); without an alignment, the whole sentence. Where none of its words is
+        translated, an empty span where they would be (reported). `exact`: whether it was placed exactly."""
+        self.exact = False
         words = sorted(self.targets(a, b))
-        if not words:  # the model left its words untranslated: the tag stays, empty, where they would be
+        if not words:
+            if not self.has_alignment:
+                if what.kind == "opaque":  # it would replace the whole translation: before it or after it instead
+                    p = 0 if not self.block.text[self.start : a].strip() else len(self.target)
+                    return p, p
+                return 0, len(self.target)
             self.report.not_placed(what.place, f"<{what.name}>: no word of the translation is aligned to its words; "
-                                               f"it is left empty at their place")  # fmt: skip
+                                               f"it stays where they would be")  # fmt: skip
             p = self.point(a)
             return p, p
-        if words != list(range(words[0], words[-1] + 1)):
+        shared = what.kind == "opaque" and self.shared_side(a, b)
+        if shared:
+            self.report.not_placed(what.place, f"<{what.name}>: part of a word; it goes beside that word's translation")
+        elif words != list(range(words[0], words[-1] + 1)):
             self.report.not_placed(
                 what.place, f"<{what.name}>: its words' translations are not together; it wraps the span holding them"
             )
         else:
-            self.report.placed += 1
+            self.exact = True
         lo, hi = self.target_words[words[0]][0], self.target_words[words[-1]][1]
+        if shared:  # its translation holds the word's other letters: kept, the element put before or after it
+            return (hi, hi) if shared == "before" else (lo, lo)
         # Marks the tag left out of its first or last word ("<b>dog</b>.") are left out of the translation's too.
         text = self.block.text
         first = next(w for w in self.source_words if w[1] > a)
@@ -532,6 +562,20 @@ class _Placer:
         ):
             hi -= len(after)
         return lo, hi
+
+    def shared_side(self, a: int, b: int) -> str | None:
+        """Where the words overlapping [a, b) hold letters or digits outside it ("before" it, "after" it), else None:
+        an opaque element that is part of a word cannot replace that word's translation."""
+        text = self.block.text
+        first = next((w for w in self.source_words if w[1] > a), None)
+        last = next((w for w in reversed(self.source_words) if w[0] < b), None)
+        if first is None or last is None:
+            return None
+        if any(c.isalnum() for c in text[first[0] : a]):
+            return "before"
+        if any(c.isalnum() for c in text[b : last[1]]):
+            return "after"
+        return None
 
     def point(self, p: int) -> int:
         """Where a tag at `p` of the source goes: after the last target word aligned to a source word before p."""
@@ -564,6 +608,7 @@ class _Walker:
         self.block: _Block | None = None
         self.stack: list[str] = []  # every element open (for the nesting limit and stray end tags)
         self.raw_until: tuple[str, int] | None = None  # inside an untouched element: (name, depth)
+        self.raw_place = (1, 0)  # where the untouched element being read starts
         self.opaque: tuple[str, int, list] | None = None  # inside an opaque inline element: (name, depth, raws)
 
     # --- output items ---------------------------------------------------------------------------------------
@@ -599,8 +644,9 @@ class _Walker:
 
     # --- events ---------------------------------------------------------------------------------------------
 
-    def tag(self, event: _Event) -> _Tag:
-        """The tag as written, its translatable attributes queued (`rules.attributes`, `rules.lang`)."""
+    def tag(self, event: _Event, translate: bool = True) -> _Tag:
+        """The tag as written, its attributes checked against the limit and, with `translate`, its translatable
+        attributes queued (`rules.attributes`, `rules.lang`)."""
         tag = _Tag(event.raw)
         if event.kind == "end":
             return tag
@@ -613,7 +659,7 @@ class _Walker:
         wanted = {
             n for n, v in event.attrs if v and (n in self.rules.attributes or (n in self.rules.lang and self.target))
         }
-        if not wanted or self.raw_until or self.opaque:
+        if not translate or not wanted or self.raw_until or self.opaque:
             return tag
         values = dict((n, v) for n, v in event.attrs)
         for name, span in _raw_attributes(event.raw):
@@ -668,96 +714,115 @@ class _Walker:
         return False
 
     def event(self, event: _Event) -> None:
-        kind, name = event.kind, event.name
-        # Inside an untouched element: everything as written until its end tag.
         if self.raw_until is not None:
-            until, depth = self.raw_until
-            if kind == "start" and name == until:
-                self.raw_until = (until, depth + 1)
-            elif kind == "end" and name == until:
-                self.raw_until = None if depth == 1 else (until, depth - 1)
-                if depth == 1:
-                    self.pop(event)
-            self.raw(event.raw)
-            return
-        # Inside an opaque inline element: its source gathered, its text read.
-        if self.opaque is not None:
-            until, depth, raws = self.opaque
-            raws.append(event.raw)
-            if kind == "data":
-                self.block.add_text("", event.data)
-                self.block.atoms[-1].kind = "opaque-text"
-            if kind == "start" and name == until:
-                self.opaque = (until, depth + 1, raws)
-            elif kind == "end" and name == until:
-                if depth > 1:
-                    self.opaque = (until, depth - 1, raws)
-                else:
-                    self.opaque = None
-                    self.pop(event)
-                    block = self.block
-                    element = block.elements[block.opaque_inside]
-                    element.b, element.raw = block.length, "".join(raws)
-                    block.atoms.append(_Atom("opaque", element.a, block.length, element=block.opaque_inside))
-                    block.opaque_inside = -1
-            return
-        if kind == "data":
-            if self.block is None:
-                self.new_block()
-            if self.block.length > BLOCK_CHARS and not self.block.open:
-                self.report.repair(event.place, f"a block longer than {BLOCK_CHARS} characters: cut here")
-                self.end_block()
-                self.new_block()
-            self.block.add_text(event.raw, event.data)
-            if "<" in event.data and not self.rules.xml:
-                self.report.repair(event.place, "a '<' that opens no tag: read as text")
-            return
-        if kind == "other":
+            self.in_untouched(event)
+        elif self.opaque is not None:
+            self.in_opaque(event)
+        elif event.kind == "data":
+            self.data(event)
+        elif event.kind == "other":
+            self.other(event)
+        elif event.kind == "end":
+            self.end_tag(event)
+        else:
+            self.start_tag(event)
+
+    def in_untouched(self, event: _Event) -> None:
+        """Inside an untouched element: everything as written until its end tag."""
+        until, depth = self.raw_until
+        if event.kind == "start" and event.name == until:
+            self.raw_until = (until, depth + 1)
+        elif event.kind == "end" and event.name == until:
+            self.raw_until = None if depth == 1 else (until, depth - 1)
+            if depth == 1:
+                self.pop(event)
+        self.raw(event.raw)
+
+    def in_opaque(self, event: _Event) -> None:
+        """Inside an opaque inline element: its source gathered, its text read."""
+        until, depth, raws = self.opaque
+        raws.append(event.raw)
+        if event.kind == "data":
+            self.block.add_text("", event.data)
+            self.block.atoms[-1].kind = "opaque-text"
+        if event.kind == "start" and event.name == until:
+            self.opaque = (until, depth + 1, raws)
+        elif event.kind == "end" and event.name == until:
+            if depth > 1:
+                self.opaque = (until, depth - 1, raws)
+            else:
+                self.pop(event)
+                self.close_opaque()
+
+    def close_opaque(self) -> None:
+        """The opaque element being read ends here (its end tag, or the input's end)."""
+        block = self.block
+        element = block.elements[block.opaque_inside]
+        element.b, element.raw = block.length, "".join(self.opaque[2])
+        block.atoms.append(_Atom("opaque", element.a, block.length, element=block.opaque_inside))
+        block.opaque_inside = -1
+        self.opaque = None
+
+    def data(self, event: _Event) -> None:
+        if self.block is None:
+            self.new_block()
+        if self.block.length > BLOCK_CHARS and not self.block.open:
+            self.report.repair(event.place, f"a block longer than {BLOCK_CHARS} characters: cut here")
             self.end_block()
-            self.raw(event.raw)
-            return
-        inline = name in self.rules.inline or (kind != "end" and name in self.rules.opaque)
-        if kind in ("start", "startend"):
-            opaque = self.opaque_attrs(event)
-            void = kind == "startend" or name in self.rules.void
-            if name in self.rules.untouched or (opaque and not inline and not void):
-                self.end_block()
-                self.raw(self.tag(event).raw)
-                if kind == "start" and name not in self.rules.void:
-                    self.push(event)
-                    self.raw_until = (name, 1)
+            self.new_block()
+        self.block.add_text(event.raw, event.data)
+        if "<" in event.raw and not self.rules.xml:  # a literal '<' ("&lt;" is no repair)
+            self.report.repair(_place_in(event, event.raw.find("<")), "a '<' that opens no tag: read as text")
+
+    def other(self, event: _Event) -> None:
+        if event.name == "!skipped":  # "</>", which the parser drops: kept as written, the text cut at it
+            self.report.repair(event.place, f"{event.raw!r} is no tag: kept as it is")
+            if self.block is not None:
+                self.block.add_tag("boundary", _Tag(event.raw))
                 return
-            if not inline:
-                self.end_block()
-                self.items.append(self.tag(event))
-                if kind == "start" and name not in self.rules.void:
-                    self.push(event)
-                return
-            block = self.block or self.new_block()
-            parent = block.open[-1] if block.open else None
-            if void:
-                block.elements.append(_Element(name, event.place, parent, block.length, block.length, "void"))
-                block.add_tag("void", self.tag(event), len(block.elements) - 1)
-                return
-            if opaque:
-                block.elements.append(_Element(name, event.place, parent, block.length, kind="opaque"))
-                block.opaque_inside = len(block.elements) - 1
-                self.opaque = (name, 1, [event.raw])
+        self.end_block()
+        self.raw(event.raw)
+
+    def start_tag(self, event: _Event) -> None:
+        kind, name = event.kind, event.name
+        inline = name in self.rules.inline or name in self.rules.opaque
+        opaque = self.opaque_attrs(event)
+        void = kind == "startend" or name in self.rules.void
+        if name in self.rules.untouched or (opaque and not inline and not void):
+            self.end_block()
+            self.raw(self.tag(event, translate=False).raw)  # its attributes as written, as its content
+            if kind == "start" and name not in self.rules.void:
                 self.push(event)
-                return
-            self.push(event)
-            block.elements.append(_Element(name, event.place, parent, block.length))
-            block.elements[-1].open_atom = len(block.atoms)
-            block.open.append(len(block.elements) - 1)
-            block.add_tag("open", self.tag(event), len(block.elements) - 1)
+                self.raw_until, self.raw_place = (name, 1), event.place
             return
-        # An end tag.
-        if (
-            name in self.rules.inline
-            and self.block is not None
-            and any(self.block.elements[e].name == name for e in self.block.open)
-        ):
-            block = self.block
+        if not inline:
+            self.end_block()
+            self.items.append(self.tag(event, translate=not opaque))  # translate="no": its attributes too
+            if kind == "start" and name not in self.rules.void:
+                self.push(event)
+            return
+        block = self.block or self.new_block()
+        parent = block.open[-1] if block.open else None
+        if void:
+            block.elements.append(_Element(name, event.place, parent, block.length, block.length, "void"))
+            block.elements[-1].open_atom = len(block.atoms)
+            block.add_tag("void", self.tag(event, translate=not opaque), len(block.elements) - 1)
+            return
+        if opaque:
+            block.elements.append(_Element(name, event.place, parent, block.length, kind="opaque"))
+            block.opaque_inside = len(block.elements) - 1
+            self.opaque = (name, 1, [self.tag(event, translate=False).raw])
+            self.push(event)
+            return
+        self.push(event)
+        block.elements.append(_Element(name, event.place, parent, block.length))
+        block.elements[-1].open_atom = len(block.atoms)
+        block.open.append(len(block.elements) - 1)
+        block.add_tag("open", self.tag(event), len(block.elements) - 1)
+
+    def end_tag(self, event: _Event) -> None:
+        name, block = event.name, self.block
+        if name in self.rules.inline and block is not None and any(block.elements[e].name == name for e in block.open):
             while True:
                 element_id = block.open.pop()
                 element = block.elements[element_id]
@@ -772,11 +837,8 @@ class _Walker:
             return
         if not self.pop(event):
             self.report.repair(event.place, f"</{name}> closes no open element: kept as it is")
-            if name in self.rules.inline and self.block is not None:
-                self.block.add_tag("boundary", self.tag(event))
-                return
-        if name in self.rules.inline and self.block is not None:  # its start tag was in an earlier block
-            self.block.add_tag("boundary", self.tag(event))
+        if name in self.rules.inline and block is not None:  # stray, or its start tag was in an earlier block
+            block.add_tag("boundary", self.tag(event))
             return
         self.end_block()
         self.items.append(self.tag(event))
@@ -800,7 +862,9 @@ class _Walker:
             for piece in documents.stream_pieces([view[lo:hi]], self.segmenter):
                 if piece.sentence:
                     s, e = at, at + len(piece.text)
-                    if not any(a <= s and e <= b for a, b in opaque):
+                    found = text[s:e]  # spaces at its edges may be an opaque element's (read as "x" above)
+                    s, e = s + len(found) - len(found.lstrip()), s + len(found.rstrip())
+                    if e > s and not any(a <= s and e <= b for a, b in opaque):
                         block.sentences.append((s, e, self.queue(text[s:e])))
                         self.report.sentences += 1
                 at += len(piece.text)
@@ -819,33 +883,50 @@ def _render_block(block: _Block, found: dict[int, Aligned], report: MarkupReport
     if not sentences:
         return "".join(_atom_raw(atom, block, found) for atom in block.atoms if atom.kind != "opaque-text")
     elements = block.elements
-    # Which tags go into a sentence's translation ("aligned") and which stay where they are.
-    inside: dict[int, int] = {}  # element id -> sentence index of its open tag placed by alignment
-    closes: dict[int, int] = {}
-    voids: dict[int, int] = {}
-    for k, (s, e, _) in enumerate(sentences):
-        for i, el in enumerate(elements):
-            if el.kind == "void":
-                if s < el.a < e:
-                    voids[i] = k
-                continue
-            if el.b < 0:
-                continue
-            if el.kind == "opaque":
+    starts = [s for s, _, _ in sentences]
+
+    def holder(x: int) -> int | None:
+        """The sentence that holds position x (its start included), None where it lies between two."""
+        k = bisect.bisect_right(starts, x) - 1
+        return k if k >= 0 and x < sentences[k][1] else None
+
+    # Which tags go into a sentence's translation (placed by alignment) and which stay where they are.
+    inside: dict[int, int] = {}  # element id -> the sentence whose translation holds its start tag
+    closes: dict[int, int] = {}  # element id -> the sentence whose translation holds its end tag
+    voids: dict[int, int] = {}  # void or empty element id -> the sentence whose translation holds it
+    for i, el in enumerate(elements):
+        if el.kind == "void" or (el.kind != "opaque" and el.a == el.b >= 0):  # a point (an empty element too)
+            k = holder(el.a)
+            if k is not None and sentences[k][0] < el.a:
+                voids[i] = k
+                if el.kind != "void":
+                    inside[i] = closes[i] = k
+        elif el.b < 0:  # not closed: its tags stay where they are
+            continue
+        elif el.kind == "opaque":  # the last sentence it overlaps without covering it whole
+            first = max(bisect.bisect_right(starts, el.a) - 1, 0)
+            for k in range(first, bisect.bisect_left(starts, el.b)):
+                s, e, _ = sentences[k]
                 if el.a < e and el.b > s and not (el.a <= s and el.b >= e):
                     inside[i] = closes[i] = k
-                continue
-            if el.a == el.b:  # an empty element: a point, as a void one
-                if s < el.a < e:
-                    voids[i] = inside[i] = closes[i] = k
-                continue
-            if s < el.a < e or (el.a == s and el.b < e):
+        else:
+            k = holder(el.a)  # its start tag, where the sentence holding it does not start with it (or goes on)
+            if k is not None and (sentences[k][0] < el.a or el.b < sentences[k][1]):
                 inside[i] = k
-            if s < el.b < e or (el.b == e and el.a > s):
+            k = bisect.bisect_left(starts, el.b) - 1  # its end tag: the last sentence that starts before it
+            if k >= 0 and (el.b < sentences[k][1] or (el.b == sentences[k][1] and el.a > sentences[k][0])):
                 closes[i] = k
+    _keep_edge_order(block, sentences, inside, closes)
+    members: dict[int, list[int]] = {}  # sentence -> the elements placed in it, in source order
+    for i in sorted(set(inside) | set(closes) | set(voids)):
+        for k in sorted({placed.get(i) for placed in (inside, closes, voids)} - {None}):
+            members.setdefault(k, []).append(i)
+
+    def sentence(k: int) -> str:
+        return _Sentence(block, k, found, members.get(k, []), inside, closes, voids, report).render()
+
     out = []
     k_next = 0
-    texts = {i: t for i, (t, _) in found.items()}
     for atom in block.atoms:
         if atom.kind == "opaque-text":
             continue
@@ -853,22 +934,23 @@ def _render_block(block: _Block, found: dict[int, Aligned], report: MarkupReport
             a, b = atom.at, atom.end
             pos = a
             while pos < b:
-                k = next((k for k, (s, e, _) in enumerate(sentences) if s <= pos < e), None)
+                k = holder(pos)
                 if k is None:
-                    nxt = min([s for s, _, _ in sentences if s > pos] + [b])
+                    later = bisect.bisect_right(starts, pos)
+                    nxt = min(starts[later], b) if later < len(starts) else b
                     out.append(atom.text.raw_slice(pos - a, nxt - a))
                     pos = nxt
                 else:
                     s, e, _ = sentences[k]
                     if k >= k_next:
-                        out.append(_render_sentence(block, k, found, inside, closes, voids, report))
+                        out.append(sentence(k))
                         k_next = k + 1
                     pos = min(e, b)
             continue
         if atom.kind == "opaque":
             if atom.element in inside:  # written by its sentence (which may hold no other text)
                 if inside[atom.element] >= k_next:
-                    out.append(_render_sentence(block, inside[atom.element], found, inside, closes, voids, report))
+                    out.append(sentence(inside[atom.element]))
                     k_next = inside[atom.element] + 1
                 continue
             out.append(elements[atom.element].raw)
@@ -879,10 +961,50 @@ def _render_block(block: _Block, found: dict[int, Aligned], report: MarkupReport
             continue
         if atom.kind == "void" and atom.element in voids:
             continue
-        out.append(atom.tag.render(texts))
+        out.append(atom.tag.render(found))
     if k_next != len(sentences):
         raise AssertionError(f"sentences {k_next}..{len(sentences) - 1} of a block were not written")
     return "".join(out)
+
+
+def _keep_edge_order(block: _Block, sentences: list[tuple[int, int, int]], inside: dict, closes: dict) -> None:
+    """Tags between two runs of text keep their source order. At a sentence's edge, the end tags the sentence
+    before writes in its translation come first, then the tags that stay where they are, then the start tags the
+    sentence after writes; a tag that would cross one of another kind stays where it is instead."""
+    ends = {e: k for k, (_, e, _) in enumerate(sentences)}
+    begins = {s: k for k, (s, _, _) in enumerate(sentences)}
+
+    def settle(group: list[_Atom]) -> None:
+        if not group:
+            return
+        before, after = ends.get(group[0].at), begins.get(group[0].at)
+        if before is None and after is None:  # inside a sentence, or between two with whitespace around
+            return
+        slots = []  # 0: the sentence before writes it; 1: it stays; 2: the sentence after writes it
+        for atom in group:
+            if atom.kind == "close" and before is not None and closes.get(atom.element) == before:
+                slots.append(0)
+            elif atom.kind == "open" and after is not None and inside.get(atom.element) == after:
+                slots.append(2)
+            else:
+                slots.append(1)
+        for n in range(len(slots)):  # an end tag after one that stays stays; a start tag before one stays
+            if slots[n] == 0 and max(slots[:n], default=0) >= 1:
+                slots[n] = 1
+                del closes[group[n].element]
+        for n in reversed(range(len(slots))):
+            if slots[n] == 2 and min(slots[n + 1 :], default=2) <= 1:
+                slots[n] = 1
+                del inside[group[n].element]
+
+    group: list[_Atom] = []
+    for atom in block.atoms:
+        if atom.kind in ("open", "close", "void", "boundary"):
+            group.append(atom)
+        elif atom.kind == "opaque" or atom.end > atom.at:  # text, or an opaque element: the tags around it apart
+            settle(group)
+            group = []
+    settle(group)
 
 
 def _atom_raw(atom: _Atom, block: _Block, found) -> str:
@@ -890,97 +1012,131 @@ def _atom_raw(atom: _Atom, block: _Block, found) -> str:
         return atom.text.raw
     if atom.kind == "opaque":
         return block.elements[atom.element].raw
-    return atom.tag.render({i: t for i, (t, _) in found.items()})
+    return atom.tag.render(found)
 
 
-def _render_sentence(block: _Block, k: int, found, inside, closes, voids, report: MarkupReport) -> str:
-    """Sentence k's translation, escaped, with the inline tags placed in it: each element's span from the words
-    aligned to its words, then made to nest (a child inside its parent, siblings apart), then written out."""
-    s, e, sid = block.sentences[k]
-    target, pairs = found[sid]
-    target = documents.LINE_BREAK.sub(" ", target)
-    if pairs is None:
-        report.unaligned += 1
-    placer = _Placer(block, s, e, target, pairs, report)
-    texts = {i: t for i, (t, _) in found.items()}
-    elements = block.elements
-    spans: dict[int, tuple[int, int]] = {}
-    exact: set[int] = set()  # counted as placed exactly (uncounted if `settle` moves it)
-    for i, el in enumerate(elements):
-        before = report.placed
-        if voids.get(i) == k:
-            p = placer.point(el.a)
-            spans[i] = (p, p)
-            report.placed += placer.has_alignment
-        elif inside.get(i) == k or closes.get(i) == k:
-            lo, hi = placer.span(max(el.a, s), min(el.b, e), el)
-            spans[i] = (lo if inside.get(i) == k else 0, hi if closes.get(i) == k else len(target))
-        if report.placed > before:
-            exact.add(i)
+class _Sentence:
+    """Sentence k of a block rendered: its translation, escaped, with the inline tags placed in it. Each element's
+    span comes from the words aligned to its words (`_Placer`); the spans are then made to nest (`settle`: a child
+    inside its parent, siblings apart) and written out (`emit`)."""
 
-    def placed_parent(i: int) -> int | None:
-        parent = elements[i].parent
-        while parent is not None and parent not in spans:
-            parent = elements[parent].parent
-        return parent
+    def __init__(self, block: _Block, k: int, found: dict[int, Aligned], members: list[int], inside, closes, voids,
+                 report: MarkupReport) -> None:  # fmt: skip
+        s, e, sid = block.sentences[k]
+        target, pairs = found[sid]
+        self.target = documents.LINE_BREAK.sub(" ", target)
+        self.block, self.k, self.found, self.report = block, k, found, report
+        self.opens = {i for i in members if inside.get(i) == k}  # elements whose start tag this sentence writes
+        self.closes = {i for i in members if closes.get(i) == k}  # elements whose end tag it writes
+        self.aligned = pairs is not None
+        if pairs is None:
+            report.unaligned += 1
+        placer = _Placer(block, s, e, self.target, pairs, report)
+        elements = block.elements
+        self.spans: dict[int, tuple[int, int]] = {}  # element id -> [start, end) in the target
+        self.inexact: set[int] = set()  # elements not placed exactly (each reported once)
+        self.cuts: list[tuple[int, int]] = []  # target text an opaque element replaced before it had to move
+        for i in members:  # source order: parents before children
+            el = elements[i]
+            if voids.get(i) == k:
+                p = placer.point(el.a)
+                self.spans[i] = (p, p)
+            else:
+                lo, hi = placer.span(max(el.a, s), min(el.b, e), el)
+                self.spans[i] = (lo if i in self.opens else 0, hi if i in self.closes else len(self.target))
+                if not placer.exact:
+                    self.inexact.add(i)
+        self.kids: dict[int | None, list[int]] = {}  # placed element (None: the sentence) -> its placed children
+        for i in self.spans:
+            parent = elements[i].parent
+            while parent is not None and parent not in self.spans:
+                parent = elements[parent].parent
+            self.kids.setdefault(parent, []).append(i)
 
-    kids: dict[int | None, list[int]] = {}
-    for i in spans:  # source order: parents before children
-        kids.setdefault(placed_parent(i), []).append(i)
+    def render(self) -> str:
+        self.settle(None, 0, len(self.target))
+        if self.aligned:
+            self.report.placed += len(self.spans.keys() - self.inexact)
+        out: list[str] = []
+        self.emit(None, 0, len(self.target), out)
+        return "".join(out)
 
-    def settle(parent: int | None, lo_frame: int, hi_frame: int) -> None:
-        """A parent's children inside it and in the source's order, so the tags come out in the input's sequence:
-        one whose words' translation comes before an earlier sibling's end follows that sibling (reported)."""
-        end = lo_frame
-        for i in kids.get(parent, []):  # source order
+    def not_placed(self, i: int, what: str) -> None:
+        if i not in self.inexact:
+            self.inexact.add(i)
+            self.report.not_placed(self.block.elements[i].place, f"<{self.block.elements[i].name}>: {what}")
+
+    def settle(self, parent: int | None, lo_frame: int, hi_frame: int) -> None:
+        """The spans of `parent`'s children made to lie inside [lo_frame, hi_frame), apart and in the source's
+        order, so the tags come out in the input's sequence: a child whose words' translation begins before an
+        earlier sibling's end follows that sibling, a point lies between its neighbours (reported); then theirs."""
+        spans, elements = self.spans, self.block.elements
+        mine = self.kids.get(parent, [])  # source order
+        for i in mine:  # inside the parent
             lo, hi = spans[i]
             lo = min(max(lo, lo_frame), hi_frame)
-            hi = min(max(hi, lo), hi_frame)
+            spans[i] = (lo, min(max(hi, lo), hi_frame))
+        wide = {i for i in mine if spans[i][1] > spans[i][0]}
+        end, last = lo_frame, None
+        for i in [i for i in mine if i in wide]:
+            lo, hi = spans[i]
+            if not self.aligned and last is not None and spans[last] == (lo, hi) and "opaque" not in (
+                elements[i].kind, elements[last].kind):  # fmt: skip
+                mine.remove(i)  # without an alignment every tag wraps the whole sentence: nested
+                wide.discard(i)
+                self.kids.setdefault(last, []).append(i)
+                continue
             if lo < end:
-                what = "its words' translation comes before an earlier tag's end; it follows that tag"
-                report.not_placed(elements[i].place, f"<{elements[i].name}>: {what}")
-                report.placed -= i in exact
-                lo, hi = end, max(hi, end)
-            spans[i] = (lo, hi)
-            end = max(end, hi)
-        for i in kids.get(parent, []):
+                self.not_placed(i, "its words' translation begins before an earlier tag's end; it follows that tag")
+                if elements[i].kind == "opaque":  # the words it replaces go with it
+                    space = hi < len(self.target) and self.target[hi] == " " and (lo == 0 or self.target[lo - 1] == " ")
+                    self.cuts.append((lo, hi + space))
+                    hi = end
+                spans[i] = (end, max(hi, end))
+            end, last = spans[i][1], i
+        before = lo_frame
+        for n, i in enumerate(mine):
+            if i in wide:
+                before = spans[i][1]
+                continue
+            after = next((spans[j][0] for j in mine[n + 1 :] if j in wide), hi_frame)
+            p = min(max(spans[i][0], before), after)
+            if p != spans[i][0] and self.aligned:
+                self.not_placed(i, "it goes between the tags around it, as in the source")
+            spans[i] = (p, p)
+            before = p
+        for i in mine:
             if spans[i][1] > spans[i][0]:
-                settle(i, *spans[i])
+                self.settle(i, *spans[i])
 
-    settle(None, 0, len(target))
+    def text(self, a: int, b: int) -> str:
+        """The target's [a, b), escaped, without what a moved opaque element replaced."""
+        if not self.cuts:
+            return _escape(self.target[a:b])
+        return _escape(
+            "".join(c for n, c in enumerate(self.target[a:b], a) if not any(x <= n < y for x, y in self.cuts))
+        )
 
-    def tag(i: int, kind: str) -> str:
-        el = elements[i]
-        if el.kind == "void":
-            return block.atoms[_atom_of(block, i, "void")].tag.render(texts)
-        return block.atoms[el.open_atom if kind == "open" else el.close_atom].tag.render(texts)
-
-    def emit(parent: int | None, lo_frame: int, hi_frame: int, out: list[str]) -> None:
+    def emit(self, parent: int | None, lo_frame: int, hi_frame: int, out: list[str]) -> None:
+        """`parent`'s part of the target, [lo_frame, hi_frame), with its children's tags, into `out`."""
+        spans, elements, atoms = self.spans, self.block.elements, self.block.atoms
         at = lo_frame
-        for i in kids.get(parent, []):  # in the source's order, which `settle` kept
+        for i in self.kids.get(parent, []):  # in the source's order, which `settle` kept
             lo, hi = spans[i]
             el = elements[i]
-            out.append(_escape(target[at:lo]))
+            out.append(self.text(at, lo))
             if el.kind == "opaque":
                 out.append(el.raw)
             elif el.kind == "void":
-                out.append(tag(i, "void"))
+                out.append(atoms[el.open_atom].tag.render(self.found))
             else:
-                if inside.get(i) == k:
-                    out.append(tag(i, "open"))
-                emit(i, lo, hi, out)
-                if closes.get(i) == k:
-                    out.append(tag(i, "close"))
+                if i in self.opens:
+                    out.append(atoms[el.open_atom].tag.render(self.found))
+                self.emit(i, lo, hi, out)
+                if i in self.closes:
+                    out.append(atoms[el.close_atom].tag.render(self.found))
             at = max(at, hi)
-        out.append(_escape(target[at:hi_frame]))
-
-    out: list[str] = []
-    emit(None, 0, len(target), out)
-    return "".join(out)
-
-
-def _atom_of(block: _Block, element: int, kind: str) -> int:
-    return next(n for n, atom in enumerate(block.atoms) if atom.element == element and atom.kind == kind)
+        out.append(self.text(at, hi_frame))
 
 
 # =============================================================================================================
@@ -1003,7 +1159,8 @@ def translate_markup(
     `write(text)` with it translated, in order: each block's sentences replaced by their translations (`translate`:
     sentences to (translation, word pairs)), inline tags placed by the pairs, `rules.attributes` translated,
     `rules.lang` attributes set to `target_language`, every other character as it was. At most `chunk_sentences`
-    sentences wait for their translation; a block's text is held whole (at most BLOCK_CHARS)."""
+    sentences wait for their translation (more only where one block holds more); a block's text is held whole (at
+    most BLOCK_CHARS). `translate` must give one answer for each sentence (a ValueError says so otherwise)."""
     rules = rules or Rules()
     report = report or MarkupReport()
     report.kind = "xml" if rules.xml else "html"
@@ -1013,18 +1170,14 @@ def translate_markup(
     found: dict[int, Aligned] = {}
     buffer, buffer_start = "", 0  # the source from the first event not yet read
 
-    def take(events: list[_Event], ends: list[int]) -> None:
-        for event, end in zip(events, ends):
-            event.raw = buffer[event.start - buffer_start : end - buffer_start]
-            if event.kind == "data" and walker.raw_until is None:
-                _split_skipped(event, walker)
-            walker.event(event)
-
     def flush() -> None:
         """Translates what waits and writes the items that are done (the open block's tags keep their ids)."""
         if walker.sources:
             ids = list(walker.sources)
-            found.update(zip(ids, translate([walker.sources[i] for i in ids])))
+            answers = translate([walker.sources[i] for i in ids])
+            if len(answers) != len(ids):
+                raise ValueError(f"the translate function gave {len(answers)} translations of {len(ids)} sentences")
+            found.update(zip(ids, answers))
             walker.sources = {}
         if walker.items:
             write("".join(_render(item, found, report) for item in walker.items))
@@ -1033,7 +1186,20 @@ def translate_markup(
         for i in [i for i in found if i < keep]:
             del found[i]
 
+    def take(events: list[_Event], ends: list[int]) -> None:
+        for event, end in zip(events, ends):
+            event.raw = buffer[event.start - buffer_start : end - buffer_start]
+            walker.event(event)
+            if len(walker.sources) >= chunk_sentences:
+                flush()
+
+    first = True
     for chunk in chunks:
+        if first and chunk:
+            first = False
+            if chunk.startswith("\ufeff"):  # a UTF-8 byte-order mark: written as it is, never translated
+                walker.raw("\ufeff")
+                chunk = chunk[1:]
         buffer += chunk
         tokenizer.feed(chunk)
         events = tokenizer.events
@@ -1043,44 +1209,31 @@ def translate_markup(
             keep = tokenizer.events[0].start
             buffer, buffer_start = buffer[keep - buffer_start :], keep
             tokenizer.forget_lines()
-        if len(walker.sources) >= chunk_sentences:
-            flush()
     tokenizer.close()
     events = tokenizer.events
     take(events, [e.start for e in events[1:]] + [tokenizer.fed])
     if walker.raw_until is not None:
-        report.repair(events[-1].place if events else (1, 0),
-                      f"<{walker.raw_until[0]}> not closed: the rest of the input is kept as it is")  # fmt: skip
-    if walker.opaque is not None:  # an opaque element not closed: it runs to the end
+        report.repair(walker.raw_place, f"<{walker.raw_until[0]}> not closed: the rest of the input is kept as it is")
+    if walker.opaque is not None:  # an opaque element not closed: it runs to the end, after the block's text
         block = walker.block
         element = block.elements[block.opaque_inside]
-        element.b, element.raw = block.length, "".join(walker.opaque[2])
-        block.atoms.append(_Atom("opaque", element.a, block.length, element=block.opaque_inside))
         report.repair(element.place, f"<{element.name}> not closed: the rest of the input is carried as it is")
-        walker.opaque = None
+        text = block.text[: element.a]
+        block.atoms = [atom for atom in block.atoms if atom.kind != "opaque-text" or atom.at < element.a]
+        block.parts, block.length, block.opaque_inside = [text], len(text), -1
+        raws, walker.opaque = walker.opaque[2], None
+        walker.end_block()
+        walker.raw("".join(raws))
     walker.end_block()
     flush()
     return report
-
-
-def _split_skipped(event: _Event, walker: _Walker) -> None:
-    """A text event's source may end with characters the parser skipped without an event (`</>`): they are cut off
-    and kept as written, after the text."""
-    raw = event.raw
-    if raw == event.data or html.unescape(raw) == event.data:
-        return
-    for j in range(len(raw), -1, -1):
-        if html.unescape(raw[:j]) == event.data:
-            walker.event(dataclasses.replace(event, raw=raw[:j]))
-            event.kind, event.raw, event.name = "other", raw[j:], "!skipped"
-            return
 
 
 def _render(item, found: dict[int, Aligned], report: MarkupReport) -> str:
     if isinstance(item, str):
         return item
     if isinstance(item, _Tag):
-        return item.render({i: t for i, (t, _) in found.items()})
+        return item.render(found)
     return _render_block(item, found, report)
 
 
