@@ -1308,6 +1308,25 @@ def _to_spaces(letters: list[int], text: str) -> list[int] | None:
     return out
 
 
+def word_pairs(tokenizer, config, sentence: str, source_ids: Sequence[int], found: translation.Translation):
+    """The best hypothesis's word alignment (Pharaoh pairs over the tokenizer's words) as (source word, target
+    word) pairs over the whitespace-separated words of `sentence` and of the translation; None where it has none or
+    the tokenizer's words do not add up to the text's letters (a tokenizer that rewrites characters)."""
+    best = found.hypotheses[0] if found.hypotheses else None
+    if best is None or best.alignment is None:
+        return None
+    source_map = _to_spaces(_word_letters(tokenizer, source_ids, "source", config), sentence)
+    target_map = _to_spaces(_word_letters(tokenizer, best.tokens, "target", config), best.text)
+    if source_map is None or target_map is None:
+        return None
+    pairs = set()
+    for pair in best.alignment.split():
+        i, j = map(int, pair.split("-"))
+        if i < len(source_map) and j < len(target_map):
+            pairs.add((source_map[i], target_map[j]))
+    return sorted(pairs)
+
+
 def aligned_translator(
     params, config, tokenizer, decode, *, glossary=None, batch_size: int | None = None, max_tokens: int | None = None
 ) -> TranslateFn:
@@ -1320,27 +1339,12 @@ def aligned_translator(
     def run(sentences: list[str]) -> list[Aligned]:
         terms = None if glossary is None else [glossary.constraints(text) for text in sentences]
         found = translation.translations(params, config, tokenizer, sentences, decode_aligned, batch_size=batch_size,
-                                      max_tokens=max_tokens, progress=False, constraints=terms)  # fmt: skip
-        sources = translation.encode_sources(tokenizer, sentences, config) if aligned else None
-        out: list[Aligned] = []
-        for n, result in enumerate(found):
-            text = result.text
-            best = result.hypotheses[0] if result.hypotheses else None
-            if not aligned or best is None or best.alignment is None:
-                out.append((text, None))
-                continue
-            source_map = _to_spaces(_word_letters(tokenizer, sources[n], "source", config), sentences[n])
-            target_map = _to_spaces(_word_letters(tokenizer, best.tokens, "target", config), text)
-            if source_map is None or target_map is None:
-                out.append((text, None))
-                continue
-            pairs = set()
-            for pair in best.alignment.split():
-                i, j = map(int, pair.split("-"))
-                if i < len(source_map) and j < len(target_map):
-                    pairs.add((source_map[i], target_map[j]))
-            out.append((text, sorted(pairs)))
-        return out
+                                         max_tokens=max_tokens, progress=False, constraints=terms)  # fmt: skip
+        if not aligned:
+            return [(result.text, None) for result in found]
+        sources = translation.encode_sources(tokenizer, sentences, config)
+        return [(result.text, word_pairs(tokenizer, config, sentence, ids, result))
+                for sentence, ids, result in zip(sentences, sources, found)]  # fmt: skip
 
     return run
 

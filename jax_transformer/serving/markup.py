@@ -73,26 +73,6 @@ def target_code(model, target: Any) -> str:
     return languages.short([code])[0]
 
 
-def word_pairs(tokenizer, config, sentence: str, source_ids: Sequence[int], translation) -> list | None:
-    """The best hypothesis's Pharaoh alignment (over the tokenizer's words) as (source word, target word) pairs
-    over the whitespace-separated words of the sentence and of its translation, as `markup.aligned_translator`
-    maps them; None where there is none or the words' characters disagree. (It belongs in decoding/markup.py, where
-    `aligned_translator` would call it.)"""
-    best = translation.hypotheses[0] if translation.hypotheses else None
-    if best is None or best.alignment is None:
-        return None
-    source_map = markup._to_spaces(markup._word_letters(tokenizer, source_ids, "source", config), sentence)
-    target_map = markup._to_spaces(markup._word_letters(tokenizer, best.tokens, "target", config), best.text)
-    if source_map is None or target_map is None:
-        return None
-    pairs = set()
-    for pair in best.alignment.split():
-        i, j = map(int, pair.split("-"))
-        if i < len(source_map) and j < len(target_map):
-            pairs.add((source_map[i], target_map[j]))
-    return sorted(pairs)
-
-
 async def translate(
     model, texts: list[str], decode: DecodeConfig, pair, *, rules: markup.Rules, target_language: str | None,
     field: str, one: bool,
@@ -119,7 +99,7 @@ async def translate(
             mine = found[at : at + len(p.sentences)]
             at += len(p.sentences)
             aligned = [
-                (t.text, word_pairs(tokenizer, config, s, [*model.source_ids(pair, s), config.eos_id], t)
+                (t.text, markup.word_pairs(tokenizer, config, s, [*model.source_ids(pair, s), config.eos_id], t)
                  if decode.alignments else None)
                 for s, t in zip(p.sentences, mine)
             ]  # fmt: skip
