@@ -16,8 +16,8 @@ Checks, per document:
 - blocks: each block's text, tags removed, equals `translate --document` of the input block's text, byte for byte
   (blocks with an opaque element or a repair left out: their text is not a document's);
 - placement: a tag around one word whose translation is unambiguous (the word aligned to exactly one target word
-  that is aligned to no other, occurs once in the translation and occurs in the human reference) wraps exactly that
-  word's translation. `--show N` prints N of them to check by hand.
+  that is aligned to no other, a content word of 3 letters or more that occurs once in the translation and occurs
+  in the human reference) wraps exactly that word's translation. `--show N` prints N of them to check by hand.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.machine import machine_info  # noqa: E402
 from benchmarks.markup_corpus import DATA, corpus, load_pool  # noqa: E402
+from benchmarks.steered_decoding import STOPWORDS  # noqa: E402
 
 # What is a block and what is inline: the HTML rules the feature documents (docs/decoding.md#markup).
 INLINE = set("a abbr acronym b bdi bdo big cite data del dfn em font i ins label mark q s small span strike strong sub "
@@ -265,6 +266,8 @@ def placement(translator, source: str, translated: str, references: dict[str, st
             expected = strip(target.split()[mine[0]])
             reference = references.get(t)
             if not expected.isalpha() or [strip(w) for w in target.split()].count(expected) != 1:
+                continue
+            if expected.lower() in STOPWORDS or len(expected) < 3:  # a content word: its translation is checkable
                 continue
             if reference is None or expected.lower() not in {strip(w).lower() for w in reference.split()}:
                 continue

@@ -752,3 +752,11 @@ def test_report_lists_the_first_notes_and_counts_all(tmp_path):
     )
     with pytest.raises(DataError, match=re.escape(f"{tmp_path / 'none.html'}: cannot read")):
         list(markup.read_markup(tmp_path / "none.html", markup.MarkupReport()))
+
+
+def test_tokenizer_words_map_to_the_texts_words():
+    # As many words both ways (SentencePiece: a word at each space, an unknown character's too): word for word.
+    assert markup._to_spaces([5, 5], "Hello *") == [0, 1]
+    # Fewer words in the text (a tokenizer that splits off a mark): by letters.
+    assert markup._to_spaces([3, 1, 2], "dog. at") == [0, 0, 1]
+    assert markup._to_spaces([3, 1, 1], "dogs at") is None  # letters that do not add up: no alignment

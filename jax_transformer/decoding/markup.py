@@ -1293,9 +1293,13 @@ def _word_letters(tokenizer, ids: Sequence[int], side: str, config) -> list[int]
 
 
 def _to_spaces(letters: list[int], text: str) -> list[int] | None:
-    """The whitespace-separated word of `text` each tokenizer word (`letters`: its non-space characters) begins in;
-    None where the counts disagree (a tokenizer that rewrites characters)."""
+    """The whitespace-separated word of `text` each tokenizer word (`letters`: its non-space characters) begins in:
+    the same word where both count as many (SentencePiece begins a word at each space, whatever its pieces spell,
+    an unknown character included); else by their letters; None where those disagree too (a tokenizer that rewrites
+    characters)."""
     spaced = [len(w) for w in text.split()]
+    if len(letters) == len(spaced):
+        return list(range(len(spaced)))
     if sum(letters) != sum(spaced):
         return None
     out, at, word, edge = [], 0, 0, spaced[0] if spaced else 0
