@@ -760,3 +760,23 @@ def test_tokenizer_words_map_to_the_texts_words():
     # Fewer words in the text (a tokenizer that splits off a mark): by letters.
     assert markup._to_spaces([3, 1, 2], "dog. at") == [0, 0, 1]
     assert markup._to_spaces([3, 1, 1], "dogs at") is None  # letters that do not add up: no alignment
+
+
+def test_bytes_not_utf8_never_reach_the_splitter_or_the_model():
+    # A model's `fits` encodes the text (sentencepiece cannot take a lone surrogate, nor can UTF-8).
+    strict = documents.Segmenter("en", fits=lambda sentence: len(sentence.encode("utf-8")) < 10_000)
+    seen = []
+
+    def spy(sentences):
+        seen.extend(sentences)
+        return upper(sentences)
+
+    report = markup.MarkupReport()
+    data = b'<p>Bad \xff byte here. Next one.</p><img alt="an \xfe alt">'
+    written = []
+    markup.translate_markup(markup.read_markup(io.BytesIO(data), report), written.append, spy, segmenter=strict,
+                            report=report)  # fmt: skip
+    out = markup.write_bytes("".join(written))
+    assert seen == ["Bad \ufffd byte here.", "Next one.", "an \ufffd alt"]
+    assert out == b'<p>BAD \xef\xbf\xbd BYTE HERE. NEXT ONE.</p><img alt="AN \xef\xbf\xbd ALT">'
+    assert report.repair_count == 2

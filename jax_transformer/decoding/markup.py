@@ -671,7 +671,8 @@ class _Walker:
                 tag.values.append(((a, b), quote, [self.target]))
                 continue
             pieces = []
-            for piece in self.segmenter.split(values[name].translate(_SPACE_BREAKS)):
+            value = _SURROGATES.sub("\ufffd", values[name].translate(_SPACE_BREAKS))  # what the model reads
+            for piece in self.segmenter.split(value):
                 if piece.sentence:
                     pieces.append(self.queue(piece.text))
                     self.report.attributes += 1
@@ -851,7 +852,9 @@ class _Walker:
         text = block.text
         if not text.strip():
             return
-        view = list(text)
+        view = list(
+            _SURROGATES.sub("\ufffd", text)
+        )  # what the splitter (and the model) reads: bytes not UTF-8 as U+FFFD
         opaque = [(e.a, e.b) for e in block.elements if e.kind == "opaque" and e.b > e.a]
         for a, b in opaque:
             view[a:b] = "x" * (b - a)  # no sentence ends inside code
