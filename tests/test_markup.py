@@ -780,3 +780,10 @@ def test_bytes_not_utf8_never_reach_the_splitter_or_the_model():
     assert seen == ["Bad \ufffd byte here.", "Next one.", "an \ufffd alt"]
     assert out == b'<p>BAD \xef\xbf\xbd BYTE HERE. NEXT ONE.</p><img alt="AN \xef\xbf\xbd ALT">'
     assert report.repair_count == 2
+
+
+def test_markup_without_sentences_is_written_as_it_goes():
+    calls = []
+    page = "<hr>\n" * 1000 + "<p>end.</p>"
+    report = markup.translate_markup([page], calls.append, upper, segmenter=SEG, pending_chars=1000)
+    assert len(calls) >= 5 and "".join(calls) == page.replace("end.", "END.") and report.sentences == 1

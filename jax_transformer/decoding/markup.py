@@ -624,10 +624,11 @@ class _Walker:
         return self.block
 
     def raw(self, text: str) -> None:
-        if self.items and isinstance(self.items[-1], str):
-            self.items[-1] += text
-        else:
-            self.items.append(text)
+        self.items.append(text)  # (joined when written: no string grows a piece at a time)
+
+    def item(self, tag: _Tag) -> None:
+        """A tag outside a block: as written where it has nothing to translate (the items stay plain strings)."""
+        self.items.append(tag if tag.values else tag.raw)
 
     def end_block(self) -> None:
         block, self.block = self.block, None
@@ -640,7 +641,10 @@ class _Walker:
                                               f"parts around it")  # fmt: skip
         block.open = []
         self.segment(block)
-        self.items.append(block)
+        if block.sentences or any(atom.tag is not None and atom.tag.values for atom in block.atoms):
+            self.items.append(block)
+        else:  # nothing to translate in it (whitespace between blocks): as written, now
+            self.items.append(_render_block(block, {}, self.report))
 
     # --- events ---------------------------------------------------------------------------------------------
 
@@ -765,6 +769,9 @@ class _Walker:
         self.opaque = None
 
     def data(self, event: _Event) -> None:
+        if self.block is None and event.raw.isspace():  # whitespace between blocks: as written
+            self.raw(event.raw)
+            return
         if self.block is None:
             self.new_block()
         if self.block.length > BLOCK_CHARS and not self.block.open:
@@ -798,7 +805,7 @@ class _Walker:
             return
         if not inline:
             self.end_block()
-            self.items.append(self.tag(event, translate=not opaque))  # translate="no": its attributes too
+            self.item(self.tag(event, translate=not opaque))  # translate="no": its attributes too
             if kind == "start" and name not in self.rules.void:
                 self.push(event)
             return
@@ -842,7 +849,7 @@ class _Walker:
             block.add_tag("boundary", self.tag(event))
             return
         self.end_block()
-        self.items.append(self.tag(event))
+        self.item(self.tag(event))
 
     # --- sentences ------------------------------------------------------------------------------------------
 
@@ -1157,13 +1164,15 @@ def translate_markup(
     target_language: str | None = None,
     report: MarkupReport | None = None,
     chunk_sentences: int = documents.CHUNK_SENTENCES,
+    pending_chars: int = documents.PENDING_CHARS,
 ) -> MarkupReport:
     """Translates a document of HTML (or XML: `rules`) that comes as `chunks` of text (`read_markup`) and calls
     `write(text)` with it translated, in order: each block's sentences replaced by their translations (`translate`:
     sentences to (translation, word pairs)), inline tags placed by the pairs, `rules.attributes` translated,
     `rules.lang` attributes set to `target_language`, every other character as it was. At most `chunk_sentences`
-    sentences wait for their translation (more only where one block holds more); a block's text is held whole (at
-    most BLOCK_CHARS). `translate` must give one answer for each sentence (a ValueError says so otherwise)."""
+    sentences wait for their translation (more only where one block holds more), and what was read is written at
+    least every `pending_chars` characters; a block's text is held whole (at most BLOCK_CHARS). `translate` must give
+    one answer for each sentence (a ValueError says so otherwise)."""
     rules = rules or Rules()
     report = report or MarkupReport()
     report.kind = "xml" if rules.xml else "html"
@@ -1189,12 +1198,16 @@ def translate_markup(
         for i in [i for i in found if i < keep]:
             del found[i]
 
+    waiting = [0]  # characters read since the last flush
+
     def take(events: list[_Event], ends: list[int]) -> None:
         for event, end in zip(events, ends):
             event.raw = buffer[event.start - buffer_start : end - buffer_start]
             walker.event(event)
-            if len(walker.sources) >= chunk_sentences:
-                flush()
+            waiting[0] += end - event.start
+            if len(walker.sources) >= chunk_sentences or waiting[0] >= pending_chars:
+                flush()  # a long run of markup without sentences is written as it goes too
+                waiting[0] = 0
 
     first = True
     for chunk in chunks:
