@@ -181,12 +181,7 @@ def run(args, start_time: float) -> int:
             report = translator.translate_stream(
                 args.input or sys.stdin.buffer,
                 sys.stdout.write if fd is None else OutputText(fd),
-                language=args.document_language,
-                origin=args.input or "stdin",
-                progress=progress,
-                max_tokens=args.max_tokens,  # None: TRANSLATE_BATCH_SIZE sentences a batch
-                decode=translator.decode,
-                glossary=glossary,
+                **_document_options(args, translator, glossary),
             )
         finally:
             sys.stdout.flush()
@@ -256,15 +251,22 @@ def run_markup(args) -> int:
             keep_attributes=args.keep_attributes,
             inline_elements=args.inline_elements,
             opaque_elements=args.opaque_elements,
-            language=args.document_language,
             target_language=args.target_language,
-            origin=args.input or "stdin",
-            progress=flags.given(args, "loop").get("progress"),
-            max_tokens=args.max_tokens,
-            decode=translator.decode,
-            glossary=glossary,
+            **_document_options(args, translator, glossary),
         )
     finally:
         sys.stdout.flush()
     print(report.describe(), file=sys.stderr)
     return 0
+
+
+def _document_options(args, translator, glossary) -> dict:
+    """What --document and --input-format html/xml pass alike to the translator's stream."""
+    return {
+        "language": args.document_language,
+        "origin": args.input or "stdin",
+        "progress": flags.given(args, "loop").get("progress"),  # None: when stderr is a terminal
+        "max_tokens": args.max_tokens,  # None: TRANSLATE_BATCH_SIZE sentences a batch
+        "decode": translator.decode,
+        "glossary": glossary,
+    }
