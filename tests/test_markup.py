@@ -717,6 +717,7 @@ def test_inline_and_opaque_elements_flags_give_the_xml_rules():
 
     args = build_parser().parse_args(["translate", "--checkpoint", "none", "--input-format", "xml", "--inline-elements",
                                       "term,Bold", "--opaque-elements", "var"])  # fmt: skip
+    assert Translator.markup_rules(None, True, False).attributes == frozenset()  # XML's attributes left, always
     rules = Translator.markup_rules(None, True, True, args.inline_elements, args.opaque_elements)
     page = "<doc><p>Hello <term>big</term> <var>x y</var> world.</p><note>a <bold>b</bold></note><g>c</g></doc>"
     out, _ = run(page, reverse, rules=rules)

@@ -81,13 +81,12 @@ class Rules:
 
     @classmethod
     def xml_rules(cls, inline: Iterable[str] = ("g", "x", "bx", "ex", "ph", "mrk"),
-                  opaque: Iterable[str] = ("ph", "bpt", "ept", "it"), keep_attributes: bool = True,
-                  **limits) -> Rules:  # fmt: skip
-        """XML: XLIFF's inline elements by default; an element with no content (`<x/>`) is void."""
+                  opaque: Iterable[str] = ("ph", "bpt", "ept", "it"), **limits) -> Rules:  # fmt: skip
+        """XML: XLIFF's inline elements by default; an element with no content (`<x/>`) is void; attributes are
+        left as written (XML has no vocabulary that says which hold text), but xml:lang."""
         inline = frozenset(name.lower() for name in inline)
         return cls(xml=True, inline=inline | frozenset(o.lower() for o in opaque), void=frozenset(),
-                   opaque=frozenset(o.lower() for o in opaque), untouched=frozenset(),
-                   attributes=frozenset() if keep_attributes else frozenset({"alt", "title"}),
+                   opaque=frozenset(o.lower() for o in opaque), untouched=frozenset(), attributes=frozenset(),
                    lang=frozenset({"xml:lang"}), **limits)  # fmt: skip
 
 

@@ -236,7 +236,7 @@ class Translator:
         if not xml:
             return markup.Rules.html(keep_attributes)
         given = {k: v for k, v in {"inline": inline_elements, "opaque": opaque_elements}.items() if v}
-        return markup.Rules.xml_rules(keep_attributes=keep_attributes, **given)
+        return markup.Rules.xml_rules(**given)  # (XML's attributes are left as written)
 
     def target_code(self, given: str | None = None) -> str | None:
         """The code a lang attribute becomes: `given`, else a multilingual model's target language (ISO 639-1)."""

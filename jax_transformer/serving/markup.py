@@ -28,7 +28,7 @@ _TAG = re.compile(r"<[^>]*>")
 def rules_for(kind: str, keep_attributes: bool = False) -> markup.Rules:
     """The rules of `kind` ("html" or "xml"), as `Translator.markup_rules` gives them (XML: XLIFF's elements)."""
     if kind == "xml":
-        return markup.Rules.xml_rules(keep_attributes=keep_attributes)
+        return markup.Rules.xml_rules()
     return markup.Rules.html(keep_attributes)
 
 
