@@ -12,10 +12,15 @@ of a sentence placed on the words that translate the words they wrapped, by word
 - A block's text (tags removed, entities decoded, line breaks read as the spaces HTML renders) is cut into sentences
   and separators as `translate --document` cuts a line (`documents.Segmenter`); each sentence is translated with
   its word alignment; separators are written as they were in the source.
+- Placing (`_Placer`, `_Sentence`): an inline element wraps the smallest span of the target words aligned to its
+  words; then the tags are made to nest and keep the source's order (a child inside its parent, siblings in turn,
+  `_keep_edge_order` at a sentence's edges), so the output's sequence of tags is the input's; what could not be
+  placed exactly is reported.
 - `translate_markup`: chunks of a document in, its translation written as it goes, in bounded memory, with a
-  `MarkupReport` of what was repaired and which tags could not be placed exactly.
-- `aligned_translator`: a model's sentences-to-(translation, word pairs) function, the pairs counted over the
-  whitespace-separated words of both sides.
+  `MarkupReport` of what was repaired and which tags could not be placed exactly; `Prepared`: a text read first,
+  its sentences translated by the caller (the service), then rendered.
+- `aligned_translator`: a model's sentences-to-(translation, word pairs) function; `word_pairs`: a hypothesis's
+  alignment counted over the whitespace-separated words of both sides.
 """
 
 from __future__ import annotations
