@@ -81,6 +81,13 @@ class Rules:
     max_bytes: int = 1 << 30
 
     @classmethod
+    def of(cls, xml: bool = False, keep_attributes: bool = False, inline=None, opaque=None) -> Rules:
+        """The rules of HTML, or of XML (`inline`, `opaque`: default XLIFF's; its attributes always left)."""
+        if not xml:
+            return cls.html(keep_attributes)
+        return cls.xml_rules(**{k: v for k, v in {"inline": inline, "opaque": opaque}.items() if v})
+
+    @classmethod
     def html(cls, keep_attributes: bool = False, **limits) -> Rules:
         return cls(attributes=frozenset() if keep_attributes else cls.attributes, **limits)
 
@@ -205,16 +212,16 @@ def read_markup(
             head = raw[:4096]
             for pattern, what in ((_META_CHARSET, "a <meta charset>"), (_XML_ENCODING, "the XML declaration")):
                 found = pattern.search(head)
-                if found and found.group(1).decode("ascii", "replace").lower() not in _UTF8:
+                named = found.group(1).decode("ascii", "replace") if found else "utf-8"
+                if named.lower() not in _UTF8:
                     line = head[: found.start()].count(b"\n") + 1
                     raise DataError(
-                        f"{origin}, line {line}: {what} names the encoding {found.group(1).decode('ascii', 'replace')}"
-                        f": give UTF-8 (iconv -f {found.group(1).decode('ascii', 'replace')} -t UTF-8)"
+                        f"{origin}, line {line}: {what} names the encoding {named}: give UTF-8 (iconv -f {named} -t "
+                        f"UTF-8)"
                     )
         if offset + len(raw) > max_bytes:
             head = raw[: max_bytes - offset].decode("utf-8", "surrogateescape")
-            line = newlines + head.count("\n") + 1
-            at = len(head) - head.rfind("\n") - 1 if "\n" in head else column + len(head)
+            line, at = newlines + head.count("\n") + 1, _column_after(head, column)
             raise DataError(
                 f"{origin}, line {line}, column {at + 1}: longer than the limit of {max_bytes} bytes for markup (the "
                 f"limit is reached at byte offset {max_bytes})"
@@ -224,10 +231,9 @@ def read_markup(
             before = text[: bad.start()]
             line = newlines + before.count("\n") + 1
             what = f"{len(bad.group())} bytes not UTF-8 (kept as they are; U+FFFD in translated text)"
-            at = len(before) - before.rfind("\n") - 1 if "\n" in before else column + len(before)
-            report.repair((line, at), what)
+            report.repair((line, _column_after(before, column)), what)
         newlines += text.count("\n")
-        column = len(text) - text.rfind("\n") - 1 if "\n" in text else column + len(text)
+        column = _column_after(text, column)
         offset += len(raw)
         if text:
             yield text
@@ -235,6 +241,11 @@ def read_markup(
     if rest:
         report.repair((newlines + 1, column), "the input ends inside a UTF-8 character (its bytes kept)")
         yield rest
+
+
+def _column_after(text: str, column: int) -> int:
+    """The column (0-based) after `text`, read from `column` on."""
+    return len(text) - text.rfind("\n") - 1 if "\n" in text else column + len(text)
 
 
 def write_bytes(text: str) -> bytes:
@@ -372,21 +383,19 @@ class _Text:
         self.raw, self.text = raw, text.translate(_SPACE_BREAKS)
         self.refs: list[tuple[int, int, int, int]] = []  # (text start, text end, raw start, raw end)
         if "&" in raw:
-            at = shift = 0
+            shift = 0
             for m in _CHARREF.finditer(raw):
                 decoded = html.unescape(m.group())
                 start = m.start() - shift
                 self.refs.append((start, start + len(decoded), m.start(), m.end()))
                 shift += len(m.group()) - len(decoded)
-                at = m.end()
-            del at
 
     def raw_slice(self, a: int, b: int) -> str:
         """The source's characters for text[a:b] (a reference cut by a or b: its characters escaped)."""
         if not self.refs:
             return self.raw[a:b]
 
-        def to_raw(i: int, side: int) -> int | None:
+        def to_raw(i: int) -> int | None:
             shift = 0
             for t0, t1, r0, r1 in self.refs:
                 if i <= t0:
@@ -396,18 +405,18 @@ class _Text:
                 shift += (r1 - r0) - (t1 - t0)
             return i + shift
 
-        ra, rb = to_raw(a, 0), to_raw(b, 1)
+        ra, rb = to_raw(a), to_raw(b)
         if ra is None or rb is None:
             return _escape(self.text[a:b])
         return self.raw[ra:rb]
 
 
 def _escape(text: str) -> str:
-    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+    return html.escape(text, quote=False)
 
 
 def _escape_attribute(text: str, quote: str) -> str:
-    text = _escape(text)
+    text = _escape(text)  # and only the quote the value is written in
     return text.replace('"', "&quot;") if quote != "'" else text.replace("'", "&#x27;")
 
 
@@ -863,9 +872,8 @@ class _Walker:
         text = block.text
         if not text.strip():
             return
-        view = list(
-            _SURROGATES.sub("\ufffd", text)
-        )  # what the splitter (and the model) reads: bytes not UTF-8 as U+FFFD
+        # What the splitter (and the model) reads: bytes not UTF-8 as U+FFFD.
+        view = list(_SURROGATES.sub("\ufffd", text))
         opaque = [(e.a, e.b) for e in block.elements if e.kind == "opaque" and e.b > e.a]
         for a, b in opaque:
             view[a:b] = "x" * (b - a)  # no sentence ends inside code
@@ -1362,11 +1370,12 @@ def aligned_translator(
 
     def run(sentences: list[str]) -> list[Aligned]:
         terms = None if glossary is None else [glossary.constraints(text) for text in sentences]
+        sources = translation.encode_sources(tokenizer, sentences, config)  # once: the search and the pairs read them
         found = translation.translations(params, config, tokenizer, sentences, decode_aligned, batch_size=batch_size,
-                                         max_tokens=max_tokens, progress=False, constraints=terms)  # fmt: skip
+                                         max_tokens=max_tokens, progress=False, constraints=terms,
+                                         encoded=sources)  # fmt: skip
         if not aligned:
             return [(result.text, None) for result in found]
-        sources = translation.encode_sources(tokenizer, sentences, config)
         return [(result.text, word_pairs(tokenizer, config, sentence, ids, result))
                 for sentence, ids, result in zip(sentences, sources, found)]  # fmt: skip
 

@@ -233,10 +233,7 @@ class Translator:
     def markup_rules(self, xml: bool = False, keep_attributes: bool = False, inline_elements=None,
                      opaque_elements=None) -> markup.Rules:  # fmt: skip
         """The rules of HTML, or of XML (`inline_elements`, `opaque_elements`: default XLIFF's)."""
-        if not xml:
-            return markup.Rules.html(keep_attributes)
-        given = {k: v for k, v in {"inline": inline_elements, "opaque": opaque_elements}.items() if v}
-        return markup.Rules.xml_rules(**given)  # (XML's attributes are left as written)
+        return markup.Rules.of(xml, keep_attributes, inline_elements, opaque_elements)
 
     def target_code(self, given: str | None = None) -> str | None:
         """The code a lang attribute becomes: `given`, else a multilingual model's target language (ISO 639-1)."""

@@ -302,19 +302,12 @@ def app(service):
         began = time.monotonic()
         results = await model.translate(texts, decode, pair, constraints)
         record.update(model=model.name, sentences=sum(len(found) for _, found in results), text=texts)
-        unasked = () if decode.alignments else ("alignment",)  # without alignments, the answer as it was
-
-        def hypothesis(h) -> dict:
-            return {k: v for k, v in dataclasses.asdict(h).items() if k not in unasked}
-
         return {
             "model": model.name,
             "translations": [
                 {
                     "text": model.joined(pieces, found),
-                    "sentences": [
-                        {"source": t.source, "hypotheses": [hypothesis(h) for h in t.hypotheses]} for t in found
-                    ],
+                    "sentences": _sentences(found, decode),
                 }
                 for pieces, found in results
             ],
@@ -334,11 +327,6 @@ def app(service):
         done = await markup.translate(model, texts, decode, pair, rules=rules, field="text", one=one,
                                       target_language=markup.target_code(model, fields.get("target")))  # fmt: skip
         record.update(model=model.name, sentences=sum(len(found) for _, _, found in done), text=texts)
-        unasked = () if decode.alignments else ("alignment",)
-
-        def hypothesis(h) -> dict:
-            return {k: v for k, v in dataclasses.asdict(h).items() if k not in unasked}
-
         return {
             "model": model.name,
             "format": kind,
@@ -346,9 +334,7 @@ def app(service):
                 {
                     "text": text,
                     "markup": report.to_dict(),
-                    "sentences": [
-                        {"source": t.source, "hypotheses": [hypothesis(h) for h in t.hypotheses]} for t in found
-                    ],
+                    "sentences": _sentences(found, decode),
                 }
                 for text, report, found in done
             ],
@@ -384,6 +370,18 @@ def app(service):
         return JSONResponse({"error": error.detail}, status_code=error.status_code, headers=error.headers)
 
     return Starlette(routes=routes, exception_handlers={HTTPException: not_here})
+
+
+def _sentences(found, decode) -> list[dict]:
+    """The native answer's sentences: each one's source and hypotheses (without alignments, as the answer was)."""
+    unasked = () if decode.alignments else ("alignment",)
+    return [
+        {
+            "source": t.source,
+            "hypotheses": [{k: v for k, v in dataclasses.asdict(h).items() if k not in unasked} for h in t.hypotheses],
+        }  # fmt: skip
+        for t in found
+    ]
 
 
 def _characters(fields: Fields) -> int:

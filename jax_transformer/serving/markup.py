@@ -27,9 +27,7 @@ _TAG = re.compile(r"<[^>]*>")
 
 def rules_for(kind: str, keep_attributes: bool = False) -> markup.Rules:
     """The rules of `kind` ("html" or "xml"), as `Translator.markup_rules` gives them (XML: XLIFF's elements)."""
-    if kind == "xml":
-        return markup.Rules.xml_rules()
-    return markup.Rules.html(keep_attributes)
+    return markup.Rules.of(kind == "xml", keep_attributes)
 
 
 def format_field(fields: dict, allowed: Sequence[str] = FORMATS) -> str:
